@@ -1,0 +1,52 @@
+-- quotad limiter prelude: prepended to every algorithm script (see src/store/scripts.rs), so
+-- argument parsing and the clock live in one place.
+--
+-- KEYS[1]  the key's storage key (built by quotad in one function; hash tag around the user key)
+-- ARGV[1]  'check' | 'refund'
+-- ARGV[2]  limit        admissions per window (token_bucket / gcra: refill of limit per window)
+-- ARGV[3]  window_us    window length in microseconds
+-- ARGV[4]  burst        token_bucket / gcra capacity (= limit for the window algorithms)
+-- ARGV[5]  cost         units to take (check) or give back (refund); check with 0 = peek
+-- ARGV[6]  member       unique id of this request (sliding_log entries; others ignore it)
+-- ARGV[7]  now_us       TESTS ONLY: the differential test injects time here. quotad never
+--                       passes it: production decisions always use redis.call('TIME').
+-- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us}
+--
+-- Rules every script keeps: every key it touches is KEYS[1]; every write sets a TTL in the
+-- same call or the next one of the same script; decisions come from stored timestamps, never
+-- from whether a key has expired (TTL is garbage collection); O(1) or O(log N).
+if #KEYS ~= 1 or (#ARGV ~= 6 and #ARGV ~= 7) then
+  return redis.error_reply('ERR quotad script: expected 1 key and 6 or 7 arguments')
+end
+local key = KEYS[1]
+local refund = ARGV[1] == 'refund'
+local limit = tonumber(ARGV[2])
+local window = tonumber(ARGV[3])
+local burst = tonumber(ARGV[4])
+local cost = tonumber(ARGV[5])
+local member = ARGV[6]
+local now
+if ARGV[7] then
+  now = tonumber(ARGV[7])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+-- A peek (check with cost 0) evaluates a cost-1 request and writes nothing.
+local write = refund or cost > 0
+local eval_cost = cost
+if not refund and cost == 0 then eval_cost = 1 end
+
+-- Key TTL in ms for a state that becomes equivalent to "absent" after us microseconds.
+local function ttl_ms(us)
+  return math.floor(us / 1000) + 1
+end
+local function floor_u(x)
+  if x <= 0 then return 0 end
+  return math.floor(x)
+end
+local function verdict(allowed, remaining, reset_after, retry_after)
+  if allowed then return {1, remaining, reset_after, 0} end
+  if retry_after < 1 then retry_after = 1 end
+  return {0, remaining, reset_after, retry_after}
+end

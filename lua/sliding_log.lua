@@ -1,0 +1,41 @@
+-- sliding_log: an exact sliding window, one sorted-set entry per admitted unit.
+--
+-- KEYS[1]  sorted set: score = admission time (us), member = '<request id>:<i>' for
+--          i = 1..cost, unique per admission so same-microsecond requests never collapse
+-- ARGV     see prelude.lua (member = the request id; a refund removes exactly its entries)
+-- Returns  {allowed, remaining = limit - entries in the window,
+--           reset_after_us = until the newest entry leaves,
+--           retry_after_us = until enough of the oldest entries leave for this cost}
+-- An entry at time t counts while now - t < window. Denied requests are not recorded.
+-- O(log N + M) for M expired entries trimmed (each entry is trimmed once) plus O(cost log N).
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+local count = redis.call('ZCARD', key)
+
+local function reset_after()
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if newest[2] then return tonumber(newest[2]) + window - now end
+  return 0
+end
+
+if refund then
+  for i = 1, cost do
+    redis.call('ZREM', key, member .. ':' .. i)
+  end
+  count = redis.call('ZCARD', key)
+  return verdict(true, math.max(0, limit - count), reset_after(), 0)
+end
+
+if count + eval_cost <= limit then
+  if write then
+    for i = 1, cost do
+      redis.call('ZADD', key, now, member .. ':' .. i)
+    end
+    redis.call('PEXPIRE', key, ttl_ms(window))
+    count = count + cost
+  end
+  return verdict(true, limit - count, reset_after(), 0)
+end
+-- The request fits once the oldest (count + cost - limit) entries have left the window.
+local k = count + eval_cost - limit
+local kth = redis.call('ZRANGE', key, k - 1, k - 1, 'WITHSCORES')
+return verdict(false, math.max(0, limit - count), reset_after(), tonumber(kth[2]) + window - now)

@@ -1,0 +1,46 @@
+-- token_bucket: capacity `burst`, refilled continuously at limit / window.
+--
+-- KEYS[1]  hash {t = tokens (a double, stored with %.17g so fractions survive exactly),
+--                ts = time of the last write, us}
+-- ARGV     see prelude.lua (member unused)
+-- Returns  {allowed, remaining = floor(tokens), reset_after_us = until the bucket is full,
+--           retry_after_us = until enough tokens for this cost}
+-- Fractional tokens are kept in the hash (never truncated by Lua-to-Redis integer
+-- conversion); a missing key is a full bucket, and the TTL is the time to refill, so
+-- expiry never changes a decision. Denials and peeks write nothing. O(1).
+local st = redis.call('HMGET', key, 't', 'ts')
+local tokens = tonumber(st[1])
+local ts = tonumber(st[2])
+local exists = tokens ~= nil and ts ~= nil
+if not exists then
+  tokens = burst
+  ts = now
+end
+local elapsed = math.max(0, now - ts)
+tokens = math.min(burst, tokens + elapsed * limit / window)
+
+local function full_in(t)
+  return math.ceil((burst - t) * window / limit)
+end
+local function store()
+  redis.call('HSET', key, 't', string.format('%.17g', tokens), 'ts', now)
+  redis.call('PEXPIRE', key, ttl_ms(full_in(tokens)))
+end
+
+if refund then
+  if not exists then
+    return verdict(true, floor_u(tokens), 0, 0)
+  end
+  tokens = math.min(burst, tokens + cost)
+  store()
+  return verdict(true, floor_u(tokens), full_in(tokens), 0)
+end
+
+if tokens >= eval_cost then
+  if write then
+    tokens = tokens - cost
+    store()
+  end
+  return verdict(true, floor_u(tokens), full_in(tokens), 0)
+end
+return verdict(false, floor_u(tokens), full_in(tokens), math.ceil((eval_cost - tokens) * window / limit))

@@ -1,0 +1,725 @@
+//! The five limiting algorithms as pure functions: the reference model.
+//!
+//! This module owns the arithmetic of every algorithm and nothing else: no I/O, no clock,
+//! no maps. The embedded memory store ([`crate::store::memory`]) keeps one [`State`] per key
+//! and runs [`apply`] on it; the Lua scripts in `lua/` do the same arithmetic inside Redis.
+//! The differential test (`tests/differential.rs`) drives both with the same random
+//! sequences and requires identical answers, so the two copies cannot drift apart.
+//!
+//! Conventions shared with the Lua scripts (keep them in step):
+//! - Time is an integer count of microseconds (`now_us`): Redis `TIME` gives microseconds,
+//!   and GCRA at 10,000/s needs sub-millisecond emission intervals (redis-cell#50, #80 broke
+//!   on millisecond truncation). Values stay below 2^53, so Lua's doubles hold them exactly.
+//! - Fractions (tokens, GCRA's theoretical arrival time) are `f64`, computed with the same
+//!   operations in the same order as the Lua code, so both give bit-identical results.
+//! - Expiry is garbage collection only. Every decision comes from stored timestamps, never
+//!   from whether a key still exists; each state's TTL is chosen so that "expired" and
+//!   "absent" mean the same thing ([`Outcome::ttl_us`]).
+//! - `cost = 0` is a peek: the verdict says whether a cost-1 request would pass now, and
+//!   nothing is written.
+
+use serde::{Deserialize, Serialize};
+
+/// Which algorithm a policy uses. The names are the config and API names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    FixedWindow,
+    SlidingLog,
+    SlidingWindow,
+    TokenBucket,
+    Gcra,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::SlidingWindow,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ];
+
+    /// Position in [`Algorithm::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The config/API spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingLog => "sliding_log",
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::Gcra => "gcra",
+        }
+    }
+
+    /// Short tag used in storage keys, so that a policy whose algorithm changes never reads
+    /// a value of another shape (Redis would answer WRONGTYPE).
+    pub fn key_tag(self) -> &'static str {
+        match self {
+            Algorithm::FixedWindow => "fw",
+            Algorithm::SlidingLog => "sl",
+            Algorithm::SlidingWindow => "sw",
+            Algorithm::TokenBucket => "tb",
+            Algorithm::Gcra => "gc",
+        }
+    }
+
+    /// Whether `burst` means anything for this algorithm (a capacity distinct from `limit`).
+    pub fn has_burst(self) -> bool {
+        matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+}
+
+/// The numbers of a quota. Built only by [`crate::policy`], which guarantees
+/// `limit >= 1`, `burst >= 1` and `window_us >= 1000`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Admissions per window (token bucket / GCRA: refill of `limit` per `window_us`).
+    pub limit: u64,
+    pub window_us: i64,
+    /// Token bucket / GCRA capacity; equal to `limit` for the window algorithms.
+    pub burst: u64,
+}
+
+impl Limits {
+    /// The largest cost one request may have: the bucket capacity or the window limit.
+    pub fn capacity(&self, algorithm: Algorithm) -> u64 {
+        if algorithm.has_burst() {
+            self.burst
+        } else {
+            self.limit
+        }
+    }
+}
+
+/// What the caller wants done to a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Admit `cost` units if they fit (0 = peek).
+    Check { cost: u64 },
+    /// Give back `cost` units admitted moments ago (a denied batch un-charges its siblings).
+    Refund { cost: u64 },
+}
+
+/// The answer to one operation, as the scripts return it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Verdict {
+    pub allowed: bool,
+    pub remaining: u64,
+    /// Time until the key's state is back to "full" (RateLimit reset).
+    pub reset_after_us: i64,
+    /// When denied: time until the same request could pass. 0 when allowed.
+    pub retry_after_us: i64,
+}
+
+/// Stored per key. `Log` entries are `(timestamp, member)`, sorted by timestamp, one per
+/// admitted unit, mirroring the Redis sorted set (members make same-microsecond entries unique).
+#[derive(Debug, Clone, PartialEq)]
+pub enum State {
+    Fixed { slot: i64, count: u64 },
+    Log { entries: Vec<(i64, String)> },
+    Sliding { slot: i64, current: u64, previous: u64 },
+    Bucket { tokens: f64, ts: i64 },
+    Gcra { tat: f64 },
+}
+
+/// What to do with the stored state after an operation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Write {
+    /// Leave the stored state (and its TTL) as it was.
+    Keep,
+    /// Store this state; it may be dropped after `ttl_us` with no change to any decision.
+    Put { state: State, ttl_us: i64 },
+    /// Remove the key (it is equivalent to absent).
+    Delete,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub verdict: Verdict,
+    pub write: Write,
+}
+
+/// Runs one operation. `member` is the unique id of this request (sliding log only: its
+/// entries are `member:1 ..= member:cost`, so a refund removes exactly those).
+pub fn apply(
+    algorithm: Algorithm,
+    limits: &Limits,
+    state: Option<&State>,
+    now_us: i64,
+    op: Op,
+    member: &str,
+) -> Outcome {
+    match algorithm {
+        Algorithm::FixedWindow => fixed_window(limits, state, now_us, op),
+        Algorithm::SlidingLog => sliding_log(limits, state, now_us, op, member),
+        Algorithm::SlidingWindow => sliding_window(limits, state, now_us, op),
+        Algorithm::TokenBucket => token_bucket(limits, state, now_us, op),
+        Algorithm::Gcra => gcra(limits, state, now_us, op),
+    }
+}
+
+/// Splits an op into (cost to evaluate, whether to write). A peek evaluates cost 1.
+fn eval_cost(op: Op) -> (u64, bool) {
+    match op {
+        Op::Check { cost: 0 } => (1, false),
+        Op::Check { cost } => (cost, true),
+        Op::Refund { cost } => (cost, true),
+    }
+}
+
+fn allowed(remaining: u64, reset_after_us: i64) -> Verdict {
+    Verdict {
+        allowed: true,
+        remaining,
+        reset_after_us,
+        retry_after_us: 0,
+    }
+}
+
+fn denied(remaining: u64, reset_after_us: i64, retry_after_us: i64) -> Verdict {
+    Verdict {
+        allowed: false,
+        remaining,
+        reset_after_us,
+        retry_after_us: retry_after_us.max(1),
+    }
+}
+
+/// Lua `math.ceil` / `math.floor` on a double, then to an integer (values are far below 2^53).
+fn ceil(x: f64) -> i64 {
+    x.ceil() as i64
+}
+fn floor_u(x: f64) -> u64 {
+    if x <= 0.0 { 0 } else { x.floor() as u64 }
+}
+
+// ---------------------------------------------------------------------------- fixed window
+
+fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
+    let w = l.window_us;
+    let mut slot = now.div_euclid(w);
+    let (stored_slot, mut count) = match state {
+        Some(State::Fixed { slot, count }) => (Some(*slot), *count),
+        _ => (None, 0),
+    };
+    match stored_slot {
+        // A clock that stepped back stays in the newer window rather than reopening it.
+        Some(s) if s > slot => slot = s,
+        Some(s) if s == slot => {}
+        _ => count = 0,
+    }
+    let reset_after = (slot + 1) * w - now;
+    let (cost, write) = eval_cost(op);
+    if let Op::Refund { .. } = op {
+        if stored_slot != Some(slot) {
+            // The charge belonged to a window that no longer counts: nothing to give back.
+            return Outcome {
+                verdict: allowed(l.limit - count, reset_after),
+                write: Write::Keep,
+            };
+        }
+        count = count.saturating_sub(cost);
+        return Outcome {
+            verdict: allowed(l.limit - count, reset_after),
+            write: Write::Put {
+                state: State::Fixed { slot, count },
+                ttl_us: reset_after,
+            },
+        };
+    }
+    if count + cost <= l.limit {
+        if !write {
+            return Outcome {
+                verdict: allowed(l.limit - count, reset_after),
+                write: Write::Keep,
+            };
+        }
+        count += cost;
+        Outcome {
+            verdict: allowed(l.limit - count, reset_after),
+            write: Write::Put {
+                state: State::Fixed { slot, count },
+                ttl_us: reset_after,
+            },
+        }
+    } else {
+        Outcome {
+            verdict: denied(l.limit - count, reset_after, reset_after),
+            write: Write::Keep,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- sliding log
+
+fn sliding_log(l: &Limits, state: Option<&State>, now: i64, op: Op, member: &str) -> Outcome {
+    let w = l.window_us;
+    // Entries at or before now - window have left the window (ZREMRANGEBYSCORE -inf, now-w).
+    let mut entries: Vec<(i64, String)> = match state {
+        Some(State::Log { entries }) => entries.iter().filter(|(t, _)| *t > now - w).cloned().collect(),
+        _ => Vec::new(),
+    };
+    let trimmed = match state {
+        Some(State::Log { entries: old }) => old.len() != entries.len(),
+        _ => false,
+    };
+    let put_or_delete = |entries: Vec<(i64, String)>| {
+        if entries.is_empty() {
+            Write::Delete
+        } else {
+            let newest = entries.last().map(|e| e.0).unwrap_or(now);
+            Write::Put {
+                state: State::Log { entries },
+                ttl_us: newest + w - now,
+            }
+        }
+    };
+    let reset_of = |entries: &[(i64, String)]| entries.last().map(|e| e.0 + w - now).unwrap_or(0);
+    let (cost, write) = eval_cost(op);
+    if let Op::Refund { .. } = op {
+        let before = entries.len();
+        entries.retain(|(_, m)| !is_member_of(m, member, cost));
+        let count = entries.len() as u64;
+        let verdict = allowed(l.limit.saturating_sub(count), reset_of(&entries));
+        let changed = trimmed || entries.len() != before;
+        return Outcome {
+            verdict,
+            write: if changed { put_or_delete(entries) } else { Write::Keep },
+        };
+    }
+    let count = entries.len() as u64;
+    let keep_or_trim = |entries: Vec<(i64, String)>| if trimmed { put_or_delete(entries) } else { Write::Keep };
+    if count + cost <= l.limit {
+        if !write {
+            let verdict = allowed(l.limit - count, reset_of(&entries));
+            return Outcome {
+                verdict,
+                write: keep_or_trim(entries),
+            };
+        }
+        // Insert after every entry with a timestamp <= now (ZADD keeps score order; equal
+        // scores order by member, which no decision depends on).
+        let at = entries.partition_point(|(t, _)| *t <= now);
+        for i in (1..=cost).rev() {
+            entries.insert(at, (now, format!("{member}:{i}")));
+        }
+        let count = entries.len() as u64;
+        let verdict = allowed(l.limit - count, reset_of(&entries));
+        Outcome {
+            verdict,
+            write: put_or_delete(entries),
+        }
+    } else {
+        // The request fits once the oldest (count + cost - limit) entries have left.
+        let k = (count + cost - l.limit) as usize;
+        let retry = entries[k - 1].0 + w - now;
+        let verdict = denied(l.limit.saturating_sub(count), reset_of(&entries), retry);
+        Outcome {
+            verdict,
+            write: keep_or_trim(entries),
+        }
+    }
+}
+
+/// Whether `m` is one of the entries `member:1 ..= member:cost`.
+fn is_member_of(m: &str, member: &str, cost: u64) -> bool {
+    m.strip_prefix(member)
+        .and_then(|rest| rest.strip_prefix(':'))
+        .and_then(|n| n.parse::<u64>().ok())
+        .is_some_and(|n| (1..=cost).contains(&n))
+}
+
+// ---------------------------------------------------------------------------- sliding window
+
+fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
+    let w = l.window_us;
+    let mut slot = now.div_euclid(w);
+    let (stored, mut current, mut previous) = match state {
+        Some(State::Sliding {
+            slot,
+            current,
+            previous,
+        }) => (Some(*slot), *current, *previous),
+        _ => (None, 0, 0),
+    };
+    let mut elapsed = now - slot * w;
+    match stored {
+        Some(s) if s > slot => {
+            // Clock stepped back: stay at the start of the newer window.
+            slot = s;
+            elapsed = 0;
+        }
+        Some(s) if s == slot => {}
+        Some(s) if s == slot - 1 => {
+            previous = current;
+            current = 0;
+        }
+        _ => {
+            previous = 0;
+            current = 0;
+        }
+    }
+    let wf = w as f64;
+    let weight = (wf - elapsed as f64) / wf;
+    let estimate = |current: u64, previous: u64| previous as f64 * weight + current as f64;
+    let remaining_of = |current: u64, previous: u64| floor_u(l.limit as f64 - estimate(current, previous));
+    let reset_of = |current: u64, previous: u64| {
+        if current > 0 {
+            (slot + 2) * w - now
+        } else if previous > 0 {
+            (slot + 1) * w - now
+        } else {
+            0
+        }
+    };
+    let ttl = (slot + 2) * w - now;
+    let (cost, write) = eval_cost(op);
+    if let Op::Refund { .. } = op {
+        match stored {
+            Some(s) if s == slot => current = current.saturating_sub(cost),
+            Some(s) if s == slot - 1 => previous = previous.saturating_sub(cost),
+            _ => {
+                return Outcome {
+                    verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
+                    write: Write::Keep,
+                };
+            }
+        }
+        return Outcome {
+            verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
+            write: Write::Put {
+                state: State::Sliding {
+                    slot,
+                    current,
+                    previous,
+                },
+                ttl_us: ttl,
+            },
+        };
+    }
+    if estimate(current, previous) + cost as f64 <= l.limit as f64 {
+        if !write {
+            return Outcome {
+                verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
+                write: Write::Keep,
+            };
+        }
+        current += cost;
+        Outcome {
+            verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
+            write: Write::Put {
+                state: State::Sliding {
+                    slot,
+                    current,
+                    previous,
+                },
+                ttl_us: ttl,
+            },
+        }
+    } else {
+        // Room left for carried-over weight once this request is in.
+        let need = l.limit.saturating_sub(cost) as f64;
+        let retry = if current as f64 <= need {
+            // Wait inside this window for the previous window's weight to decay enough.
+            ceil(wf - (need - current as f64) * wf / previous as f64 - elapsed as f64)
+        } else {
+            // Wait for the next window, where this window's count becomes the decaying one.
+            let more = ceil(wf - need * wf / current as f64);
+            (w - elapsed) + more.max(0)
+        };
+        Outcome {
+            verdict: denied(remaining_of(current, previous), reset_of(current, previous), retry),
+            write: Write::Keep,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- token bucket
+
+fn token_bucket(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
+    let cap = l.burst as f64;
+    let lim = l.limit as f64;
+    let wf = l.window_us as f64;
+    let (mut tokens, ts) = match state {
+        Some(State::Bucket { tokens, ts }) => (*tokens, *ts),
+        _ => (cap, now),
+    };
+    let elapsed = (now - ts).max(0) as f64;
+    tokens = cap.min(tokens + elapsed * lim / wf);
+    let full_in = |tokens: f64| ceil((cap - tokens) * wf / lim);
+    let put = |tokens: f64| Write::Put {
+        state: State::Bucket { tokens, ts: now },
+        ttl_us: full_in(tokens),
+    };
+    let (cost, write) = eval_cost(op);
+    let cost_f = cost as f64;
+    if let Op::Refund { .. } = op {
+        if state.is_none() {
+            return Outcome {
+                verdict: allowed(floor_u(tokens), 0),
+                write: Write::Keep,
+            };
+        }
+        tokens = cap.min(tokens + cost_f);
+        return Outcome {
+            verdict: allowed(floor_u(tokens), full_in(tokens)),
+            write: put(tokens),
+        };
+    }
+    if tokens >= cost_f {
+        if !write {
+            return Outcome {
+                verdict: allowed(floor_u(tokens), full_in(tokens)),
+                write: Write::Keep,
+            };
+        }
+        tokens -= cost_f;
+        Outcome {
+            verdict: allowed(floor_u(tokens), full_in(tokens)),
+            write: put(tokens),
+        }
+    } else {
+        let retry = ceil((cost_f - tokens) * wf / lim);
+        Outcome {
+            verdict: denied(floor_u(tokens), full_in(tokens), retry),
+            write: Write::Keep,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------- GCRA
+
+/// Keeps `remaining` from reading 4 where exact arithmetic gives 5 (e.g. T = 1/3 s).
+const GCRA_EPSILON: f64 = 1e-9;
+
+fn gcra(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
+    let lim = l.limit as f64;
+    let wf = l.window_us as f64;
+    let interval = wf / lim; // emission interval T, microseconds per unit (may be < 1 ms)
+    let tau = interval * l.burst as f64; // how far ahead of now the TAT may run
+    let nowf = now as f64;
+    let tat = match state {
+        Some(State::Gcra { tat }) => Some(*tat),
+        _ => None,
+    };
+    let base = nowf.max(tat.unwrap_or(nowf));
+    let remaining_of = |t: f64| floor_u((tau - (t - nowf)) / interval + GCRA_EPSILON);
+    let (cost, write) = eval_cost(op);
+    let cost_f = cost as f64;
+    if let Op::Refund { .. } = op {
+        let Some(tat) = tat else {
+            return Outcome {
+                verdict: allowed(remaining_of(base), 0),
+                write: Write::Keep,
+            };
+        };
+        let new_tat = tat - cost_f * interval;
+        let write = if new_tat > nowf {
+            Write::Put {
+                state: State::Gcra { tat: new_tat },
+                ttl_us: ceil(new_tat - nowf),
+            }
+        } else {
+            Write::Delete
+        };
+        let t = nowf.max(new_tat);
+        return Outcome {
+            verdict: allowed(remaining_of(t), ceil(t - nowf)),
+            write,
+        };
+    }
+    let new_tat = base + cost_f * interval;
+    let allow_at = new_tat - tau;
+    if nowf >= allow_at {
+        if !write {
+            return Outcome {
+                verdict: allowed(remaining_of(base), ceil(base - nowf)),
+                write: Write::Keep,
+            };
+        }
+        Outcome {
+            verdict: allowed(remaining_of(new_tat), ceil(new_tat - nowf)),
+            write: Write::Put {
+                state: State::Gcra { tat: new_tat },
+                ttl_us: ceil(new_tat - nowf),
+            },
+        }
+    } else {
+        Outcome {
+            verdict: denied(remaining_of(base), ceil(base - nowf), ceil(allow_at - nowf)),
+            write: Write::Keep,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: i64 = 1_000_000;
+
+    /// Runs a sequence on one key, applying writes, and returns the verdicts.
+    fn run(alg: Algorithm, limits: Limits, steps: &[(i64, Op)]) -> Vec<Verdict> {
+        let mut state: Option<State> = None;
+        steps
+            .iter()
+            .enumerate()
+            .map(|(i, (now, op))| {
+                let out = apply(alg, &limits, state.as_ref(), *now, *op, &format!("r{i}"));
+                match out.write {
+                    Write::Keep => {}
+                    Write::Put { state: s, ttl_us } => {
+                        assert!(ttl_us >= 0, "{alg:?} wrote a state with ttl {ttl_us}");
+                        state = Some(s)
+                    }
+                    Write::Delete => state = None,
+                }
+                out.verdict
+            })
+            .collect()
+    }
+
+    fn check(cost: u64) -> Op {
+        Op::Check { cost }
+    }
+
+    #[test]
+    fn fixed_window_counts_down_and_resets_at_the_boundary() {
+        let l = Limits {
+            limit: 3,
+            window_us: SEC,
+            burst: 3,
+        };
+        let t0 = 10 * SEC;
+        let v = run(
+            Algorithm::FixedWindow,
+            l,
+            &[(t0, check(1)), (t0 + 1, check(1)), (t0 + 2, check(1)), (t0 + 3, check(1)), (t0 + SEC, check(1))],
+        );
+        let got: Vec<_> = v.iter().map(|v| (v.allowed, v.remaining)).collect();
+        assert_eq!(got, vec![(true, 2), (true, 1), (true, 0), (false, 0), (true, 2)]);
+        assert_eq!(v[3].retry_after_us, SEC - 3);
+    }
+
+    #[test]
+    fn sliding_log_article_sequence() {
+        // Limit 3 per 60 s; requests at 0, 100, 200, 300, 59 999, 60 001, 60 150 ms.
+        let l = Limits {
+            limit: 3,
+            window_us: 60 * SEC,
+            burst: 3,
+        };
+        let ms = 1000;
+        let t0 = 1_000 * SEC;
+        let times = [0, 100, 200, 300, 59_999, 60_001, 60_150];
+        let steps: Vec<_> = times.iter().map(|t| (t0 + t * ms, check(1))).collect();
+        let got: Vec<_> = run(Algorithm::SlidingLog, l, &steps).iter().map(|v| v.allowed).collect();
+        assert_eq!(got, vec![true, true, true, false, false, true, true]);
+    }
+
+    #[test]
+    fn sliding_log_refund_removes_exactly_its_entries() {
+        let l = Limits {
+            limit: 5,
+            window_us: SEC,
+            burst: 5,
+        };
+        let st = None;
+        let a = apply(Algorithm::SlidingLog, &l, st.as_ref(), 0, check(3), "a");
+        let Write::Put { state, .. } = a.write else { panic!() };
+        let b = apply(Algorithm::SlidingLog, &l, Some(&state), 1, check(2), "b");
+        assert_eq!(b.verdict.remaining, 0);
+        let Write::Put { state, .. } = b.write else { panic!() };
+        let r = apply(Algorithm::SlidingLog, &l, Some(&state), 2, Op::Refund { cost: 3 }, "a");
+        assert_eq!(r.verdict.remaining, 3);
+    }
+
+    #[test]
+    fn token_bucket_article_sequence() {
+        // Capacity 5 at 2 tokens/s: seven immediate calls, then one after 1 s.
+        let l = Limits {
+            limit: 2,
+            window_us: SEC,
+            burst: 5,
+        };
+        let t0 = 50 * SEC;
+        let mut steps: Vec<_> = (0..7).map(|i| (t0 + i * 100, check(1))).collect();
+        steps.push((t0 + 600 + SEC, check(1)));
+        let got: Vec<_> = run(Algorithm::TokenBucket, l, &steps)
+            .iter()
+            .map(|v| (v.allowed, v.remaining))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(true, 4), (true, 3), (true, 2), (true, 1), (true, 0), (false, 0), (false, 0), (true, 1)]
+        );
+    }
+
+    #[test]
+    fn token_bucket_keeps_fractional_tokens() {
+        let l = Limits {
+            limit: 2,
+            window_us: SEC,
+            burst: 1,
+        };
+        let a = apply(Algorithm::TokenBucket, &l, None, 0, check(1), "");
+        let Write::Put { state, .. } = a.write else { panic!() };
+        // 0.25 s later: 0.5 tokens, not enough; the deny says 0.25 s more.
+        let b = apply(Algorithm::TokenBucket, &l, Some(&state), SEC / 4, check(1), "");
+        assert!(!b.verdict.allowed);
+        assert_eq!(b.verdict.retry_after_us, SEC / 4);
+    }
+
+    #[test]
+    fn gcra_admits_at_ten_thousand_per_second() {
+        // 10,000/s, burst 1: emission interval 100 us. Offer one request every 50 us for 1 s.
+        let l = Limits {
+            limit: 10_000,
+            window_us: SEC,
+            burst: 1,
+        };
+        let t0 = 7 * SEC;
+        let steps: Vec<_> = (0..20_000).map(|i| (t0 + i * 50, check(1))).collect();
+        let admitted = run(Algorithm::Gcra, l, &steps).iter().filter(|v| v.allowed).count();
+        assert_eq!(admitted, 10_000);
+    }
+
+    #[test]
+    fn sliding_window_weights_the_previous_window() {
+        let l = Limits {
+            limit: 10,
+            window_us: SEC,
+            burst: 10,
+        };
+        let t0 = 100 * SEC;
+        // 10 in window 0, then at 25% into window 1 the estimate is 7.5: 2 more fit, not 3.
+        let mut steps: Vec<_> = (0..10).map(|i| (t0 + i, check(1))).collect();
+        steps.push((t0 + SEC + SEC / 4, check(2)));
+        steps.push((t0 + SEC + SEC / 4, check(1)));
+        let v = run(Algorithm::SlidingWindow, l, &steps);
+        assert!(v[..10].iter().all(|v| v.allowed));
+        assert!(v[10].allowed);
+        assert!(!v[11].allowed, "{:?}", v[11]);
+        assert!(v[11].retry_after_us > 0);
+    }
+
+    #[test]
+    fn peek_never_writes() {
+        let l = Limits {
+            limit: 2,
+            window_us: SEC,
+            burst: 2,
+        };
+        for alg in Algorithm::ALL {
+            let out = apply(alg, &l, None, SEC, check(0), "p");
+            assert_eq!(out.write, Write::Keep, "{alg:?}");
+            assert!(out.verdict.allowed);
+            assert_eq!(out.verdict.remaining, 2, "{alg:?}");
+        }
+    }
+}

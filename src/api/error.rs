@@ -1,0 +1,86 @@
+//! The API's one error type. Every 4xx/5xx body has the same shape:
+//! `{"error": {"code": "<snake_case>", "message": "<what and which field>", "field": "..."}}`.
+//! Internal details (store errors, addresses) are never put in a message.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON.
+    #[error("malformed JSON: {0}")]
+    InvalidJson(String),
+    /// JSON, but not a valid request; `field` names the offending field (e.g. `checks[1].cost`).
+    #[error("{field}: {message}")]
+    InvalidRequest { field: String, message: String },
+    #[error("{field}: unknown policy \"{name}\"")]
+    UnknownPolicy { field: String, name: String },
+    #[error("checks: a batch holds at most {max} checks, got {got}")]
+    BatchTooLarge { max: usize, got: usize },
+    #[error("request body is larger than {max} bytes")]
+    PayloadTooLarge { max: usize },
+    #[error("content type must be application/json{0}")]
+    UnsupportedMediaType(String),
+    #[error("no such endpoint")]
+    NotFound,
+    #[error("method not allowed for this endpoint")]
+    MethodNotAllowed,
+    #[error("the store is unreachable; nothing was changed")]
+    StoreUnavailable,
+}
+
+impl ApiError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidJson(_) | ApiError::InvalidRequest { .. } | ApiError::BatchTooLarge { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::UnknownPolicy { .. } | ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::InvalidJson(_) => "invalid_json",
+            ApiError::InvalidRequest { .. } => "invalid_request",
+            ApiError::UnknownPolicy { .. } => "unknown_policy",
+            ApiError::BatchTooLarge { .. } => "batch_too_large",
+            ApiError::PayloadTooLarge { .. } => "payload_too_large",
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::NotFound => "not_found",
+            ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::StoreUnavailable => "store_unavailable",
+        }
+    }
+
+    fn field(&self) -> Option<&str> {
+        match self {
+            ApiError::InvalidRequest { field, .. } | ApiError::UnknownPolicy { field, .. } => Some(field),
+            ApiError::BatchTooLarge { .. } => Some("checks"),
+            _ => None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut error = json!({"code": self.code(), "message": self.to_string()});
+        if let Some(f) = self.field() {
+            error["field"] = json!(f);
+        }
+        (self.status(), Json(json!({ "error": error }))).into_response()
+    }
+}

@@ -1,0 +1,134 @@
+//! The composition root: builds the store, the fallback store, the limiter and the router
+//! from validated settings, serves until the shutdown token fires, and owns shutdown order.
+//!
+//! Shutdown (SIGTERM/SIGINT cancel the token): `/readyz` turns 503 at once; after
+//! `server.shutdown_delay` (time for a load balancer to notice) the listener stops
+//! accepting; in-flight requests complete; the process exits no later than
+//! `server.drain_timeout` after the signal, whatever is still open.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::api::{self, AppState, request::Caps};
+use crate::clock::SystemClock;
+use crate::config::{Settings, StoreBackend};
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+use crate::policy::Policies;
+use crate::store::Store;
+use crate::store::memory::MemoryStore;
+use crate::store::redis::{RedisStore, redacted};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("invalid Redis URL: {0}")]
+    RedisUrl(redis::RedisError),
+    #[error("server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// How often expired entries are dropped from in-process stores.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Binds the configured address and serves until `shutdown` is cancelled.
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
+    let listener = TcpListener::bind(settings.server.listen)
+        .await
+        .map_err(|source| AppError::Bind {
+            addr: settings.server.listen,
+            source,
+        })?;
+    serve(settings, listener, shutdown).await
+}
+
+/// Serves on an already-bound listener (tests bind port 0).
+pub async fn serve(settings: Settings, listener: TcpListener, shutdown: CancellationToken) -> Result<(), AppError> {
+    let metrics = Arc::new(Metrics::new(settings.policies.iter().map(|p| p.name.as_str())));
+    let tasks = TaskTracker::new();
+    let background = CancellationToken::new();
+    let local = Arc::new(MemoryStore::new(Arc::new(SystemClock)));
+
+    let store = match &settings.store {
+        StoreBackend::Memory => {
+            metrics.store_up.set(1);
+            Arc::new(Store::Memory(Arc::new(MemoryStore::new(Arc::new(SystemClock)))))
+        }
+        StoreBackend::Redis(rs) => {
+            let redis = Arc::new(RedisStore::new(rs.clone(), metrics.clone()).map_err(AppError::RedisUrl)?);
+            // One bounded attempt before serving, so the first requests are enforced when
+            // Redis is up; if it is not, the supervisor keeps trying while we serve.
+            match redis.probe().await {
+                Ok(()) => tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded"),
+                Err(e) => {
+                    tracing::warn!(url = %redacted(&rs.url), error = %e, "redis not reachable at start; serving with fallbacks")
+                }
+            }
+            tasks.spawn(redis.clone().supervise(background.clone()));
+            Arc::new(Store::Redis(redis))
+        }
+    };
+    for m in [Some(local.clone()), store.memory()].into_iter().flatten() {
+        let stop = background.clone();
+        tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(SWEEP_INTERVAL) => { m.sweep(); }
+                }
+            }
+        });
+    }
+
+    let draining = Arc::new(AtomicBool::new(false));
+    let state = AppState {
+        policies: Arc::new(Policies::new(settings.policies.iter().cloned())),
+        limiter: Arc::new(Limiter::new(store.clone(), local, metrics.clone())),
+        store,
+        metrics,
+        caps: Caps {
+            max_body_bytes: settings.server.max_body_bytes,
+            max_batch: settings.server.max_batch,
+            max_key_bytes: settings.server.max_key_bytes,
+        },
+        draining: draining.clone(),
+    };
+    let addr = listener.local_addr().map_err(AppError::Serve)?;
+    tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
+
+    let delay = settings.server.shutdown_delay;
+    let stop_accepting = {
+        let shutdown = shutdown.clone();
+        async move {
+            shutdown.cancelled().await;
+            draining.store(true, Ordering::Release);
+            tracing::info!(?delay, "shutting down: readiness off");
+            tokio::time::sleep(delay).await;
+            tracing::info!("no longer accepting; draining in-flight requests");
+        }
+    };
+    let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(stop_accepting);
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(settings.server.drain_timeout).await;
+    };
+    let result = tokio::select! {
+        r = server.into_future() => r.map_err(AppError::Serve),
+        _ = deadline => {
+            tracing::warn!(timeout = ?settings.server.drain_timeout, "drain timeout reached; exiting with requests in flight");
+            Ok(())
+        }
+    };
+    background.cancel();
+    tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(1), tasks.wait()).await;
+    tracing::info!("stopped");
+    result
+}

@@ -1,0 +1,462 @@
+//! Configuration: the TOML file, its validation, and the settings and policies it yields.
+//!
+//! Parsing and validation are separate passes. serde (with `deny_unknown_fields`) rejects
+//! unknown keys and wrong types; every value that needs a semantic check is read as
+//! `Spanned<T>`, so validation can name the line of each bad field. Validation collects
+//! every error it finds, so `quotad validate` lists them all at once. Nothing here performs
+//! I/O beyond reading the file: building stores and listeners is the app's job.
+
+mod raw;
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use toml::Spanned;
+
+use crate::algorithm::Algorithm;
+use crate::policy::{self, FailMode, Policy};
+use crate::store::redis::RedisSettings;
+
+/// One problem in a config file: `file:line: field: message`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: String,
+    pub line: usize,
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: {}: {}", self.file, self.line, self.field, self.message)
+    }
+}
+
+/// Every problem found in a config file, in file order.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum StoreBackend {
+    Memory,
+    Redis(RedisSettings),
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    pub listen: SocketAddr,
+    pub drain_timeout: Duration,
+    /// Time between readiness turning 503 and the listener closing.
+    pub shutdown_delay: Duration,
+    pub max_body_bytes: usize,
+    pub max_batch: usize,
+    pub max_key_bytes: usize,
+}
+
+/// Everything the daemon needs, validated.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub region: String,
+    pub server: ServerSettings,
+    pub store: StoreBackend,
+    pub key_prefix: String,
+    pub policies: Vec<Policy>,
+}
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8686";
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_MAX_BODY_BYTES: i64 = 64 * 1024;
+pub const DEFAULT_MAX_BATCH: i64 = 64;
+pub const DEFAULT_MAX_KEY_BYTES: i64 = 512;
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+pub const DEFAULT_BREAKER_THRESHOLD: i64 = 3;
+pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(100);
+pub const DEFAULT_KEY_PREFIX: &str = "rl";
+/// A sliding log stores one entry per admission (about 20 KB per key at limit 1,000): above
+/// this, the sliding_window counter is the right tool.
+pub const MAX_SLIDING_LOG_LIMIT: i64 = 100_000;
+
+impl Settings {
+    /// `quotad serve` without `--config`: the embedded store on loopback, with one policy
+    /// (`default`, token bucket, 100 per minute) so a first request works with zero setup.
+    pub fn builtin() -> Settings {
+        let policy = Policy::new(
+            DEFAULT_KEY_PREFIX,
+            "default",
+            Algorithm::TokenBucket,
+            100,
+            Duration::from_secs(60),
+            None,
+            FailMode::Open,
+            false,
+        )
+        .expect("the built-in policy is valid");
+        Settings {
+            region: "local".into(),
+            server: ServerSettings {
+                listen: DEFAULT_LISTEN.parse().expect("valid default address"),
+                drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+                shutdown_delay: Duration::ZERO,
+                max_body_bytes: DEFAULT_MAX_BODY_BYTES as usize,
+                max_batch: DEFAULT_MAX_BATCH as usize,
+                max_key_bytes: DEFAULT_MAX_KEY_BYTES as usize,
+            },
+            store: StoreBackend::Memory,
+            key_prefix: DEFAULT_KEY_PREFIX.into(),
+            policies: vec![policy],
+        }
+    }
+
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Settings, ConfigErrors> {
+        let file = path.display().to_string();
+        let src = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                file: file.clone(),
+                line: 0,
+                field: "(file)".into(),
+                message: format!("cannot read: {e}"),
+            }])
+        })?;
+        Settings::parse(&file, &src)
+    }
+
+    /// Validates config text; `file` is only used in messages.
+    pub fn parse(file: &str, src: &str) -> Result<Settings, ConfigErrors> {
+        let mut v = Validator {
+            file,
+            src,
+            errors: Vec::new(),
+        };
+        let raw: raw::Config = match toml::from_str(src) {
+            Ok(raw) => raw,
+            Err(e) => {
+                let (line, field) = match e.span() {
+                    Some(span) => {
+                        let at = raw::locate(src, span.start);
+                        (at.line, at.field_for(e.message()))
+                    }
+                    None => (0, "(file)".to_owned()),
+                };
+                v.errors.push(ConfigError {
+                    file: file.to_owned(),
+                    line,
+                    field,
+                    message: e.message().trim().to_owned(),
+                });
+                return Err(ConfigErrors(v.errors));
+            }
+        };
+        let settings = v.settings(raw);
+        if v.errors.is_empty() {
+            Ok(settings)
+        } else {
+            v.errors.sort_by_key(|e| e.line);
+            Err(ConfigErrors(v.errors))
+        }
+    }
+}
+
+struct Validator<'a> {
+    file: &'a str,
+    src: &'a str,
+    errors: Vec<ConfigError>,
+}
+
+impl Validator<'_> {
+    fn error_at(&mut self, offset: usize, field: &str, message: impl Into<String>) {
+        let line = raw::locate(self.src, offset).line;
+        self.errors.push(ConfigError {
+            file: self.file.to_owned(),
+            line,
+            field: field.to_owned(),
+            message: message.into(),
+        });
+    }
+
+    fn error<T>(&mut self, value: &Spanned<T>, field: &str, message: impl Into<String>) {
+        self.error_at(value.span().start, field, message);
+    }
+
+    fn duration(&mut self, value: Option<&Spanned<String>>, field: &str, default: Duration, min: Duration, max: Duration) -> Duration {
+        let Some(value) = value else { return default };
+        match humantime::parse_duration(value.get_ref()) {
+            Ok(d) if (min..=max).contains(&d) => d,
+            Ok(_) => {
+                self.error(
+                    value,
+                    field,
+                    format!(
+                        "must be between {} and {}",
+                        humantime::format_duration(min),
+                        humantime::format_duration(max)
+                    ),
+                );
+                default
+            }
+            Err(e) => {
+                self.error(value, field, format!("not a duration ({e}); use e.g. \"250ms\", \"15m\", \"1h\""));
+                default
+            }
+        }
+    }
+
+    fn integer(&mut self, value: Option<&Spanned<i64>>, field: &str, default: i64, min: i64, max: i64) -> i64 {
+        let Some(value) = value else { return default };
+        let n = *value.get_ref();
+        if (min..=max).contains(&n) {
+            n
+        } else {
+            self.error(value, field, format!("must be between {min} and {max}, got {n}"));
+            default
+        }
+    }
+
+    fn settings(&mut self, raw: raw::Config) -> Settings {
+        let region = match &raw.region {
+            Some(r) if policy::valid_name(r.get_ref()) => r.get_ref().clone(),
+            Some(r) => {
+                self.error(r, "region", "must be 1-64 characters of A-Z a-z 0-9 _ - .");
+                String::new()
+            }
+            None => "local".to_owned(),
+        };
+        let server = self.server(raw.server.unwrap_or_default());
+        let (store, key_prefix) = self.store(raw.store.unwrap_or_default());
+        let mut policies = Vec::new();
+        let mut names = BTreeSet::new();
+        if raw.policy.is_empty() {
+            self.errors.push(ConfigError {
+                file: self.file.to_owned(),
+                line: 1,
+                field: "policy".into(),
+                message: "no [[policy]] is defined; quotad needs at least one".into(),
+            });
+        }
+        for (i, p) in raw.policy.iter().enumerate() {
+            if let Some(policy) = self.policy(i, p, &key_prefix) {
+                if !names.insert(policy.name.clone()) {
+                    self.error(&p.name, &format!("policy[{i}].name"), format!("duplicate policy name \"{}\"", policy.name));
+                } else {
+                    policies.push(policy);
+                }
+            }
+        }
+        Settings {
+            region,
+            server,
+            store,
+            key_prefix,
+            policies,
+        }
+    }
+
+    fn server(&mut self, s: raw::Server) -> ServerSettings {
+        let listen = match &s.listen {
+            None => DEFAULT_LISTEN.parse().expect("valid default address"),
+            Some(l) => match l.get_ref().parse::<SocketAddr>() {
+                Ok(a) => a,
+                Err(_) => {
+                    self.error(l, "server.listen", "must be an IP address and port, e.g. \"127.0.0.1:8686\"");
+                    DEFAULT_LISTEN.parse().expect("valid default address")
+                }
+            },
+        };
+        ServerSettings {
+            listen,
+            drain_timeout: self.duration(
+                s.drain_timeout.as_ref(),
+                "server.drain_timeout",
+                DEFAULT_DRAIN_TIMEOUT,
+                Duration::from_millis(1),
+                Duration::from_secs(600),
+            ),
+            shutdown_delay: self.duration(
+                s.shutdown_delay.as_ref(),
+                "server.shutdown_delay",
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_secs(600),
+            ),
+            max_body_bytes: self.integer(s.max_body_bytes.as_ref(), "server.max_body_bytes", DEFAULT_MAX_BODY_BYTES, 256, 16 << 20)
+                as usize,
+            max_batch: self.integer(s.max_batch.as_ref(), "server.max_batch", DEFAULT_MAX_BATCH, 1, 1024) as usize,
+            max_key_bytes: self.integer(s.max_key_bytes.as_ref(), "server.max_key_bytes", DEFAULT_MAX_KEY_BYTES, 1, 8192)
+                as usize,
+        }
+    }
+
+    fn store(&mut self, s: raw::Store) -> (StoreBackend, String) {
+        let key_prefix = match &s.key_prefix {
+            None => DEFAULT_KEY_PREFIX.to_owned(),
+            Some(p) if policy::valid_prefix(p.get_ref()) => p.get_ref().clone(),
+            Some(p) => {
+                self.error(p, "store.key_prefix", "must be 1-64 characters of A-Z a-z 0-9 _ - .");
+                DEFAULT_KEY_PREFIX.to_owned()
+            }
+        };
+        let timeout = self.duration(
+            s.timeout.as_ref(),
+            "store.timeout",
+            DEFAULT_TIMEOUT,
+            Duration::from_millis(1),
+            Duration::from_secs(10),
+        );
+        let connect_timeout = self.duration(
+            s.connect_timeout.as_ref(),
+            "store.connect_timeout",
+            DEFAULT_CONNECT_TIMEOUT,
+            Duration::from_millis(1),
+            Duration::from_secs(60),
+        );
+        let probe_interval = self.duration(
+            s.probe_interval.as_ref(),
+            "store.probe_interval",
+            DEFAULT_PROBE_INTERVAL,
+            Duration::from_millis(10),
+            Duration::from_secs(60),
+        );
+        let breaker_threshold =
+            self.integer(s.breaker_threshold.as_ref(), "store.breaker_threshold", DEFAULT_BREAKER_THRESHOLD, 1, 1000) as u32;
+        let backend = match &s.redis {
+            None => StoreBackend::Memory,
+            Some(url) if url.get_ref() == "memory" => StoreBackend::Memory,
+            Some(url) => {
+                let u = url.get_ref();
+                if u.starts_with("rediss://") {
+                    self.error(url, "store.redis", "TLS (rediss://) is not supported by this build yet; use redis:// on a trusted network or a local TLS proxy");
+                } else if !(u.starts_with("redis://") || u.starts_with("unix://")) {
+                    self.error(url, "store.redis", "must be \"memory\", redis://HOST:PORT[/DB] or unix:///PATH");
+                } else if let Err(e) = redis::Client::open(u.as_str()) {
+                    self.error(url, "store.redis", format!("invalid Redis URL: {e}"));
+                }
+                StoreBackend::Redis(RedisSettings {
+                    url: u.clone(),
+                    timeout,
+                    connect_timeout,
+                    breaker_threshold,
+                    probe_interval,
+                })
+            }
+        };
+        (backend, key_prefix)
+    }
+
+    fn policy(&mut self, i: usize, p: &raw::Policy, key_prefix: &str) -> Option<Policy> {
+        let f = |name: &str| format!("policy[{i}].{name}");
+        let errors_before = self.errors.len();
+        let name = p.name.get_ref();
+        if !policy::valid_name(name) {
+            self.error(&p.name, &f("name"), "must be 1-64 characters of A-Z a-z 0-9 _ - .");
+        }
+        let algorithm = match p.algorithm.get_ref().as_str() {
+            "fixed_window" => Some(Algorithm::FixedWindow),
+            "sliding_log" => Some(Algorithm::SlidingLog),
+            "sliding_window" => Some(Algorithm::SlidingWindow),
+            "token_bucket" => Some(Algorithm::TokenBucket),
+            "gcra" => Some(Algorithm::Gcra),
+            other => {
+                self.error(
+                    &p.algorithm,
+                    &f("algorithm"),
+                    format!("unknown algorithm \"{other}\"; expected one of fixed_window, sliding_log, sliding_window, token_bucket, gcra"),
+                );
+                None
+            }
+        };
+        let limit = self.integer(Some(&p.limit), &f("limit"), 1, 1, policy::MAX_LIMIT as i64);
+        if algorithm == Some(Algorithm::SlidingLog) && limit > MAX_SLIDING_LOG_LIMIT {
+            self.error(
+                &p.limit,
+                &f("limit"),
+                format!("sliding_log keeps one entry per admission; limits above {MAX_SLIDING_LOG_LIMIT} would cost megabytes per key: use sliding_window"),
+            );
+        }
+        let window = self.duration(Some(&p.window), &f("window"), Duration::from_secs(1), policy::MIN_WINDOW, policy::MAX_WINDOW);
+        let burst = match (&p.burst, algorithm) {
+            (Some(b), Some(a)) if !a.has_burst() => {
+                self.error(b, &f("burst"), format!("burst applies only to token_bucket and gcra, not {}", a.name()));
+                None
+            }
+            (Some(b), _) => {
+                let n = self.integer(Some(b), &f("burst"), 1, 1, policy::MAX_LIMIT as i64);
+                Some(n as u64)
+            }
+            (None, _) => None,
+        };
+        let on_store_error = match p.on_store_error.as_ref().map(|s| (s, s.get_ref().as_str())) {
+            None => FailMode::Open,
+            Some((_, "open")) => FailMode::Open,
+            Some((_, "closed")) => FailMode::Closed,
+            Some((_, "local")) => FailMode::Local,
+            Some((s, other)) => {
+                self.error(s, &f("on_store_error"), format!("unknown mode \"{other}\"; expected open, closed or local"));
+                FailMode::Open
+            }
+        };
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        let policy = Policy::new(
+            key_prefix,
+            name,
+            algorithm?,
+            limit as u64,
+            window,
+            burst,
+            on_store_error,
+            p.shadow.unwrap_or(false),
+        );
+        if policy.is_none() {
+            self.error(&p.name, &f("name"), "policy is invalid");
+        }
+        policy
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_is_memory_with_a_default_policy() {
+        let s = Settings::builtin();
+        assert!(matches!(s.store, StoreBackend::Memory));
+        assert_eq!(s.policies[0].name, "default");
+    }
+
+    #[test]
+    fn collects_every_semantic_error_with_lines() {
+        let src = "region = \"us-east\"\n[[policy]]\nname = \"a\"\nalgorithm = \"nope\"\nlimit = 0\nwindow = \"1x\"\n";
+        let e = Settings::parse("t.toml", src).unwrap_err();
+        let lines: Vec<String> = e.0.iter().map(|e| e.to_string()).collect();
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(lines[0].starts_with("t.toml:4: policy[0].algorithm: unknown algorithm \"nope\""), "{lines:?}");
+        assert!(lines[1].starts_with("t.toml:5: policy[0].limit: must be between 1 and"), "{lines:?}");
+        assert!(lines[2].starts_with("t.toml:6: policy[0].window: not a duration"), "{lines:?}");
+    }
+
+    #[test]
+    fn parse_errors_name_the_line_and_field() {
+        let src = "[[policy]]\nname = \"a\"\nalgorithm = \"gcra\"\nlimit = 1\nwindow = \"1s\"\ncolour = 3\n";
+        let e = Settings::parse("t.toml", src).unwrap_err();
+        let s = e.to_string();
+        assert!(s.starts_with("t.toml:6: policy[0].colour: unknown field `colour`"), "{s}");
+    }
+}

@@ -1,0 +1,161 @@
+//! The config file's shape as serde reads it, and locating an error offset as line + field.
+//!
+//! Every value that validation checks is `Spanned`, so its error can name its line. Numbers
+//! are read as i64 so that a negative limit is a validation error with a clear message
+//! rather than a serde type error.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub region: Option<Spanned<String>>,
+    pub server: Option<Server>,
+    pub store: Option<Store>,
+    #[serde(default)]
+    pub policy: Vec<Policy>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    pub listen: Option<Spanned<String>>,
+    pub drain_timeout: Option<Spanned<String>>,
+    pub shutdown_delay: Option<Spanned<String>>,
+    pub max_body_bytes: Option<Spanned<i64>>,
+    pub max_batch: Option<Spanned<i64>>,
+    pub max_key_bytes: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Store {
+    pub redis: Option<Spanned<String>>,
+    pub timeout: Option<Spanned<String>>,
+    pub connect_timeout: Option<Spanned<String>>,
+    pub key_prefix: Option<Spanned<String>>,
+    pub breaker_threshold: Option<Spanned<i64>>,
+    pub probe_interval: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    pub name: Spanned<String>,
+    pub algorithm: Spanned<String>,
+    pub limit: Spanned<i64>,
+    pub window: Spanned<String>,
+    pub burst: Option<Spanned<i64>>,
+    pub on_store_error: Option<Spanned<String>>,
+    pub shadow: Option<bool>,
+}
+
+/// Where an offset falls in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    /// 1-based line.
+    pub line: usize,
+    /// The enclosing table as a path, e.g. `policy[1]` (`[[policy]]` headers are counted);
+    /// empty at top level.
+    pub table: String,
+    /// The key on that line (text before `=`), if any.
+    pub key: Option<String>,
+}
+
+impl Location {
+    /// `table.key`, `key` or `table`.
+    pub fn field(&self) -> String {
+        self.join(self.key.as_deref())
+    }
+
+    /// For serde's "missing field `x`" / "unknown field `x`" messages, whose span may cover
+    /// a whole table or another key: the field the message names, inside this table.
+    pub fn field_for(&self, message: &str) -> String {
+        let named = message
+            .strip_prefix("missing field `")
+            .or_else(|| message.strip_prefix("unknown field `"))
+            .and_then(|rest| rest.split('`').next());
+        match named {
+            Some(name) => self.join(Some(name)),
+            None => self.field(),
+        }
+    }
+
+    fn join(&self, key: Option<&str>) -> String {
+        match (self.table.is_empty(), key) {
+            (true, Some(k)) => k.to_owned(),
+            (false, Some(k)) => format!("{}.{k}", self.table),
+            (true, None) => "(top level)".to_owned(),
+            (false, None) => self.table.clone(),
+        }
+    }
+}
+
+/// Finds the line, table and key of byte `offset` in `src`.
+pub fn locate(src: &str, offset: usize) -> Location {
+    let mut offset = offset.min(src.len());
+    while !src.is_char_boundary(offset) {
+        offset -= 1;
+    }
+    let line = src[..offset].matches('\n').count() + 1;
+    let mut table = String::new();
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    let mut key = None;
+    for (i, text) in src.lines().take(line).enumerate() {
+        let t = text.trim();
+        if let Some(name) = t.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
+            let name = name.trim().to_owned();
+            let n = match counts.iter_mut().find(|(k, _)| *k == name) {
+                Some((_, n)) => {
+                    *n += 1;
+                    *n
+                }
+                None => {
+                    counts.push((name.clone(), 0));
+                    0
+                }
+            };
+            table = format!("{name}[{n}]");
+        } else if let Some(name) = t.strip_prefix('[').and_then(|r| r.split(']').next()) {
+            table = name.trim().to_owned();
+        } else if i + 1 == line {
+            key = t
+                .split_once('=')
+                .map(|(k, _)| k.trim().trim_matches('"').to_owned())
+                .filter(|k| !k.is_empty() && !k.starts_with('#'));
+        }
+    }
+    Location { line, table, key }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locates_fields_in_array_tables() {
+        let src = "region = \"x\"\n[server]\nlisten = \"a\"\n[[policy]]\nname = \"a\"\n[[policy]]\nname = \"b\"\nlimit = -1\n";
+        let at = |needle: &str| {
+            let l = locate(src, src.find(needle).unwrap());
+            (l.line, l.field())
+        };
+        assert_eq!(at("limit"), (8, "policy[1].limit".to_owned()));
+        assert_eq!(at("listen"), (3, "server.listen".to_owned()));
+        assert_eq!(at("region"), (1, "region".to_owned()));
+    }
+
+    #[test]
+    fn names_the_field_of_table_level_errors() {
+        let loc = |table: &str, key: Option<&str>| Location {
+            line: 1,
+            table: table.into(),
+            key: key.map(Into::into),
+        };
+        assert_eq!(loc("policy[0]", None).field_for("missing field `limit`"), "policy[0].limit");
+        assert_eq!(loc("policy[0]", Some("name")).field_for("missing field `window`"), "policy[0].window");
+        assert_eq!(loc("server", None).field_for("unknown field `x`, expected one of"), "server.x");
+        assert_eq!(loc("", Some("colour")).field_for("unknown field `colour`"), "colour");
+        assert_eq!(loc("store", Some("timeout")).field_for("invalid type"), "store.timeout");
+    }
+}

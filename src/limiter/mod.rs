@@ -1,0 +1,270 @@
+//! The decision: one check (or a batch) against a policy, through the store, with the
+//! policy's shadow mode and store-failure mode applied. Returns [`Decision`] values, never
+//! errors: a store failure becomes `fail_open`, `fail_closed` or a `local` decision, and
+//! every one is counted.
+//!
+//! The limiter owns no state of its own beyond a request-id counter; it holds the store, the
+//! in-process fallback store and the metrics handles it was given.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use crate::algorithm::{Algorithm, Op, Verdict};
+use crate::metrics::Metrics;
+use crate::policy::{FailMode, Policy};
+use crate::store::memory::MemoryStore;
+use crate::store::{Store, StoreCall, StoreError};
+
+/// How a decision was reached: the API's `outcome` and the metrics' label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Allowed,
+    Denied,
+    Shadow,
+    FailOpen,
+    FailClosed,
+    Local,
+}
+
+impl Outcome {
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Allowed => "allowed",
+            Outcome::Denied => "denied",
+            Outcome::Shadow => "shadow",
+            Outcome::FailOpen => "fail_open",
+            Outcome::FailClosed => "fail_closed",
+            Outcome::Local => "local",
+        }
+    }
+
+    /// Whether a store decided (and counted) this request.
+    pub fn is_enforced(self) -> bool {
+        matches!(self, Outcome::Allowed | Outcome::Denied | Outcome::Shadow | Outcome::Local)
+    }
+}
+
+/// One check, validated by the API: the policy exists, the key is within limits, the cost
+/// fits the policy's capacity.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub policy: Arc<Policy>,
+    pub key: String,
+    pub cost: u64,
+}
+
+/// The answer to one check.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    pub allowed: bool,
+    pub policy: String,
+    pub key: String,
+    pub outcome: Outcome,
+    pub limit: u64,
+    pub remaining: u64,
+    pub reset_after_ms: u64,
+    pub retry_after_ms: u64,
+    /// In a denied batch: this check had been admitted and its units were given back.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub refunded: bool,
+    #[serde(skip)]
+    pub window_secs: u64,
+    /// Which store charged this check (to refund it there).
+    #[serde(skip)]
+    charged: Option<Charged>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Charged {
+    Primary,
+    Local,
+}
+
+/// How long a `fail_closed` answer tells clients to wait: about the time the store's
+/// supervisor needs to notice a recovered Redis (probe interval plus reconnect).
+const FAIL_CLOSED_RETRY_MS: u64 = 1000;
+
+pub struct Limiter {
+    store: Arc<Store>,
+    /// The embedded store for `on_store_error = "local"` (unused when `store` is memory).
+    local: Arc<MemoryStore>,
+    metrics: Arc<Metrics>,
+    /// Unique request ids for sliding-log entries: a random per-process prefix and a counter,
+    /// so ids from several daemons sharing a Redis never collide.
+    id_prefix: String,
+    next_id: AtomicU64,
+}
+
+fn ms_ceil(us: i64) -> u64 {
+    if us <= 0 { 0 } else { (us as u64).div_ceil(1000) }
+}
+
+impl Limiter {
+    pub fn new(store: Arc<Store>, local: Arc<MemoryStore>, metrics: Arc<Metrics>) -> Self {
+        Limiter {
+            store,
+            local,
+            metrics,
+            id_prefix: format!("{:016x}", rand::random::<u64>()),
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    fn member(&self, algorithm: Algorithm) -> String {
+        if algorithm == Algorithm::SlidingLog {
+            format!("{}.{}", self.id_prefix, self.next_id.fetch_add(1, Ordering::Relaxed))
+        } else {
+            String::new()
+        }
+    }
+
+    /// Decides one check.
+    pub async fn check(&self, check: &Check) -> Decision {
+        let d = self.decide(check, &self.member(check.policy.algorithm)).await;
+        self.count(&d);
+        d
+    }
+
+    /// Decides a batch: all checks run concurrently; if any is denied, the others that were
+    /// charged are refunded, so a denied batch costs nothing (envoyproxy/ratelimit#1060).
+    pub async fn check_batch(&self, checks: &[Check]) -> Vec<Decision> {
+        let members: Vec<String> = checks.iter().map(|c| self.member(c.policy.algorithm)).collect();
+        let mut decisions =
+            futures_util::future::join_all(checks.iter().zip(&members).map(|(c, m)| self.decide(c, m))).await;
+        if decisions.iter().any(|d| !d.allowed) {
+            let refunds = checks
+                .iter()
+                .zip(&members)
+                .zip(decisions.iter_mut())
+                .filter(|(_, d)| d.charged.is_some())
+                .map(|((c, m), d)| async move {
+                    if self.refund(c, m, d.charged).await {
+                        d.refunded = true;
+                    }
+                });
+            futures_util::future::join_all(refunds).await;
+        }
+        for d in &decisions {
+            self.count(d);
+        }
+        decisions
+    }
+
+    /// Forgets a key's state in this region's store and in the local fallback.
+    pub async fn reset(&self, policy: &Policy, key: &str) -> Result<(), StoreError> {
+        let storage_key = policy.storage_key(key);
+        self.local.delete(&storage_key);
+        self.store.delete(&storage_key).await
+    }
+
+    fn count(&self, d: &Decision) {
+        self.metrics
+            .decisions
+            .with_label_values(&[d.policy.as_str(), d.outcome.name()])
+            .inc();
+    }
+
+    async fn decide(&self, check: &Check, member: &str) -> Decision {
+        let policy = &check.policy;
+        let key = policy.storage_key(&check.key);
+        let call = StoreCall {
+            algorithm: policy.algorithm,
+            limits: policy.limits(),
+            key: &key,
+            op: Op::Check { cost: check.cost },
+            member,
+        };
+        let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
+        match self.store.apply(&call).await {
+            Ok(v) => {
+                let outcome = if v.allowed { Outcome::Allowed } else { Outcome::Denied };
+                self.from_verdict(check, &v, outcome, charged(&v, Charged::Primary))
+            }
+            Err(e) => {
+                self.metrics.store_error(&e);
+                if !matches!(e, StoreError::CircuitOpen) {
+                    tracing::debug!(policy = %policy.name, error = %e, "store call failed");
+                }
+                match policy.on_store_error {
+                    FailMode::Open => self.unenforced(check, true),
+                    FailMode::Closed => self.unenforced(check, false),
+                    FailMode::Local => {
+                        let v = self.local.apply(&call);
+                        self.from_verdict(check, &v, Outcome::Local, charged(&v, Charged::Local))
+                    }
+                }
+            }
+        }
+    }
+
+    async fn refund(&self, check: &Check, member: &str, charged: Option<Charged>) -> bool {
+        let policy = &check.policy;
+        let key = policy.storage_key(&check.key);
+        let call = StoreCall {
+            algorithm: policy.algorithm,
+            limits: policy.limits(),
+            key: &key,
+            op: Op::Refund { cost: check.cost },
+            member,
+        };
+        match charged {
+            Some(Charged::Primary) => match self.store.apply(&call).await {
+                Ok(_) => true,
+                Err(e) => {
+                    self.metrics.store_error(&e);
+                    self.metrics.refund_errors.inc();
+                    tracing::debug!(policy = %policy.name, error = %e, "refund failed");
+                    false
+                }
+            },
+            Some(Charged::Local) => {
+                self.local.apply(&call);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn from_verdict(&self, check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charged>) -> Decision {
+        let policy = &check.policy;
+        let (allowed, outcome) = match (v.allowed, policy.shadow) {
+            (false, true) => (true, Outcome::Shadow),
+            (a, _) => (a, outcome),
+        };
+        Decision {
+            allowed,
+            policy: policy.name.clone(),
+            key: check.key.clone(),
+            outcome,
+            limit: policy.limit.get(),
+            remaining: v.remaining,
+            reset_after_ms: ms_ceil(v.reset_after_us),
+            retry_after_ms: if v.allowed { 0 } else { ms_ceil(v.retry_after_us) },
+            refunded: false,
+            window_secs: policy.window.as_secs_f64().ceil() as u64,
+            charged,
+        }
+    }
+
+    /// A decision the store did not make: allowed unenforced (`fail_open`) or denied
+    /// (`fail_closed`). `remaining` is 0: nothing is known about the key.
+    fn unenforced(&self, check: &Check, open: bool) -> Decision {
+        let policy = &check.policy;
+        Decision {
+            allowed: open,
+            policy: policy.name.clone(),
+            key: check.key.clone(),
+            outcome: if open { Outcome::FailOpen } else { Outcome::FailClosed },
+            limit: policy.limit.get(),
+            remaining: 0,
+            reset_after_ms: 0,
+            retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
+            refunded: false,
+            window_secs: policy.window.as_secs_f64().ceil() as u64,
+            charged: None,
+        }
+    }
+}

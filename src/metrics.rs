@@ -1,0 +1,113 @@
+//! The metric catalogue: every metric quotad exports, its labels and what it means, in one
+//! place. Dashboards and alerts use only names defined here.
+//!
+//! Label values come from bounded sets only: policy names (from the config), outcomes
+//! (a fixed enum), store error kinds (a fixed enum). Never a user key: one series per key
+//! would let any client grow the exposition without bound.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+use crate::store::StoreError;
+
+pub struct Metrics {
+    registry: Registry,
+    /// `quotad_decisions_total{policy,outcome}`: every decision, by outcome
+    /// (allowed, denied, shadow, fail_open, fail_closed, local).
+    pub decisions: IntCounterVec,
+    /// `quotad_check_duration_seconds`: time to answer one `POST /v1/check` (single or batch),
+    /// from parsed request to decision, store round trips included.
+    pub check_duration: Histogram,
+    /// `quotad_store_errors_total{kind}`: store calls that gave no decision.
+    pub store_errors: IntCounterVec,
+    /// `quotad_store_up`: 1 while the store answers probes and the circuit is closed.
+    pub store_up: IntGauge,
+    /// `quotad_script_loads_total`: SCRIPT LOADs sent (start-up, reconnects, NOSCRIPT recovery).
+    pub script_loads: IntCounter,
+    /// `quotad_refund_errors_total`: refunds of a denied batch's siblings that failed (those
+    /// units stay charged until their window passes).
+    pub refund_errors: IntCounter,
+    /// `quotad_build_info{version}`: always 1.
+    pub build_info: IntGaugeVec,
+}
+
+/// The decision outcomes, as exported in `quotad_decisions_total{outcome}` and the API.
+pub const OUTCOMES: [&str; 6] = ["allowed", "denied", "shadow", "fail_open", "fail_closed", "local"];
+
+impl Metrics {
+    /// Builds the catalogue and pre-registers a zero series for every policy and outcome, so
+    /// rates and alerts work before the first event of each kind.
+    pub fn new<'a>(policies: impl IntoIterator<Item = &'a str>) -> Self {
+        let registry = Registry::new();
+        let decisions = IntCounterVec::new(
+            Opts::new("quotad_decisions_total", "Decisions by policy and outcome."),
+            &["policy", "outcome"],
+        )
+        .expect("valid metric");
+        let check_duration = Histogram::with_opts(
+            HistogramOpts::new("quotad_check_duration_seconds", "Time to answer a check request.").buckets(vec![
+                0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            ]),
+        )
+        .expect("valid metric");
+        let store_errors = IntCounterVec::new(
+            Opts::new("quotad_store_errors_total", "Store calls that produced no decision, by kind."),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let store_up = IntGauge::new("quotad_store_up", "1 while the store is reachable.").expect("valid metric");
+        let script_loads =
+            IntCounter::new("quotad_script_loads_total", "Lua scripts loaded into Redis.").expect("valid metric");
+        let refund_errors = IntCounter::new(
+            "quotad_refund_errors_total",
+            "Failed refunds of admitted checks in a denied batch.",
+        )
+        .expect("valid metric");
+        let build_info = IntGaugeVec::new(Opts::new("quotad_build_info", "Build information."), &["version"])
+            .expect("valid metric");
+        for m in [
+            Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(check_duration.clone()),
+            Box::new(store_errors.clone()),
+            Box::new(store_up.clone()),
+            Box::new(script_loads.clone()),
+            Box::new(refund_errors.clone()),
+            Box::new(build_info.clone()),
+        ] {
+            registry.register(m).expect("metric names are unique");
+        }
+        for p in policies {
+            for o in OUTCOMES {
+                decisions.with_label_values(&[p, o]);
+            }
+        }
+        for k in StoreError::KINDS {
+            store_errors.with_label_values(&[k]);
+        }
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        Metrics {
+            registry,
+            decisions,
+            check_duration,
+            store_errors,
+            store_up,
+            script_loads,
+            refund_errors,
+            build_info,
+        }
+    }
+
+    pub fn store_error(&self, e: &StoreError) {
+        self.store_errors.with_label_values(&[e.kind()]).inc();
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        // Encoding into a Vec cannot fail for well-formed metrics.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,207 @@
+//! Compiled policies: what the limiter enforces, in types that cannot be built invalid, and
+//! the one function that turns a user key into a storage key.
+//!
+//! Policies are built only by [`crate::config`] after validation ([`Policy::new`] re-checks
+//! the invariants it relies on), then shared read-only as a [`Policies`] snapshot.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::algorithm::{Algorithm, Limits};
+
+/// What a policy does when its store cannot answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    /// Allow, unenforced (outcome `fail_open`): availability over strictness.
+    Open,
+    /// Deny (outcome `fail_closed`): for login attempts and expensive operations.
+    Closed,
+    /// Decide with the embedded in-process limiter (outcome `local`): enforced per daemon.
+    Local,
+}
+
+impl FailMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            FailMode::Open => "open",
+            FailMode::Closed => "closed",
+            FailMode::Local => "local",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    pub name: String,
+    pub algorithm: Algorithm,
+    pub limit: NonZeroU64,
+    pub window: Duration,
+    pub burst: NonZeroU64,
+    pub on_store_error: FailMode,
+    pub shadow: bool,
+    /// Storage-key prefix up to the user key: `<key_prefix>:<policy>:<algorithm tag>:`.
+    key_stem: String,
+}
+
+/// Smallest window: the scripts' clock resolution is 1 us, but windows below 1 ms make no
+/// sense for a network service and would make TTLs round to nothing.
+pub const MIN_WINDOW: Duration = Duration::from_millis(1);
+/// Largest window: keeps every microsecond product far inside a double's exact range.
+pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
+pub const MAX_LIMIT: u64 = 1_000_000_000;
+
+impl Policy {
+    /// Builds a policy; `None` if an invariant fails (config validation reports why first).
+    pub fn new(
+        key_prefix: &str,
+        name: &str,
+        algorithm: Algorithm,
+        limit: u64,
+        window: Duration,
+        burst: Option<u64>,
+        on_store_error: FailMode,
+        shadow: bool,
+    ) -> Option<Policy> {
+        let limit = NonZeroU64::new(limit).filter(|l| l.get() <= MAX_LIMIT)?;
+        let burst = match (algorithm.has_burst(), burst) {
+            (true, Some(b)) => NonZeroU64::new(b).filter(|b| b.get() <= MAX_LIMIT)?,
+            (_, None) => limit,
+            (false, Some(_)) => return None,
+        };
+        if !(MIN_WINDOW..=MAX_WINDOW).contains(&window) || !valid_name(name) || !valid_prefix(key_prefix) {
+            return None;
+        }
+        Some(Policy {
+            name: name.to_owned(),
+            algorithm,
+            limit,
+            window,
+            burst,
+            on_store_error,
+            shadow,
+            key_stem: format!("{key_prefix}:{name}:{}:", algorithm.key_tag()),
+        })
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits {
+            limit: self.limit.get(),
+            window_us: self.window.as_micros() as i64,
+            burst: self.burst.get(),
+        }
+    }
+
+    /// The largest cost a single request may ask for.
+    pub fn capacity(&self) -> u64 {
+        self.limits().capacity(self.algorithm)
+    }
+
+    /// The storage key for a user key: `<prefix>:<policy>:<alg>:{<escaped key>}`.
+    ///
+    /// This is the only place storage keys are built. The user key sits inside a Redis
+    /// Cluster hash tag, escaped so it contains no `{` or `}`: no key can move another key's
+    /// slot or end the tag early. The escaping (`%` `{` `}` to `%25` `%7B` `%7D`) is
+    /// injective and policy names contain no `:`, so distinct (policy, key) pairs never share
+    /// a storage key.
+    pub fn storage_key(&self, key: &str) -> String {
+        let mut out = String::with_capacity(self.key_stem.len() + key.len() + 2);
+        out.push_str(&self.key_stem);
+        out.push('{');
+        for c in key.chars() {
+            match c {
+                '%' => out.push_str("%25"),
+                '{' => out.push_str("%7B"),
+                '}' => out.push_str("%7D"),
+                c => out.push(c),
+            }
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// Policy names: 1-64 of `[A-Za-z0-9_.-]` (they appear in keys, metrics labels and URLs).
+pub fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// Key prefixes follow the same rule as names.
+pub fn valid_prefix(prefix: &str) -> bool {
+    valid_name(prefix)
+}
+
+/// The loaded policies, by name. Shared read-only; a reload would swap the whole snapshot.
+#[derive(Debug, Clone, Default)]
+pub struct Policies {
+    by_name: BTreeMap<String, Arc<Policy>>,
+}
+
+impl Policies {
+    pub fn new(policies: impl IntoIterator<Item = Policy>) -> Self {
+        Policies {
+            by_name: policies.into_iter().map(|p| (p.name.clone(), Arc::new(p))).collect(),
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Arc<Policy>> {
+        self.by_name.get(name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Policy>> {
+        self.by_name.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(name: &str) -> Policy {
+        Policy::new(
+            "rl",
+            name,
+            Algorithm::TokenBucket,
+            10,
+            Duration::from_secs(1),
+            None,
+            FailMode::Open,
+            false,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn storage_keys_cannot_escape_their_hash_tag_or_collide() {
+        let p = policy("api");
+        assert_eq!(p.storage_key("alice"), "rl:api:tb:{alice}");
+        assert_eq!(p.storage_key("a}b{c"), "rl:api:tb:{a%7Db%7Bc}");
+        assert_ne!(p.storage_key("%7B"), p.storage_key("{"));
+        assert_ne!(policy("a").storage_key("x"), policy("b").storage_key("x"));
+        let k = p.storage_key("x}y");
+        let tag_start = k.find('{').unwrap();
+        let tag_end = k[tag_start..].find('}').unwrap() + tag_start;
+        assert_eq!(tag_end, k.len() - 1, "the tag spans the whole user key");
+    }
+
+    #[test]
+    fn invalid_policies_cannot_be_built() {
+        let mk = |limit, window, burst, alg| {
+            Policy::new("rl", "p", alg, limit, window, burst, FailMode::Open, false)
+        };
+        let s = Duration::from_secs(1);
+        assert!(mk(0, s, None, Algorithm::FixedWindow).is_none());
+        assert!(mk(1, Duration::ZERO, None, Algorithm::FixedWindow).is_none());
+        assert!(mk(1, s, Some(5), Algorithm::FixedWindow).is_none());
+        assert!(mk(1, s, Some(0), Algorithm::TokenBucket).is_none());
+        assert!(Policy::new("rl", "a:b", Algorithm::Gcra, 1, s, None, FailMode::Open, false).is_none());
+        assert_eq!(mk(2, s, Some(5), Algorithm::TokenBucket).unwrap().capacity(), 5);
+    }
+}

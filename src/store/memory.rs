@@ -1,0 +1,133 @@
+//! The embedded store: the five algorithms of [`crate::algorithm`] over an in-process map.
+//!
+//! It serves three purposes with one implementation: zero-setup mode (`redis = "memory"`,
+//! and `quotad serve` without a config), the `local` fallback when Redis is unreachable,
+//! and the reference model that the Lua scripts are tested against.
+//!
+//! State is sharded over several mutexes so concurrent requests for different keys rarely
+//! contend; a critical section is one hash lookup and one pure function call, with no
+//! await inside, so a std mutex is the right primitive. Expired entries are dropped when
+//! touched and by [`MemoryStore::sweep`], which the app runs periodically.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::algorithm::{self, State, Verdict, Write};
+use crate::clock::Clock;
+use crate::store::StoreCall;
+
+const SHARDS: usize = 32;
+
+struct Entry {
+    state: State,
+    expires_at_us: i64,
+}
+
+pub struct MemoryStore {
+    shards: Vec<Mutex<HashMap<String, Entry>>>,
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+}
+
+/// The TTL the Lua scripts set for a state that is equivalent to absent after `us`:
+/// whole milliseconds, rounded up past `us` (see `ttl_ms` in lua/prelude.lua).
+pub fn ttl_ms(us: i64) -> i64 {
+    us.div_euclid(1000) + 1
+}
+
+impl MemoryStore {
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            clock,
+        }
+    }
+
+    fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Entry>> {
+        let i = (self.hasher.hash_one(key) as usize) % SHARDS;
+        // A poisoned shard only means another thread panicked mid-update of a plain map;
+        // the map itself is still consistent (updates are single inserts/removes).
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn apply(&self, call: &StoreCall<'_>) -> Verdict {
+        let now = self.clock.now_us();
+        let mut map = self.shard(call.key);
+        let state = match map.get(call.key) {
+            Some(e) if e.expires_at_us > now => Some(&e.state),
+            _ => None,
+        };
+        let out = algorithm::apply(call.algorithm, &call.limits, state, now, call.op, call.member);
+        match out.write {
+            Write::Keep => {}
+            Write::Put { state, ttl_us } => {
+                let expires_at_us = now + ttl_ms(ttl_us) * 1000;
+                map.insert(call.key.to_owned(), Entry { state, expires_at_us });
+            }
+            Write::Delete => {
+                map.remove(call.key);
+            }
+        }
+        out.verdict
+    }
+
+    pub fn delete(&self, key: &str) {
+        self.shard(key).remove(key);
+    }
+
+    /// Drops every expired entry. O(keys); run it from a background task.
+    pub fn sweep(&self) -> usize {
+        let now = self.clock.now_us();
+        let mut dropped = 0;
+        for shard in &self.shards {
+            let mut map = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let before = map.len();
+            map.retain(|_, e| e.expires_at_us > now);
+            dropped += before - map.len();
+        }
+        dropped
+    }
+
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algorithm::{Algorithm, Limits, Op};
+    use crate::clock::ManualClock;
+
+    #[test]
+    fn expired_state_reads_as_absent_and_sweeps() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone());
+        let call = StoreCall {
+            algorithm: Algorithm::FixedWindow,
+            limits: Limits {
+                limit: 1,
+                window_us: 1_000_000,
+                burst: 1,
+            },
+            key: "k",
+            op: Op::Check { cost: 1 },
+            member: "m",
+        };
+        assert!(store.apply(&call).allowed);
+        assert!(!store.apply(&call).allowed);
+        assert_eq!(store.len(), 1);
+        clock.advance(1_000_000 + 1000);
+        assert_eq!(store.sweep(), 1);
+        assert!(store.apply(&call).allowed);
+    }
+}

@@ -1,0 +1,106 @@
+//! Where limiter state lives: a Redis server (one Lua script per decision) or the embedded
+//! in-process map (the same algorithms in Rust).
+//!
+//! This module owns the storage boundary: the call shape, the error enum, and dispatch to
+//! a backend. It knows nothing of policies, fail modes or HTTP; the limiter decides what an
+//! error means for a request.
+
+pub mod breaker;
+pub mod memory;
+pub mod redis;
+pub mod scripts;
+
+use crate::algorithm::{Algorithm, Limits, Op, Verdict};
+
+/// One operation on one key.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreCall<'a> {
+    pub algorithm: Algorithm,
+    pub limits: Limits,
+    /// The storage key, built by [`crate::policy::storage_key`] and nowhere else.
+    pub key: &'a str,
+    pub op: Op,
+    /// Unique id of the request (sliding-log entries).
+    pub member: &'a str,
+}
+
+/// Why a store could not answer. Every variant means "no decision was made"; none is a
+/// denial. The `kind` is the `quotad_store_errors_total` label.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store call timed out after {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("store unreachable: {0}")]
+    Connection(String),
+    #[error("circuit open: store recently failed, not tried")]
+    CircuitOpen,
+    #[error("store answered with an error: {0}")]
+    Command(String),
+    #[error("unexpected reply from the limiter script: {0}")]
+    Reply(String),
+}
+
+impl StoreError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Connection(_) => "connection",
+            StoreError::CircuitOpen => "circuit_open",
+            StoreError::Command(_) => "command",
+            StoreError::Reply(_) => "reply",
+        }
+    }
+
+    /// The label values of `kind`, for pre-registering metric series.
+    pub const KINDS: [&'static str; 5] = ["timeout", "connection", "circuit_open", "command", "reply"];
+}
+
+/// The configured backend. An enum rather than a trait object: there are exactly two, and
+/// static dispatch keeps the request path free of boxing.
+pub enum Store {
+    Redis(std::sync::Arc<redis::RedisStore>),
+    Memory(std::sync::Arc<memory::MemoryStore>),
+}
+
+impl Store {
+    pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Redis(r) => r.apply(call).await,
+            Store::Memory(m) => Ok(m.apply(call)),
+        }
+    }
+
+    /// Forgets a key's state.
+    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        match self {
+            Store::Redis(r) => r.delete(key).await,
+            Store::Memory(m) => {
+                m.delete(key);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether the store can take decisions now (readiness).
+    pub fn is_ready(&self) -> bool {
+        match self {
+            Store::Redis(r) => r.is_ready(),
+            Store::Memory(_) => true,
+        }
+    }
+
+    /// The embedded store, when that is the backend.
+    pub fn memory(&self) -> Option<std::sync::Arc<memory::MemoryStore>> {
+        match self {
+            Store::Memory(m) => Some(m.clone()),
+            Store::Redis(_) => None,
+        }
+    }
+
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Store::Redis(_) => "redis",
+            Store::Memory(_) => "memory",
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! The Redis backend: one `EVALSHA` of the algorithm's Lua script per operation.
+//!
+//! Owns the connection, the per-call timeout, the circuit breaker and script loading.
+//!
+//! - One multiplexed connection carries every in-flight call, so concurrent requests reach
+//!   Redis pipelined (Redis then spends about half the CPU per script it spends on
+//!   one-request-per-round-trip clients; see ../shared/design/measuring.md).
+//! - Every call is bounded by `timeout`. Failures feed the [`Breaker`]; a dropped or refused
+//!   connection opens it at once. While it is open, calls fail in microseconds.
+//! - [`RedisStore::supervise`] is the only place that connects: it probes (connect, PING,
+//!   SCRIPT LOAD) every `probe_interval` while the breaker is open and closes it on success,
+//!   so enforcement returns within one probe interval of Redis coming back. While closed it
+//!   PINGs once a second to keep `quotad_store_up` and readiness honest.
+//! - NOSCRIPT (after `SCRIPT FLUSH` or a restart that the connection survived) is answered
+//!   with `SCRIPT LOAD` and one retry inside the same call: clients never see it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, ErrorKind, RedisError, ServerErrorKind};
+use tokio_util::sync::CancellationToken;
+
+use crate::algorithm::{Op, Verdict};
+use crate::metrics::Metrics;
+use crate::store::breaker::Breaker;
+use crate::store::scripts::{self, Scripts};
+use crate::store::{StoreCall, StoreError};
+
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    pub url: String,
+    /// Bound on every call (script or probe), connection set-up excluded.
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub breaker_threshold: u32,
+    pub probe_interval: Duration,
+}
+
+pub struct RedisStore {
+    client: redis::Client,
+    /// The live connection; `None` until the supervisor connects, and after it is lost.
+    /// A std RwLock: held only to clone the handle out, never across an await.
+    conn: RwLock<Option<MultiplexedConnection>>,
+    scripts: Scripts,
+    settings: RedisSettings,
+    breaker: Breaker,
+    /// Set once the current connection has loaded every script.
+    loaded: AtomicBool,
+    metrics: Arc<Metrics>,
+}
+
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+
+impl RedisStore {
+    /// Parses the URL; does not connect (the supervisor does).
+    pub fn new(settings: RedisSettings, metrics: Arc<Metrics>) -> Result<Self, RedisError> {
+        let client = redis::Client::open(settings.url.as_str())?;
+        let breaker = Breaker::new(settings.breaker_threshold);
+        // Not connected yet: fail fast until the first probe succeeds.
+        breaker.trip();
+        metrics.store_up.set(0);
+        Ok(RedisStore {
+            client,
+            conn: RwLock::new(None),
+            scripts: Scripts::default(),
+            settings,
+            breaker,
+            loaded: AtomicBool::new(false),
+            metrics,
+        })
+    }
+
+    pub fn is_ready(&self) -> bool {
+        !self.breaker.is_open() && self.loaded.load(Ordering::Acquire)
+    }
+
+    fn conn(&self) -> Option<MultiplexedConnection> {
+        self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set_conn(&self, conn: Option<MultiplexedConnection>) {
+        *self.conn.write().unwrap_or_else(|p| p.into_inner()) = conn;
+    }
+
+    pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
+        let sha = self.scripts.sha(call.algorithm);
+        let reply: Vec<i64> = self
+            .guarded(|mut conn| async move {
+                let (mode, cost) = match call.op {
+                    Op::Check { cost } => ("check", cost),
+                    Op::Refund { cost } => ("refund", cost),
+                };
+                let mut cmd = redis::cmd("EVALSHA");
+                cmd.arg(sha)
+                    .arg(1)
+                    .arg(call.key)
+                    .arg(mode)
+                    .arg(call.limits.limit)
+                    .arg(call.limits.window_us)
+                    .arg(call.limits.burst)
+                    .arg(cost)
+                    .arg(call.member);
+                match cmd.query_async(&mut conn).await {
+                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        self.load(&mut conn, call.algorithm).await?;
+                        cmd.query_async(&mut conn).await
+                    }
+                    r => r,
+                }
+            })
+            .await?;
+        parse_verdict(&reply)
+    }
+
+    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.guarded(|mut conn| async move { redis::cmd("DEL").arg(key).query_async::<i64>(&mut conn).await })
+            .await
+            .map(|_| ())
+    }
+
+    async fn load(&self, conn: &mut MultiplexedConnection, algorithm: crate::algorithm::Algorithm) -> redis::RedisResult<()> {
+        self.metrics.script_loads.inc();
+        let _: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(scripts::source(algorithm))
+            .query_async(conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Runs `f` on the live connection under the timeout, and turns the result into the
+    /// breaker's bookkeeping and a [`StoreError`].
+    async fn guarded<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        if self.breaker.is_open() {
+            return Err(StoreError::CircuitOpen);
+        }
+        let Some(conn) = self.conn() else {
+            return Err(StoreError::CircuitOpen);
+        };
+        let result = match tokio::time::timeout(self.settings.timeout, f(conn)).await {
+            Err(_) => Err(StoreError::Timeout(self.settings.timeout)),
+            Ok(Ok(v)) => {
+                self.breaker.record_success();
+                return Ok(v);
+            }
+            Ok(Err(e)) if is_connection_error(&e) => {
+                self.lose_connection();
+                Err(StoreError::Connection(e.to_string()))
+            }
+            // The server answered: the connection is fine, the command was not.
+            Ok(Err(e)) => return Err(StoreError::Command(e.to_string())),
+        };
+        if self.breaker.record_failure() {
+            tracing::warn!(threshold = self.settings.breaker_threshold, "redis failing: circuit opened");
+            self.metrics.store_up.set(0);
+        }
+        result
+    }
+
+    fn lose_connection(&self) {
+        self.set_conn(None);
+        self.loaded.store(false, Ordering::Release);
+        if self.breaker.trip() {
+            tracing::warn!("redis connection lost: circuit opened");
+        }
+        self.metrics.store_up.set(0);
+    }
+
+    /// One probe: connect, PING, load every script. On success installs the connection and
+    /// closes the breaker.
+    pub async fn probe(&self) -> Result<(), StoreError> {
+        let t = self.settings.timeout;
+        let cfg = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.settings.connect_timeout))
+            .set_response_timeout(Some(self.settings.connect_timeout.max(t)));
+        let attempt = async {
+            let mut conn = self.client.get_multiplexed_async_connection_with_config(&cfg).await?;
+            let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+            for a in crate::algorithm::Algorithm::ALL {
+                self.load(&mut conn, a).await?;
+            }
+            Ok::<_, RedisError>(conn)
+        };
+        match tokio::time::timeout(self.settings.connect_timeout + t * 7, attempt).await {
+            Ok(Ok(conn)) => {
+                self.set_conn(Some(conn));
+                self.loaded.store(true, Ordering::Release);
+                self.breaker.close();
+                self.metrics.store_up.set(1);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(StoreError::Connection(e.to_string())),
+            Err(_) => Err(StoreError::Timeout(self.settings.connect_timeout)),
+        }
+    }
+
+    /// Keeps the connection alive until `shutdown`: probes while the breaker is open, checks
+    /// health once a second while it is closed.
+    pub async fn supervise(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut logged_down = false;
+        loop {
+            let wait = if self.breaker.is_open() {
+                match self.probe().await {
+                    Ok(()) => {
+                        tracing::info!(url = %redacted(&self.settings.url), "redis connected, scripts loaded");
+                        logged_down = false;
+                        HEALTH_INTERVAL
+                    }
+                    Err(e) => {
+                        if !logged_down {
+                            tracing::warn!(error = %e, "redis unreachable; policies use their on_store_error fallback");
+                            logged_down = true;
+                        }
+                        self.settings.probe_interval
+                    }
+                }
+            } else {
+                let ping = self
+                    .guarded(|mut conn| async move { redis::cmd("PING").query_async::<String>(&mut conn).await })
+                    .await;
+                if let Err(e) = ping {
+                    tracing::warn!(error = %e, "redis health check failed");
+                }
+                if self.breaker.is_open() {
+                    self.settings.probe_interval
+                } else {
+                    HEALTH_INTERVAL
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+}
+
+fn is_connection_error(e: &RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_unrecoverable_error()
+}
+
+fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
+    match reply {
+        [allowed, remaining, reset, retry] if (*allowed == 0 || *allowed == 1) && *remaining >= 0 => Ok(Verdict {
+            allowed: *allowed == 1,
+            remaining: *remaining as u64,
+            reset_after_us: *reset,
+            retry_after_us: *retry,
+        }),
+        other => Err(StoreError::Reply(format!("{other:?}"))),
+    }
+}
+
+/// The URL without its password, for logs.
+pub fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_credentials() {
+        assert_eq!(redacted("redis://:secret@host:6379/0"), "redis://***@host:6379/0");
+        assert_eq!(redacted("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    }
+
+    #[test]
+    fn rejects_malformed_replies() {
+        assert!(parse_verdict(&[1, 2, 3]).is_err());
+        assert!(parse_verdict(&[2, 0, 0, 0]).is_err());
+        assert!(parse_verdict(&[1, -1, 0, 0]).is_err());
+        assert!(parse_verdict(&[0, 3, 10, 5]).is_ok());
+    }
+}
