@@ -37,9 +37,12 @@ local write = refund or cost > 0
 local eval_cost = cost
 if not refund and cost == 0 then eval_cost = 1 end
 
--- Key TTL in ms for a state that becomes equivalent to "absent" after us microseconds.
+-- Key TTL in ms for a state that becomes equivalent to "absent" after us microseconds:
+-- rounded up, plus a 1 s grace. The grace is measured, not decorative: under load, Redis
+-- 7.0 was seen to apply a PEXPIRE from inside a script against a time base tens of ms
+-- old, and a key that expires early turns a partly spent state into a full one.
 local function ttl_ms(us)
-  return math.floor(us / 1000) + 1
+  return math.ceil(us / 1000) + 1000
 end
 local function floor_u(x)
   if x <= 0 then return 0 end

@@ -28,7 +28,10 @@ use crate::store::redis::{RedisStore, redacted};
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("invalid Redis URL: {0}")]
     RedisUrl(redis::RedisError),
     #[error("server failed: {0}")]
@@ -50,8 +53,14 @@ pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), 
 }
 
 /// Serves on an already-bound listener (tests bind port 0).
-pub async fn serve(settings: Settings, listener: TcpListener, shutdown: CancellationToken) -> Result<(), AppError> {
-    let metrics = Arc::new(Metrics::new(settings.policies.iter().map(|p| p.name.as_str())));
+pub async fn serve(
+    settings: Settings,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), AppError> {
+    let metrics = Arc::new(Metrics::new(
+        settings.policies.iter().map(|p| p.name.as_str()),
+    ));
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
     let local = Arc::new(MemoryStore::new(Arc::new(SystemClock)));
@@ -59,14 +68,19 @@ pub async fn serve(settings: Settings, listener: TcpListener, shutdown: Cancella
     let store = match &settings.store {
         StoreBackend::Memory => {
             metrics.store_up.set(1);
-            Arc::new(Store::Memory(Arc::new(MemoryStore::new(Arc::new(SystemClock)))))
+            Arc::new(Store::Memory(Arc::new(MemoryStore::new(Arc::new(
+                SystemClock,
+            )))))
         }
         StoreBackend::Redis(rs) => {
-            let redis = Arc::new(RedisStore::new(rs.clone(), metrics.clone()).map_err(AppError::RedisUrl)?);
+            let redis =
+                Arc::new(RedisStore::new(rs.clone(), metrics.clone()).map_err(AppError::RedisUrl)?);
             // One bounded attempt before serving, so the first requests are enforced when
             // Redis is up; if it is not, the supervisor keeps trying while we serve.
             match redis.probe().await {
-                Ok(()) => tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded"),
+                Ok(()) => {
+                    tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded")
+                }
                 Err(e) => {
                     tracing::warn!(url = %redacted(&rs.url), error = %e, "redis not reachable at start; serving with fallbacks")
                 }

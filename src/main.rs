@@ -10,7 +10,11 @@ use quotad::algorithm::Algorithm;
 use quotad::config::Settings;
 
 #[derive(Parser)]
-#[command(name = "quotad", version, about = "Rate limits in Redis, decided atomically by Lua, over local HTTP")]
+#[command(
+    name = "quotad",
+    version,
+    about = "Rate limits in Redis, decided atomically by Lua, over local HTTP"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -36,7 +40,9 @@ fn parse_algorithm(s: &str) -> Result<Algorithm, String> {
     Algorithm::ALL
         .into_iter()
         .find(|a| a.name() == s)
-        .ok_or_else(|| "expected fixed_window, sliding_log, sliding_window, token_bucket or gcra".to_owned())
+        .ok_or_else(|| {
+            "expected fixed_window, sliding_log, sliding_window, token_bucket or gcra".to_owned()
+        })
 }
 
 fn main() -> ExitCode {
@@ -76,11 +82,19 @@ fn main() -> ExitCode {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn serve(settings: Settings) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cannot start the runtime: {e}");
@@ -105,15 +119,16 @@ async fn on_signal(shutdown: CancellationToken) {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!("cannot install the SIGTERM handler: {e}");
-                let _ = ctrl_c.await;
-                shutdown.cancel();
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!("cannot install the SIGTERM handler: {e}");
+                    let _ = ctrl_c.await;
+                    shutdown.cancel();
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

@@ -6,8 +6,8 @@
 //! would let any client grow the exposition without bound.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::store::StoreError;
@@ -34,7 +34,14 @@ pub struct Metrics {
 }
 
 /// The decision outcomes, as exported in `quotad_decisions_total{outcome}` and the API.
-pub const OUTCOMES: [&str; 6] = ["allowed", "denied", "shadow", "fail_open", "fail_closed", "local"];
+pub const OUTCOMES: [&str; 6] = [
+    "allowed",
+    "denied",
+    "shadow",
+    "fail_open",
+    "fail_closed",
+    "local",
+];
 
 impl Metrics {
     /// Builds the catalogue and pre-registers a zero series for every policy and outcome, so
@@ -47,26 +54,41 @@ impl Metrics {
         )
         .expect("valid metric");
         let check_duration = Histogram::with_opts(
-            HistogramOpts::new("quotad_check_duration_seconds", "Time to answer a check request.").buckets(vec![
-                0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+            HistogramOpts::new(
+                "quotad_check_duration_seconds",
+                "Time to answer a check request.",
+            )
+            .buckets(vec![
+                0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05,
+                0.1, 0.25, 1.0,
             ]),
         )
         .expect("valid metric");
         let store_errors = IntCounterVec::new(
-            Opts::new("quotad_store_errors_total", "Store calls that produced no decision, by kind."),
+            Opts::new(
+                "quotad_store_errors_total",
+                "Store calls that produced no decision, by kind.",
+            ),
             &["kind"],
         )
         .expect("valid metric");
-        let store_up = IntGauge::new("quotad_store_up", "1 while the store is reachable.").expect("valid metric");
-        let script_loads =
-            IntCounter::new("quotad_script_loads_total", "Lua scripts loaded into Redis.").expect("valid metric");
+        let store_up = IntGauge::new("quotad_store_up", "1 while the store is reachable.")
+            .expect("valid metric");
+        let script_loads = IntCounter::new(
+            "quotad_script_loads_total",
+            "Lua scripts loaded into Redis.",
+        )
+        .expect("valid metric");
         let refund_errors = IntCounter::new(
             "quotad_refund_errors_total",
             "Failed refunds of admitted checks in a denied batch.",
         )
         .expect("valid metric");
-        let build_info = IntGaugeVec::new(Opts::new("quotad_build_info", "Build information."), &["version"])
-            .expect("valid metric");
+        let build_info = IntGaugeVec::new(
+            Opts::new("quotad_build_info", "Build information."),
+            &["version"],
+        )
+        .expect("valid metric");
         for m in [
             Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(check_duration.clone()),
@@ -86,7 +108,9 @@ impl Metrics {
         for k in StoreError::KINDS {
             store_errors.with_label_values(&[k]);
         }
-        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1);
         Metrics {
             registry,
             decisions,

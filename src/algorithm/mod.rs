@@ -120,11 +120,25 @@ pub struct Verdict {
 /// admitted unit, mirroring the Redis sorted set (members make same-microsecond entries unique).
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
-    Fixed { slot: i64, count: u64 },
-    Log { entries: Vec<(i64, String)> },
-    Sliding { slot: i64, current: u64, previous: u64 },
-    Bucket { tokens: f64, ts: i64 },
-    Gcra { tat: f64 },
+    Fixed {
+        slot: i64,
+        count: u64,
+    },
+    Log {
+        entries: Vec<(i64, String)>,
+    },
+    Sliding {
+        slot: i64,
+        current: u64,
+        previous: u64,
+    },
+    Bucket {
+        tokens: f64,
+        ts: i64,
+    },
+    Gcra {
+        tat: f64,
+    },
 }
 
 /// What to do with the stored state after an operation.
@@ -261,7 +275,11 @@ fn sliding_log(l: &Limits, state: Option<&State>, now: i64, op: Op, member: &str
     let w = l.window_us;
     // Entries at or before now - window have left the window (ZREMRANGEBYSCORE -inf, now-w).
     let mut entries: Vec<(i64, String)> = match state {
-        Some(State::Log { entries }) => entries.iter().filter(|(t, _)| *t > now - w).cloned().collect(),
+        Some(State::Log { entries }) => entries
+            .iter()
+            .filter(|(t, _)| *t > now - w)
+            .cloned()
+            .collect(),
         _ => Vec::new(),
     };
     let trimmed = match state {
@@ -289,11 +307,21 @@ fn sliding_log(l: &Limits, state: Option<&State>, now: i64, op: Op, member: &str
         let changed = trimmed || entries.len() != before;
         return Outcome {
             verdict,
-            write: if changed { put_or_delete(entries) } else { Write::Keep },
+            write: if changed {
+                put_or_delete(entries)
+            } else {
+                Write::Keep
+            },
         };
     }
     let count = entries.len() as u64;
-    let keep_or_trim = |entries: Vec<(i64, String)>| if trimmed { put_or_delete(entries) } else { Write::Keep };
+    let keep_or_trim = |entries: Vec<(i64, String)>| {
+        if trimmed {
+            put_or_delete(entries)
+        } else {
+            Write::Keep
+        }
+    };
     if count + cost <= l.limit {
         if !write {
             let verdict = allowed(l.limit - count, reset_of(&entries));
@@ -367,7 +395,8 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
     let wf = w as f64;
     let weight = (wf - elapsed as f64) / wf;
     let estimate = |current: u64, previous: u64| previous as f64 * weight + current as f64;
-    let remaining_of = |current: u64, previous: u64| floor_u(l.limit as f64 - estimate(current, previous));
+    let remaining_of =
+        |current: u64, previous: u64| floor_u(l.limit as f64 - estimate(current, previous));
     let reset_of = |current: u64, previous: u64| {
         if current > 0 {
             (slot + 2) * w - now
@@ -433,7 +462,11 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
             (w - elapsed) + more.max(0)
         };
         Outcome {
-            verdict: denied(remaining_of(current, previous), reset_of(current, previous), retry),
+            verdict: denied(
+                remaining_of(current, previous),
+                reset_of(current, previous),
+                retry,
+            ),
             write: Write::Keep,
         }
     }
@@ -599,10 +632,19 @@ mod tests {
         let v = run(
             Algorithm::FixedWindow,
             l,
-            &[(t0, check(1)), (t0 + 1, check(1)), (t0 + 2, check(1)), (t0 + 3, check(1)), (t0 + SEC, check(1))],
+            &[
+                (t0, check(1)),
+                (t0 + 1, check(1)),
+                (t0 + 2, check(1)),
+                (t0 + 3, check(1)),
+                (t0 + SEC, check(1)),
+            ],
         );
         let got: Vec<_> = v.iter().map(|v| (v.allowed, v.remaining)).collect();
-        assert_eq!(got, vec![(true, 2), (true, 1), (true, 0), (false, 0), (true, 2)]);
+        assert_eq!(
+            got,
+            vec![(true, 2), (true, 1), (true, 0), (false, 0), (true, 2)]
+        );
         assert_eq!(v[3].retry_after_us, SEC - 3);
     }
 
@@ -618,7 +660,10 @@ mod tests {
         let t0 = 1_000 * SEC;
         let times = [0, 100, 200, 300, 59_999, 60_001, 60_150];
         let steps: Vec<_> = times.iter().map(|t| (t0 + t * ms, check(1))).collect();
-        let got: Vec<_> = run(Algorithm::SlidingLog, l, &steps).iter().map(|v| v.allowed).collect();
+        let got: Vec<_> = run(Algorithm::SlidingLog, l, &steps)
+            .iter()
+            .map(|v| v.allowed)
+            .collect();
         assert_eq!(got, vec![true, true, true, false, false, true, true]);
     }
 
@@ -631,11 +676,22 @@ mod tests {
         };
         let st = None;
         let a = apply(Algorithm::SlidingLog, &l, st.as_ref(), 0, check(3), "a");
-        let Write::Put { state, .. } = a.write else { panic!() };
+        let Write::Put { state, .. } = a.write else {
+            panic!()
+        };
         let b = apply(Algorithm::SlidingLog, &l, Some(&state), 1, check(2), "b");
         assert_eq!(b.verdict.remaining, 0);
-        let Write::Put { state, .. } = b.write else { panic!() };
-        let r = apply(Algorithm::SlidingLog, &l, Some(&state), 2, Op::Refund { cost: 3 }, "a");
+        let Write::Put { state, .. } = b.write else {
+            panic!()
+        };
+        let r = apply(
+            Algorithm::SlidingLog,
+            &l,
+            Some(&state),
+            2,
+            Op::Refund { cost: 3 },
+            "a",
+        );
         assert_eq!(r.verdict.remaining, 3);
     }
 
@@ -656,7 +712,16 @@ mod tests {
             .collect();
         assert_eq!(
             got,
-            vec![(true, 4), (true, 3), (true, 2), (true, 1), (true, 0), (false, 0), (false, 0), (true, 1)]
+            vec![
+                (true, 4),
+                (true, 3),
+                (true, 2),
+                (true, 1),
+                (true, 0),
+                (false, 0),
+                (false, 0),
+                (true, 1)
+            ]
         );
     }
 
@@ -668,9 +733,18 @@ mod tests {
             burst: 1,
         };
         let a = apply(Algorithm::TokenBucket, &l, None, 0, check(1), "");
-        let Write::Put { state, .. } = a.write else { panic!() };
+        let Write::Put { state, .. } = a.write else {
+            panic!()
+        };
         // 0.25 s later: 0.5 tokens, not enough; the deny says 0.25 s more.
-        let b = apply(Algorithm::TokenBucket, &l, Some(&state), SEC / 4, check(1), "");
+        let b = apply(
+            Algorithm::TokenBucket,
+            &l,
+            Some(&state),
+            SEC / 4,
+            check(1),
+            "",
+        );
         assert!(!b.verdict.allowed);
         assert_eq!(b.verdict.retry_after_us, SEC / 4);
     }
@@ -685,7 +759,10 @@ mod tests {
         };
         let t0 = 7 * SEC;
         let steps: Vec<_> = (0..20_000).map(|i| (t0 + i * 50, check(1))).collect();
-        let admitted = run(Algorithm::Gcra, l, &steps).iter().filter(|v| v.allowed).count();
+        let admitted = run(Algorithm::Gcra, l, &steps)
+            .iter()
+            .filter(|v| v.allowed)
+            .count();
         assert_eq!(admitted, 10_000);
     }
 
@@ -720,6 +797,47 @@ mod tests {
             assert_eq!(out.write, Write::Keep, "{alg:?}");
             assert!(out.verdict.allowed);
             assert_eq!(out.verdict.remaining, 2, "{alg:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Expiry is garbage collection: once a written state's TTL has passed, every
+        /// operation gives the same verdict on it as on an absent key. This is what lets Redis
+        /// (and the memory store) drop keys without changing any decision.
+        #[test]
+        fn expiry_is_equivalent_to_absence(
+            alg_i in 0usize..5,
+            limit in 1u64..20,
+            window_ms in 1i64..2000,
+            burst in 1u64..30,
+            steps in proptest::collection::vec((0i64..3_000_000, 0u64..25, proptest::bool::ANY), 1..40),
+            probe_cost in 0u64..25,
+            extra in 0i64..5_000_000,
+        ) {
+            let alg = Algorithm::ALL[alg_i];
+            let l = Limits { limit, window_us: window_ms * 1000, burst: if alg.has_burst() { burst } else { limit } };
+            let cap = l.capacity(alg);
+            let mut now = 1_700_000_000_000_000i64;
+            let mut state: Option<(State, i64)> = None; // (state, expires at)
+            for (i, (dt, cost, refund)) in steps.iter().enumerate() {
+                now += dt;
+                let cost = cost % (cap + 1);
+                let op = if *refund { Op::Refund { cost } } else { Op::Check { cost } };
+                let live = state.as_ref().filter(|(_, exp)| *exp > now).map(|(s, _)| s);
+                let out = apply(alg, &l, live, now, op, &format!("m{}", i % 3));
+                match out.write {
+                    Write::Keep => {}
+                    Write::Put { state: s, ttl_us } => state = Some((s, now + ttl_us)),
+                    Write::Delete => state = None,
+                }
+            }
+            if let Some((s, exp)) = state {
+                let t = exp + extra;
+                let op = Op::Check { cost: probe_cost % (cap + 1) };
+                let a = apply(alg, &l, Some(&s), t, op, "p").verdict;
+                let b = apply(alg, &l, None, t, op, "p").verdict;
+                proptest::prop_assert_eq!(a, b);
+            }
         }
     }
 }

@@ -41,9 +41,9 @@ impl ApiError {
 
     fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidJson(_) | ApiError::InvalidRequest { .. } | ApiError::BatchTooLarge { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::InvalidJson(_)
+            | ApiError::InvalidRequest { .. }
+            | ApiError::BatchTooLarge { .. } => StatusCode::BAD_REQUEST,
             ApiError::UnknownPolicy { .. } | ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -68,7 +68,9 @@ impl ApiError {
 
     fn field(&self) -> Option<&str> {
         match self {
-            ApiError::InvalidRequest { field, .. } | ApiError::UnknownPolicy { field, .. } => Some(field),
+            ApiError::InvalidRequest { field, .. } | ApiError::UnknownPolicy { field, .. } => {
+                Some(field)
+            }
             ApiError::BatchTooLarge { .. } => Some("checks"),
             _ => None,
         }

@@ -84,10 +84,16 @@ async fn check(State(state): State<AppState>, req: Request) -> Result<Response, 
         CheckRequest::Batch(checks) => {
             let ds = state.limiter.check_batch(&checks).await;
             let allowed = ds.iter().all(|d| d.allowed);
-            with_headers(Json(json!({"allowed": allowed, "results": &ds})).into_response(), &ds)
+            with_headers(
+                Json(json!({"allowed": allowed, "results": &ds})).into_response(),
+                &ds,
+            )
         }
     };
-    state.metrics.check_duration.observe(started.elapsed().as_secs_f64());
+    state
+        .metrics
+        .check_duration
+        .observe(started.elapsed().as_secs_f64());
     Ok(response)
 }
 
@@ -102,14 +108,30 @@ fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
     if let Some(d) = pick {
         let reset_s = d.reset_after_ms.div_ceil(1000);
         let w = d.window_secs.max(1);
-        set(h, "ratelimit-policy", format!("\"{}\";q={};w={}", d.policy, d.limit, w));
-        set(h, "ratelimit", format!("\"{}\";r={};t={}", d.policy, d.remaining, reset_s));
+        set(
+            h,
+            "ratelimit-policy",
+            format!("\"{}\";q={};w={}", d.policy, d.limit, w),
+        );
+        set(
+            h,
+            "ratelimit",
+            format!("\"{}\";r={};t={}", d.policy, d.remaining, reset_s),
+        );
         set(h, "ratelimit-limit", d.limit.to_string());
         set(h, "ratelimit-remaining", d.remaining.to_string());
         set(h, "ratelimit-reset", reset_s.to_string());
     }
-    if let Some(d) = ds.iter().filter(|d| !d.allowed).max_by_key(|d| d.retry_after_ms) {
-        set(h, "retry-after", d.retry_after_ms.div_ceil(1000).max(1).to_string());
+    if let Some(d) = ds
+        .iter()
+        .filter(|d| !d.allowed)
+        .max_by_key(|d| d.retry_after_ms)
+    {
+        set(
+            h,
+            "retry-after",
+            d.retry_after_ms.div_ceil(1000).max(1).to_string(),
+        );
     }
     resp
 }
@@ -176,9 +198,11 @@ async fn readyz(State(state): State<AppState>) -> Response {
 
 async fn metrics(State(state): State<AppState>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         Body::from(state.metrics.render()),
     )
         .into_response()
 }
-

@@ -34,7 +34,11 @@ fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>, ApiErr
         .ok_or_else(|| ApiError::invalid(what, "must be a JSON object"))
 }
 
-fn no_unknown_fields(obj: &Map<String, Value>, allowed: &[&str], prefix: &str) -> Result<(), ApiError> {
+fn no_unknown_fields(
+    obj: &Map<String, Value>,
+    allowed: &[&str],
+    prefix: &str,
+) -> Result<(), ApiError> {
     match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
         Some(k) => Err(ApiError::invalid(
             format!("{prefix}{k}"),
@@ -44,15 +48,29 @@ fn no_unknown_fields(obj: &Map<String, Value>, allowed: &[&str], prefix: &str) -
     }
 }
 
-fn string_field<'a>(obj: &'a Map<String, Value>, name: &str, prefix: &str) -> Result<&'a str, ApiError> {
+fn string_field<'a>(
+    obj: &'a Map<String, Value>,
+    name: &str,
+    prefix: &str,
+) -> Result<&'a str, ApiError> {
     match obj.get(name) {
-        None => Err(ApiError::invalid(format!("{prefix}{name}"), "missing field")),
+        None => Err(ApiError::invalid(
+            format!("{prefix}{name}"),
+            "missing field",
+        )),
         Some(Value::String(s)) => Ok(s),
-        Some(_) => Err(ApiError::invalid(format!("{prefix}{name}"), "must be a string")),
+        Some(_) => Err(ApiError::invalid(
+            format!("{prefix}{name}"),
+            "must be a string",
+        )),
     }
 }
 
-fn policy<'a>(policies: &'a Policies, obj: &Map<String, Value>, prefix: &str) -> Result<&'a Arc<Policy>, ApiError> {
+fn policy<'a>(
+    policies: &'a Policies,
+    obj: &Map<String, Value>,
+    prefix: &str,
+) -> Result<&'a Arc<Policy>, ApiError> {
     let name = string_field(obj, "policy", prefix)?;
     policies.get(name).ok_or_else(|| ApiError::UnknownPolicy {
         field: format!("{prefix}policy"),
@@ -63,12 +81,19 @@ fn policy<'a>(policies: &'a Policies, obj: &Map<String, Value>, prefix: &str) ->
 fn key(obj: &Map<String, Value>, prefix: &str, caps: &Caps) -> Result<String, ApiError> {
     let key = string_field(obj, "key", prefix)?;
     if key.is_empty() {
-        return Err(ApiError::invalid(format!("{prefix}key"), "must not be empty"));
+        return Err(ApiError::invalid(
+            format!("{prefix}key"),
+            "must not be empty",
+        ));
     }
     if key.len() > caps.max_key_bytes {
         return Err(ApiError::invalid(
             format!("{prefix}key"),
-            format!("is {} bytes; at most {} allowed", key.len(), caps.max_key_bytes),
+            format!(
+                "is {} bytes; at most {} allowed",
+                key.len(),
+                caps.max_key_bytes
+            ),
         ));
     }
     Ok(key.to_owned())
@@ -80,8 +105,15 @@ fn cost(obj: &Map<String, Value>, prefix: &str, policy: &Policy) -> Result<u64, 
         None => 1,
         Some(Value::Number(n)) => match n.as_u64() {
             Some(c) => c,
-            None if n.as_i64().is_some() => return Err(ApiError::invalid(field, "must not be negative")),
-            None => return Err(ApiError::invalid(field, "must be a whole number (0 = peek)")),
+            None if n.as_i64().is_some() => {
+                return Err(ApiError::invalid(field, "must not be negative"));
+            }
+            None => {
+                return Err(ApiError::invalid(
+                    field,
+                    "must be a whole number (0 = peek)",
+                ));
+            }
         },
         Some(_) => return Err(ApiError::invalid(field, "must be an integer")),
     };
@@ -89,14 +121,21 @@ fn cost(obj: &Map<String, Value>, prefix: &str, policy: &Policy) -> Result<u64, 
     if cost > capacity {
         return Err(ApiError::invalid(
             field,
-            format!("{cost} exceeds the capacity {capacity} of policy \"{}\"; it could never pass", policy.name),
+            format!(
+                "{cost} exceeds the capacity {capacity} of policy \"{}\"; it could never pass",
+                policy.name
+            ),
         ));
     }
     Ok(cost)
 }
 
 fn check(v: &Value, prefix: &str, policies: &Policies, caps: &Caps) -> Result<Check, ApiError> {
-    let what = if prefix.is_empty() { "body" } else { prefix.trim_end_matches('.') };
+    let what = if prefix.is_empty() {
+        "body"
+    } else {
+        prefix.trim_end_matches('.')
+    };
     let obj = object(v, what)?;
     no_unknown_fields(obj, &["policy", "key", "cost"], prefix)?;
     let policy = policy(policies, obj, prefix)?;
@@ -137,7 +176,11 @@ impl CheckRequest {
 }
 
 /// A parsed `POST /v1/reset` body.
-pub fn parse_reset(v: &Value, policies: &Policies, caps: &Caps) -> Result<(Arc<Policy>, String), ApiError> {
+pub fn parse_reset(
+    v: &Value,
+    policies: &Policies,
+    caps: &Caps,
+) -> Result<(Arc<Policy>, String), ApiError> {
     let obj = object(v, "body")?;
     no_unknown_fields(obj, &["policy", "key"], "")?;
     let policy = policy(policies, obj, "")?.clone();
@@ -154,8 +197,17 @@ mod tests {
     use std::time::Duration;
 
     fn setup() -> (Policies, Caps) {
-        let p = Policy::new("rl", "api", Algorithm::TokenBucket, 10, Duration::from_secs(1), Some(20), FailMode::Open, false)
-            .unwrap();
+        let p = Policy::new(
+            "rl",
+            "api",
+            Algorithm::TokenBucket,
+            10,
+            Duration::from_secs(1),
+            Some(20),
+            FailMode::Open,
+            false,
+        )
+        .unwrap();
         let caps = Caps {
             max_body_bytes: 1024,
             max_batch: 2,
@@ -177,15 +229,37 @@ mod tests {
         };
         assert_eq!(field(err(json!({"policy": "api"}))), "key");
         assert_eq!(field(err(json!({"policy": "api", "key": ""}))), "key");
-        assert_eq!(field(err(json!({"policy": "api", "key": "123456789"}))), "key");
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "123456789"}))),
+            "key"
+        );
         assert_eq!(field(err(json!({"policy": "nope", "key": "k"}))), "policy");
-        assert_eq!(field(err(json!({"policy": "api", "key": "k", "cost": -1}))), "cost");
-        assert_eq!(field(err(json!({"policy": "api", "key": "k", "cost": 1.5}))), "cost");
-        assert_eq!(field(err(json!({"policy": "api", "key": "k", "cost": 21}))), "cost");
-        assert_eq!(field(err(json!({"policy": "api", "key": "k", "x": 1}))), "x");
-        assert_eq!(field(err(json!({"checks": [{"policy": "api", "key": "k"}, {"policy": "api"}]}))), "checks[1].key");
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "cost": -1}))),
+            "cost"
+        );
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "cost": 1.5}))),
+            "cost"
+        );
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "cost": 21}))),
+            "cost"
+        );
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "x": 1}))),
+            "x"
+        );
+        assert_eq!(
+            field(err(
+                json!({"checks": [{"policy": "api", "key": "k"}, {"policy": "api"}]})
+            )),
+            "checks[1].key"
+        );
         assert!(matches!(
-            err(json!({"checks": [{"policy": "api", "key": "k"}, {"policy": "api", "key": "k"}, {"policy": "api", "key": "k"}]})),
+            err(
+                json!({"checks": [{"policy": "api", "key": "k"}, {"policy": "api", "key": "k"}, {"policy": "api", "key": "k"}]})
+            ),
             ApiError::BatchTooLarge { max: 2, got: 3 }
         ));
     }
@@ -193,10 +267,14 @@ mod tests {
     #[test]
     fn cost_within_burst_is_accepted_and_defaults_to_one() {
         let (p, c) = setup();
-        let CheckRequest::Single(ch) = CheckRequest::parse(&json!({"policy": "api", "key": "k"}), &p, &c).unwrap() else {
+        let CheckRequest::Single(ch) =
+            CheckRequest::parse(&json!({"policy": "api", "key": "k"}), &p, &c).unwrap()
+        else {
             panic!()
         };
         assert_eq!(ch.cost, 1);
-        assert!(CheckRequest::parse(&json!({"policy": "api", "key": "k", "cost": 20}), &p, &c).is_ok());
+        assert!(
+            CheckRequest::parse(&json!({"policy": "api", "key": "k", "cost": 20}), &p, &c).is_ok()
+        );
     }
 }

@@ -31,7 +31,11 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}: {}: {}", self.file, self.line, self.field, self.message)
+        write!(
+            f,
+            "{}:{}: {}: {}",
+            self.file, self.line, self.field, self.message
+        )
     }
 }
 
@@ -194,7 +198,14 @@ impl Validator<'_> {
         self.error_at(value.span().start, field, message);
     }
 
-    fn duration(&mut self, value: Option<&Spanned<String>>, field: &str, default: Duration, min: Duration, max: Duration) -> Duration {
+    fn duration(
+        &mut self,
+        value: Option<&Spanned<String>>,
+        field: &str,
+        default: Duration,
+        min: Duration,
+        max: Duration,
+    ) -> Duration {
         let Some(value) = value else { return default };
         match humantime::parse_duration(value.get_ref()) {
             Ok(d) if (min..=max).contains(&d) => d,
@@ -211,19 +222,34 @@ impl Validator<'_> {
                 default
             }
             Err(e) => {
-                self.error(value, field, format!("not a duration ({e}); use e.g. \"250ms\", \"15m\", \"1h\""));
+                self.error(
+                    value,
+                    field,
+                    format!("not a duration ({e}); use e.g. \"250ms\", \"15m\", \"1h\""),
+                );
                 default
             }
         }
     }
 
-    fn integer(&mut self, value: Option<&Spanned<i64>>, field: &str, default: i64, min: i64, max: i64) -> i64 {
+    fn integer(
+        &mut self,
+        value: Option<&Spanned<i64>>,
+        field: &str,
+        default: i64,
+        min: i64,
+        max: i64,
+    ) -> i64 {
         let Some(value) = value else { return default };
         let n = *value.get_ref();
         if (min..=max).contains(&n) {
             n
         } else {
-            self.error(value, field, format!("must be between {min} and {max}, got {n}"));
+            self.error(
+                value,
+                field,
+                format!("must be between {min} and {max}, got {n}"),
+            );
             default
         }
     }
@@ -252,7 +278,11 @@ impl Validator<'_> {
         for (i, p) in raw.policy.iter().enumerate() {
             if let Some(policy) = self.policy(i, p, &key_prefix) {
                 if !names.insert(policy.name.clone()) {
-                    self.error(&p.name, &format!("policy[{i}].name"), format!("duplicate policy name \"{}\"", policy.name));
+                    self.error(
+                        &p.name,
+                        &format!("policy[{i}].name"),
+                        format!("duplicate policy name \"{}\"", policy.name),
+                    );
                 } else {
                     policies.push(policy);
                 }
@@ -273,7 +303,11 @@ impl Validator<'_> {
             Some(l) => match l.get_ref().parse::<SocketAddr>() {
                 Ok(a) => a,
                 Err(_) => {
-                    self.error(l, "server.listen", "must be an IP address and port, e.g. \"127.0.0.1:8686\"");
+                    self.error(
+                        l,
+                        "server.listen",
+                        "must be an IP address and port, e.g. \"127.0.0.1:8686\"",
+                    );
                     DEFAULT_LISTEN.parse().expect("valid default address")
                 }
             },
@@ -294,11 +328,27 @@ impl Validator<'_> {
                 Duration::ZERO,
                 Duration::from_secs(600),
             ),
-            max_body_bytes: self.integer(s.max_body_bytes.as_ref(), "server.max_body_bytes", DEFAULT_MAX_BODY_BYTES, 256, 16 << 20)
-                as usize,
-            max_batch: self.integer(s.max_batch.as_ref(), "server.max_batch", DEFAULT_MAX_BATCH, 1, 1024) as usize,
-            max_key_bytes: self.integer(s.max_key_bytes.as_ref(), "server.max_key_bytes", DEFAULT_MAX_KEY_BYTES, 1, 8192)
-                as usize,
+            max_body_bytes: self.integer(
+                s.max_body_bytes.as_ref(),
+                "server.max_body_bytes",
+                DEFAULT_MAX_BODY_BYTES,
+                256,
+                16 << 20,
+            ) as usize,
+            max_batch: self.integer(
+                s.max_batch.as_ref(),
+                "server.max_batch",
+                DEFAULT_MAX_BATCH,
+                1,
+                1024,
+            ) as usize,
+            max_key_bytes: self.integer(
+                s.max_key_bytes.as_ref(),
+                "server.max_key_bytes",
+                DEFAULT_MAX_KEY_BYTES,
+                1,
+                8192,
+            ) as usize,
         }
     }
 
@@ -307,7 +357,11 @@ impl Validator<'_> {
             None => DEFAULT_KEY_PREFIX.to_owned(),
             Some(p) if policy::valid_prefix(p.get_ref()) => p.get_ref().clone(),
             Some(p) => {
-                self.error(p, "store.key_prefix", "must be 1-64 characters of A-Z a-z 0-9 _ - .");
+                self.error(
+                    p,
+                    "store.key_prefix",
+                    "must be 1-64 characters of A-Z a-z 0-9 _ - .",
+                );
                 DEFAULT_KEY_PREFIX.to_owned()
             }
         };
@@ -332,8 +386,13 @@ impl Validator<'_> {
             Duration::from_millis(10),
             Duration::from_secs(60),
         );
-        let breaker_threshold =
-            self.integer(s.breaker_threshold.as_ref(), "store.breaker_threshold", DEFAULT_BREAKER_THRESHOLD, 1, 1000) as u32;
+        let breaker_threshold = self.integer(
+            s.breaker_threshold.as_ref(),
+            "store.breaker_threshold",
+            DEFAULT_BREAKER_THRESHOLD,
+            1,
+            1000,
+        ) as u32;
         let backend = match &s.redis {
             None => StoreBackend::Memory,
             Some(url) if url.get_ref() == "memory" => StoreBackend::Memory,
@@ -342,7 +401,11 @@ impl Validator<'_> {
                 if u.starts_with("rediss://") {
                     self.error(url, "store.redis", "TLS (rediss://) is not supported by this build yet; use redis:// on a trusted network or a local TLS proxy");
                 } else if !(u.starts_with("redis://") || u.starts_with("unix://")) {
-                    self.error(url, "store.redis", "must be \"memory\", redis://HOST:PORT[/DB] or unix:///PATH");
+                    self.error(
+                        url,
+                        "store.redis",
+                        "must be \"memory\", redis://HOST:PORT[/DB] or unix:///PATH",
+                    );
                 } else if let Err(e) = redis::Client::open(u.as_str()) {
                     self.error(url, "store.redis", format!("invalid Redis URL: {e}"));
                 }
@@ -363,7 +426,11 @@ impl Validator<'_> {
         let errors_before = self.errors.len();
         let name = p.name.get_ref();
         if !policy::valid_name(name) {
-            self.error(&p.name, &f("name"), "must be 1-64 characters of A-Z a-z 0-9 _ - .");
+            self.error(
+                &p.name,
+                &f("name"),
+                "must be 1-64 characters of A-Z a-z 0-9 _ - .",
+            );
         }
         let algorithm = match p.algorithm.get_ref().as_str() {
             "fixed_window" => Some(Algorithm::FixedWindow),
@@ -388,10 +455,23 @@ impl Validator<'_> {
                 format!("sliding_log keeps one entry per admission; limits above {MAX_SLIDING_LOG_LIMIT} would cost megabytes per key: use sliding_window"),
             );
         }
-        let window = self.duration(Some(&p.window), &f("window"), Duration::from_secs(1), policy::MIN_WINDOW, policy::MAX_WINDOW);
+        let window = self.duration(
+            Some(&p.window),
+            &f("window"),
+            Duration::from_secs(1),
+            policy::MIN_WINDOW,
+            policy::MAX_WINDOW,
+        );
         let burst = match (&p.burst, algorithm) {
             (Some(b), Some(a)) if !a.has_burst() => {
-                self.error(b, &f("burst"), format!("burst applies only to token_bucket and gcra, not {}", a.name()));
+                self.error(
+                    b,
+                    &f("burst"),
+                    format!(
+                        "burst applies only to token_bucket and gcra, not {}",
+                        a.name()
+                    ),
+                );
                 None
             }
             (Some(b), _) => {
@@ -406,7 +486,11 @@ impl Validator<'_> {
             Some((_, "closed")) => FailMode::Closed,
             Some((_, "local")) => FailMode::Local,
             Some((s, other)) => {
-                self.error(s, &f("on_store_error"), format!("unknown mode \"{other}\"; expected open, closed or local"));
+                self.error(
+                    s,
+                    &f("on_store_error"),
+                    format!("unknown mode \"{other}\"; expected open, closed or local"),
+                );
                 FailMode::Open
             }
         };
@@ -447,9 +531,18 @@ mod tests {
         let e = Settings::parse("t.toml", src).unwrap_err();
         let lines: Vec<String> = e.0.iter().map(|e| e.to_string()).collect();
         assert_eq!(lines.len(), 3, "{lines:?}");
-        assert!(lines[0].starts_with("t.toml:4: policy[0].algorithm: unknown algorithm \"nope\""), "{lines:?}");
-        assert!(lines[1].starts_with("t.toml:5: policy[0].limit: must be between 1 and"), "{lines:?}");
-        assert!(lines[2].starts_with("t.toml:6: policy[0].window: not a duration"), "{lines:?}");
+        assert!(
+            lines[0].starts_with("t.toml:4: policy[0].algorithm: unknown algorithm \"nope\""),
+            "{lines:?}"
+        );
+        assert!(
+            lines[1].starts_with("t.toml:5: policy[0].limit: must be between 1 and"),
+            "{lines:?}"
+        );
+        assert!(
+            lines[2].starts_with("t.toml:6: policy[0].window: not a duration"),
+            "{lines:?}"
+        );
     }
 
     #[test]
@@ -457,6 +550,9 @@ mod tests {
         let src = "[[policy]]\nname = \"a\"\nalgorithm = \"gcra\"\nlimit = 1\nwindow = \"1s\"\ncolour = 3\n";
         let e = Settings::parse("t.toml", src).unwrap_err();
         let s = e.to_string();
-        assert!(s.starts_with("t.toml:6: policy[0].colour: unknown field `colour`"), "{s}");
+        assert!(
+            s.starts_with("t.toml:6: policy[0].colour: unknown field `colour`"),
+            "{s}"
+        );
     }
 }

@@ -152,10 +152,25 @@ mod tests {
             table: table.into(),
             key: key.map(Into::into),
         };
-        assert_eq!(loc("policy[0]", None).field_for("missing field `limit`"), "policy[0].limit");
-        assert_eq!(loc("policy[0]", Some("name")).field_for("missing field `window`"), "policy[0].window");
-        assert_eq!(loc("server", None).field_for("unknown field `x`, expected one of"), "server.x");
-        assert_eq!(loc("", Some("colour")).field_for("unknown field `colour`"), "colour");
-        assert_eq!(loc("store", Some("timeout")).field_for("invalid type"), "store.timeout");
+        assert_eq!(
+            loc("policy[0]", None).field_for("missing field `limit`"),
+            "policy[0].limit"
+        );
+        assert_eq!(
+            loc("policy[0]", Some("name")).field_for("missing field `window`"),
+            "policy[0].window"
+        );
+        assert_eq!(
+            loc("server", None).field_for("unknown field `x`, expected one of"),
+            "server.x"
+        );
+        assert_eq!(
+            loc("", Some("colour")).field_for("unknown field `colour`"),
+            "colour"
+        );
+        assert_eq!(
+            loc("store", Some("timeout")).field_for("invalid type"),
+            "store.timeout"
+        );
     }
 }

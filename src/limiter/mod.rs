@@ -43,7 +43,10 @@ impl Outcome {
 
     /// Whether a store decided (and counted) this request.
     pub fn is_enforced(self) -> bool {
-        matches!(self, Outcome::Allowed | Outcome::Denied | Outcome::Shadow | Outcome::Local)
+        matches!(
+            self,
+            Outcome::Allowed | Outcome::Denied | Outcome::Shadow | Outcome::Local
+        )
     }
 }
 
@@ -99,7 +102,11 @@ pub struct Limiter {
 }
 
 fn ms_ceil(us: i64) -> u64 {
-    if us <= 0 { 0 } else { (us as u64).div_ceil(1000) }
+    if us <= 0 {
+        0
+    } else {
+        (us as u64).div_ceil(1000)
+    }
 }
 
 impl Limiter {
@@ -115,7 +122,11 @@ impl Limiter {
 
     fn member(&self, algorithm: Algorithm) -> String {
         if algorithm == Algorithm::SlidingLog {
-            format!("{}.{}", self.id_prefix, self.next_id.fetch_add(1, Ordering::Relaxed))
+            format!(
+                "{}.{}",
+                self.id_prefix,
+                self.next_id.fetch_add(1, Ordering::Relaxed)
+            )
         } else {
             String::new()
         }
@@ -123,7 +134,9 @@ impl Limiter {
 
     /// Decides one check.
     pub async fn check(&self, check: &Check) -> Decision {
-        let d = self.decide(check, &self.member(check.policy.algorithm)).await;
+        let d = self
+            .decide(check, &self.member(check.policy.algorithm))
+            .await;
         self.count(&d);
         d
     }
@@ -131,9 +144,14 @@ impl Limiter {
     /// Decides a batch: all checks run concurrently; if any is denied, the others that were
     /// charged are refunded, so a denied batch costs nothing (envoyproxy/ratelimit#1060).
     pub async fn check_batch(&self, checks: &[Check]) -> Vec<Decision> {
-        let members: Vec<String> = checks.iter().map(|c| self.member(c.policy.algorithm)).collect();
-        let mut decisions =
-            futures_util::future::join_all(checks.iter().zip(&members).map(|(c, m)| self.decide(c, m))).await;
+        let members: Vec<String> = checks
+            .iter()
+            .map(|c| self.member(c.policy.algorithm))
+            .collect();
+        let mut decisions = futures_util::future::join_all(
+            checks.iter().zip(&members).map(|(c, m)| self.decide(c, m)),
+        )
+        .await;
         if decisions.iter().any(|d| !d.allowed) {
             let refunds = checks
                 .iter()
@@ -180,7 +198,11 @@ impl Limiter {
         let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
         match self.store.apply(&call).await {
             Ok(v) => {
-                let outcome = if v.allowed { Outcome::Allowed } else { Outcome::Denied };
+                let outcome = if v.allowed {
+                    Outcome::Allowed
+                } else {
+                    Outcome::Denied
+                };
                 self.from_verdict(check, &v, outcome, charged(&v, Charged::Primary))
             }
             Err(e) => {
@@ -228,7 +250,13 @@ impl Limiter {
         }
     }
 
-    fn from_verdict(&self, check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charged>) -> Decision {
+    fn from_verdict(
+        &self,
+        check: &Check,
+        v: &Verdict,
+        outcome: Outcome,
+        charged: Option<Charged>,
+    ) -> Decision {
         let policy = &check.policy;
         let (allowed, outcome) = match (v.allowed, policy.shadow) {
             (false, true) => (true, Outcome::Shadow),
@@ -242,7 +270,11 @@ impl Limiter {
             limit: policy.limit.get(),
             remaining: v.remaining,
             reset_after_ms: ms_ceil(v.reset_after_us),
-            retry_after_ms: if v.allowed { 0 } else { ms_ceil(v.retry_after_us) },
+            retry_after_ms: if v.allowed {
+                0
+            } else {
+                ms_ceil(v.retry_after_us)
+            },
             refunded: false,
             window_secs: policy.window.as_secs_f64().ceil() as u64,
             charged,
@@ -257,7 +289,11 @@ impl Limiter {
             allowed: open,
             policy: policy.name.clone(),
             key: check.key.clone(),
-            outcome: if open { Outcome::FailOpen } else { Outcome::FailClosed },
+            outcome: if open {
+                Outcome::FailOpen
+            } else {
+                Outcome::FailClosed
+            },
             limit: policy.limit.get(),
             remaining: 0,
             reset_after_ms: 0,

@@ -73,7 +73,10 @@ impl Policy {
             (_, None) => limit,
             (false, Some(_)) => return None,
         };
-        if !(MIN_WINDOW..=MAX_WINDOW).contains(&window) || !valid_name(name) || !valid_prefix(key_prefix) {
+        if !(MIN_WINDOW..=MAX_WINDOW).contains(&window)
+            || !valid_name(name)
+            || !valid_prefix(key_prefix)
+        {
             return None;
         }
         Some(Policy {
@@ -147,7 +150,10 @@ pub struct Policies {
 impl Policies {
     pub fn new(policies: impl IntoIterator<Item = Policy>) -> Self {
         Policies {
-            by_name: policies.into_iter().map(|p| (p.name.clone(), Arc::new(p))).collect(),
+            by_name: policies
+                .into_iter()
+                .map(|p| (p.name.clone(), Arc::new(p)))
+                .collect(),
         }
     }
 
@@ -201,7 +207,24 @@ mod tests {
         assert!(mk(1, Duration::ZERO, None, Algorithm::FixedWindow).is_none());
         assert!(mk(1, s, Some(5), Algorithm::FixedWindow).is_none());
         assert!(mk(1, s, Some(0), Algorithm::TokenBucket).is_none());
-        assert!(Policy::new("rl", "a:b", Algorithm::Gcra, 1, s, None, FailMode::Open, false).is_none());
-        assert_eq!(mk(2, s, Some(5), Algorithm::TokenBucket).unwrap().capacity(), 5);
+        assert!(
+            Policy::new(
+                "rl",
+                "a:b",
+                Algorithm::Gcra,
+                1,
+                s,
+                None,
+                FailMode::Open,
+                false
+            )
+            .is_none()
+        );
+        assert_eq!(
+            mk(2, s, Some(5), Algorithm::TokenBucket)
+                .unwrap()
+                .capacity(),
+            5
+        );
     }
 }

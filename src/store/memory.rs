@@ -30,10 +30,13 @@ pub struct MemoryStore {
     clock: Arc<dyn Clock>,
 }
 
+/// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/prelude.lua).
+pub const TTL_GRACE_MS: i64 = 1000;
+
 /// The TTL the Lua scripts set for a state that is equivalent to absent after `us`:
-/// whole milliseconds, rounded up past `us` (see `ttl_ms` in lua/prelude.lua).
+/// whole milliseconds rounded up, plus [`TTL_GRACE_MS`] (see `ttl_ms` in lua/prelude.lua).
 pub fn ttl_ms(us: i64) -> i64 {
-    us.div_euclid(1000) + 1
+    (us.max(0) as u64).div_ceil(1000) as i64 + TTL_GRACE_MS
 }
 
 impl MemoryStore {
@@ -59,12 +62,25 @@ impl MemoryStore {
             Some(e) if e.expires_at_us > now => Some(&e.state),
             _ => None,
         };
-        let out = algorithm::apply(call.algorithm, &call.limits, state, now, call.op, call.member);
+        let out = algorithm::apply(
+            call.algorithm,
+            &call.limits,
+            state,
+            now,
+            call.op,
+            call.member,
+        );
         match out.write {
             Write::Keep => {}
             Write::Put { state, ttl_us } => {
                 let expires_at_us = now + ttl_ms(ttl_us) * 1000;
-                map.insert(call.key.to_owned(), Entry { state, expires_at_us });
+                map.insert(
+                    call.key.to_owned(),
+                    Entry {
+                        state,
+                        expires_at_us,
+                    },
+                );
             }
             Write::Delete => {
                 map.remove(call.key);
@@ -126,7 +142,7 @@ mod tests {
         assert!(store.apply(&call).allowed);
         assert!(!store.apply(&call).allowed);
         assert_eq!(store.len(), 1);
-        clock.advance(1_000_000 + 1000);
+        clock.advance(1_000_000 + TTL_GRACE_MS * 1000 + 1000);
         assert_eq!(store.sweep(), 1);
         assert!(store.apply(&call).allowed);
     }

@@ -52,7 +52,8 @@ impl StoreError {
     }
 
     /// The label values of `kind`, for pre-registering metric series.
-    pub const KINDS: [&'static str; 5] = ["timeout", "connection", "circuit_open", "command", "reply"];
+    pub const KINDS: [&'static str; 5] =
+        ["timeout", "connection", "circuit_open", "command", "reply"];
 }
 
 /// The configured backend. An enum rather than a trait object: there are exactly two, and

@@ -19,7 +19,8 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, ErrorKind, RedisError, ServerErrorKind};
+use redis::io::tcp::TcpSettings;
+use redis::{AsyncConnectionConfig, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind};
 use tokio_util::sync::CancellationToken;
 
 use crate::algorithm::{Op, Verdict};
@@ -56,7 +57,14 @@ const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 impl RedisStore {
     /// Parses the URL; does not connect (the supervisor does).
     pub fn new(settings: RedisSettings, metrics: Arc<Metrics>) -> Result<Self, RedisError> {
-        let client = redis::Client::open(settings.url.as_str())?;
+        // TCP_NODELAY: the multiplexed connection writes many small commands; with Nagle's
+        // algorithm on (the crate's default) a write can wait for the previous ACK.
+        let info = settings
+            .url
+            .as_str()
+            .into_connection_info()?
+            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+        let client = redis::Client::open(info)?;
         let breaker = Breaker::new(settings.breaker_threshold);
         // Not connected yet: fail fast until the first probe succeeds.
         breaker.trip();
@@ -115,12 +123,21 @@ impl RedisStore {
     }
 
     pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.guarded(|mut conn| async move { redis::cmd("DEL").arg(key).query_async::<i64>(&mut conn).await })
-            .await
-            .map(|_| ())
+        self.guarded(|mut conn| async move {
+            redis::cmd("DEL")
+                .arg(key)
+                .query_async::<i64>(&mut conn)
+                .await
+        })
+        .await
+        .map(|_| ())
     }
 
-    async fn load(&self, conn: &mut MultiplexedConnection, algorithm: crate::algorithm::Algorithm) -> redis::RedisResult<()> {
+    async fn load(
+        &self,
+        conn: &mut MultiplexedConnection,
+        algorithm: crate::algorithm::Algorithm,
+    ) -> redis::RedisResult<()> {
         self.metrics.script_loads.inc();
         let _: String = redis::cmd("SCRIPT")
             .arg("LOAD")
@@ -157,7 +174,10 @@ impl RedisStore {
             Ok(Err(e)) => return Err(StoreError::Command(e.to_string())),
         };
         if self.breaker.record_failure() {
-            tracing::warn!(threshold = self.settings.breaker_threshold, "redis failing: circuit opened");
+            tracing::warn!(
+                threshold = self.settings.breaker_threshold,
+                "redis failing: circuit opened"
+            );
             self.metrics.store_up.set(0);
         }
         result
@@ -180,7 +200,10 @@ impl RedisStore {
             .set_connection_timeout(Some(self.settings.connect_timeout))
             .set_response_timeout(Some(self.settings.connect_timeout.max(t)));
         let attempt = async {
-            let mut conn = self.client.get_multiplexed_async_connection_with_config(&cfg).await?;
+            let mut conn = self
+                .client
+                .get_multiplexed_async_connection_with_config(&cfg)
+                .await?;
             let _: String = redis::cmd("PING").query_async(&mut conn).await?;
             for a in crate::algorithm::Algorithm::ALL {
                 self.load(&mut conn, a).await?;
@@ -222,7 +245,9 @@ impl RedisStore {
                 }
             } else {
                 let ping = self
-                    .guarded(|mut conn| async move { redis::cmd("PING").query_async::<String>(&mut conn).await })
+                    .guarded(|mut conn| async move {
+                        redis::cmd("PING").query_async::<String>(&mut conn).await
+                    })
                     .await;
                 if let Err(e) = ping {
                     tracing::warn!(error = %e, "redis health check failed");
@@ -242,17 +267,24 @@ impl RedisStore {
 }
 
 fn is_connection_error(e: &RedisError) -> bool {
-    e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_unrecoverable_error()
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
 }
 
 fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
     match reply {
-        [allowed, remaining, reset, retry] if (*allowed == 0 || *allowed == 1) && *remaining >= 0 => Ok(Verdict {
-            allowed: *allowed == 1,
-            remaining: *remaining as u64,
-            reset_after_us: *reset,
-            retry_after_us: *retry,
-        }),
+        [allowed, remaining, reset, retry]
+            if (*allowed == 0 || *allowed == 1) && *remaining >= 0 =>
+        {
+            Ok(Verdict {
+                allowed: *allowed == 1,
+                remaining: *remaining as u64,
+                reset_after_us: *reset,
+                retry_after_us: *retry,
+            })
+        }
         other => Err(StoreError::Reply(format!("{other:?}"))),
     }
 }
@@ -271,7 +303,10 @@ mod tests {
 
     #[test]
     fn redacts_credentials() {
-        assert_eq!(redacted("redis://:secret@host:6379/0"), "redis://***@host:6379/0");
+        assert_eq!(
+            redacted("redis://:secret@host:6379/0"),
+            "redis://***@host:6379/0"
+        );
         assert_eq!(redacted("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
     }
 

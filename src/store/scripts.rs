@@ -8,7 +8,10 @@ use crate::algorithm::Algorithm;
 
 macro_rules! script {
     ($file:literal) => {
-        concat!(include_str!("../../lua/prelude.lua"), include_str!(concat!("../../lua/", $file)))
+        concat!(
+            include_str!("../../lua/prelude.lua"),
+            include_str!(concat!("../../lua/", $file))
+        )
     };
 }
 

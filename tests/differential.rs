@@ -1,0 +1,287 @@
+//! The Lua scripts against the Rust reference model ([`quotad::algorithm`]): random
+//! sequences of keys, costs, refunds, peeks and time steps go through both, and every
+//! verdict (allowed, remaining, reset_after, retry_after) must be identical.
+//!
+//! Time is injected through the scripts' test-only ARGV[7], so it is virtual, while Redis
+//! expires keys on its real clock. To keep the comparison about decisions, every step checks
+//! the TTL the script set (it must be the model's TTL) and then PERSISTs the key; that expiry
+//! never changes a decision is checked on the model itself (`expiry_is_equivalent_to_absence`
+//! in src/algorithm).
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use common::RedisServer;
+use quotad::algorithm::{self, Algorithm, Limits, Op, State, Verdict, Write};
+use quotad::store::memory::ttl_ms;
+use quotad::store::scripts;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const STEPS_PER_ALGORITHM: usize = 12_000;
+
+fn real_now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64
+}
+
+struct Run {
+    alg: Algorithm,
+    limits: Limits,
+    seed: u64,
+}
+
+/// Runs the script, then reads the key's PTTL and removes it, in one MULTI/EXEC: nothing can
+/// expire in between, and PTTL sees the same clock snapshot as the script.
+fn lua(
+    conn: &mut redis::Connection,
+    sha: &str,
+    key: &str,
+    op: Op,
+    l: &Limits,
+    member: &str,
+    now: i64,
+) -> (Verdict, i64) {
+    let (mode, cost) = match op {
+        Op::Check { cost } => ("check", cost),
+        Op::Refund { cost } => ("refund", cost),
+    };
+    let (r, pttl, _): (Vec<i64>, i64, i64) = redis::pipe()
+        .atomic()
+        .cmd("EVALSHA")
+        .arg(sha)
+        .arg(1)
+        .arg(key)
+        .arg(mode)
+        .arg(l.limit)
+        .arg(l.window_us)
+        .arg(l.burst)
+        .arg(cost)
+        .arg(member)
+        .arg(now)
+        .cmd("PTTL")
+        .arg(key)
+        .cmd("PERSIST")
+        .arg(key)
+        .query(conn)
+        .unwrap_or_else(|e| panic!("EVALSHA failed: {e}"));
+    let v = Verdict {
+        allowed: r[0] == 1,
+        remaining: r[1] as u64,
+        reset_after_us: r[2],
+        retry_after_us: r[3],
+    };
+    (v, pttl)
+}
+
+fn drive(redis: &RedisServer, run: &Run, steps: usize) {
+    let mut conn = redis.conn();
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(scripts::source(run.alg))
+        .query(&mut conn)
+        .unwrap();
+    let mut rng = StdRng::seed_from_u64(run.seed);
+    let l = run.limits;
+    let cap = l.capacity(run.alg);
+    let keys = ["a", "b", "c{x}", "d"];
+    let mut model: HashMap<&str, State> = HashMap::new();
+    // Admitted requests that may be refunded: (key, member, cost).
+    let mut admitted: Vec<(&str, String, u64)> = Vec::new();
+    let mut now = real_now_us();
+    let mut trace: Vec<String> = Vec::new();
+    for step in 0..steps {
+        // Time: mostly small steps, sometimes none (same microsecond), sometimes a jump.
+        let w = l.window_us;
+        let dt = match rng.random_range(0..100) {
+            0..=19 => 0,
+            20..=69 => rng.random_range(1..=w / 20 + 1),
+            70..=94 => rng.random_range(1..=w / 2),
+            _ => rng.random_range(w..=3 * w),
+        };
+        now += dt;
+        let key = keys[rng.random_range(0..keys.len())];
+        let member = format!("m{step}");
+        let (op, member) = match rng.random_range(0..100) {
+            0..=9 if !admitted.is_empty() => {
+                let (k, m, c) = admitted.swap_remove(rng.random_range(0..admitted.len()));
+                // Refund on its own key only: the batch refund path.
+                if k == key {
+                    (Op::Refund { cost: c }, m)
+                } else {
+                    (Op::Check { cost: 0 }, member)
+                }
+            }
+            10..=17 => (Op::Check { cost: 0 }, member),
+            18..=25 => (
+                Op::Check {
+                    cost: rng.random_range(1..=cap),
+                },
+                member,
+            ),
+            _ => (
+                Op::Check {
+                    cost: rng.random_range(1..=cap.min(3)),
+                },
+                member,
+            ),
+        };
+        let storage_key = format!("diff:{}:{}:{key}", run.alg.key_tag(), run.seed);
+        let (got, pttl) = lua(&mut conn, &sha, &storage_key, op, &l, &member, now);
+        let out = algorithm::apply(run.alg, &l, model.get(key), now, op, &member);
+        // An admission writes the key with the model's TTL: never shorter than the time
+        // until the state is equivalent to absent, never longer than that plus the grace.
+        if let (Op::Check { cost: 1.. }, true, Write::Put { ttl_us, .. }) =
+            (op, got.allowed, &out.write)
+        {
+            let want = ttl_ms(*ttl_us);
+            let logical = (*ttl_us as u64).div_ceil(1000) as i64;
+            assert!(
+                pttl <= want && pttl >= logical,
+                "{:?} seed {} step {step}: PTTL {pttl} ms, model TTL {want} ms ({ttl_us} us) op {op:?} got {got:?} now {now}",
+                run.alg,
+                run.seed
+            );
+        }
+        trace.push(format!(
+            "step {step}: t={now} key={key} {op:?} member={member} -> lua {got:?}"
+        ));
+        if got != out.verdict {
+            let tail = trace
+                .iter()
+                .rev()
+                .take(12)
+                .rev()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n");
+            panic!(
+                "{:?} {:?} seed {}: Lua and Rust disagree at step {step}\n lua  {got:?}\n rust {:?}\n model state {:?}\nlast steps:\n{tail}",
+                run.alg,
+                l,
+                run.seed,
+                out.verdict,
+                model.get(key)
+            );
+        }
+        match out.write {
+            Write::Keep => {}
+            Write::Put { state, .. } => {
+                model.insert(key, state);
+            }
+            Write::Delete => {
+                model.remove(key);
+            }
+        }
+        if let Op::Check { cost } = op {
+            if got.allowed && cost > 0 {
+                admitted.push((key, member, cost));
+            }
+        }
+        if admitted.len() > 64 {
+            admitted.remove(0);
+        }
+    }
+}
+
+fn runs(alg: Algorithm) -> Vec<Run> {
+    let ms = 1000;
+    let shapes: [(u64, i64, u64); 4] = [
+        (3, 100 * ms, 3),
+        (10, 250 * ms, 4),
+        (100, 1000 * ms, 150),
+        (7, 30 * ms, 1),
+    ];
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(limit, window_us, burst))| Run {
+            alg,
+            limits: Limits {
+                limit,
+                window_us,
+                burst: if alg.has_burst() { burst } else { limit },
+            },
+            seed: 0x5eed_0000 + (alg.index() as u64) * 16 + i as u64,
+        })
+        .collect()
+}
+
+fn differential(alg: Algorithm) {
+    let redis = RedisServer::start();
+    let rs = runs(alg);
+    let per = STEPS_PER_ALGORITHM / rs.len();
+    for r in &rs {
+        drive(&redis, r, per);
+    }
+}
+
+#[test]
+fn fixed_window_lua_matches_rust() {
+    differential(Algorithm::FixedWindow);
+}
+
+#[test]
+fn sliding_log_lua_matches_rust() {
+    differential(Algorithm::SlidingLog);
+}
+
+#[test]
+fn sliding_window_lua_matches_rust() {
+    differential(Algorithm::SlidingWindow);
+}
+
+#[test]
+fn token_bucket_lua_matches_rust() {
+    differential(Algorithm::TokenBucket);
+}
+
+#[test]
+fn gcra_lua_matches_rust() {
+    differential(Algorithm::Gcra);
+}
+
+/// GCRA at 10,000/s with sub-millisecond spacing, where millisecond arithmetic breaks
+/// (brandur/redis-cell#50, #80): one request every 50 us for a virtual second admits
+/// exactly the rate, in Lua as in Rust.
+#[test]
+fn gcra_is_exact_at_ten_thousand_per_second_in_lua() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(scripts::source(Algorithm::Gcra))
+        .query(&mut conn)
+        .unwrap();
+    let l = Limits {
+        limit: 10_000,
+        window_us: 1_000_000,
+        burst: 1,
+    };
+    let t0 = real_now_us();
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    for i in 0..20_000i64 {
+        pipe.cmd("EVALSHA")
+            .arg(&sha)
+            .arg(1)
+            .arg("gcra:fast")
+            .arg("check")
+            .arg(l.limit)
+            .arg(l.window_us)
+            .arg(l.burst)
+            .arg(1)
+            .arg("")
+            .arg(t0 + i * 50)
+            .cmd("PERSIST")
+            .arg("gcra:fast")
+            .ignore();
+    }
+    let replies: Vec<Vec<i64>> = pipe.query(&mut conn).unwrap();
+    let admitted = replies.iter().filter(|r| r[0] == 1).count();
+    assert_eq!(admitted, 10_000);
+}
