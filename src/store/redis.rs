@@ -49,6 +49,9 @@ pub struct RedisStore {
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
     loaded: AtomicBool,
+    /// Wakes the supervisor the moment the breaker opens, so probing starts at once rather
+    /// than after its health-check sleep.
+    tripped: tokio::sync::Notify,
     metrics: Arc<Metrics>,
 }
 
@@ -76,6 +79,7 @@ impl RedisStore {
             settings,
             breaker,
             loaded: AtomicBool::new(false),
+            tripped: tokio::sync::Notify::new(),
             metrics,
         })
     }
@@ -179,6 +183,7 @@ impl RedisStore {
                 "redis failing: circuit opened"
             );
             self.metrics.store_up.set(0);
+            self.tripped.notify_one();
         }
         result
     }
@@ -188,6 +193,7 @@ impl RedisStore {
         self.loaded.store(false, Ordering::Release);
         if self.breaker.trip() {
             tracing::warn!("redis connection lost: circuit opened");
+            self.tripped.notify_one();
         }
         self.metrics.store_up.set(0);
     }
@@ -260,6 +266,7 @@ impl RedisStore {
             };
             tokio::select! {
                 _ = shutdown.cancelled() => return,
+                _ = self.tripped.notified() => {}
                 _ = tokio::time::sleep(wait) => {}
             }
         }

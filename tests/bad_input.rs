@@ -1,0 +1,302 @@
+//! Bad input gets the right 4xx with a JSON error naming the problem, and writes nothing:
+//! DBSIZE on the real Redis is the same before and after.
+
+mod common;
+
+use common::{Quotad, RedisServer, http};
+use serde_json::Value;
+
+fn config(redis: &RedisServer) -> String {
+    format!(
+        r#"
+[store]
+redis = "{}"
+
+[[policy]]
+name = "api"
+algorithm = "token_bucket"
+limit = 10
+window = "1s"
+burst = 20
+
+[[policy]]
+name = "login"
+algorithm = "sliding_log"
+limit = 5
+window = "15m"
+"#,
+        redis.url()
+    )
+}
+
+struct Case {
+    name: &'static str,
+    path: &'static str,
+    content_type: Option<&'static str>,
+    body: String,
+    status: u16,
+    code: &'static str,
+    /// A fragment the message must contain (what and which field).
+    mentions: &'static str,
+}
+
+fn case(
+    name: &'static str,
+    body: &str,
+    status: u16,
+    code: &'static str,
+    mentions: &'static str,
+) -> Case {
+    Case {
+        name,
+        path: "/v1/check",
+        content_type: Some("application/json"),
+        body: body.to_owned(),
+        status,
+        code,
+        mentions,
+    }
+}
+
+#[test]
+fn every_bad_request_is_a_named_4xx_and_writes_nothing() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    let long_key = "k".repeat(513);
+    let many: Vec<String> = (0..65)
+        .map(|i| format!(r#"{{"policy":"api","key":"k{i}"}}"#))
+        .collect();
+    let huge = format!(r#"{{"policy":"api","key":"{}"}}"#, "x".repeat(70 * 1024));
+    let mut cases = vec![
+        case(
+            "malformed JSON",
+            r#"{"policy": "api", "key": "#,
+            400,
+            "invalid_json",
+            "malformed JSON",
+        ),
+        case("not an object", r#"[1, 2]"#, 400, "invalid_request", "body"),
+        case(
+            "missing key",
+            r#"{"policy": "api"}"#,
+            400,
+            "invalid_request",
+            "key: missing field",
+        ),
+        case(
+            "missing policy",
+            r#"{"key": "a"}"#,
+            400,
+            "invalid_request",
+            "policy: missing field",
+        ),
+        case(
+            "unknown field",
+            r#"{"policy": "api", "key": "a", "colour": 1}"#,
+            400,
+            "invalid_request",
+            "colour: unknown field",
+        ),
+        case(
+            "unknown policy",
+            r#"{"policy": "nope", "key": "a"}"#,
+            404,
+            "unknown_policy",
+            "unknown policy \"nope\"",
+        ),
+        case(
+            "empty key",
+            r#"{"policy": "api", "key": ""}"#,
+            400,
+            "invalid_request",
+            "key: must not be empty",
+        ),
+        case(
+            "key not a string",
+            r#"{"policy": "api", "key": 7}"#,
+            400,
+            "invalid_request",
+            "key: must be a string",
+        ),
+        case(
+            "key over the cap",
+            &format!(r#"{{"policy": "api", "key": "{long_key}"}}"#),
+            400,
+            "invalid_request",
+            "key: is 513 bytes",
+        ),
+        case(
+            "negative cost",
+            r#"{"policy": "api", "key": "a", "cost": -1}"#,
+            400,
+            "invalid_request",
+            "cost: must not be negative",
+        ),
+        case(
+            "fractional cost",
+            r#"{"policy": "api", "key": "a", "cost": 1.5}"#,
+            400,
+            "invalid_request",
+            "cost: must be a whole number",
+        ),
+        case(
+            "string cost",
+            r#"{"policy": "api", "key": "a", "cost": "1"}"#,
+            400,
+            "invalid_request",
+            "cost: must be an integer",
+        ),
+        case(
+            "cost over capacity",
+            r#"{"policy": "api", "key": "a", "cost": 21}"#,
+            400,
+            "invalid_request",
+            "cost: 21 exceeds the capacity 20",
+        ),
+        case(
+            "oversized batch",
+            &format!(r#"{{"checks": [{}]}}"#, many.join(",")),
+            400,
+            "batch_too_large",
+            "at most 64 checks, got 65",
+        ),
+        case(
+            "empty batch",
+            r#"{"checks": []}"#,
+            400,
+            "invalid_request",
+            "checks: must hold at least one",
+        ),
+        case(
+            "bad check in batch",
+            r#"{"checks": [{"policy": "api", "key": "a"}, {"policy": "api", "key": "b", "cost": -2}]}"#,
+            400,
+            "invalid_request",
+            "checks[1].cost",
+        ),
+        case(
+            "unknown policy in batch",
+            r#"{"checks": [{"policy": "api", "key": "a"}, {"policy": "x", "key": "b"}]}"#,
+            404,
+            "unknown_policy",
+            "checks[1].policy",
+        ),
+        case(
+            "batch plus single fields",
+            r#"{"checks": [{"policy": "api", "key": "a"}], "policy": "api"}"#,
+            400,
+            "invalid_request",
+            "policy: unknown field",
+        ),
+        case(
+            "oversized body",
+            &huge,
+            413,
+            "payload_too_large",
+            "larger than 65536 bytes",
+        ),
+        Case {
+            content_type: Some("text/plain"),
+            ..case(
+                "wrong content type",
+                r#"{"policy": "api", "key": "a"}"#,
+                415,
+                "unsupported_media_type",
+                "application/json",
+            )
+        },
+        Case {
+            content_type: None,
+            ..case(
+                "no content type",
+                r#"{"policy": "api", "key": "a"}"#,
+                415,
+                "unsupported_media_type",
+                "none given",
+            )
+        },
+        Case {
+            path: "/v1/reset",
+            ..case(
+                "reset without key",
+                r#"{"policy": "login"}"#,
+                400,
+                "invalid_request",
+                "key: missing field",
+            )
+        },
+        Case {
+            path: "/v1/reset",
+            ..case(
+                "reset unknown policy",
+                r#"{"policy": "x", "key": "a"}"#,
+                404,
+                "unknown_policy",
+                "unknown policy",
+            )
+        },
+        Case {
+            path: "/v1/nope",
+            ..case(
+                "unknown endpoint",
+                "{}",
+                404,
+                "not_found",
+                "no such endpoint",
+            )
+        },
+    ];
+    // A reset of a key that exists must still change nothing when the request is bad.
+    q.check1("login", "alice");
+    let before = redis.dbsize();
+    assert_eq!(before, 1);
+    for c in cases.drain(..) {
+        let (status, _, text) =
+            http(q.port, "POST", c.path, c.content_type, &c.body).expect("http");
+        let v: Value = serde_json::from_str(&text)
+            .unwrap_or_else(|_| panic!("{}: body is not JSON: {text}", c.name));
+        assert_eq!(status, c.status, "{}: {text}", c.name);
+        assert_eq!(v["error"]["code"], c.code, "{}: {text}", c.name);
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(c.mentions),
+            "{}: message {msg:?} lacks {:?}",
+            c.name,
+            c.mentions
+        );
+    }
+    // Wrong method: 405 with the same error shape.
+    let (status, _, text) = http(q.port, "GET", "/v1/check", None, "").unwrap();
+    assert_eq!(status, 405, "{text}");
+    assert!(text.contains("method_not_allowed"), "{text}");
+    assert_eq!(redis.dbsize(), before, "a rejected request wrote to Redis");
+    // Nothing was consumed either: alice's log still holds exactly one entry.
+    let n: i64 = redis::cmd("ZCARD")
+        .arg("rl:login:sl:{alice}")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(n, 1);
+    // And quotad is still healthy and answering.
+    assert_eq!(q.check1("api", "after")["outcome"], "allowed");
+}
+
+#[test]
+fn hostile_keys_stay_inside_their_hash_tag() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    for key in ["}{", "{a}", "%7B", "a:b", "ünïcödé ✓", "line\nbreak"] {
+        assert_eq!(q.check1("api", key)["outcome"], "allowed", "{key:?}");
+    }
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 6, "{keys:?}");
+    for k in keys {
+        let open = k.find('{').unwrap();
+        let close = open + k[open..].find('}').unwrap();
+        assert_eq!(
+            close,
+            k.len() - 1,
+            "the hash tag of {k:?} does not span the whole user key"
+        );
+    }
+    redis.assert_every_key_has_ttl();
+}

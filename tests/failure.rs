@@ -1,0 +1,282 @@
+//! Store failures: Redis killed in the middle of a load, and Redis hung (SIGSTOP). Each
+//! policy answers with its fail mode, every response comes within the store timeout plus a
+//! small margin, the counts show in /metrics, and enforcement returns once Redis does, with
+//! no client-visible error.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{Quotad, RedisServer, http, wait_for};
+
+const TIMEOUT_MS: u64 = 50;
+/// Allowance on top of the store timeout for HTTP, scheduling and a debug build on 2 cores.
+const MARGIN_MS: u64 = 200;
+
+fn config(redis: &RedisServer) -> String {
+    format!(
+        r#"
+[store]
+redis = "{}"
+timeout = "{TIMEOUT_MS}ms"
+probe_interval = "100ms"
+breaker_threshold = 3
+
+[[policy]]
+name = "p-open"
+algorithm = "token_bucket"
+limit = 100000
+window = "1m"
+on_store_error = "open"
+
+[[policy]]
+name = "p-closed"
+algorithm = "fixed_window"
+limit = 100000
+window = "1m"
+on_store_error = "closed"
+
+[[policy]]
+name = "p-local"
+algorithm = "sliding_window"
+limit = 100000
+window = "1m"
+on_store_error = "local"
+"#,
+        redis.url()
+    )
+}
+
+const POLICIES: [&str; 3] = ["p-open", "p-closed", "p-local"];
+
+#[derive(Debug, Clone)]
+struct Sample {
+    at: Instant,
+    policy: &'static str,
+    status: u16,
+    outcome: String,
+    latency: Duration,
+}
+
+/// Sends checks round-robin over the policies from `threads` threads until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(port: u16, threads: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..threads)
+            .map(|t| {
+                let (stop, samples) = (stop.clone(), samples.clone());
+                std::thread::spawn(move || {
+                    let deadline = Instant::now() + Duration::from_secs(60); // bounded in time
+                    let mut i = t;
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                        let policy = POLICIES[i % POLICIES.len()];
+                        i += 1;
+                        let body = format!(r#"{{"policy":"{policy}","key":"k{}"}}"#, i % 50);
+                        let start = Instant::now();
+                        let r = http(port, "POST", "/v1/check", Some("application/json"), &body);
+                        let latency = start.elapsed();
+                        let (status, outcome) = match r {
+                            Ok((s, _, text)) => {
+                                let v: serde_json::Value =
+                                    serde_json::from_str(&text).unwrap_or_default();
+                                (s, v["outcome"].as_str().unwrap_or("?").to_owned())
+                            }
+                            Err(e) => (0, format!("transport error: {e}")),
+                        };
+                        samples.lock().unwrap().push(Sample {
+                            at: start,
+                            policy,
+                            status,
+                            outcome,
+                            latency,
+                        });
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            samples,
+            threads,
+        }
+    }
+
+    fn since(&self, t: Instant) -> Vec<Sample> {
+        self.samples
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.at >= t)
+            .cloned()
+            .collect()
+    }
+
+    fn finish(self) -> Vec<Sample> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            t.join().unwrap();
+        }
+        Arc::try_unwrap(self.samples).unwrap().into_inner().unwrap()
+    }
+}
+
+fn enforced(outcome: &str) -> bool {
+    outcome == "allowed" || outcome == "denied"
+}
+
+/// Polls until every policy's latest answers since `t` satisfy `pred`.
+fn wait_outcomes(
+    load: &Load,
+    t: Instant,
+    what: &str,
+    pred: impl Fn(&str, &str) -> bool,
+) -> Instant {
+    wait_for(what, Duration::from_secs(10), || {
+        let s = load.since(t);
+        let ok = POLICIES.iter().all(|p| {
+            let mine: Vec<_> = s.iter().filter(|x| x.policy == *p).collect();
+            mine.len() >= 3 && mine[mine.len() - 3..].iter().all(|x| pred(p, &x.outcome))
+        });
+        ok.then(Instant::now)
+    })
+}
+
+fn fallback_for(policy: &str) -> &'static str {
+    match policy {
+        "p-open" => "fail_open",
+        "p-closed" => "fail_closed",
+        _ => "local",
+    }
+}
+
+#[test]
+fn redis_killed_mid_load_falls_back_per_policy_and_recovers() {
+    let mut redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    let t0 = Instant::now();
+    let load = Load::start(q.port, 3);
+    wait_outcomes(&load, t0, "enforced decisions", |_, o| enforced(o));
+
+    redis.kill();
+    let killed = Instant::now();
+    wait_outcomes(&load, killed, "fallback outcomes", |p, o| {
+        o == fallback_for(p)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, _) = q.get("/readyz");
+    assert_eq!(status, 503, "readyz while Redis is down");
+    assert_eq!(q.metric("quotad_store_up"), 0.0);
+
+    redis.restart(); // a new process: no data, empty script cache
+    let restarted = Instant::now();
+    let back = wait_outcomes(&load, restarted, "enforcement to return", |_, o| {
+        enforced(o)
+    });
+    let recovery = back - restarted;
+    let samples = load.finish();
+
+    eprintln!("enforcement back {recovery:?} after Redis answered PING again");
+    assert!(
+        recovery < Duration::from_secs(1),
+        "enforcement took {recovery:?} to return"
+    );
+    // No client ever saw an error, and every answer came within the timeout plus a margin.
+    let bad: Vec<_> = samples.iter().filter(|s| s.status != 200).collect();
+    assert!(
+        bad.is_empty(),
+        "{} non-200 responses, e.g. {:?}",
+        bad.len(),
+        bad.first()
+    );
+    let slowest = samples.iter().map(|s| s.latency).max().unwrap();
+    eprintln!("{} responses, slowest {slowest:?}", samples.len());
+    assert!(
+        slowest <= Duration::from_millis(TIMEOUT_MS + MARGIN_MS),
+        "slowest response {slowest:?} exceeds the {TIMEOUT_MS} ms timeout plus {MARGIN_MS} ms"
+    );
+    // Each fallback shows in the metrics, under its policy.
+    for p in POLICIES {
+        let fb = fallback_for(p);
+        let counted = q.metric(&format!(
+            "quotad_decisions_total{{outcome=\"{fb}\",policy=\"{p}\"}}"
+        ));
+        let seen = samples
+            .iter()
+            .filter(|s| s.policy == p && s.outcome == fb)
+            .count();
+        assert!(
+            counted >= seen as f64 && seen > 0,
+            "{p}: {fb} counted {counted}, seen {seen}"
+        );
+    }
+    let errors = q.metric("quotad_store_errors_total{kind=\"connection\"}")
+        + q.metric("quotad_store_errors_total{kind=\"circuit_open\"}");
+    assert!(errors > 0.0);
+    assert_eq!(q.metric("quotad_store_up"), 1.0);
+    assert_eq!(q.get("/readyz").0, 200);
+    // The restarted Redis holds the new state, with TTLs.
+    assert!(redis.dbsize() > 0);
+    redis.assert_every_key_has_ttl();
+}
+
+#[test]
+fn hung_redis_costs_at_most_the_timeout_then_fails_fast() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    assert_eq!(q.check1("p-open", "a")["outcome"], "allowed");
+
+    redis.signal("-STOP");
+    let mut latencies = Vec::new();
+    for i in 0..20 {
+        let start = Instant::now();
+        let v = q.check1("p-open", &format!("k{i}"));
+        latencies.push(start.elapsed());
+        assert_eq!(v["outcome"], "fail_open", "{v}");
+    }
+    let worst = *latencies.iter().max().unwrap();
+    assert!(
+        worst <= Duration::from_millis(TIMEOUT_MS + MARGIN_MS),
+        "a request took {worst:?}"
+    );
+    // After the breaker opens (3 timeouts), decisions no longer wait for the timeout.
+    let after: Vec<_> = latencies[5..].to_vec();
+    let slow_after = after
+        .iter()
+        .filter(|l| **l >= Duration::from_millis(TIMEOUT_MS))
+        .count();
+    assert_eq!(
+        slow_after, 0,
+        "requests still paid the timeout after the breaker opened: {latencies:?}"
+    );
+    assert!(q.metric("quotad_store_errors_total{kind=\"timeout\"}") >= 3.0);
+    assert!(q.metric("quotad_store_errors_total{kind=\"circuit_open\"}") >= 1.0);
+    let closed = q.check1("p-closed", "x");
+    assert_eq!(
+        (closed["allowed"].as_bool(), closed["outcome"].as_str()),
+        (Some(false), Some("fail_closed"))
+    );
+    assert!(closed["retry_after_ms"].as_u64().unwrap() > 0);
+    assert_eq!(q.check1("p-local", "x")["outcome"], "local");
+
+    redis.signal("-CONT");
+    let resumed = Instant::now();
+    wait_for("enforcement after SIGCONT", Duration::from_secs(10), || {
+        (q.check1("p-open", "b")["outcome"] == "allowed").then_some(())
+    });
+    let recovery = resumed.elapsed();
+    eprintln!("enforcement back {recovery:?} after SIGCONT");
+    assert!(
+        recovery < Duration::from_secs(1),
+        "enforcement took {recovery:?} to return"
+    );
+    redis.assert_every_key_has_ttl();
+}
