@@ -192,22 +192,21 @@ pub fn parse_reset(
 mod tests {
     use super::*;
     use crate::algorithm::Algorithm;
-    use crate::policy::FailMode;
+    use crate::policy::{FailMode, PolicySpec};
     use serde_json::json;
     use std::time::Duration;
 
     fn setup() -> (Policies, Caps) {
-        let p = Policy::new(
-            "rl",
-            "api",
-            Algorithm::TokenBucket,
-            10,
-            Duration::from_secs(1),
-            Some(20),
-            FailMode::Open,
-            false,
-        )
-        .unwrap();
+        let spec = PolicySpec {
+            name: "api",
+            algorithm: Algorithm::TokenBucket,
+            limit: 10,
+            window: Duration::from_secs(1),
+            burst: Some(20),
+            on_store_error: FailMode::Open,
+            shadow: false,
+        };
+        let p = Policy::new("rl", spec).unwrap();
         let caps = Caps {
             max_body_bytes: 1024,
             max_batch: 2,

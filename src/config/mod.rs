@@ -17,7 +17,7 @@ use std::time::Duration;
 use toml::Spanned;
 
 use crate::algorithm::Algorithm;
-use crate::policy::{self, FailMode, Policy};
+use crate::policy::{self, FailMode, Policy, PolicySpec};
 use crate::store::redis::RedisSettings;
 
 /// One problem in a config file: `file:line: field: message`.
@@ -102,13 +102,15 @@ impl Settings {
     pub fn builtin() -> Settings {
         let policy = Policy::new(
             DEFAULT_KEY_PREFIX,
-            "default",
-            Algorithm::TokenBucket,
-            100,
-            Duration::from_secs(60),
-            None,
-            FailMode::Open,
-            false,
+            PolicySpec {
+                name: "default",
+                algorithm: Algorithm::TokenBucket,
+                limit: 100,
+                window: Duration::from_secs(60),
+                burst: None,
+                on_store_error: FailMode::Open,
+                shadow: false,
+            },
         )
         .expect("the built-in policy is valid");
         Settings {
@@ -162,7 +164,11 @@ impl Settings {
                     file: file.to_owned(),
                     line,
                     field,
-                    message: e.message().trim().to_owned(),
+                    message: e
+                        .message()
+                        .trim()
+                        .replace("expected i64", "expected an integer")
+                        .replace("expected a boolean", "expected true or false"),
                 });
                 return Err(ConfigErrors(v.errors));
             }
@@ -499,13 +505,15 @@ impl Validator<'_> {
         }
         let policy = Policy::new(
             key_prefix,
-            name,
-            algorithm?,
-            limit as u64,
-            window,
-            burst,
-            on_store_error,
-            p.shadow.unwrap_or(false),
+            PolicySpec {
+                name,
+                algorithm: algorithm?,
+                limit: limit as u64,
+                window,
+                burst,
+                on_store_error,
+                shadow: p.shadow.unwrap_or(false),
+            },
         );
         if policy.is_none() {
             self.error(&p.name, &f("name"), "policy is invalid");

@@ -104,7 +104,9 @@ pub fn locate(src: &str, offset: usize) -> Location {
     let mut key = None;
     for (i, text) in src.lines().take(line).enumerate() {
         let t = text.trim();
-        if let Some(name) = t.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
+        if t.starts_with('[') && !header_ok(t) {
+            table = "(syntax)".to_owned();
+        } else if let Some(name) = t.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
             let name = name.trim().to_owned();
             let n = match counts.iter_mut().find(|(k, _)| *k == name) {
                 Some((_, n)) => {
@@ -127,6 +129,25 @@ pub fn locate(src: &str, offset: usize) -> Location {
         }
     }
     Location { line, table, key }
+}
+
+/// Whether a `[table]` / `[[array]]` header line is well formed (a plain dotted name).
+fn header_ok(t: &str) -> bool {
+    let t = t.split('#').next().unwrap_or("").trim();
+    let inner = t
+        .strip_prefix("[[")
+        .and_then(|r| r.strip_suffix("]]"))
+        .or_else(|| {
+            t.strip_prefix('[')
+                .and_then(|r| r.strip_suffix(']'))
+                .filter(|r| !r.starts_with('['))
+        });
+    inner.is_some_and(|n| {
+        let n = n.trim();
+        !n.is_empty()
+            && n.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b))
+    })
 }
 
 #[cfg(test)]

@@ -203,7 +203,7 @@ impl Limiter {
                 } else {
                     Outcome::Denied
                 };
-                self.from_verdict(check, &v, outcome, charged(&v, Charged::Primary))
+                decision(check, &v, outcome, charged(&v, Charged::Primary))
             }
             Err(e) => {
                 self.metrics.store_error(&e);
@@ -211,11 +211,11 @@ impl Limiter {
                     tracing::debug!(policy = %policy.name, error = %e, "store call failed");
                 }
                 match policy.on_store_error {
-                    FailMode::Open => self.unenforced(check, true),
-                    FailMode::Closed => self.unenforced(check, false),
+                    FailMode::Open => unenforced(check, true),
+                    FailMode::Closed => unenforced(check, false),
                     FailMode::Local => {
                         let v = self.local.apply(&call);
-                        self.from_verdict(check, &v, Outcome::Local, charged(&v, Charged::Local))
+                        decision(check, &v, Outcome::Local, charged(&v, Charged::Local))
                     }
                 }
             }
@@ -249,58 +249,52 @@ impl Limiter {
             None => false,
         }
     }
+}
 
-    fn from_verdict(
-        &self,
-        check: &Check,
-        v: &Verdict,
-        outcome: Outcome,
-        charged: Option<Charged>,
-    ) -> Decision {
-        let policy = &check.policy;
-        let (allowed, outcome) = match (v.allowed, policy.shadow) {
-            (false, true) => (true, Outcome::Shadow),
-            (a, _) => (a, outcome),
-        };
-        Decision {
-            allowed,
-            policy: policy.name.clone(),
-            key: check.key.clone(),
-            outcome,
-            limit: policy.limit.get(),
-            remaining: v.remaining,
-            reset_after_ms: ms_ceil(v.reset_after_us),
-            retry_after_ms: if v.allowed {
-                0
-            } else {
-                ms_ceil(v.retry_after_us)
-            },
-            refunded: false,
-            window_secs: policy.window.as_secs_f64().ceil() as u64,
-            charged,
-        }
+fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charged>) -> Decision {
+    let policy = &check.policy;
+    let (allowed, outcome) = match (v.allowed, policy.shadow) {
+        (false, true) => (true, Outcome::Shadow),
+        (a, _) => (a, outcome),
+    };
+    Decision {
+        allowed,
+        policy: policy.name.clone(),
+        key: check.key.clone(),
+        outcome,
+        limit: policy.limit.get(),
+        remaining: v.remaining,
+        reset_after_ms: ms_ceil(v.reset_after_us),
+        retry_after_ms: if v.allowed {
+            0
+        } else {
+            ms_ceil(v.retry_after_us)
+        },
+        refunded: false,
+        window_secs: policy.window.as_secs_f64().ceil() as u64,
+        charged,
     }
+}
 
-    /// A decision the store did not make: allowed unenforced (`fail_open`) or denied
-    /// (`fail_closed`). `remaining` is 0: nothing is known about the key.
-    fn unenforced(&self, check: &Check, open: bool) -> Decision {
-        let policy = &check.policy;
-        Decision {
-            allowed: open,
-            policy: policy.name.clone(),
-            key: check.key.clone(),
-            outcome: if open {
-                Outcome::FailOpen
-            } else {
-                Outcome::FailClosed
-            },
-            limit: policy.limit.get(),
-            remaining: 0,
-            reset_after_ms: 0,
-            retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
-            refunded: false,
-            window_secs: policy.window.as_secs_f64().ceil() as u64,
-            charged: None,
-        }
+/// A decision the store did not make: allowed unenforced (`fail_open`) or denied
+/// (`fail_closed`). `remaining` is 0: nothing is known about the key.
+fn unenforced(check: &Check, open: bool) -> Decision {
+    let policy = &check.policy;
+    Decision {
+        allowed: open,
+        policy: policy.name.clone(),
+        key: check.key.clone(),
+        outcome: if open {
+            Outcome::FailOpen
+        } else {
+            Outcome::FailClosed
+        },
+        limit: policy.limit.get(),
+        remaining: 0,
+        reset_after_ms: 0,
+        retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
+        refunded: false,
+        window_secs: policy.window.as_secs_f64().ceil() as u64,
+        charged: None,
     }
 }

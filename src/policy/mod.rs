@@ -52,21 +52,34 @@ pub struct Policy {
 /// sense for a network service and would make TTLs round to nothing.
 pub const MIN_WINDOW: Duration = Duration::from_millis(1);
 /// Largest window: keeps every microsecond product far inside a double's exact range.
-pub const MAX_WINDOW: Duration = Duration::from_secs(366 * 24 * 3600);
+pub const MAX_WINDOW: Duration = Duration::from_secs(31_557_600); // humantime's "1year"
 pub const MAX_LIMIT: u64 = 1_000_000_000;
+
+/// What a config entry asks for; [`Policy::new`] checks it.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicySpec<'a> {
+    pub name: &'a str,
+    pub algorithm: Algorithm,
+    pub limit: u64,
+    pub window: Duration,
+    /// Capacity for token_bucket / gcra; `None` means `limit`.
+    pub burst: Option<u64>,
+    pub on_store_error: FailMode,
+    pub shadow: bool,
+}
 
 impl Policy {
     /// Builds a policy; `None` if an invariant fails (config validation reports why first).
-    pub fn new(
-        key_prefix: &str,
-        name: &str,
-        algorithm: Algorithm,
-        limit: u64,
-        window: Duration,
-        burst: Option<u64>,
-        on_store_error: FailMode,
-        shadow: bool,
-    ) -> Option<Policy> {
+    pub fn new(key_prefix: &str, spec: PolicySpec<'_>) -> Option<Policy> {
+        let PolicySpec {
+            name,
+            algorithm,
+            limit,
+            window,
+            burst,
+            on_store_error,
+            shadow,
+        } = spec;
         let limit = NonZeroU64::new(limit).filter(|l| l.get() <= MAX_LIMIT)?;
         let burst = match (algorithm.has_burst(), burst) {
             (true, Some(b)) => NonZeroU64::new(b).filter(|b| b.get() <= MAX_LIMIT)?,
@@ -170,16 +183,34 @@ impl Policies {
 mod tests {
     use super::*;
 
+    fn spec(
+        name: &str,
+        algorithm: Algorithm,
+        limit: u64,
+        window: Duration,
+        burst: Option<u64>,
+    ) -> PolicySpec<'_> {
+        PolicySpec {
+            name,
+            algorithm,
+            limit,
+            window,
+            burst,
+            on_store_error: FailMode::Open,
+            shadow: false,
+        }
+    }
+
     fn policy(name: &str) -> Policy {
         Policy::new(
             "rl",
-            name,
-            Algorithm::TokenBucket,
-            10,
-            Duration::from_secs(1),
-            None,
-            FailMode::Open,
-            false,
+            spec(
+                name,
+                Algorithm::TokenBucket,
+                10,
+                Duration::from_secs(1),
+                None,
+            ),
         )
         .unwrap()
     }
@@ -199,27 +230,14 @@ mod tests {
 
     #[test]
     fn invalid_policies_cannot_be_built() {
-        let mk = |limit, window, burst, alg| {
-            Policy::new("rl", "p", alg, limit, window, burst, FailMode::Open, false)
-        };
+        let mk =
+            |limit, window, burst, alg| Policy::new("rl", spec("p", alg, limit, window, burst));
         let s = Duration::from_secs(1);
         assert!(mk(0, s, None, Algorithm::FixedWindow).is_none());
         assert!(mk(1, Duration::ZERO, None, Algorithm::FixedWindow).is_none());
         assert!(mk(1, s, Some(5), Algorithm::FixedWindow).is_none());
         assert!(mk(1, s, Some(0), Algorithm::TokenBucket).is_none());
-        assert!(
-            Policy::new(
-                "rl",
-                "a:b",
-                Algorithm::Gcra,
-                1,
-                s,
-                None,
-                FailMode::Open,
-                false
-            )
-            .is_none()
-        );
+        assert!(Policy::new("rl", spec("a:b", Algorithm::Gcra, 1, s, None)).is_none());
         assert_eq!(
             mk(2, s, Some(5), Algorithm::TokenBucket)
                 .unwrap()

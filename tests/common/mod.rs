@@ -353,7 +353,7 @@ pub fn http(
     path: &str,
     content_type: Option<&str>,
     body: &str,
-) -> std::io::Result<(u16, Vec<(String, String)>, String)> {
+) -> std::io::Result<Response> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut req = format!(
@@ -374,7 +374,10 @@ pub fn http(
     })
 }
 
-fn parse_response(raw: &[u8]) -> Option<(u16, Vec<(String, String)>, String)> {
+/// (status, lower-cased headers, body)
+pub type Response = (u16, Vec<(String, String)>, String);
+
+fn parse_response(raw: &[u8]) -> Option<Response> {
     let text = String::from_utf8_lossy(raw);
     let (head, body) = text.split_once("\r\n\r\n")?;
     let mut lines = head.lines();

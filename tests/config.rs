@@ -1,0 +1,198 @@
+//! Config validation through the real binary: every rejected config has a fixture file in
+//! tests/fixtures/config/bad/ and an asserted message naming file, line and field; every
+//! shipped example validates.
+
+mod common;
+
+use std::process::Command;
+
+use common::{fixture, quotad_binary};
+
+/// (fixture, expected lines: "line: field: message fragment")
+const BAD: &[(&str, &[&str])] = &[
+    ("syntax.toml", &["1: (syntax): unclosed array table"]),
+    (
+        "unknown_top_key.toml",
+        &["1: colour: unknown field `colour`"],
+    ),
+    (
+        "unknown_store_key.toml",
+        &["2: store.where: unknown field `where`"],
+    ),
+    (
+        "unknown_policy_key.toml",
+        &["4: policy[0].limt: unknown field `limt`"],
+    ),
+    (
+        "missing_limit.toml",
+        &["1: policy[0].limit: missing field `limit`"],
+    ),
+    (
+        "wrong_type.toml",
+        &["4: policy[0].limit: invalid type: string \"ten\", expected an integer"],
+    ),
+    (
+        "zero_limit.toml",
+        &["4: policy[0].limit: must be between 1 and 1000000000, got 0"],
+    ),
+    (
+        "negative_limit.toml",
+        &["4: policy[0].limit: must be between 1 and 1000000000, got -5"],
+    ),
+    ("bad_window.toml", &["5: policy[0].window: not a duration"]),
+    (
+        "window_too_small.toml",
+        &["5: policy[0].window: must be between 1ms and 1year"],
+    ),
+    (
+        "unknown_algorithm.toml",
+        &["3: policy[0].algorithm: unknown algorithm \"leaky\""],
+    ),
+    (
+        "burst_on_fixed_window.toml",
+        &["6: policy[0].burst: burst applies only to token_bucket and gcra"],
+    ),
+    (
+        "zero_burst.toml",
+        &["6: policy[0].burst: must be between 1 and"],
+    ),
+    (
+        "bad_fail_mode.toml",
+        &["6: policy[0].on_store_error: unknown mode \"maybe\""],
+    ),
+    (
+        "duplicate_policy.toml",
+        &["8: policy[1].name: duplicate policy name \"api\""],
+    ),
+    (
+        "bad_policy_name.toml",
+        &["2: policy[0].name: must be 1-64 characters"],
+    ),
+    ("no_policies.toml", &["1: policy: no [[policy]] is defined"]),
+    (
+        "bad_listen.toml",
+        &["2: server.listen: must be an IP address and port"],
+    ),
+    (
+        "bad_redis_url.toml",
+        &["2: store.redis: must be \"memory\", redis://"],
+    ),
+    (
+        "rediss.toml",
+        &["2: store.redis: TLS (rediss://) is not supported by this build yet"],
+    ),
+    (
+        "zero_timeout.toml",
+        &["3: store.timeout: must be between 1ms and 10s"],
+    ),
+    (
+        "bad_key_prefix.toml",
+        &["2: store.key_prefix: must be 1-64 characters"],
+    ),
+    (
+        "zero_max_batch.toml",
+        &["2: server.max_batch: must be between 1 and 1024, got 0"],
+    ),
+    (
+        "sliding_log_too_big.toml",
+        &["4: policy[0].limit: sliding_log keeps one entry per admission"],
+    ),
+    (
+        "multiple_errors.toml",
+        &[
+            "1: region: must be 1-64 characters",
+            "3: server.drain_timeout: not a duration",
+            "7: policy[0].limit: must be between 1 and 1000000000, got 0",
+            "14: policy[1].on_store_error: unknown mode \"sometimes\"",
+        ],
+    ),
+];
+
+#[test]
+fn every_rejected_config_names_file_line_and_field() {
+    let dir = fixture("tests/fixtures/config/bad");
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    on_disk.sort();
+    let mut listed: Vec<String> = BAD.iter().map(|(f, _)| f.to_string()).collect();
+    listed.sort();
+    assert_eq!(
+        on_disk, listed,
+        "every fixture needs an expected message, every expectation a fixture"
+    );
+    for (file, expected) in BAD {
+        let path = dir.join(file);
+        let out = Command::new(quotad_binary())
+            .arg("validate")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{file} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(
+            lines.len(),
+            expected.len(),
+            "{file}: expected {} errors, got:\n{stderr}",
+            expected.len()
+        );
+        for (line, want) in lines.iter().zip(expected.iter()) {
+            let prefix = format!("{}:", path.display());
+            let rest = line
+                .strip_prefix(&prefix)
+                .unwrap_or_else(|| panic!("{file}: {line:?} does not start with the file name"));
+            assert!(
+                rest.starts_with(want),
+                "{file}: got {rest:?}, want {want:?}..."
+            );
+        }
+        // The daemon refuses to start on it, with the same message.
+        let serve = Command::new(quotad_binary())
+            .args(["serve", "--config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert_eq!(
+            serve.status.code(),
+            Some(1),
+            "{file}: serve started on a bad config"
+        );
+        assert!(String::from_utf8_lossy(&serve.stderr).contains(expected[0]));
+    }
+}
+
+#[test]
+fn shipped_configs_validate() {
+    for f in [
+        "config/quotad.toml",
+        "config/examples/login.toml",
+        "config/examples/api.toml",
+    ] {
+        let out = Command::new(quotad_binary())
+            .arg("validate")
+            .arg(fixture(f))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{f}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains(": ok ("));
+    }
+}
+
+#[test]
+fn a_missing_config_file_is_a_clear_error() {
+    let out = Command::new(quotad_binary())
+        .args(["validate", "/nonexistent/quotad.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("/nonexistent/quotad.toml:0: (file): cannot read")
+    );
+}

@@ -1,0 +1,249 @@
+//! The Redis store end to end: NOSCRIPT recovery, batch refunds, reset, peek, shadow mode,
+//! SLOWLOG after a load, the policies endpoint and the metric catalogue.
+
+mod common;
+
+use common::{Quotad, RedisServer};
+use serde_json::json;
+
+fn config(redis: &RedisServer) -> String {
+    format!(
+        r#"
+[store]
+redis = "{}"
+
+[[policy]]
+name = "fw"
+algorithm = "fixed_window"
+limit = 10
+window = "1h"
+
+[[policy]]
+name = "sl"
+algorithm = "sliding_log"
+limit = 10
+window = "1h"
+
+[[policy]]
+name = "sw"
+algorithm = "sliding_window"
+limit = 10
+window = "1h"
+
+[[policy]]
+name = "tb"
+algorithm = "token_bucket"
+limit = 10
+window = "1h"
+
+[[policy]]
+name = "gc"
+algorithm = "gcra"
+limit = 10
+window = "1h"
+
+[[policy]]
+name = "gate"
+algorithm = "fixed_window"
+limit = 1
+window = "1h"
+
+[[policy]]
+name = "login-user"
+algorithm = "sliding_log"
+limit = 5
+window = "15m"
+on_store_error = "closed"
+
+[[policy]]
+name = "watch"
+algorithm = "fixed_window"
+limit = 2
+window = "1h"
+shadow = true
+"#,
+        redis.url()
+    )
+}
+
+const ALGS: [&str; 5] = ["fw", "sl", "sw", "tb", "gc"];
+
+fn remaining(q: &Quotad, policy: &str, key: &str) -> u64 {
+    let (status, v) = q.check(&json!({"policy": policy, "key": key, "cost": 0}));
+    assert_eq!(status, 200, "{v}");
+    v["remaining"].as_u64().unwrap()
+}
+
+#[test]
+fn script_flush_is_recovered_with_no_client_visible_error() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    let loads = q.metric("quotad_script_loads_total");
+    for p in ALGS {
+        assert_eq!(q.check1(p, "a")["outcome"], "allowed");
+    }
+    let _: String = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut redis.conn())
+        .unwrap();
+    for p in ALGS {
+        let v = q.check1(p, "a");
+        assert_eq!(v["outcome"], "allowed", "{p} after SCRIPT FLUSH: {v}");
+        assert_eq!(
+            v["remaining"], 8,
+            "{p}: state survived, second admission counted: {v}"
+        );
+    }
+    assert_eq!(
+        q.metric("quotad_script_loads_total"),
+        loads + ALGS.len() as f64
+    );
+    assert_eq!(q.metric("quotad_store_errors_total{kind=\"command\"}"), 0.0);
+}
+
+#[test]
+fn a_denied_batch_refunds_its_admitted_siblings() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    // Use up the gate.
+    assert_eq!(q.check1("gate", "g")["allowed"], true);
+    for p in ALGS {
+        let key = format!("batch-{p}");
+        q.check(&json!({"policy": p, "key": key, "cost": 3}));
+        let before = remaining(&q, p, &key);
+        let (status, v) = q.check(&json!({"checks": [
+            {"policy": p, "key": key, "cost": 2},
+            {"policy": "gate", "key": "g"},
+        ]}));
+        assert_eq!(status, 200);
+        assert_eq!(v["allowed"], false, "{v}");
+        assert_eq!(v["results"][0]["outcome"], "allowed", "{v}");
+        assert_eq!(v["results"][0]["refunded"], true, "{v}");
+        assert_eq!(v["results"][1]["outcome"], "denied", "{v}");
+        assert_eq!(
+            remaining(&q, p, &key),
+            before,
+            "{p}: the denied batch charged its sibling"
+        );
+    }
+    // An allowed batch charges every check.
+    let (_, v) = q.check(
+        &json!({"checks": [{"policy": "fw", "key": "x"}, {"policy": "tb", "key": "x", "cost": 4}]}),
+    );
+    assert_eq!(v["allowed"], true, "{v}");
+    assert_eq!(remaining(&q, "fw", "x"), 9);
+    assert_eq!(remaining(&q, "tb", "x"), 6);
+    redis.assert_every_key_has_ttl();
+}
+
+#[test]
+fn login_flow_resets_the_username_after_success() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    for _ in 0..5 {
+        assert_eq!(q.check1("login-user", "alice")["allowed"], true);
+    }
+    assert_eq!(q.check1("login-user", "alice")["allowed"], false);
+    let (status, _, _) = q.post(
+        "/v1/reset",
+        &json!({"policy": "login-user", "key": "alice"}),
+    );
+    assert_eq!(status, 204);
+    assert_eq!(redis.dbsize(), 0);
+    assert_eq!(q.check1("login-user", "alice")["remaining"], 4);
+}
+
+#[test]
+fn peek_reports_without_consuming_or_writing() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    for p in ALGS {
+        for _ in 0..3 {
+            assert_eq!(remaining(&q, p, "peek-fresh"), 10, "{p}");
+        }
+    }
+    assert_eq!(redis.dbsize(), 0, "a peek on a fresh key wrote to Redis");
+    for p in ALGS {
+        q.check1(p, "peek-used");
+        assert_eq!(remaining(&q, p, "peek-used"), 9, "{p}");
+        assert_eq!(remaining(&q, p, "peek-used"), 9, "{p}");
+    }
+}
+
+#[test]
+fn shadow_mode_allows_what_it_would_deny_and_counts_it() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    let outcomes: Vec<String> = (0..4)
+        .map(|_| {
+            let v = q.check1("watch", "w");
+            assert_eq!(v["allowed"], true);
+            v["outcome"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(outcomes, ["allowed", "allowed", "shadow", "shadow"]);
+    assert_eq!(
+        q.metric("quotad_decisions_total{outcome=\"shadow\",policy=\"watch\"}"),
+        2.0
+    );
+}
+
+#[test]
+fn slowlog_shows_no_limiter_script_after_a_load() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    // 5 ms: far above a limiter script's few microseconds, far below a stall worth noticing.
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-log-slower-than")
+        .arg(5000)
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+    let q = Quotad::start(&config(&redis));
+    for i in 0..300 {
+        for p in ALGS {
+            let (status, _) =
+                q.check(&json!({"policy": p, "key": format!("k{}", i % 7), "cost": 1 + i % 3}));
+            assert_eq!(status, 200);
+        }
+    }
+    let slow = redis.slow_scripts();
+    assert!(slow.is_empty(), "SLOWLOG holds limiter scripts: {slow:?}");
+    redis.assert_every_key_has_ttl();
+}
+
+#[test]
+fn policies_endpoint_and_metric_catalogue() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    let (status, text) = q.get("/v1/policies");
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let tb = v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "tb")
+        .unwrap();
+    assert_eq!(tb["algorithm"], "token_bucket");
+    assert_eq!(tb["limit"], 10);
+    assert_eq!(tb["window_ms"], 3_600_000);
+    assert_eq!(tb["effective_limit"], 10);
+    q.check1("fw", "m");
+    let (status, metrics) = q.get("/metrics");
+    assert_eq!(status, 200);
+    for name in [
+        "quotad_decisions_total{outcome=\"allowed\",policy=\"fw\"} 1",
+        "quotad_check_duration_seconds_bucket",
+        "quotad_store_errors_total{kind=\"timeout\"} 0",
+        "quotad_store_up 1",
+        "quotad_script_loads_total 5",
+        "quotad_build_info{version=",
+    ] {
+        assert!(metrics.contains(name), "/metrics lacks {name}");
+    }
+    assert!(!metrics.contains("key=\""), "a metric carries a user key");
+    assert_eq!(q.get("/healthz").0, 200);
+    assert_eq!(q.get("/readyz").0, 200);
+}
