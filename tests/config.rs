@@ -94,6 +94,10 @@ const BAD: &[(&str, &[&str])] = &[
         &["2: server.max_batch: must be between 1 and 1024, got 0"],
     ),
     (
+        "shutdown_delay_too_long.toml",
+        &["3: server.shutdown_delay: must be shorter than server.drain_timeout (5s)"],
+    ),
+    (
         "sliding_log_too_big.toml",
         &["4: policy[0].limit: sliding_log keeps one entry per admission"],
     ),

@@ -318,7 +318,7 @@ impl Validator<'_> {
                 }
             },
         };
-        ServerSettings {
+        let settings = ServerSettings {
             listen,
             drain_timeout: self.duration(
                 s.drain_timeout.as_ref(),
@@ -355,7 +355,21 @@ impl Validator<'_> {
                 1,
                 8192,
             ) as usize,
+        };
+        // The drain deadline counts from the signal: a delay as long leaves no time to drain.
+        if let Some(d) = &s.shutdown_delay {
+            if settings.shutdown_delay >= settings.drain_timeout {
+                self.error(
+                    d,
+                    "server.shutdown_delay",
+                    format!(
+                        "must be shorter than server.drain_timeout ({}), which counts from the signal",
+                        humantime::format_duration(settings.drain_timeout)
+                    ),
+                );
+            }
         }
+        settings
     }
 
     fn store(&mut self, s: raw::Store) -> (StoreBackend, String) {
