@@ -70,18 +70,17 @@ CLK=$(getconf CLK_TCK)
 TSV="$OUT/results.tsv"
 printf 'round\trun\trps\tp50_ms\tp99_ms\tp999_ms\terrors\tquotad_us_per_op\tredis_us_per_op\n' >"$TSV"
 
-ceiling() { # round label extra-args...
-  local round=$1 label=$2; shift 2
+ceiling() { # round label requests extra-args...
+  local round=$1 label=$2 n=$3; shift 3
   redis-cli -p "$RP" flushall >/dev/null
   local r0 r1 line
   r0=$(ticks "$REDIS_PID")
-  line=$(redis-benchmark -p "$RP" -c "$CONNS" "$@" -r "$NKEYS" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
+  line=$(redis-benchmark -p "$RP" -c "$CONNS" -n "$n" "$@" -r "$NKEYS" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
   r1=$(ticks "$REDIS_PID")
   local rps p50 p99
   rps=$(echo "$line" | awk -F'","' '{print $2}')
   p50=$(echo "$line" | awk -F'","' '{print $5}')
   p99=$(echo "$line" | awk -F'","' '{print $7}')
-  local n; n=$(echo "$@" | grep -o -- '-n [0-9]*' | awk '{print $2}')
   local rus; rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.1f", t / c * 1e6 / n}')
   printf '%s\t%s\t%s\t%s\t%s\t-\t0\t-\t%s\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus" >>"$TSV"
   printf '  r%s %-22s %10.0f /s  p50 %s ms  p99 %s ms  redis %s us/op\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus"
@@ -89,7 +88,8 @@ ceiling() { # round label extra-args...
 
 target() { # round label [env...]
   local round=$1 label=$2; shift 2
-  redis-cli -p "$RP" flushall >/dev/null 2>&1 || true
+  # (never against a stopped Redis: redis-cli would wait for it forever)
+  [ "$round" = open ] || redis-cli -p "$RP" flushall >/dev/null
   local q0 q1 r0 r1 res
   q0=$(ticks "$QPID"); r0=$(ticks "$REDIS_PID" 2>/dev/null || echo 0)
   res=$(env WRK_KEYS="$NKEYS" "$@" wrk -t1 -c"$CONNS" -d"$DURATION" -s "$HERE/check.lua" "http://127.0.0.1:$QP/v1/check" | grep '^WRK_RESULT')
@@ -122,18 +122,24 @@ target() { # round label [env...]
 echo "warm-up"
 env WRK_KEYS="$NKEYS" wrk -t1 -c"$CONNS" -d2s -s "$HERE/check.lua" "http://127.0.0.1:$QP/v1/check" >/dev/null
 for r in $(seq "$ROUNDS"); do
-  ceiling "$r" evalsha-c50 -n 400000
-  ceiling "$r" evalsha-P32 -n 1000000 -P 32
+  ceiling "$r" evalsha-c50 400000
+  ceiling "$r" evalsha-P32 1000000 -P 32
   target "$r" quotad
-  ceiling "$r" evalsha-c50 -n 400000
-  ceiling "$r" evalsha-P32 -n 1000000 -P 32
+  ceiling "$r" evalsha-c50 400000
+  ceiling "$r" evalsha-P32 1000000 -P 32
 done
 echo "hot key (every check denied after the first 100):"
 target hot quotad-hot-deny WRK_HOT=1
 echo "breaker open (Redis stopped with SIGSTOP; policy fails open):"
+# Server-side decision time from quotad's own histogram, over this run only.
+hist() { curl -s "127.0.0.1:$QP/metrics" | awk -v s="$1" 'index($0, s) == 1 {print $NF}'; }
 kill -STOP "$REDIS_PID"
 sleep 0.5
+b0=$(hist 'quotad_check_duration_seconds_bucket{le="0.001"}'); c0=$(hist 'quotad_check_duration_seconds_count')
 target open quotad-fail-open
+b1=$(hist 'quotad_check_duration_seconds_bucket{le="0.001"}'); c1=$(hist 'quotad_check_duration_seconds_count')
 kill -CONT "$REDIS_PID"
+awk -v b=$((b1 - b0)) -v c=$((c1 - c0)) 'BEGIN{printf "  breaker open: %d of %d decisions (%.3f%%) took under 1 ms in quotad (quotad_check_duration_seconds)\n", b, c, 100*b/c}' \
+  | tee "$OUT/fail-open-latency.txt"
 echo "results: $TSV"
 python3 "$HERE/summarize.py" "$TSV" | tee "$OUT/summary.md"

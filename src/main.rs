@@ -9,6 +9,11 @@ use tokio_util::sync::CancellationToken;
 use quotad::algorithm::Algorithm;
 use quotad::config::Settings;
 
+/// Every request allocates a little (JSON, keys, headers): glibc's malloc was ~15% of the
+/// daemon's CPU under load in perf; mimalloc's thread-local free lists cost a fraction.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "quotad",
