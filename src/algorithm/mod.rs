@@ -407,48 +407,36 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
         }
     };
     let ttl = (slot + 2) * w - now;
+    let verdict =
+        |current, previous| allowed(remaining_of(current, previous), reset_of(current, previous));
+    let keep = |current, previous| Outcome {
+        verdict: verdict(current, previous),
+        write: Write::Keep,
+    };
+    let put = |current, previous| Outcome {
+        verdict: verdict(current, previous),
+        write: Write::Put {
+            state: State::Sliding {
+                slot,
+                current,
+                previous,
+            },
+            ttl_us: ttl,
+        },
+    };
     let (cost, write) = eval_cost(op);
     if let Op::Refund { .. } = op {
-        match stored {
-            Some(s) if s == slot => current = current.saturating_sub(cost),
-            Some(s) if s == slot - 1 => previous = previous.saturating_sub(cost),
-            _ => {
-                return Outcome {
-                    verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
-                    write: Write::Keep,
-                };
-            }
-        }
-        return Outcome {
-            verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
-            write: Write::Put {
-                state: State::Sliding {
-                    slot,
-                    current,
-                    previous,
-                },
-                ttl_us: ttl,
-            },
+        return match stored {
+            Some(s) if s == slot => put(current.saturating_sub(cost), previous),
+            Some(s) if s == slot - 1 => put(current, previous.saturating_sub(cost)),
+            _ => keep(current, previous),
         };
     }
     if estimate(current, previous) + cost as f64 <= l.limit as f64 {
-        if !write {
-            return Outcome {
-                verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
-                write: Write::Keep,
-            };
-        }
-        current += cost;
-        Outcome {
-            verdict: allowed(remaining_of(current, previous), reset_of(current, previous)),
-            write: Write::Put {
-                state: State::Sliding {
-                    slot,
-                    current,
-                    previous,
-                },
-                ttl_us: ttl,
-            },
+        if write {
+            put(current + cost, previous)
+        } else {
+            keep(current, previous)
         }
     } else {
         // Room left for carried-over weight once this request is in.

@@ -188,13 +188,7 @@ impl Limiter {
     async fn decide(&self, check: &Check, member: &str) -> Decision {
         let policy = &check.policy;
         let key = policy.storage_key(&check.key);
-        let call = StoreCall {
-            algorithm: policy.algorithm,
-            limits: policy.limits(),
-            key: &key,
-            op: Op::Check { cost: check.cost },
-            member,
-        };
+        let call = store_call(check, &key, Op::Check { cost: check.cost }, member);
         let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
         match self.store.apply(&call).await {
             Ok(v) => {
@@ -225,13 +219,7 @@ impl Limiter {
     async fn refund(&self, check: &Check, member: &str, charged: Option<Charged>) -> bool {
         let policy = &check.policy;
         let key = policy.storage_key(&check.key);
-        let call = StoreCall {
-            algorithm: policy.algorithm,
-            limits: policy.limits(),
-            key: &key,
-            op: Op::Refund { cost: check.cost },
-            member,
-        };
+        let call = store_call(check, &key, Op::Refund { cost: check.cost }, member);
         match charged {
             Some(Charged::Primary) => match self.store.apply(&call).await {
                 Ok(_) => true,
@@ -248,6 +236,16 @@ impl Limiter {
             }
             None => false,
         }
+    }
+}
+
+fn store_call<'a>(check: &Check, key: &'a str, op: Op, member: &'a str) -> StoreCall<'a> {
+    StoreCall {
+        algorithm: check.policy.algorithm,
+        limits: check.policy.limits(),
+        key,
+        op,
+        member,
     }
 }
 
