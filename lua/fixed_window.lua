@@ -10,21 +10,23 @@ local slot = math.floor(now / window)
 local st = redis.call('HMGET', key, 'w', 'n')
 local stored = tonumber(st[1])
 local count = tonumber(st[2]) or 0
-if stored and stored > slot then
-  slot = stored -- the clock stepped back: stay in the newer window
+if stored == slot + 1 then
+  slot = stored -- the clock stepped back (less than a window): stay in the newer window
 elseif stored ~= slot then
-  count = 0
+  count = 0 -- older, or written under another window length (a config change)
 end
 local reset_after = (slot + 1) * window - now
+-- After a lowered limit the count may exceed it: never report negative remaining.
+local function left(c) return math.max(0, limit - c) end
 
 if refund then
   if stored ~= slot then
-    return verdict(true, limit - count, reset_after, 0)
+    return verdict(true, left(count), reset_after, 0)
   end
   count = math.max(0, count - cost)
   redis.call('HSET', key, 'w', slot, 'n', count)
   redis.call('PEXPIRE', key, ttl_ms(reset_after))
-  return verdict(true, limit - count, reset_after, 0)
+  return verdict(true, left(count), reset_after, 0)
 end
 
 if count + eval_cost <= limit then
@@ -37,6 +39,6 @@ if count + eval_cost <= limit then
     end
     redis.call('PEXPIRE', key, ttl_ms(reset_after))
   end
-  return verdict(true, limit - count, reset_after, 0)
+  return verdict(true, left(count), reset_after, 0)
 end
-return verdict(false, limit - count, reset_after, reset_after)
+return verdict(false, left(count), reset_after, reset_after)

@@ -27,13 +27,26 @@ end
 
 if count + eval_cost <= limit then
   if write then
-    for i = 1, cost do
-      redis.call('ZADD', key, now, member .. ':' .. i)
+    -- Variadic ZADD in chunks: one call per 500 entries, not one per unit.
+    local i = 1
+    while i <= cost do
+      local args = {}
+      local last = math.min(cost, i + 499)
+      for j = i, last do
+        args[#args + 1] = now
+        args[#args + 1] = member .. ':' .. j
+      end
+      redis.call('ZADD', key, unpack(args))
+      i = last + 1
     end
-    redis.call('PEXPIRE', key, ttl_ms(window))
     count = count + cost
   end
-  return verdict(true, limit - count, reset_after(), 0)
+  local reset = reset_after()
+  if write then
+    -- Until the newest entry leaves (after a clock step-back that is more than a window).
+    redis.call('PEXPIRE', key, ttl_ms(reset))
+  end
+  return verdict(true, limit - count, reset, 0)
 end
 -- The request fits once the oldest (count + cost - limit) entries have left the window.
 local k = count + eval_cost - limit

@@ -13,8 +13,10 @@ local stored = tonumber(st[1])
 local current = tonumber(st[2]) or 0
 local previous = tonumber(st[3]) or 0
 local elapsed = now - slot * window
-if stored and stored > slot then
-  slot = stored -- the clock stepped back: stay at the start of the newer window
+if stored == slot + 1 then
+  -- the clock stepped back (less than a window): stay at the start of the newer window;
+  -- a slot further ahead was written under another window length and is discarded below
+  slot = stored
   elapsed = 0
 elseif stored == slot then
   -- same window

@@ -98,6 +98,14 @@ const BAD: &[(&str, &[&str])] = &[
         &["3: server.shutdown_delay: must be shorter than server.drain_timeout (5s)"],
     ),
     (
+        "gcra_too_fast.toml",
+        &["4: policy[0].limit: gcra needs window / limit of at least 1us"],
+    ),
+    (
+        "burst_refill_too_long.toml",
+        &["4: policy[0].limit: refilling burst 1000 at 1 per 1day takes longer than a year"],
+    ),
+    (
         "sliding_log_too_big.toml",
         &["4: policy[0].limit: sliding_log keeps one entry per admission"],
     ),

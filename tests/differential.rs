@@ -95,12 +95,14 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
     let mut now = real_now_us();
     let mut trace: Vec<String> = Vec::new();
     for step in 0..steps {
-        // Time: mostly small steps, sometimes none (same microsecond), sometimes a jump.
+        // Time: mostly small steps, sometimes none (same microsecond), sometimes a jump,
+        // and rarely a step back (the clock of a promoted replica, an NTP correction).
         let w = l.window_us;
         let dt = match rng.random_range(0..100) {
             0..=19 => 0,
-            20..=69 => rng.random_range(1..=w / 20 + 1),
-            70..=94 => rng.random_range(1..=w / 2),
+            20..=68 => rng.random_range(1..=w / 20 + 1),
+            69..=93 => rng.random_range(1..=w / 2),
+            94..=96 => -rng.random_range(1..=w),
             _ => rng.random_range(w..=3 * w),
         };
         now += dt;
@@ -190,11 +192,12 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
 
 fn runs(alg: Algorithm) -> Vec<Run> {
     let ms = 1000;
-    let shapes: [(u64, i64, u64); 4] = [
+    let shapes: [(u64, i64, u64); 5] = [
         (3, 100 * ms, 3),
         (10, 250 * ms, 4),
         (100, 1000 * ms, 150),
         (7, 30 * ms, 1),
+        (1, 50 * ms, 1),
     ];
     shapes
         .iter()

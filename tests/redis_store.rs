@@ -192,7 +192,8 @@ fn shadow_mode_allows_what_it_would_deny_and_counts_it() {
 fn slowlog_shows_no_limiter_script_after_a_load() {
     let redis = RedisServer::start();
     let mut conn = redis.conn();
-    // 5 ms: far above a limiter script's few microseconds, far below a stall worth noticing.
+    // 10 ms (Redis's default): far above a limiter script's tens of microseconds, so a
+    // preempted Redis on a loaded CI machine does not read as a slow script.
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("slowlog-log-slower-than")
@@ -246,4 +247,48 @@ fn policies_endpoint_and_metric_catalogue() {
     assert!(!metrics.contains("key=\""), "a metric carries a user key");
     assert_eq!(q.get("/healthz").0, 200);
     assert_eq!(q.get("/readyz").0, 200);
+}
+
+/// A config change under live keys: a longer window must not strand old state ahead of the
+/// new window (it would be denied for years), and a lowered limit must deny, not error.
+#[test]
+fn config_changes_under_live_keys_stay_enforced() {
+    let redis = RedisServer::start();
+    let cfg = |limit: u64, window: &str| {
+        format!(
+            "[store]\nredis = \"{}\"\n[[policy]]\nname = \"p\"\nalgorithm = \"fixed_window\"\nlimit = {limit}\nwindow = \"{window}\"\n[[policy]]\nname = \"s\"\nalgorithm = \"sliding_window\"\nlimit = {limit}\nwindow = \"{window}\"\n",
+            redis.url()
+        )
+    };
+    {
+        let q = Quotad::start(&cfg(100, "1m"));
+        for p in ["p", "s"] {
+            q.check(&json!({"policy": p, "key": "k", "cost": 50}));
+        }
+    }
+    {
+        // Lowered limit, same window: over the new limit already, so denied with 0 left.
+        let q = Quotad::start(&cfg(10, "1m"));
+        for p in ["p", "s"] {
+            let v = q.check1(p, "k");
+            assert_eq!(
+                (v["outcome"].as_str(), v["remaining"].as_u64()),
+                (Some("denied"), Some(0)),
+                "{p}: {v}"
+            );
+        }
+    }
+    {
+        // Longer window: the old minute-slot state is discarded, not kept for years.
+        let q = Quotad::start(&cfg(100, "1h"));
+        for p in ["p", "s"] {
+            let v = q.check1(p, "k");
+            assert_eq!(v["outcome"], "allowed", "{p}: {v}");
+            assert!(
+                v["reset_after_ms"].as_u64().unwrap() <= 2 * 3_600_000,
+                "{p}: {v}"
+            );
+        }
+    }
+    redis.assert_every_key_has_ttl();
 }

@@ -222,24 +222,28 @@ fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome 
         _ => (None, 0),
     };
     match stored_slot {
-        // A clock that stepped back stays in the newer window rather than reopening it.
-        Some(s) if s > slot => slot = s,
+        // A clock that stepped back (by less than a window) stays in the newer window rather
+        // than reopening it. A slot further ahead is not ours: state written under another
+        // window length (a config change); it is discarded.
+        Some(s) if s == slot + 1 => slot = s,
         Some(s) if s == slot => {}
         _ => count = 0,
     }
     let reset_after = (slot + 1) * w - now;
+    // Saturating: after the limit is lowered, a count may exceed it.
+    let left = |count: u64| l.limit.saturating_sub(count);
     let (cost, write) = eval_cost(op);
     if let Op::Refund { .. } = op {
         if stored_slot != Some(slot) {
             // The charge belonged to a window that no longer counts: nothing to give back.
             return Outcome {
-                verdict: allowed(l.limit - count, reset_after),
+                verdict: allowed(left(count), reset_after),
                 write: Write::Keep,
             };
         }
         count = count.saturating_sub(cost);
         return Outcome {
-            verdict: allowed(l.limit - count, reset_after),
+            verdict: allowed(left(count), reset_after),
             write: Write::Put {
                 state: State::Fixed { slot, count },
                 ttl_us: reset_after,
@@ -249,13 +253,13 @@ fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome 
     if count + cost <= l.limit {
         if !write {
             return Outcome {
-                verdict: allowed(l.limit - count, reset_after),
+                verdict: allowed(left(count), reset_after),
                 write: Write::Keep,
             };
         }
         count += cost;
         Outcome {
-            verdict: allowed(l.limit - count, reset_after),
+            verdict: allowed(left(count), reset_after),
             write: Write::Put {
                 state: State::Fixed { slot, count },
                 ttl_us: reset_after,
@@ -263,7 +267,7 @@ fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome 
         }
     } else {
         Outcome {
-            verdict: denied(l.limit - count, reset_after, reset_after),
+            verdict: denied(left(count), reset_after, reset_after),
             write: Write::Keep,
         }
     }
@@ -333,9 +337,7 @@ fn sliding_log(l: &Limits, state: Option<&State>, now: i64, op: Op, member: &str
         // Insert after every entry with a timestamp <= now (ZADD keeps score order; equal
         // scores order by member, which no decision depends on).
         let at = entries.partition_point(|(t, _)| *t <= now);
-        for i in (1..=cost).rev() {
-            entries.insert(at, (now, format!("{member}:{i}")));
-        }
+        entries.splice(at..at, (1..=cost).map(|i| (now, format!("{member}:{i}"))));
         let count = entries.len() as u64;
         let verdict = allowed(l.limit - count, reset_of(&entries));
         Outcome {
@@ -377,8 +379,9 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
     };
     let mut elapsed = now - slot * w;
     match stored {
-        Some(s) if s > slot => {
-            // Clock stepped back: stay at the start of the newer window.
+        Some(s) if s == slot + 1 => {
+            // Clock stepped back (less than a window): stay at the start of the newer window.
+            // A slot further ahead is state from another window length: discarded below.
             slot = s;
             elapsed = 0;
         }

@@ -92,9 +92,10 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 pub const DEFAULT_BREAKER_THRESHOLD: i64 = 3;
 pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 pub const DEFAULT_KEY_PREFIX: &str = "rl";
-/// A sliding log stores one entry per admission (about 20 KB per key at limit 1,000): above
-/// this, the sliding_window counter is the right tool.
-pub const MAX_SLIDING_LOG_LIMIT: i64 = 100_000;
+/// A sliding log stores one entry per admission (about 100 KB per key at limit 1,000, and a
+/// cost-N check writes N entries inside one script): above this, the sliding_window counter
+/// is the right tool.
+pub const MAX_SLIDING_LOG_LIMIT: i64 = policy::MAX_SLIDING_LOG_LIMIT as i64;
 
 impl Settings {
     /// `quotad serve` without `--config`: the embedded store on loopback, with one policy
@@ -472,7 +473,7 @@ impl Validator<'_> {
             self.error(
                 &p.limit,
                 &f("limit"),
-                format!("sliding_log keeps one entry per admission; limits above {MAX_SLIDING_LOG_LIMIT} would cost megabytes per key: use sliding_window"),
+                format!("sliding_log keeps one entry per admission; limits above {MAX_SLIDING_LOG_LIMIT} cost a megabyte per key and stall Redis on large costs: use sliding_window"),
             );
         }
         let window = self.duration(
@@ -514,6 +515,15 @@ impl Validator<'_> {
                 FailMode::Open
             }
         };
+        if self.errors.len() == errors_before {
+            if let Some(a) = algorithm {
+                if let Err(why) =
+                    policy::check_rates(a, limit as u64, window, burst.unwrap_or(limit as u64))
+                {
+                    self.error(&p.limit, &f("limit"), why);
+                }
+            }
+        }
         if self.errors.len() > errors_before {
             return None;
         }

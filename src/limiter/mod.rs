@@ -174,8 +174,11 @@ impl Limiter {
     /// Forgets a key's state in this region's store and in the local fallback.
     pub async fn reset(&self, policy: &Policy, key: &str) -> Result<(), StoreError> {
         let storage_key = policy.storage_key(key);
+        // The store first: when it fails the caller is told nothing changed, so the local
+        // fallback's state must not have changed either.
+        self.store.delete(&storage_key).await?;
         self.local.delete(&storage_key);
-        self.store.delete(&storage_key).await
+        Ok(())
     }
 
     fn count(&self, d: &Decision) {

@@ -54,6 +54,45 @@ pub const MIN_WINDOW: Duration = Duration::from_millis(1);
 /// Largest window: keeps every microsecond product far inside a double's exact range.
 pub const MAX_WINDOW: Duration = Duration::from_secs(31_557_600); // humantime's "1year"
 pub const MAX_LIMIT: u64 = 1_000_000_000;
+/// See `config::MAX_SLIDING_LOG_LIMIT`.
+pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
+
+/// The limits on rates that keep the scripts' double arithmetic exact (microsecond
+/// timestamps are about 2^51, so a double resolves about 0.25 us there):
+/// - GCRA's emission interval `window / limit` must be at least 1 us, or the theoretical
+///   arrival time cannot advance and the limit never bites (rates above 1,000,000/s);
+/// - for token_bucket and gcra, refilling the whole burst (`burst * window / limit`) must
+///   take at most [`MAX_WINDOW`], so every TTL stays far inside the exact range;
+/// - a sliding log holds at most [`MAX_SLIDING_LOG_LIMIT`] entries.
+pub fn check_rates(
+    algorithm: Algorithm,
+    limit: u64,
+    window: Duration,
+    burst: u64,
+) -> Result<(), String> {
+    let window_us = window.as_micros();
+    match algorithm {
+        Algorithm::Gcra if window_us < limit as u128 => {
+            return Err(format!(
+                "gcra needs window / limit of at least 1us (at most 1000000 per second); {limit} per {} is faster",
+                humantime::format_duration(window)
+            ));
+        }
+        Algorithm::SlidingLog if limit > MAX_SLIDING_LOG_LIMIT => {
+            return Err(format!(
+                "sliding_log allows at most {MAX_SLIDING_LOG_LIMIT} per window"
+            ));
+        }
+        _ => {}
+    }
+    if algorithm.has_burst() && burst as u128 * window_us / limit as u128 > MAX_WINDOW.as_micros() {
+        return Err(format!(
+            "refilling burst {burst} at {limit} per {} takes longer than a year",
+            humantime::format_duration(window)
+        ));
+    }
+    Ok(())
+}
 
 /// What a config entry asks for; [`Policy::new`] checks it.
 #[derive(Debug, Clone, Copy)]

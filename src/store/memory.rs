@@ -36,7 +36,7 @@ pub const TTL_GRACE_MS: i64 = 1000;
 /// The TTL the Lua scripts set for a state that is equivalent to absent after `us`:
 /// whole milliseconds rounded up, plus [`TTL_GRACE_MS`] (see `ttl_ms` in lua/prelude.lua).
 pub fn ttl_ms(us: i64) -> i64 {
-    (us.max(0) as u64).div_ceil(1000) as i64 + TTL_GRACE_MS
+    ((us.max(0) as u64).div_ceil(1000) as i64).saturating_add(TTL_GRACE_MS)
 }
 
 impl MemoryStore {
@@ -73,7 +73,7 @@ impl MemoryStore {
         match out.write {
             Write::Keep => {}
             Write::Put { state, ttl_us } => {
-                let expires_at_us = now + ttl_ms(ttl_us) * 1000;
+                let expires_at_us = now.saturating_add(ttl_ms(ttl_us).saturating_mul(1000));
                 map.insert(
                     call.key.to_owned(),
                     Entry {
