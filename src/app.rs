@@ -77,7 +77,11 @@ pub async fn serve(
                 Arc::new(RedisStore::new(rs.clone(), metrics.clone()).map_err(AppError::RedisUrl)?);
             // One bounded attempt before serving, so the first requests are enforced when
             // Redis is up; if it is not, the supervisor keeps trying while we serve.
-            match redis.probe().await {
+            let first = tokio::select! {
+                r = redis.probe() => r,
+                _ = shutdown.cancelled() => return Ok(()),
+            };
+            match first {
                 Ok(()) => {
                     tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded")
                 }

@@ -99,6 +99,8 @@ pub struct Limiter {
     /// so ids from several daemons sharing a Redis never collide.
     id_prefix: String,
     next_id: AtomicU64,
+    /// Command/reply errors seen, to log them with backoff.
+    script_errors: AtomicU64,
 }
 
 fn ms_ceil(us: i64) -> u64 {
@@ -117,6 +119,7 @@ impl Limiter {
             metrics,
             id_prefix: format!("{:016x}", rand::random::<u64>()),
             next_id: AtomicU64::new(0),
+            script_errors: AtomicU64::new(0),
         }
     }
 
@@ -204,8 +207,18 @@ impl Limiter {
             }
             Err(e) => {
                 self.metrics.store_error(&e);
-                if !matches!(e, StoreError::CircuitOpen) {
-                    tracing::debug!(policy = %policy.name, error = %e, "store call failed");
+                match e {
+                    // Redis answered with an error or a malformed reply: a bug or a broken
+                    // server, not an outage. Loud, but not once per request: the 1st, 2nd,
+                    // 4th, 8th... occurrence.
+                    StoreError::Command(_) | StoreError::Reply(_) => {
+                        let n = self.script_errors.fetch_add(1, Ordering::Relaxed) + 1;
+                        if n.is_power_of_two() {
+                            tracing::warn!(policy = %policy.name, error = %e, occurrences = n, "limiter script failed");
+                        }
+                    }
+                    StoreError::CircuitOpen => {}
+                    _ => tracing::debug!(policy = %policy.name, error = %e, "store call failed"),
                 }
                 match policy.on_store_error {
                     FailMode::Open => unenforced(check, true),

@@ -41,9 +41,12 @@ pub struct RedisSettings {
 
 pub struct RedisStore {
     client: redis::Client,
-    /// The live connection; `None` until the supervisor connects, and after it is lost.
-    /// A std RwLock: held only to clone the handle out, never across an await.
-    conn: RwLock<Option<MultiplexedConnection>>,
+    /// The live connection with its generation; `None` until the supervisor connects, and
+    /// after it is lost. The generation lets a late error from a request on an old
+    /// connection leave a newer one alone. A std RwLock: held only to clone the handle out,
+    /// never across an await.
+    conn: RwLock<Option<(u64, MultiplexedConnection)>>,
+    generation: std::sync::atomic::AtomicU64,
     scripts: Scripts,
     settings: RedisSettings,
     breaker: Breaker,
@@ -75,6 +78,7 @@ impl RedisStore {
         Ok(RedisStore {
             client,
             conn: RwLock::new(None),
+            generation: std::sync::atomic::AtomicU64::new(0),
             scripts: Scripts::default(),
             settings,
             breaker,
@@ -88,12 +92,13 @@ impl RedisStore {
         !self.breaker.is_open() && self.loaded.load(Ordering::Acquire)
     }
 
-    fn conn(&self) -> Option<MultiplexedConnection> {
+    fn conn(&self) -> Option<(u64, MultiplexedConnection)> {
         self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn set_conn(&self, conn: Option<MultiplexedConnection>) {
-        *self.conn.write().unwrap_or_else(|p| p.into_inner()) = conn;
+    fn install(&self, conn: MultiplexedConnection) {
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        *self.conn.write().unwrap_or_else(|p| p.into_inner()) = Some((generation, conn));
     }
 
     pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
@@ -161,7 +166,7 @@ impl RedisStore {
         if self.breaker.is_open() {
             return Err(StoreError::CircuitOpen);
         }
-        let Some(conn) = self.conn() else {
+        let Some((generation, conn)) = self.conn() else {
             return Err(StoreError::CircuitOpen);
         };
         let result = match tokio::time::timeout(self.settings.timeout, f(conn)).await {
@@ -171,7 +176,7 @@ impl RedisStore {
                 return Ok(v);
             }
             Ok(Err(e)) if is_connection_error(&e) => {
-                self.lose_connection();
+                self.lose_connection(generation);
                 Err(StoreError::Connection(e.to_string()))
             }
             // The server answered: the connection is fine, the command was not.
@@ -188,8 +193,15 @@ impl RedisStore {
         result
     }
 
-    fn lose_connection(&self) {
-        self.set_conn(None);
+    fn lose_connection(&self, generation: u64) {
+        {
+            let mut conn = self.conn.write().unwrap_or_else(|p| p.into_inner());
+            match conn.as_ref() {
+                Some((g, _)) if *g == generation => *conn = None,
+                // Already replaced by a newer connection: this error is old news.
+                _ => return,
+            }
+        }
         self.loaded.store(false, Ordering::Release);
         if self.breaker.trip() {
             tracing::warn!("redis connection lost: circuit opened");
@@ -218,7 +230,7 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.settings.connect_timeout + t * 7, attempt).await {
             Ok(Ok(conn)) => {
-                self.set_conn(Some(conn));
+                self.install(conn);
                 self.loaded.store(true, Ordering::Release);
                 self.breaker.close();
                 self.metrics.store_up.set(1);
