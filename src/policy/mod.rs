@@ -128,6 +128,7 @@ impl Policy {
         if !(MIN_WINDOW..=MAX_WINDOW).contains(&window)
             || !valid_name(name)
             || !valid_prefix(key_prefix)
+            || check_rates(algorithm, limit.get(), window, burst.get()).is_err()
         {
             return None;
         }
@@ -277,6 +278,12 @@ mod tests {
         assert!(mk(1, s, Some(5), Algorithm::FixedWindow).is_none());
         assert!(mk(1, s, Some(0), Algorithm::TokenBucket).is_none());
         assert!(Policy::new("rl", spec("a:b", Algorithm::Gcra, 1, s, None)).is_none());
+        // GCRA faster than 1 unit per microsecond; a burst that takes over a year to refill;
+        // a sliding log over its cap.
+        assert!(mk(10_000, Duration::from_millis(1), Some(1), Algorithm::Gcra).is_none());
+        assert!(mk(1_000, Duration::from_millis(1), Some(1), Algorithm::Gcra).is_some());
+        assert!(mk(1, MAX_WINDOW, Some(2), Algorithm::TokenBucket).is_none());
+        assert!(mk(10_001, s, None, Algorithm::SlidingLog).is_none());
         assert_eq!(
             mk(2, s, Some(5), Algorithm::TokenBucket)
                 .unwrap()
