@@ -199,7 +199,7 @@ fn slowlog_shows_no_limiter_script_after_a_load() {
     let _: () = redis::cmd("CONFIG")
         .arg("SET")
         .arg("slowlog-log-slower-than")
-        .arg(5000)
+        .arg(25_000)
         .query(&mut conn)
         .unwrap();
     let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
