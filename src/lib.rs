@@ -27,6 +27,7 @@ pub mod api;
 pub mod app;
 pub mod clock;
 pub mod config;
+pub mod coordinator;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;

@@ -1,0 +1,214 @@
+//! The lease book: what a region's store holds for one key of a global policy, and the
+//! enforced rate it implies.
+//!
+//! This is the state the Lua token bucket reads (issue 4 moves it into the key's hash):
+//! the region's escrow, the reservations it holds for loans it granted, and the loans it
+//! holds. The enforced rate is a function of the book and the *store's* clock alone, so a
+//! crashed or wedged daemon can never extend a loan: expired entries stop counting by
+//! themselves. Lenders count only the largest live reservation per borrower, because a
+//! borrower holds exactly one lease per lender at a time (the newest it accepted); older,
+//! larger ones stay reserved until the borrower announces that it has moved past them.
+
+use serde::{Deserialize, Serialize};
+
+use super::{LocalUs, RegionId};
+
+/// A reservation the lender holds for a loan it granted (or was about to grant).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Reservation {
+    pub borrower: RegionId,
+    pub seq: u64,
+    pub amount: f64,
+    /// Lender's clock: grant time + D(1+ε) + m.
+    pub until: LocalUs,
+}
+
+/// A loan the borrower counts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Loan {
+    pub lender: RegionId,
+    pub lender_incarnation: u64,
+    pub seq: u64,
+    pub amount: f64,
+    /// Borrower's clock: t_req + D(1−ε).
+    pub until: LocalUs,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaseBook {
+    /// The region's effective escrow for this key's policy (see `node` on re-splits).
+    pub escrow: f64,
+    pub reserved: Vec<Reservation>,
+    pub borrowed: Vec<Loan>,
+    /// Highest store time seen by a write or a decision: a reading well below it is a
+    /// backward clock step, and loans stop counting (their validity would stretch).
+    pub high_water: LocalUs,
+}
+
+impl LeaseBook {
+    pub fn new(escrow: f64) -> Self {
+        LeaseBook {
+            escrow,
+            reserved: Vec::new(),
+            borrowed: Vec::new(),
+            high_water: LocalUs::MIN,
+        }
+    }
+
+    /// The rate the region enforces at store time `now`: E − Σ_peers max live reservation
+    /// + Σ live loans (loans not at all after a backward step beyond `step_tolerance`).
+    pub fn rate(&self, now: LocalUs, step_tolerance: i64) -> f64 {
+        (self.escrow - self.reserved_total(now) + self.borrowed_total(now, step_tolerance)).max(0.0)
+    }
+
+    fn stepped_back(&self, now: LocalUs, tolerance: i64) -> bool {
+        now.saturating_add(tolerance) < self.high_water
+    }
+
+    /// The largest live reservation for one borrower.
+    pub fn reserved_for(&self, borrower: RegionId, now: LocalUs) -> f64 {
+        self.reserved
+            .iter()
+            .filter(|r| r.borrower == borrower && now < r.until)
+            .map(|r| r.amount)
+            .fold(0.0, f64::max)
+    }
+
+    /// Σ over borrowers of [`Self::reserved_for`].
+    pub fn reserved_total(&self, now: LocalUs) -> f64 {
+        let mut seen: Vec<RegionId> = Vec::new();
+        let mut total = 0.0;
+        for r in &self.reserved {
+            if !seen.contains(&r.borrower) {
+                seen.push(r.borrower);
+                total += self.reserved_for(r.borrower, now);
+            }
+        }
+        total
+    }
+
+    /// The live loan from one lender, if any.
+    pub fn loan_from(&self, lender: RegionId, now: LocalUs) -> Option<&Loan> {
+        self.borrowed
+            .iter()
+            .find(|l| l.lender == lender && now < l.until)
+    }
+
+    pub fn borrowed_total(&self, now: LocalUs, step_tolerance: i64) -> f64 {
+        if self.stepped_back(now, step_tolerance) {
+            return 0.0;
+        }
+        self.borrowed
+            .iter()
+            .filter(|l| now < l.until)
+            .map(|l| l.amount)
+            .sum()
+    }
+
+    /// What the store does on every touch: detect a backward step (drop every loan for
+    /// good; returns true) and raise the high-water mark.
+    pub fn observe_time(&mut self, now: LocalUs, step_tolerance: i64) -> bool {
+        let stepped = self.stepped_back(now, step_tolerance);
+        if stepped {
+            self.borrowed.clear();
+        }
+        self.high_water = self.high_water.max(now);
+        stepped
+    }
+
+    /// Drops entries that no longer count (garbage collection; changes no rate).
+    pub fn prune(&mut self, now: LocalUs) {
+        self.reserved.retain(|r| now < r.until);
+        self.borrowed.retain(|l| now < l.until);
+    }
+
+    /// The borrower has moved to a lease with seq ≥ `upto`: older reservations can go.
+    pub fn release(&mut self, borrower: RegionId, upto: u64) {
+        self.reserved
+            .retain(|r| r.borrower != borrower || r.seq >= upto);
+    }
+
+    /// Store times in `(from, to]` at which the rate changes by itself (an entry expires).
+    /// A token bucket that refills over `[from, to]` must credit each piece at its own rate.
+    pub fn expiries_between(&self, from: LocalUs, to: LocalUs) -> Vec<LocalUs> {
+        let mut out: Vec<LocalUs> = self
+            .reserved
+            .iter()
+            .map(|r| r.until)
+            .chain(self.borrowed.iter().map(|l| l.until))
+            .filter(|&t| t > from && t <= to)
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Nothing lent or borrowed that still counts.
+    pub fn is_idle(&self, now: LocalUs) -> bool {
+        self.reserved.iter().all(|r| now >= r.until) && self.borrowed.iter().all(|l| now >= l.until)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rate_counts_the_largest_live_reservation_per_borrower_and_live_loans() {
+        let mut b = LeaseBook::new(60.0);
+        b.reserved.push(Reservation {
+            borrower: RegionId(1),
+            seq: 1,
+            amount: 20.0,
+            until: 100,
+        });
+        b.reserved.push(Reservation {
+            borrower: RegionId(1),
+            seq: 2,
+            amount: 5.0,
+            until: 200,
+        });
+        b.reserved.push(Reservation {
+            borrower: RegionId(2),
+            seq: 3,
+            amount: 10.0,
+            until: 150,
+        });
+        b.borrowed.push(Loan {
+            lender: RegionId(3),
+            lender_incarnation: 1,
+            seq: 9,
+            amount: 7.0,
+            until: 120,
+        });
+        assert_eq!(b.rate(50, 0), 60.0 - 20.0 - 10.0 + 7.0);
+        assert_eq!(b.rate(110, 0), 60.0 - 5.0 - 10.0 + 7.0);
+        assert_eq!(b.rate(130, 0), 60.0 - 5.0 - 10.0);
+        assert_eq!(b.rate(200, 0), 60.0);
+        b.release(RegionId(1), 2);
+        assert_eq!(b.rate(50, 0), 60.0 - 5.0 - 10.0 + 7.0);
+        assert_eq!(b.expiries_between(0, 150), vec![120, 150]);
+    }
+
+    #[test]
+    fn a_backward_step_drops_loans() {
+        let mut b = LeaseBook::new(10.0);
+        b.borrowed.push(Loan {
+            lender: RegionId(1),
+            lender_incarnation: 1,
+            seq: 1,
+            amount: 5.0,
+            until: 10_000,
+        });
+        assert!(!b.observe_time(5_000, 100));
+        assert!(!b.observe_time(4_950, 100), "within tolerance");
+        assert_eq!(
+            b.rate(2_000, 100),
+            10.0,
+            "a reading far below the high water"
+        );
+        assert!(b.observe_time(2_000, 100));
+        assert!(b.borrowed.is_empty());
+        assert_eq!(b.rate(9_000, 100), 10.0);
+    }
+}

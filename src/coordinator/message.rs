@@ -1,0 +1,119 @@
+//! The exchange messages. Each round a region sends every peer one [`Exchange`] (its demand
+//! for the keys that matter to that peer, the loans it wants from it, and how far the peer
+//! may release older reservations); the peer answers with one [`ExchangeReply`] (its own
+//! demand and the grants). Field names are one or two letters because the per-key part is
+//! what the bandwidth target (≤ 100 bytes per hot key per peer per round) is about.
+
+use serde::{Deserialize, Serialize};
+
+use super::{LocalUs, RegionId};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Exchange {
+    #[serde(rename = "f")]
+    pub from: RegionId,
+    /// The sender's incarnation: bumped on every restart.
+    #[serde(rename = "i")]
+    pub incarnation: u64,
+    /// The receiver's incarnation as the sender last heard it; releases refer to it, so a
+    /// restarted lender ignores watermarks meant for its previous life (0 = unknown).
+    #[serde(rename = "ti")]
+    pub to_incarnation: u64,
+    /// The sender's clock, read *before* sending: the grant's validity starts here.
+    #[serde(rename = "t")]
+    pub t_req: LocalUs,
+    #[serde(rename = "p")]
+    pub policies: Vec<PolicyReport>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyReport {
+    #[serde(rename = "n")]
+    pub name: String,
+    /// The newest policy version the sender has applied decrease-first.
+    #[serde(rename = "a")]
+    pub applied: u64,
+    #[serde(rename = "k")]
+    pub keys: Vec<KeyReport>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeyReport {
+    #[serde(rename = "k")]
+    pub key: String,
+    /// Smoothed offered load in the sender's region, units per second.
+    #[serde(rename = "d")]
+    pub demand: f32,
+    /// The loan the sender asks the receiver for (absent: none wanted, none held).
+    #[serde(rename = "w", default, skip_serializing_if = "Option::is_none")]
+    pub want: Option<f64>,
+    /// The receiver may drop its reservations for this key and sender with seq < release.
+    #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
+    pub release: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeReply {
+    #[serde(rename = "f")]
+    pub from: RegionId,
+    #[serde(rename = "i")]
+    pub incarnation: u64,
+    /// Echo of the requester's incarnation: a reply to a previous life is ignored.
+    #[serde(rename = "ti")]
+    pub to_incarnation: u64,
+    /// Echo of the request's `t_req`.
+    #[serde(rename = "t")]
+    pub t_req: LocalUs,
+    /// Lease duration D of every grant in this reply.
+    #[serde(rename = "D")]
+    pub lease_us: i64,
+    #[serde(rename = "p")]
+    pub policies: Vec<PolicyReply>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyReply {
+    #[serde(rename = "n")]
+    pub name: String,
+    #[serde(rename = "a")]
+    pub applied: u64,
+    #[serde(rename = "k")]
+    pub keys: Vec<KeyReply>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeyReply {
+    #[serde(rename = "k")]
+    pub key: String,
+    #[serde(rename = "d")]
+    pub demand: f32,
+    #[serde(rename = "g", default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<Grant>,
+}
+
+/// A loan, already reserved (durably) at the lender.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Grant {
+    #[serde(rename = "s")]
+    pub seq: u64,
+    #[serde(rename = "a")]
+    pub amount: f64,
+}
+
+/// A message between two regions' coordinators.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Message {
+    Exchange(Exchange),
+    Reply(ExchangeReply),
+}
+
+impl Message {
+    /// The wire form (JSON, as the daemons send it) and its length.
+    pub fn encode(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("messages are plain data")
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Message, serde_json::Error> {
+        serde_json::from_slice(bytes)
+    }
+}
