@@ -217,13 +217,8 @@ impl<C: Clock> Node<C> {
         self.policies.insert(name, ps);
     }
 
-    /// The escrow this region may count on for keys without reservations.
     fn escrow_in_force(&self, ps: &PolicyState) -> f64 {
-        let cur = ps.policy.escrow[self.me.index()];
-        match ps.previous_escrow {
-            Some(prev) => prev.min(cur),
-            None => cur,
-        }
+        ps.escrow_in_force(self.me.index())
     }
 
     pub fn region(&self) -> RegionId {
@@ -349,7 +344,7 @@ impl<C: Clock> Node<C> {
                 }
                 plan(ks, &ps.policy, self.me, &links, round, &p, now);
                 // Re-assert: the escrow in force, and everything in memory, every round.
-                let escrow = effective_escrow(ps.previous_escrow, &ps.policy, me, &ks.book, now);
+                let escrow = effective_escrow(escrow_now, ps.previous_escrow, &ks.book, now);
                 ks.book.escrow = escrow;
                 ks.book.high_water = ks.book.high_water.max(now);
                 if store.write_book(name, key, &ks.book) {
@@ -376,11 +371,8 @@ impl<C: Clock> Node<C> {
                 for (key, ks) in &ps.keys {
                     let leased = ks.book.reserved.iter().any(|r| r.borrower.index() == j)
                         || ks.book.loan_from(RegionId(j as u16), now).is_some();
-                    let mentioned = ks.peer_demand[j]
-                        .is_some_and(|(_, r)| round.saturating_sub(r) <= p.linger_rounds as u64);
-                    let hot = ks
-                        .hot_round
-                        .is_some_and(|r| round - r <= p.linger_rounds as u64);
+                    let mentioned = ks.peer_demand[j].is_some_and(|(_, r)| recent(round, r, &p));
+                    let hot = ks.hot_round.is_some_and(|r| recent(round, r, &p));
                     if !(hot || leased || mentioned) {
                         continue;
                     }
@@ -464,15 +456,15 @@ impl<C: Clock> Node<C> {
                 continue;
             };
             ps.peer_applied[j] = ps.peer_applied[j].max(block.applied);
+            let base = ps.escrow_in_force(me);
             let mut keys = Vec::new();
             for report in &block.keys {
                 let ks = match ps.keys.get_mut(&report.key) {
                     Some(ks) => ks,
                     None => {
-                        let escrow = self.escrow_in_force(&ps);
                         let book = store
                             .read_book(&block.name, &report.key)
-                            .unwrap_or_else(|| LeaseBook::new(escrow));
+                            .unwrap_or_else(|| LeaseBook::new(base));
                         let mut ks = KeyState::new(book, n);
                         plan(&mut ks, &ps.policy, self.me, &links, round, &p, now);
                         ps.keys.entry(report.key.clone()).or_insert(ks)
@@ -490,7 +482,6 @@ impl<C: Clock> Node<C> {
                 let mut grant = None;
                 if let Some(want) = report.want {
                     let lendable = if can_lend {
-                        let base = lending_escrow(ps.previous_escrow, &ps.policy, me);
                         let others: f64 =
                             ks.book.reserved_total(now) - ks.book.reserved_for(msg.from, now);
                         base - ks.target_self.min(base) - others
@@ -607,6 +598,20 @@ impl<C: Clock> Node<C> {
     }
 }
 
+impl PolicyState {
+    /// The escrow this region may count on (and lend from) for keys without reservations:
+    /// during a re-split the smaller of old and new.
+    fn escrow_in_force(&self, me: usize) -> f64 {
+        let cur = self.policy.escrow[me];
+        self.previous_escrow.map_or(cur, |prev| prev.min(cur))
+    }
+}
+
+/// Whether round `r` is within the linger window of round `round`.
+fn recent(round: u64, r: u64, p: &Params) -> bool {
+    round.saturating_sub(r) <= p.linger_rounds as u64
+}
+
 impl KeyState {
     fn new(book: LeaseBook, n: usize) -> Self {
         KeyState {
@@ -623,12 +628,12 @@ impl KeyState {
         }
     }
 
-    /// Hot here or mentioned by a peer within the linger window.
+    /// Hot here, active here, or mentioned by a peer within the linger window.
     fn relevant(&self, round: u64, p: &Params) -> bool {
-        let recent = |r: u64| round.saturating_sub(r) <= p.linger_rounds as u64;
-        self.hot_round.is_some_and(recent)
-            || self.active_round.is_some_and(recent)
-            || self.peer_demand.iter().flatten().any(|&(_, r)| recent(r))
+        let within = |r: u64| recent(round, r, p);
+        self.hot_round.is_some_and(within)
+            || self.active_round.is_some_and(within)
+            || self.peer_demand.iter().flatten().any(|&(_, r)| within(r))
     }
 }
 
@@ -653,7 +658,7 @@ fn plan(
             pinned[j] = true;
         } else {
             demand[j] = match ks.peer_demand[j] {
-                Some((d, r)) if round.saturating_sub(r) <= p.linger_rounds as u64 => d,
+                Some((d, r)) if recent(round, r, p) => d,
                 // Cold there (it would report the key otherwise): at most the hot threshold.
                 _ => p.hot_fraction * policy.escrow[j],
             };
@@ -690,26 +695,12 @@ fn plan(
     }
 }
 
-/// The escrow a lender may lend from: during a re-split, the smaller of old and new.
-fn lending_escrow(previous: Option<f64>, policy: &GlobalPolicy, me: usize) -> f64 {
-    let cur = policy.escrow[me];
-    previous.map_or(cur, |p| p.min(cur))
-}
-
 /// The escrow written into a book: during a re-split min(old, new), but never below what
 /// is still reserved (a reservation granted under the old split holds until it ends).
-fn effective_escrow(
-    previous: Option<f64>,
-    policy: &GlobalPolicy,
-    me: usize,
-    book: &LeaseBook,
-    now: LocalUs,
-) -> f64 {
+fn effective_escrow(lowered: f64, previous: Option<f64>, book: &LeaseBook, now: LocalUs) -> f64 {
     match previous {
-        None => policy.escrow[me],
-        Some(prev) => prev
-            .min(policy.escrow[me])
-            .max(book.reserved_total(now).min(prev)),
+        None => lowered,
+        Some(prev) => lowered.max(book.reserved_total(now).min(prev)),
     }
 }
 
@@ -718,8 +709,8 @@ fn effective_escrow(
 fn applied_version(ps: &PolicyState, me: usize) -> u64 {
     match ps.previous_escrow {
         None => ps.policy.version,
-        Some(prev) => {
-            let lowered = prev.min(ps.policy.escrow[me]);
+        Some(_) => {
+            let lowered = ps.escrow_in_force(me);
             let done = ps
                 .keys
                 .values()
