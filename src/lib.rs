@@ -20,6 +20,9 @@
 //! - [`config`]: TOML → validated settings, errors naming file, line and field.
 //! - [`metrics`]: the metric catalogue.
 //! - [`clock`]: time for the embedded store (Redis decisions use Redis TIME).
+//! - [`coordinator`]: global budgets: demand, allocation, the lease book and state machine
+//!   (pure; no I/O).
+//! - [`sim`]: the deterministic simulator that drives the coordinator and checks its bound.
 //! - [`app`]: the composition root and shutdown order.
 
 pub mod algorithm;
@@ -31,4 +34,5 @@ pub mod coordinator;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;
+pub mod sim;
 pub mod store;

@@ -34,11 +34,131 @@ enum Command {
     },
     /// Check a config file: exit 0 if valid, else print every error and exit 1.
     Validate { path: PathBuf },
+    /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S14 of
+    /// the design note, invariant S checked after every event (exit 1 if it breaks).
+    Sim(SimArgs),
     /// Print the Lua script quotad sends to Redis for an algorithm (for redis-benchmark).
     Script {
         #[arg(value_parser = parse_algorithm)]
         algorithm: Algorithm,
     },
+}
+
+#[derive(clap::Args)]
+struct SimArgs {
+    /// Every scenario, S1 to S14.
+    #[arg(long, conflicts_with = "scenario")]
+    all: bool,
+    /// Scenarios to run (S1 ... S14); repeatable.
+    #[arg(long, value_name = "ID")]
+    scenario: Vec<String>,
+    /// Seeds per scenario.
+    #[arg(long, default_value_t = 30)]
+    seeds: u64,
+    /// The first seed (seeds run from here up).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Modes to run, comma-separated (central is always run: figures are relative to it).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "central,lease,static,independent,count_sharing,naive",
+        value_parser = parse_mode
+    )]
+    modes: Vec<quotad::sim::ModeKind>,
+    /// Also write the rows as a JSON array to PATH.
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Also write one SVG per scenario (enforced share vs demand, lease, first seed) to DIR.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+    /// Worker threads (default: the number of CPUs).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn parse_mode(s: &str) -> Result<quotad::sim::ModeKind, String> {
+    quotad::sim::ModeKind::parse(s).ok_or_else(|| {
+        "expected central, lease, static, independent, count_sharing or naive".to_owned()
+    })
+}
+
+fn sim(args: SimArgs) -> ExitCode {
+    use quotad::sim::{Scenario, SuiteOptions, report};
+    let scenarios = if args.all || args.scenario.is_empty() {
+        Scenario::all()
+    } else {
+        let mut out = Vec::new();
+        for id in &args.scenario {
+            match Scenario::by_id(id) {
+                Some(s) => out.push(s),
+                None => {
+                    eprintln!("unknown scenario {id:?}: expected S1 ... S14");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+        out
+    };
+    if args.seeds == 0 {
+        eprintln!("--seeds must be at least 1");
+        return ExitCode::FAILURE;
+    }
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let started = std::time::Instant::now();
+    let suite = quotad::sim::run_suite(&SuiteOptions {
+        scenarios,
+        modes: args.modes,
+        first_seed: args.seed,
+        seeds: args.seeds,
+        threads,
+    });
+    let elapsed = started.elapsed();
+    print!("{}", report::table(&suite.rows));
+    eprintln!(
+        "{} runs in {:.1} s on {threads} threads",
+        suite
+            .rows
+            .iter()
+            .map(|r| r.seeds + r.violations)
+            .sum::<u64>(),
+        elapsed.as_secs_f64()
+    );
+    if let Some(path) = &args.json
+        && let Err(e) = std::fs::write(path, report::json(&suite.rows))
+    {
+        eprintln!("cannot write {}: {e}", path.display());
+        return ExitCode::FAILURE;
+    }
+    if let Some(dir) = &args.plot {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("cannot create {}: {e}", dir.display());
+            return ExitCode::FAILURE;
+        }
+        for (sc, samples) in &suite.plots {
+            let path = dir.join(format!("{}.svg", sc.id));
+            if let Err(e) = std::fs::write(&path, report::svg(sc, samples)) {
+                eprintln!("cannot write {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let broken: Vec<_> = suite
+        .violations
+        .iter()
+        .filter(|v| v.mode.promises_bound())
+        .collect();
+    for v in broken.iter().take(3) {
+        eprintln!("{v}");
+    }
+    if broken.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("{} runs broke invariant S", broken.len());
+        ExitCode::FAILURE
+    }
 }
 
 fn parse_algorithm(s: &str) -> Result<Algorithm, String> {
@@ -63,6 +183,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Sim(args) => sim(args),
         Command::Script { algorithm } => {
             print!("{}", quotad::store::scripts::source(algorithm));
             ExitCode::SUCCESS

@@ -466,9 +466,46 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
 // ---------------------------------------------------------------------------- token bucket
 
 fn token_bucket(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let cap = l.burst as f64;
-    let lim = l.limit as f64;
-    let wf = l.window_us as f64;
+    let rate = BucketRate {
+        amount: l.limit as f64,
+        per_us: l.window_us as f64,
+        capacity: l.burst as f64,
+    };
+    token_bucket_at(&rate, state, now, op)
+}
+
+/// A token bucket's refill and capacity as plain numbers: `amount` units every `per_us`
+/// microseconds, holding at most `capacity`. A policy's [`Limits`] are one such rate; a
+/// region's share of a global budget is another (`amount` = the enforced rate R_i per
+/// second, `capacity` = B·R_i/ρ), which changes whenever a lease starts or ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketRate {
+    pub amount: f64,
+    pub per_us: f64,
+    pub capacity: f64,
+}
+
+impl BucketRate {
+    /// `per_second` units per second, holding at most `capacity`.
+    pub fn per_second(per_second: f64, capacity: f64) -> Self {
+        BucketRate {
+            amount: per_second,
+            per_us: 1e6,
+            capacity,
+        }
+    }
+}
+
+/// The token bucket at a given rate: the one implementation behind [`Algorithm::TokenBucket`]
+/// and the regional buckets of global policies. A rate that changes over time is applied
+/// piecewise: `Op::Refund { cost: 0 }` at each change point settles the bucket at the old
+/// rate (refill, then clamp to the old capacity) without spending anything, and the next
+/// operation at the new rate clamps to the new capacity. A zero rate never refills (and
+/// denials then say "retry in i64::MAX us").
+pub fn token_bucket_at(rate: &BucketRate, state: Option<&State>, now: i64, op: Op) -> Outcome {
+    let cap = rate.capacity;
+    let lim = rate.amount;
+    let wf = rate.per_us;
     let (mut tokens, ts) = match state {
         Some(State::Bucket { tokens, ts }) => (*tokens, *ts),
         _ => (cap, now),

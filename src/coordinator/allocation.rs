@@ -11,7 +11,7 @@
 //!   share at home.
 //! - **Contention**, by [`Mode`]: `proportional` splits in proportion to demand (what one
 //!   central bucket does: every request sees the same admission probability) with a floor of
-//!   a fraction of each escrow; `max_min` is exact water-filling (protects small regions);
+//!   a fraction of each escrow (at most the region's demand plus headroom); `max_min` is exact water-filling (protects small regions);
 //!   `owner_first` gives each region up to its escrow first, then splits the spare in
 //!   proportion to unmet demand (isolation up to E_i).
 //! - **Pinned** regions (silent peers) get exactly their escrow: that is what they fall back
@@ -90,7 +90,13 @@ pub fn allocate(mode: Mode, inp: &Input) -> Vec<f64> {
     } else {
         match mode {
             Mode::Proportional => {
-                let floors: Vec<f64> = free.iter().map(|&i| inp.floor * inp.escrow[i]).collect();
+                // A floor protects a small region's demand from the big ones' shares; it
+                // does not hold budget for demand that is not there (that would strand it:
+                // 3% of ρ for a 60% region gone quiet, in the follow-the-sun scenario).
+                let floors: Vec<f64> = free
+                    .iter()
+                    .map(|&i| (inp.floor * inp.escrow[i]).min(demand(i) * (1.0 + inp.headroom)))
+                    .collect();
                 let weights: Vec<f64> = free.iter().map(|&i| demand(i)).collect();
                 let share = fill_proportional(budget, &weights, &floors);
                 for (k, &i) in free.iter().enumerate() {
@@ -318,9 +324,27 @@ mod tests {
         );
     }
 
+    /// Floors protect small demand from big regions' shares, up to that demand: a quiet
+    /// region keeps nothing it would not use.
     #[test]
-    fn floors_hold_under_contention() {
+    fn floors_hold_under_contention_up_to_demand() {
         let t = allocate(
+            Mode::Proportional,
+            &Input {
+                rho: 100.0,
+                escrow: &[60.0, 30.0, 10.0],
+                demand: &[1.0, 1000.0, 0.2],
+                pinned: &[false; 3],
+                floor: 0.05,
+                headroom: 0.1,
+            },
+        );
+        assert!(
+            (t[0] - 1.1).abs() < 1e-9 && (t[2] - 0.22).abs() < 1e-9,
+            "{t:?}"
+        );
+        assert!((t[1] - 98.68).abs() < 1e-9, "{t:?}");
+        let quiet = allocate(
             Mode::Proportional,
             &Input {
                 rho: 100.0,
@@ -331,11 +355,7 @@ mod tests {
                 headroom: 0.1,
             },
         );
-        assert!(
-            (t[0] - 3.0).abs() < 1e-9 && (t[2] - 0.5).abs() < 1e-9,
-            "{t:?}"
-        );
-        assert!((t[1] - 96.5).abs() < 1e-9, "{t:?}");
+        assert_eq!(quiet, vec![0.0, 100.0, 0.0]);
     }
 
     #[test]

@@ -84,8 +84,9 @@ mod tests {
         let up = d.observe(2_000_000, reading(500, 300), 1000.0, &p) - 200.0; // sample 600
         let before = d.value();
         let down = before - d.observe(3_000_000, reading(500, 300), 1000.0, &p); // sample 0
-        assert!((up - 0.7 * 400.0).abs() < 1e-9);
-        assert!((down - 0.3 * before).abs() < 1e-9);
+        assert!((up - p.ewma_up * 400.0).abs() < 1e-9);
+        assert!((down - p.ewma_down * before).abs() < 1e-9);
+        assert!(p.ewma_up > p.ewma_down, "fast up, slower down");
     }
 
     #[test]

@@ -61,6 +61,16 @@ impl LeaseBook {
         (self.escrow - self.reserved_total(now) + self.borrowed_total(now, step_tolerance)).max(0.0)
     }
 
+    /// The rate in force at store time `t` of a stretch the bucket is being settled over
+    /// (a refill from its last write up to now). No step check: that stretch lies below the
+    /// high-water mark by construction, and a backward step is caught on the current
+    /// reading ([`Self::observe_time`], before settling), which drops the loans for good.
+    /// Checking here instead would refill every past stretch of a borrower without its
+    /// loans.
+    pub fn rate_during(&self, t: LocalUs) -> f64 {
+        (self.escrow - self.reserved_total(t) + self.borrowed_total(t, i64::MAX / 4)).max(0.0)
+    }
+
     fn stepped_back(&self, now: LocalUs, tolerance: i64) -> bool {
         now.saturating_add(tolerance) < self.high_water
     }
@@ -126,6 +136,18 @@ impl LeaseBook {
     pub fn release(&mut self, borrower: RegionId, upto: u64) {
         self.reserved
             .retain(|r| r.borrower != borrower || r.seq >= upto);
+    }
+
+    /// The borrower durably counts at most `amount` of lease `seq`: its reservation can
+    /// shrink to that (never grow).
+    pub fn lower(&mut self, borrower: RegionId, seq: u64, amount: f64) {
+        for r in self
+            .reserved
+            .iter_mut()
+            .filter(|r| r.borrower == borrower && r.seq == seq)
+        {
+            r.amount = r.amount.min(amount);
+        }
     }
 
     /// Store times in `(from, to]` at which the rate changes by itself (an entry expires).

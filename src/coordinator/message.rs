@@ -50,6 +50,10 @@ pub struct KeyReport {
     /// The receiver may drop its reservations for this key and sender with seq < release.
     #[serde(rename = "r", default, skip_serializing_if = "Option::is_none")]
     pub release: Option<u64>,
+    /// The sender has durably lowered the lease `release` names to this amount (it gave
+    /// part of it back): the receiver may lower that reservation to it.
+    #[serde(rename = "h", default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::allocation::{self, Input};
+use super::allocation;
 use super::demand::{Counters, DemandEstimator};
 use super::lease::{LeaseBook, Loan, Reservation};
 use super::message::{
@@ -48,17 +48,21 @@ pub trait LeaseStore {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Link {
-    /// A round trip completed within `suspect_rounds` rounds.
+    /// Heard from (an exchange or a reply) within `suspect_rounds` rounds.
     Connected,
-    /// No round trip for `suspect_rounds` rounds: planned at its escrow, not lent to.
+    /// Nothing heard for `suspect_rounds` rounds: planned at its escrow, not lent to.
     Suspect,
-    /// No round trip for D(1+ε)+m: every lease with it has expired on both sides.
+    /// Nothing heard for D(1+ε)+m: every lease with it has expired on both sides.
     Disconnected,
 }
 
 #[derive(Debug, Clone, Default)]
 struct Peer {
     incarnation: u64,
+    /// When (our clock) a message of the peer last arrived. Liveness, not round trips:
+    /// on a slow WAN (seconds of one-way delay) replies arrive every round but each
+    /// answers a request several seconds old, and the peer is very much alive.
+    last_heard: Option<LocalUs>,
     /// `t_req` of the newest request whose reply arrived (a round trip that completed).
     last_round_trip: Option<LocalUs>,
     rtt_us: Option<i64>,
@@ -85,17 +89,27 @@ struct KeyState {
     /// Last round this key had traffic here (kept that long so its demand can be measured:
     /// an estimate needs two readings).
     active_round: Option<u64>,
-    /// Per lender: (incarnation, highest seq accepted).
-    accepted: Vec<(u64, u64)>,
-    /// Per lender: (incarnation, seq) of the newest durably written lease: the release
-    /// watermark this region may announce.
-    release: Vec<(u64, u64)>,
-    /// Per lender: the loan to ask for in the next exchange.
-    want: Vec<f64>,
-    /// This region's own target from the latest plan.
+    /// Per lender: this region as its borrower.
+    lenders: Vec<FromLender>,
+    /// This region's own target from the latest plan, and the round of that plan.
     target_self: f64,
+    planned: Option<u64>,
     /// Whether the book has changes the store has not durably taken.
     dirty: bool,
+}
+
+/// A region as the borrower of one lender, for one key.
+#[derive(Debug, Clone, Copy, Default)]
+struct FromLender {
+    /// (incarnation, seq) of the newest grant accepted, and the amount it granted.
+    accepted: (u64, u64),
+    granted: f64,
+    /// The newest lease durably written: the release watermark this region may announce,
+    /// and what its durable book counts of that lease when that is less than granted.
+    release: (u64, u64),
+    held: Option<f64>,
+    /// The loan to ask for in the next exchange.
+    want: f64,
 }
 
 /// Counters for the report and for `/v1/status`.
@@ -137,6 +151,8 @@ pub struct Node<C: Clock> {
     started: LocalUs,
     high_water: LocalUs,
     peers: Vec<Peer>,
+    /// Peers heard from since the last round whose link was not connected before.
+    link_up: Vec<bool>,
     policies: BTreeMap<String, PolicyState>,
     stats: NodeStats,
 }
@@ -166,6 +182,7 @@ impl<C: Clock> Node<C> {
             started: now,
             high_water: now,
             peers: vec![Peer::default(); regions],
+            link_up: vec![false; regions],
             policies: BTreeMap::new(),
             stats: NodeStats::default(),
         };
@@ -199,8 +216,10 @@ impl<C: Clock> Node<C> {
                 .map(|(k, book)| {
                     let mut ks = KeyState::new(book, n);
                     for l in &ks.book.borrowed {
-                        ks.accepted[l.lender.index()] = (l.lender_incarnation, l.seq);
-                        ks.release[l.lender.index()] = (l.lender_incarnation, l.seq);
+                        let from = &mut ks.lenders[l.lender.index()];
+                        from.accepted = (l.lender_incarnation, l.seq);
+                        from.granted = l.amount;
+                        from.release = from.accepted;
                     }
                     (k, ks)
                 })
@@ -241,8 +260,16 @@ impl<C: Clock> Node<C> {
         self.peers.get(peer.index()).and_then(|p| p.rtt_us)
     }
 
+    /// A message of peer `j` arrived.
+    fn heard(&mut self, j: usize, now: LocalUs) {
+        if self.link_at(j, now) != Link::Connected {
+            self.link_up[j] = true;
+        }
+        self.peers[j].last_heard = Some(now);
+    }
+
     fn link_at(&self, j: usize, now: LocalUs) -> Link {
-        let since = match self.peers[j].last_round_trip {
+        let since = match self.peers[j].last_heard {
             Some(t) => now - t,
             None => {
                 return if now - self.started >= self.params.lender_hold_us() {
@@ -311,6 +338,36 @@ impl<C: Clock> Node<C> {
         let now = self.observe_clock(store);
         self.round += 1;
         self.stats.rounds += 1;
+        self.link_up.fill(false);
+        self.refresh(store, now, true);
+        let me = self.me.index();
+        (0..self.peers.len())
+            .filter(|&j| j != me)
+            .map(|j| (RegionId(j as u16), self.exchange_for(j, now)))
+            .collect()
+    }
+
+    /// Exchanges for peers heard from again since the last round (a heal, a restart):
+    /// planned with them connected and sent now, so that loans resume a round earlier
+    /// than waiting for the next round would. Call after delivering a message; usually
+    /// empty.
+    pub fn link_ups(&mut self, store: &mut dyn LeaseStore) -> Vec<(RegionId, Exchange)> {
+        if !self.link_up.contains(&true) {
+            return Vec::new();
+        }
+        let now = self.observe_clock(store);
+        self.refresh(store, now, false);
+        let peers: Vec<usize> = (0..self.peers.len()).filter(|&j| self.link_up[j]).collect();
+        self.link_up.fill(false);
+        peers
+            .into_iter()
+            .map(|j| (RegionId(j as u16), self.exchange_for(j, now)))
+            .collect()
+    }
+
+    /// Plans every engaged key and re-asserts its book. With `sample`, this is a round:
+    /// demand is read first, newly active keys join and forgotten ones leave.
+    fn refresh(&mut self, store: &mut dyn LeaseStore, now: LocalUs, sample: bool) {
         let round = self.round;
         let n = self.peers.len();
         let me = self.me.index();
@@ -321,25 +378,35 @@ impl<C: Clock> Node<C> {
             self.finish_transition(name, &links, store);
             let mut ps = self.policies.remove(name).expect("listed above");
             let escrow_now = self.escrow_in_force(&ps);
-            for key in store.take_active(name) {
-                let ks = ps.keys.entry(key).or_insert_with_key(|key| {
-                    let book = store
-                        .read_book(name, key)
-                        .unwrap_or_else(|| LeaseBook::new(escrow_now));
-                    KeyState::new(book, n)
-                });
-                ks.active_round = Some(round);
+            if sample {
+                for key in store.take_active(name) {
+                    let ks = ps.keys.entry(key).or_insert_with_key(|key| {
+                        let book = store
+                            .read_book(name, key)
+                            .unwrap_or_else(|| LeaseBook::new(escrow_now));
+                        KeyState::new(book, n)
+                    });
+                    ks.active_round = Some(round);
+                }
             }
             let rho = ps.policy.rho;
             let mut drop = Vec::new();
             for (key, ks) in ps.keys.iter_mut() {
-                let d = ks.demand.observe(now, store.counters(name, key), rho, &p);
-                if d >= p.hot_fraction * ps.policy.escrow[me] {
-                    ks.hot_round = Some(round);
+                if sample {
+                    let d = ks.demand.observe(now, store.counters(name, key), rho, &p);
+                    if d >= p.hot_fraction * ps.policy.escrow[me] {
+                        ks.hot_round = Some(round);
+                    }
                 }
                 ks.book.prune(now);
-                if !ks.relevant(round, &p) && ks.book.is_idle(now) {
+                if sample && !ks.relevant(round, &p) && ks.book.is_idle(now) {
                     drop.push(key.clone());
+                    continue;
+                }
+                let cold = !ks.engaged(round, &p, now);
+                if cold && !ks.dirty && ks.book.escrow == escrow_now {
+                    // Cold everywhere and unleased: the escrow split already serves it and
+                    // nothing needs writing. Only its demand is watched (above).
                     continue;
                 }
                 plan(ks, &ps.policy, self.me, &links, round, &p, now);
@@ -349,7 +416,7 @@ impl<C: Clock> Node<C> {
                 ks.book.high_water = ks.book.high_water.max(now);
                 if store.write_book(name, key, &ks.book) {
                     ks.dirty = false;
-                    ks.release.clone_from(&ks.accepted);
+                    ks.durable_written();
                 } else {
                     ks.dirty = true;
                 }
@@ -359,53 +426,51 @@ impl<C: Clock> Node<C> {
             }
             self.policies.insert(name.clone(), ps);
         }
-        let mut out = Vec::new();
-        for j in 0..n {
-            if j == me {
-                continue;
-            }
-            let peer_inc = self.peers[j].incarnation;
-            let mut policies = Vec::new();
-            for (name, ps) in &self.policies {
-                let mut keys = Vec::new();
-                for (key, ks) in &ps.keys {
-                    let leased = ks.book.reserved.iter().any(|r| r.borrower.index() == j)
-                        || ks.book.loan_from(RegionId(j as u16), now).is_some();
-                    let mentioned = ks.peer_demand[j].is_some_and(|(_, r)| recent(round, r, &p));
-                    let hot = ks.hot_round.is_some_and(|r| recent(round, r, &p));
-                    if !(hot || leased || mentioned) {
-                        continue;
-                    }
-                    let holds = ks.book.loan_from(RegionId(j as u16), now).is_some();
-                    let want = (ks.want[j] > 0.0 || holds).then_some(ks.want[j]);
-                    let release =
-                        (ks.release[j].0 == peer_inc && peer_inc != 0).then_some(ks.release[j].1);
-                    keys.push(KeyReport {
-                        key: key.clone(),
-                        demand: ks.demand.value() as f32,
-                        want,
-                        release,
-                    });
+    }
+
+    /// The exchange for peer `j`: every key hot here, leased with it, or mentioned by it.
+    fn exchange_for(&mut self, j: usize, now: LocalUs) -> Exchange {
+        let round = self.round;
+        let me = self.me.index();
+        let p = self.params;
+        let peer_inc = self.peers[j].incarnation;
+        let mut policies = Vec::new();
+        for (name, ps) in &self.policies {
+            let mut keys = Vec::new();
+            for (key, ks) in &ps.keys {
+                let leased = ks.book.reserved.iter().any(|r| r.borrower.index() == j)
+                    || ks.book.loan_from(RegionId(j as u16), now).is_some();
+                let mentioned = ks.peer_demand[j].is_some_and(|(_, r)| recent(round, r, &p));
+                let hot = ks.hot_round.is_some_and(|r| recent(round, r, &p));
+                if !(hot || leased || mentioned) {
+                    continue;
                 }
-                self.stats.key_reports += keys.len() as u64;
-                policies.push(PolicyReport {
-                    name: name.clone(),
-                    applied: applied_version(ps, me),
-                    keys,
+                let holds = ks.book.loan_from(RegionId(j as u16), now).is_some();
+                let from = &ks.lenders[j];
+                let want = (from.want > 0.0 || holds).then_some(from.want);
+                let mine = from.release.0 == peer_inc && peer_inc != 0;
+                keys.push(KeyReport {
+                    key: key.clone(),
+                    demand: ks.demand.value() as f32,
+                    want,
+                    release: mine.then_some(from.release.1),
+                    held: from.held.filter(|_| mine),
                 });
             }
-            out.push((
-                RegionId(j as u16),
-                Exchange {
-                    from: self.me,
-                    incarnation: self.incarnation,
-                    to_incarnation: peer_inc,
-                    t_req: now,
-                    policies,
-                },
-            ));
+            self.stats.key_reports += keys.len() as u64;
+            policies.push(PolicyReport {
+                name: name.clone(),
+                applied: applied_version(ps, me),
+                keys,
+            });
         }
-        out
+        Exchange {
+            from: self.me,
+            incarnation: self.incarnation,
+            to_incarnation: peer_inc,
+            t_req: now,
+            policies,
+        }
     }
 
     /// Ends a re-split once every peer reports the new version applied.
@@ -443,6 +508,7 @@ impl<C: Clock> Node<C> {
             return None; // a previous life of that peer, delayed
         }
         self.peers[j].incarnation = msg.incarnation;
+        self.heard(j, now);
         let p = self.params;
         let me = self.me.index();
         let n = self.peers.len();
@@ -459,25 +525,26 @@ impl<C: Clock> Node<C> {
             let base = ps.escrow_in_force(me);
             let mut keys = Vec::new();
             for report in &block.keys {
-                let ks = match ps.keys.get_mut(&report.key) {
-                    Some(ks) => ks,
-                    None => {
-                        let book = store
-                            .read_book(&block.name, &report.key)
-                            .unwrap_or_else(|| LeaseBook::new(base));
-                        let mut ks = KeyState::new(book, n);
-                        plan(&mut ks, &ps.policy, self.me, &links, round, &p, now);
-                        ps.keys.entry(report.key.clone()).or_insert(ks)
-                    }
-                };
+                let ks = ps.keys.entry(report.key.clone()).or_insert_with(|| {
+                    let book = store
+                        .read_book(&block.name, &report.key)
+                        .unwrap_or_else(|| LeaseBook::new(base));
+                    KeyState::new(book, n)
+                });
                 ks.peer_demand[j] = Some((sanitize(report.demand as f64), round));
+                // Plan again with the demand just reported (and the link just heard from):
+                // what may be lent follows the freshest view, not the last round's.
+                plan(ks, &ps.policy, self.me, &links, round, &p, now);
                 let mut changed = false;
                 if let Some(upto) = report.release
                     && msg.to_incarnation == self.incarnation
                 {
-                    let before = ks.book.reserved.len();
+                    let before = ks.book.clone();
                     ks.book.release(msg.from, upto);
-                    changed |= ks.book.reserved.len() != before;
+                    if let Some(held) = report.held {
+                        ks.book.lower(msg.from, upto, sanitize(held));
+                    }
+                    changed |= ks.book != before;
                 }
                 let mut grant = None;
                 if let Some(want) = report.want {
@@ -546,6 +613,7 @@ impl<C: Clock> Node<C> {
             return; // an answer to a previous life of ours, or from a previous life of theirs
         }
         self.peers[j].incarnation = reply.incarnation;
+        self.heard(j, now);
         let peer = &mut self.peers[j];
         if reply.t_req <= now && peer.last_round_trip.is_none_or(|t| reply.t_req > t) {
             peer.last_round_trip = Some(reply.t_req);
@@ -567,7 +635,7 @@ impl<C: Clock> Node<C> {
                 };
                 ks.peer_demand[j] = Some((sanitize(kr.demand as f64), round));
                 let Some(g) = kr.grant else { continue };
-                let (inc, hi) = ks.accepted[j];
+                let (inc, hi) = ks.lenders[j].accepted;
                 let newer = reply.incarnation > inc || (reply.incarnation == inc && g.seq > hi);
                 if !newer || until <= now || now + tol < ks.book.high_water {
                     self.stats.stale_grants += 1;
@@ -584,12 +652,13 @@ impl<C: Clock> Node<C> {
                         until,
                     });
                 }
-                ks.accepted[j] = (reply.incarnation, g.seq);
+                ks.lenders[j].accepted = (reply.incarnation, g.seq);
+                ks.lenders[j].granted = amount;
                 ks.book.high_water = ks.book.high_water.max(now);
                 self.stats.loans_accepted += 1;
                 if store.write_book(&block.name, &kr.key, &ks.book) {
                     ks.dirty = false;
-                    ks.release[j] = (reply.incarnation, g.seq);
+                    ks.durable_written();
                 } else {
                     ks.dirty = true;
                 }
@@ -620,12 +689,35 @@ impl KeyState {
             peer_demand: vec![None; n],
             hot_round: None,
             active_round: None,
-            accepted: vec![(0, 0); n],
-            release: vec![(0, 0); n],
-            want: vec![0.0; n],
+            lenders: vec![FromLender::default(); n],
             target_self: 0.0,
+            planned: None,
             dirty: false,
         }
+    }
+
+    /// The book was durably written: what it holds may now be announced to the lenders.
+    fn durable_written(&mut self) {
+        for (j, from) in self.lenders.iter_mut().enumerate() {
+            from.release = from.accepted;
+            let (inc, seq) = from.accepted;
+            let counted = self
+                .book
+                .borrowed
+                .iter()
+                .find(|l| l.lender.index() == j && l.lender_incarnation == inc && l.seq == seq)
+                .map_or(0.0, |l| l.amount);
+            from.held = (seq > 0 && counted < from.granted).then_some(counted);
+        }
+    }
+
+    /// Hot here or mentioned by a peer within the linger window, or leased: the keys that
+    /// are planned and exchanged (the others are served by the escrow split as they are).
+    fn engaged(&self, round: u64, p: &Params, now: LocalUs) -> bool {
+        let within = |r: u64| recent(round, r, p);
+        self.hot_round.is_some_and(within)
+            || self.peer_demand.iter().flatten().any(|&(_, r)| within(r))
+            || !self.book.is_idle(now)
     }
 
     /// Hot here, active here, or mentioned by a peer within the linger window.
@@ -664,34 +756,34 @@ fn plan(
             };
         }
     }
-    let target = allocation::allocate(
-        policy.mode,
-        &Input {
-            rho: policy.rho,
-            escrow: &policy.escrow,
-            demand: &demand,
-            pinned: &pinned,
-            floor: p.floor,
-            headroom: p.headroom,
-        },
-    );
+    let target = policy.allocate(p, &demand, &pinned);
     let loans = allocation::loans(&policy.escrow, &target);
     ks.target_self = target[me];
+    ks.planned = Some(round);
     for j in 0..n {
         if j == me || links[j] != Link::Connected {
-            ks.want[j] = 0.0;
+            // Not asked; a loan from a silent lender is kept until it ends.
+            ks.lenders[j].want = 0.0;
             continue;
         }
-        let wanted = loans[j][me];
-        let held = ks
-            .book
-            .loan_from(RegionId(j as u16), now)
-            .map_or(0.0, |l| l.amount);
-        ks.want[j] = if held > 0.0 && (wanted - held).abs() < p.hysteresis * policy.rho {
+        let wanted = floor_milli(loans[j][me]);
+        let lender = RegionId(j as u16);
+        let held = ks.book.loan_from(lender, now).map_or(0.0, |l| l.amount);
+        let want = if held > 0.0 && (wanted - held).abs() < p.hysteresis * policy.rho {
             held
         } else {
             wanted
         };
+        ks.lenders[j].want = want;
+        if want < held {
+            // Give back at once (decrease first): the book counts less from now on, and
+            // once that is durable the lender hears `held` and lowers its reservation,
+            // a round earlier than a smaller grant plus a release would free it.
+            for l in ks.book.borrowed.iter_mut().filter(|l| l.lender == lender) {
+                l.amount = l.amount.min(want);
+            }
+            ks.dirty = true;
+        }
     }
 }
 

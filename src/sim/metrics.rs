@@ -1,0 +1,244 @@
+//! What a run records, and the figures of the report computed from it against the central
+//! oracle's run of the same seed (identical offered load).
+//!
+//! Definitions (the design note's, made exact):
+//! - OA_W = max over t of admitted in [t − W, t) / (ρW + B), summed over regions, per key
+//!   (the scenario's `oa_keys` most popular), at tick resolution; `oa60` is W = 60 s and
+//!   `oa_short` the largest of W = 1, 2, ..., 10 s.
+//! - max Σ R/ρ: the largest sum of enforced rates over ρ seen at any check (after every
+//!   event; for the baselines, what their buckets refill at).
+//! - utilisation η = admitted / admitted by central, over the measured period.
+//! - false rejections = Σ over 1 s bins and regions of max(0, central − ours), over
+//!   central's admissions: what one bucket would have let through from that region then.
+//! - τ5 = for each demand step, the time until the 1 s admission total is within 5% of
+//!   central's and stays so for 5 s; the largest over the scenario's steps.
+//! - partition: fallback = time from the cut until every isolated region enforces exactly
+//!   its escrow and no lease crosses the cut (and stays so); utilisation = ours / central
+//!   during the cut; best-safe = Σ over 1 s bins and components of min(offered there,
+//!   escrow owned there × 1 s), over central; reconvergence = time after the heal until
+//!   every |R_i − target_i| ≤ 5% of ρ, target from the true demand.
+//! - bytes per key per round = exchange bytes (both directions) / keys reported to peers.
+
+use serde::Serialize;
+
+use super::regime::ModeKind;
+use super::scenario::Scenario;
+use crate::coordinator::node::{KeyStatus, NodeStats};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub t_s: f64,
+    pub rates: Vec<f64>,
+    pub demand: Vec<f64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub mode: ModeKind,
+    tick_us: i64,
+    /// Per 1 s bin, per region.
+    pub admitted: Vec<Vec<u64>>,
+    pub offered: Vec<Vec<u64>>,
+    /// Per OA key, per tick: admitted over all regions.
+    pub oa: Vec<Vec<u32>>,
+    pub max_rate_ratio: f64,
+    pub rounds: u64,
+    pub bytes: u64,
+    pub key_reports: u64,
+    pub fallback_since: Option<f64>,
+    pub fallback_s: Option<f64>,
+    pub reconverge_s: Option<f64>,
+    partition_start: Option<f64>,
+    /// Rates and true demand of key 0 every 100 ms (the plots).
+    pub samples: Vec<Sample>,
+    /// Lease mode: each live node's counters and key table at the end.
+    pub nodes: Vec<(NodeStats, Vec<KeyStatus>)>,
+}
+
+const SAMPLE_S: f64 = 0.1;
+
+impl Record {
+    pub fn new(sc: &Scenario, mode: ModeKind) -> Self {
+        let bins = sc.duration_s.ceil() as usize;
+        let ticks = (sc.duration_s * 1e6 / sc.tick_us as f64).ceil() as usize + 1;
+        Record {
+            mode,
+            tick_us: sc.tick_us,
+            admitted: vec![vec![0; sc.regions]; bins],
+            offered: vec![vec![0; sc.regions]; bins],
+            oa: vec![vec![0; ticks]; sc.oa_keys.min(sc.load.keys()) as usize],
+            max_rate_ratio: 0.0,
+            rounds: 0,
+            bytes: 0,
+            key_reports: 0,
+            fallback_since: None,
+            fallback_s: None,
+            reconverge_s: None,
+            partition_start: sc.partition.as_ref().map(|p| p.start_s),
+            samples: Vec::new(),
+            nodes: Vec::new(),
+        }
+    }
+
+    pub fn arrivals(&mut self, t_s: f64, r: usize, key: u32, offered: u64, admitted: u64) {
+        if t_s < 0.0 {
+            return;
+        }
+        let bin = t_s as usize;
+        if let (Some(a), Some(o)) = (self.admitted.get_mut(bin), self.offered.get_mut(bin)) {
+            a[r] += admitted;
+            o[r] += offered;
+        }
+        let tick = (t_s * 1e6 / self.tick_us as f64).round() as usize;
+        if let Some(series) = self.oa.get_mut(key as usize)
+            && let Some(x) = series.get_mut(tick)
+        {
+            *x += admitted as u32;
+        }
+    }
+
+    pub fn observe_rates(&mut self, t_s: f64, rates: &[f64], demand: &[f64]) {
+        let due = self
+            .samples
+            .last()
+            .is_none_or(|s| t_s >= s.t_s + SAMPLE_S - 1e-9);
+        if due {
+            self.samples.push(Sample {
+                t_s,
+                rates: rates.to_vec(),
+                demand: demand.to_vec(),
+            });
+        }
+    }
+
+    pub fn finish(&mut self, _mode: ModeKind) {
+        self.fallback_s = match (self.partition_start, self.fallback_since) {
+            (Some(start), Some(since)) => Some(since - start),
+            _ => None,
+        };
+    }
+}
+
+/// One run's figures against central.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunMetrics {
+    pub max_rate_ratio: f64,
+    pub oa60: f64,
+    pub oa_short: f64,
+    pub utilization: f64,
+    pub false_rejections: f64,
+    /// `None`: a step never settled within the run.
+    pub tau5_s: Option<f64>,
+    pub fallback_s: Option<f64>,
+    pub partition_utilization: Option<f64>,
+    pub best_safe_utilization: Option<f64>,
+    pub reconverge_s: Option<f64>,
+    pub bytes_per_key_round: Option<f64>,
+}
+
+pub fn compare(sc: &Scenario, ours: &Record, central: &Record) -> RunMetrics {
+    let total = |rec: &Record, bins: std::ops::Range<usize>| -> u64 {
+        rec.admitted[bins].iter().flatten().sum()
+    };
+    let all = 0..ours.admitted.len();
+    let central_total = total(central, all.clone()).max(1) as f64;
+    let false_rej: u64 = ours
+        .admitted
+        .iter()
+        .zip(&central.admitted)
+        .flat_map(|(o, c)| o.iter().zip(c).map(|(o, c)| c.saturating_sub(*o)))
+        .sum();
+    let oa = |w_s: f64| -> f64 {
+        ours.oa
+            .iter()
+            .map(|series| windowed_max(series, (w_s * 1e6 / ours.tick_us as f64).round() as usize))
+            .fold(0.0, f64::max)
+            / (sc.rho * w_s + sc.burst)
+    };
+    let (partition_utilization, best_safe_utilization) = match &sc.partition {
+        Some(p) => {
+            let bins = (p.start_s as usize)..(p.end_s.ceil() as usize).min(ours.admitted.len());
+            let c = total(central, bins.clone()).max(1) as f64;
+            let escrow = sc.escrow(&sc.weights);
+            let components: [Vec<usize>; 2] = [
+                p.isolated.clone(),
+                (0..sc.regions)
+                    .filter(|r| !p.isolated.contains(r))
+                    .collect(),
+            ];
+            let best: f64 = ours.offered[bins.clone()]
+                .iter()
+                .map(|offered| {
+                    components
+                        .iter()
+                        .map(|comp| {
+                            let o: u64 = comp.iter().map(|&r| offered[r]).sum();
+                            let budget: f64 = comp.iter().map(|&r| escrow[r]).sum();
+                            (o as f64).min(budget)
+                        })
+                        .sum::<f64>()
+                })
+                .sum();
+            (Some(total(ours, bins) as f64 / c), Some(best / c))
+        }
+        None => (None, None),
+    };
+    RunMetrics {
+        max_rate_ratio: ours.max_rate_ratio,
+        oa60: oa(60.0),
+        oa_short: (1..=10).map(|w| oa(w as f64)).fold(0.0, f64::max),
+        utilization: total(ours, all) as f64 / central_total,
+        false_rejections: false_rej as f64 / central_total,
+        tau5_s: tau5(sc, ours, central),
+        fallback_s: ours.fallback_s,
+        partition_utilization,
+        best_safe_utilization,
+        reconverge_s: ours.reconverge_s,
+        bytes_per_key_round: (ours.key_reports > 0)
+            .then(|| ours.bytes as f64 / ours.key_reports as f64),
+    }
+}
+
+/// The largest sum of `w` consecutive entries (the whole series if shorter).
+fn windowed_max(series: &[u32], w: usize) -> f64 {
+    let w = w.max(1).min(series.len());
+    let mut sum: u64 = series[..w].iter().map(|&x| x as u64).sum();
+    let mut best = sum;
+    for i in w..series.len() {
+        sum = sum + series[i] as u64 - series[i - w] as u64;
+        best = best.max(sum);
+    }
+    best as f64
+}
+
+const TAU_BAND: f64 = 0.05;
+const TAU_HOLD: usize = 5;
+
+fn tau5(sc: &Scenario, ours: &Record, central: &Record) -> Option<f64> {
+    let sum = |rec: &Record, b: usize| rec.admitted[b].iter().sum::<u64>() as f64;
+    let bins = ours.admitted.len();
+    let close = |b: usize| (sum(ours, b) - sum(central, b)).abs() <= TAU_BAND * sum(central, b);
+    let mut worst: Option<f64> = Some(0.0);
+    for &step in &sc.steps_s {
+        let first = step.floor() as usize;
+        let settled = (first..bins.saturating_sub(TAU_HOLD - 1))
+            .find(|&b| (b..b + TAU_HOLD).all(close))
+            .map(|b| b as f64 - step);
+        worst = match (worst, settled) {
+            (Some(w), Some(s)) => Some(w.max(s.max(0.0))),
+            _ => None,
+        };
+    }
+    if sc.steps_s.is_empty() { None } else { worst }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windowed_max_slides() {
+        assert_eq!(windowed_max(&[1, 5, 0, 3, 3], 2), 6.0);
+        assert_eq!(windowed_max(&[1, 5], 9), 6.0);
+    }
+}
