@@ -43,6 +43,11 @@ pub struct LeaseBook {
     /// Highest store time seen by a write or a decision: a reading well below it is a
     /// backward clock step, and loans stop counting (their validity would stretch).
     pub high_water: LocalUs,
+    /// Backward steps after which the store dropped this key's loans. A write that
+    /// carries an older epoch cannot bring those loans back: the daemon may not have seen
+    /// the step (its own readings were too far apart) and re-asserts what it remembers.
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 impl LeaseBook {
@@ -52,6 +57,7 @@ impl LeaseBook {
             reserved: Vec::new(),
             borrowed: Vec::new(),
             high_water: LocalUs::MIN,
+            epoch: 0,
         }
     }
 
@@ -116,14 +122,27 @@ impl LeaseBook {
     }
 
     /// What the store does on every touch: detect a backward step (drop every loan for
-    /// good; returns true) and raise the high-water mark.
+    /// good, and bump the epoch so that no stale copy brings them back; returns true) and
+    /// raise the high-water mark.
     pub fn observe_time(&mut self, now: LocalUs, step_tolerance: i64) -> bool {
-        let stepped = self.stepped_back(now, step_tolerance);
+        let stepped = self.stepped_back(now, step_tolerance) && !self.borrowed.is_empty();
         if stepped {
             self.borrowed.clear();
+            self.epoch += 1;
         }
         self.high_water = self.high_water.max(now);
         stepped
+    }
+
+    /// What the store does with a write of `incoming` over this book: the high-water mark
+    /// only rises, and loans from before a step this store detected stay out.
+    pub fn merge_write(&self, mut incoming: LeaseBook) -> LeaseBook {
+        incoming.high_water = incoming.high_water.max(self.high_water);
+        if incoming.epoch < self.epoch {
+            incoming.borrowed.clear();
+            incoming.epoch = self.epoch;
+        }
+        incoming
     }
 
     /// Drops entries that no longer count (garbage collection; changes no rate).

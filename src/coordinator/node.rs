@@ -29,10 +29,10 @@ use crate::clock::Clock;
 /// The region's store as the coordinator uses it (Redis in the daemon, a map in the
 /// simulator). Writes settle the key's bucket at the old rate before the book changes.
 pub trait LeaseStore {
-    /// Replaces the key's book. `true` when the write is durable (acknowledged by a replica
-    /// where there is one): a lender must not grant, and a borrower must not release, on a
-    /// write a failover could lose.
-    fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> bool;
+    /// Replaces the key's book, settling its bucket at the old rate first. A book whose
+    /// `epoch` is below the stored one loses its loans on the way in (they predate a
+    /// backward step the store detected, see [`LeaseBook::observe_time`]).
+    fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written;
     fn read_book(&mut self, policy: &str, key: &str) -> Option<LeaseBook>;
     /// Every key of the policy that has a book (recovery after a restart).
     fn books(&mut self, policy: &str) -> Vec<(String, LeaseBook)>;
@@ -43,6 +43,17 @@ pub trait LeaseStore {
     /// never set (a first start).
     fn default_escrow(&mut self, policy: &str) -> Option<f64>;
     fn set_default_escrow(&mut self, policy: &str, escrow: f64) -> bool;
+}
+
+/// What the store did with a book write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    /// Acknowledged by a replica where there is one: a lender must not grant, and a
+    /// borrower must not release, on a write a failover could lose.
+    pub durable: bool,
+    /// The key's step epoch in the store after the write. Above the book's, the store had
+    /// dropped the loans that book carries and kept them out: the writer drops them too.
+    pub epoch: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -74,7 +85,13 @@ struct PolicyState {
     /// While a re-split is in flight: this region's escrow before it. The region enforces
     /// min(old, new) until every peer reports the new version applied (decrease first).
     previous_escrow: Option<f64>,
+    /// The newest version whose escrow this region is durably at or below (0: none).
+    applied: u64,
+    /// Per peer: the version it last reported applied.
     peer_applied: Vec<u64>,
+    /// Whether the store acknowledged the escrow in force for keys without a book (a
+    /// failover could bring back the old one otherwise; re-asserted every round).
+    default_durable: bool,
     keys: BTreeMap<String, KeyState>,
 }
 
@@ -193,8 +210,16 @@ impl<C: Clock> Node<C> {
     }
 
     /// Installs a new version of a policy (config reload). Decreases apply at once;
-    /// increases wait until every peer has applied this version.
+    /// increases wait until every peer has applied this version. A version older than or
+    /// equal to the one running is ignored (a delayed push of an old config).
     pub fn set_policy(&mut self, policy: GlobalPolicy, store: &mut dyn LeaseStore) {
+        if self
+            .policies
+            .get(&policy.name)
+            .is_some_and(|ps| policy.version <= ps.policy.version)
+        {
+            return;
+        }
         self.install(policy, store);
     }
 
@@ -202,37 +227,33 @@ impl<C: Clock> Node<C> {
         let n = self.peers.len();
         let me = self.me.index();
         let name = policy.name.clone();
-        let old = match self.policies.get(&name) {
-            Some(ps) => Some(self.escrow_in_force(ps)),
+        let running = self.policies.remove(&name);
+        let old = match &running {
+            Some(ps) => Some(ps.escrow_in_force(me)),
             None => store.default_escrow(&name),
         };
         let new = policy.escrow[me];
         let previous_escrow = old.filter(|o| (o - new).abs() > 1e-12);
-        let keys = match self.policies.remove(&name) {
-            Some(ps) => ps.keys,
-            None => store
-                .books(&name)
-                .into_iter()
-                .map(|(k, book)| {
-                    let mut ks = KeyState::new(book, n);
-                    for l in &ks.book.borrowed {
-                        let from = &mut ks.lenders[l.lender.index()];
-                        from.accepted = (l.lender_incarnation, l.seq);
-                        from.granted = l.amount;
-                        from.release = from.accepted;
-                    }
-                    (k, ks)
-                })
-                .collect(),
+        // The newest version this region vouches for: a first start has none to honour;
+        // a transition keeps the last one it completed until this one is complete.
+        let applied = match &running {
+            Some(ps) => applied_version(ps, me),
+            None if previous_escrow.is_none() => policy.version,
+            None => 0,
         };
-        let ps = PolicyState {
+        let mut ps = PolicyState {
             policy,
             previous_escrow,
+            applied,
             peer_applied: vec![0; n],
-            keys,
+            default_durable: false,
+            keys: running.map(|ps| ps.keys).unwrap_or_default(),
         };
-        let escrow = self.escrow_in_force(&ps);
-        store.set_default_escrow(&name, escrow);
+        // Every book in the store is re-asserted at the escrow now in force, also those of
+        // keys this node had forgotten: a book keeps the escrow it was written with.
+        ps.adopt_books(store, n);
+        let escrow = ps.escrow_in_force(me);
+        ps.default_durable = store.set_default_escrow(&name, escrow);
         self.policies.insert(name, ps);
     }
 
@@ -324,7 +345,8 @@ impl<C: Clock> Node<C> {
                 for (key, ks) in ps.keys.iter_mut() {
                     if !ks.book.borrowed.is_empty() {
                         ks.book.borrowed.clear();
-                        ks.dirty = !store.write_book(name, key, &ks.book);
+                        ks.book.epoch += 1;
+                        ks.write(store, name, key);
                     }
                 }
             }
@@ -378,6 +400,8 @@ impl<C: Clock> Node<C> {
             self.finish_transition(name, &links, store);
             let mut ps = self.policies.remove(name).expect("listed above");
             let escrow_now = self.escrow_in_force(&ps);
+            // Re-assert the default escrow too: a failover may have lost it.
+            ps.default_durable = store.set_default_escrow(name, escrow_now);
             if sample {
                 for key in store.take_active(name) {
                     let ks = ps.keys.entry(key).or_insert_with_key(|key| {
@@ -399,12 +423,13 @@ impl<C: Clock> Node<C> {
                     }
                 }
                 ks.book.prune(now);
-                if sample && !ks.relevant(round, &p) && ks.book.is_idle(now) {
+                // Durably at the escrow in force: nothing to re-assert for an idle book.
+                let settled = !ks.dirty && ks.book.escrow == escrow_now;
+                if sample && settled && !ks.relevant(round, &p) && ks.book.is_idle(now) {
                     drop.push(key.clone());
                     continue;
                 }
-                let cold = !ks.engaged(round, &p, now);
-                if cold && !ks.dirty && ks.book.escrow == escrow_now {
+                if settled && !ks.engaged(round, &p, now) {
                     // Cold everywhere and unleased: the escrow split already serves it and
                     // nothing needs writing. Only its demand is watched (above).
                     continue;
@@ -414,11 +439,8 @@ impl<C: Clock> Node<C> {
                 let escrow = effective_escrow(escrow_now, ps.previous_escrow, &ks.book, now);
                 ks.book.escrow = escrow;
                 ks.book.high_water = ks.book.high_water.max(now);
-                if store.write_book(name, key, &ks.book) {
-                    ks.dirty = false;
+                if ks.write(store, name, key) {
                     ks.durable_written();
-                } else {
-                    ks.dirty = true;
                 }
             }
             for key in drop {
@@ -483,13 +505,18 @@ impl<C: Clock> Node<C> {
             return;
         }
         let v = ps.policy.version;
-        let all = (0..links.len()).all(|j| j == me || ps.peer_applied[j] >= v);
+        // Exactly v: a peer that reports a newer version has lowered to *that* version's
+        // escrow, which may be above its escrow in v; this region waits for that version.
+        let all = (0..links.len()).all(|j| j == me || ps.peer_applied[j] == v);
         // Only once this region has itself applied the decrease everywhere (durably).
-        let own = ps.keys.values().all(|ks| !ks.dirty);
+        let own = applied_version(ps, me) == v;
         if all && own {
             ps.previous_escrow = None;
+            ps.applied = v;
             let e = ps.policy.escrow[me];
-            store.set_default_escrow(name, e);
+            ps.default_durable = store.set_default_escrow(name, e);
+            // Raise the books of forgotten keys too (they would stay at the lower escrow).
+            ps.adopt_books(store, links.len());
         }
     }
 
@@ -565,18 +592,16 @@ impl<C: Clock> Node<C> {
                         until: now + hold,
                     });
                     ks.book.high_water = ks.book.high_water.max(now);
-                    if store.write_book(&block.name, &report.key, &ks.book) {
-                        ks.dirty = false;
+                    if ks.write(store, &block.name, &report.key) {
                         grant = Some(Grant { seq, amount });
                         self.stats.grants += 1;
                     } else {
-                        ks.dirty = true;
                         self.stats.grants_withheld += 1;
                     }
                     changed = false;
                 }
                 if changed {
-                    ks.dirty = !store.write_book(&block.name, &report.key, &ks.book);
+                    ks.write(store, &block.name, &report.key);
                 }
                 keys.push(KeyReply {
                     key: report.key.clone(),
@@ -656,11 +681,8 @@ impl<C: Clock> Node<C> {
                 ks.lenders[j].granted = amount;
                 ks.book.high_water = ks.book.high_water.max(now);
                 self.stats.loans_accepted += 1;
-                if store.write_book(&block.name, &kr.key, &ks.book) {
-                    ks.dirty = false;
+                if ks.write(store, &block.name, &kr.key) {
                     ks.durable_written();
-                } else {
-                    ks.dirty = true;
                 }
             }
         }
@@ -668,6 +690,23 @@ impl<C: Clock> Node<C> {
 }
 
 impl PolicyState {
+    /// Takes every book in the store that is not tracked yet (a start, a restart, a new
+    /// policy version): the next refresh re-asserts it at the escrow in force.
+    fn adopt_books(&mut self, store: &mut dyn LeaseStore, n: usize) {
+        for (key, book) in store.books(&self.policy.name) {
+            self.keys.entry(key).or_insert_with(|| {
+                let mut ks = KeyState::new(book, n);
+                for l in &ks.book.borrowed {
+                    let from = &mut ks.lenders[l.lender.index()];
+                    from.accepted = (l.lender_incarnation, l.seq);
+                    from.granted = l.amount;
+                    from.release = from.accepted;
+                }
+                ks
+            });
+        }
+    }
+
     /// The escrow this region may count on (and lend from) for keys without reservations:
     /// during a re-split the smaller of old and new.
     fn escrow_in_force(&self, me: usize) -> f64 {
@@ -694,6 +733,18 @@ impl KeyState {
             planned: None,
             dirty: false,
         }
+    }
+
+    /// Writes the book; returns whether the write is durable. A store that had dropped
+    /// the loans (a backward step it saw first) keeps them out, and so does this copy.
+    fn write(&mut self, store: &mut dyn LeaseStore, policy: &str, key: &str) -> bool {
+        let w = store.write_book(policy, key, &self.book);
+        if w.epoch > self.book.epoch {
+            self.book.borrowed.clear();
+            self.book.epoch = w.epoch;
+        }
+        self.dirty = !w.durable;
+        w.durable
     }
 
     /// The book was durably written: what it holds may now be announced to the lenders.
@@ -803,15 +854,12 @@ fn applied_version(ps: &PolicyState, me: usize) -> u64 {
         None => ps.policy.version,
         Some(_) => {
             let lowered = ps.escrow_in_force(me);
-            let done = ps
-                .keys
-                .values()
-                .all(|ks| !ks.dirty && ks.book.escrow <= lowered + 1e-9);
-            if done {
-                ps.policy.version
-            } else {
-                ps.policy.version.saturating_sub(1)
-            }
+            let done = ps.default_durable
+                && ps
+                    .keys
+                    .values()
+                    .all(|ks| !ks.dirty && ks.book.escrow <= lowered + 1e-9);
+            if done { ps.policy.version } else { ps.applied }
         }
     }
 }
@@ -840,9 +888,12 @@ mod tests {
     }
 
     impl LeaseStore for MapStore {
-        fn write_book(&mut self, _: &str, key: &str, book: &LeaseBook) -> bool {
+        fn write_book(&mut self, _: &str, key: &str, book: &LeaseBook) -> Written {
             self.books.insert(key.to_owned(), book.clone());
-            true
+            Written {
+                durable: true,
+                epoch: book.epoch,
+            }
         }
         fn read_book(&mut self, _: &str, key: &str) -> Option<LeaseBook> {
             self.books.get(key).cloned()
@@ -874,17 +925,16 @@ mod tests {
         }
     }
 
-    /// Two regions 50/50 of ρ = 100; region 1 offers 90/s, region 0 nothing. After the
-    /// learning period and a few rounds, region 1 enforces more than its escrow, region 0
-    /// less, and the two never sum above ρ.
-    #[test]
-    fn a_hot_region_borrows_and_the_sum_stays_within_rho() {
+    type Pair = (Arc<ManualClock>, [MapStore; 2], Vec<Node<Arc<ManualClock>>>);
+
+    /// Two regions 50/50 of ρ = 100 over map stores, on one manual clock at 0.
+    fn pair() -> Pair {
         let p = Params::default();
         let policy =
             GlobalPolicy::from_weights("g", 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional);
         let clock = Arc::new(ManualClock::new(0));
         let mut stores = [MapStore::default(), MapStore::default()];
-        let mut nodes: Vec<Node<Arc<ManualClock>>> = (0..2)
+        let nodes = (0..2)
             .map(|i| {
                 Node::start(
                     RegionId(i as u16),
@@ -897,29 +947,100 @@ mod tests {
                 )
             })
             .collect();
-        let tol = p.step_tolerance_us();
+        (clock, stores, nodes)
+    }
+
+    /// One round of both regions with every message delivered at once; region 1 offers
+    /// `offered` units in the round.
+    fn round_trip(pair: &mut Pair, offered: u64) {
+        let (_, stores, nodes) = pair;
+        stores[1].counters.rejected += offered;
+        for i in 0..2 {
+            let out = nodes[i].round(&mut stores[i]);
+            for (to, ex) in out {
+                let j = to.index();
+                let reply = nodes[j].on_exchange(&ex, &mut stores[j]).expect("reply");
+                nodes[i].on_reply(&reply, &mut stores[i]);
+            }
+        }
+    }
+
+    fn rate(store: &MapStore, now: LocalUs) -> f64 {
+        let tol = Params::default().step_tolerance_us();
+        store.books.get("k").map_or(50.0, |b| b.rate(now, tol))
+    }
+
+    /// Region 1 offers 90/s, region 0 nothing. After the learning period and a few rounds,
+    /// region 1 enforces more than its escrow, region 0 less, and the two never sum above ρ.
+    #[test]
+    fn a_hot_region_borrows_and_the_sum_stays_within_rho() {
+        let mut pair = pair();
         let mut max_sum: f64 = 0.0;
         let mut borrowed_seen = false;
         for r in 1..=20i64 {
-            clock.set(r * p.round_us);
-            stores[1].counters.rejected += 90;
-            for i in 0..2 {
-                let out = nodes[i].round(&mut stores[i]);
-                for (to, ex) in out {
-                    let j = to.index();
-                    let reply = nodes[j].on_exchange(&ex, &mut stores[j]).expect("reply");
-                    nodes[i].on_reply(&reply, &mut stores[i]);
-                }
-            }
-            let now = clock.now_us();
-            let rates: Vec<f64> = stores
-                .iter()
-                .map(|s| s.books.get("k").map_or(50.0, |b| b.rate(now, tol)))
-                .collect();
+            pair.0.set(r * 1_000_000);
+            round_trip(&mut pair, 90);
+            let now = pair.0.now_us();
+            let rates = [rate(&pair.1[0], now), rate(&pair.1[1], now)];
             max_sum = max_sum.max(rates[0] + rates[1]);
             borrowed_seen |= rates[1] > 50.0 + 1.0 && rates[0] < 50.0 - 1.0;
         }
         assert!(max_sum <= 100.0 + 1e-9, "sum of enforced rates {max_sum}");
         assert!(borrowed_seen, "the hot region never borrowed");
+    }
+
+    /// The bug a toy simulation of this protocol once found (design note, safety rule 3):
+    /// a borrower that took an older grant after announcing a newer release watermark
+    /// counted a loan whose reservation the lender had already dropped (Σ R reached
+    /// 1.0006 ρ). Here the older grant is also the larger one, so taking it would show.
+    #[test]
+    fn a_grant_older_than_the_announced_watermark_is_refused() {
+        let mut pair = pair();
+        for r in 1..=15i64 {
+            pair.0.set(r * 1_000_000);
+            round_trip(&mut pair, 90);
+        }
+        let (clock, stores, nodes) = &mut pair;
+        let to_lender = |out: Vec<(RegionId, Exchange)>| {
+            out.into_iter()
+                .find(|(to, _)| *to == RegionId(0))
+                .expect("an exchange for region 0")
+                .1
+        };
+        let grant = |r: &ExchangeReply| r.policies[0].keys[0].grant.expect("a grant");
+        // Two requests in a row: the first while region 1 is hot, the second once it has
+        // cooled down (it wants much less). Their replies come back in the wrong order.
+        clock.set(16_000_000);
+        stores[1].counters.rejected += 90;
+        let ex_a = to_lender(nodes[1].round(&mut stores[1]));
+        let reply_a = nodes[0].on_exchange(&ex_a, &mut stores[0]).expect("reply");
+        clock.set(17_000_000);
+        stores[1].counters.rejected += 5;
+        let ex_b = to_lender(nodes[1].round(&mut stores[1]));
+        let reply_b = nodes[0].on_exchange(&ex_b, &mut stores[0]).expect("reply");
+        let (ga, gb) = (grant(&reply_a), grant(&reply_b));
+        assert!(gb.seq > ga.seq && ga.amount > gb.amount, "{ga:?} {gb:?}");
+        nodes[1].on_reply(&reply_b, &mut stores[1]);
+        // The borrower announces the newer lease as its watermark; the lender drops the
+        // older, larger reservation.
+        clock.set(18_000_000);
+        let ex_c = to_lender(nodes[1].round(&mut stores[1]));
+        assert_eq!(ex_c.policies[0].keys[0].release, Some(gb.seq));
+        nodes[0].on_exchange(&ex_c, &mut stores[0]);
+        assert!(
+            stores[0].books["k"]
+                .reserved
+                .iter()
+                .all(|r| r.seq >= gb.seq)
+        );
+        // The delayed older grant arrives: it must not count.
+        let stale_before = nodes[1].stats().stale_grants;
+        nodes[1].on_reply(&reply_a, &mut stores[1]);
+        assert_eq!(nodes[1].stats().stale_grants, stale_before + 1);
+        let now = clock.now_us();
+        let loan = stores[1].books["k"].loan_from(RegionId(0), now).copied();
+        assert!(loan.is_none_or(|l| l.seq == gb.seq), "{loan:?}");
+        let sum = rate(&stores[0], now) + rate(&stores[1], now);
+        assert!(sum <= 100.0 + 1e-9, "Σ R = {sum}");
     }
 }

@@ -583,11 +583,19 @@ impl<'a> Run<'a> {
             return Ok(());
         }
         if ratio > 1.0 + RATE_TOLERANCE {
+            let books: Vec<String> = self
+                .regime
+                .stores
+                .iter()
+                .enumerate()
+                .map(|(r, s)| format!("r{r} at local {}: {:?}", s.now(), s.book(key)))
+                .collect();
             return Err(self.violation(
                 at,
                 format!(
-                    "k{key}: Σ R = {sum:.9} > ρ = {} (rates {rates:?})",
-                    self.sc.rho
+                    "k{key}: Σ R = {sum:.9} > ρ = {} (rates {rates:?})\n  {}",
+                    self.sc.rho,
+                    books.join("\n  ")
                 ),
             ));
         }

@@ -8,9 +8,10 @@
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Exp, Pareto};
+use serde::{Deserialize, Serialize};
 
 /// Extra one-way delay on top of RTT/2.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum Jitter {
     None,
     /// Exponential with this mean (µs).
@@ -26,7 +27,7 @@ pub enum Jitter {
     },
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NetModel {
     /// Round-trip times between regions, ms (symmetric; the diagonal is unused).
     pub rtt_ms: Vec<Vec<f64>>,

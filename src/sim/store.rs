@@ -14,7 +14,7 @@ use crate::algorithm::{self, BucketRate, Op, State, Write};
 use crate::clock::Clock;
 use crate::coordinator::demand::Counters;
 use crate::coordinator::lease::LeaseBook;
-use crate::coordinator::node::LeaseStore;
+use crate::coordinator::node::{LeaseStore, Written};
 use crate::coordinator::{GlobalPolicy, LocalUs};
 
 use super::clock::SimClock;
@@ -138,13 +138,14 @@ impl RegionStore {
     }
 
     /// What the script does on every touch: a backward step beyond the tolerance drops
-    /// the key's loans for good.
+    /// the key's loans for good, and the bucket keeps only the smaller capacity share.
     fn touch(&mut self, key: u32, now: LocalUs) {
         let tol = self.step_tolerance;
         if let Some(book) = self.slots[key as usize].book.as_deref_mut()
             && book.observe_time(now, tol)
         {
             self.changed.insert(key);
+            self.clamp(key, now);
         }
     }
 
@@ -305,20 +306,23 @@ impl RegionStore {
 }
 
 impl LeaseStore for RegionStore {
-    fn write_book(&mut self, _policy: &str, key: &str, book: &LeaseBook) -> bool {
+    fn write_book(&mut self, _policy: &str, key: &str, book: &LeaseBook) -> Written {
         let Some(k) = self.slot_index(key) else {
-            return false;
+            return Written {
+                durable: false,
+                epoch: book.epoch,
+            };
         };
         let now = self.now();
         self.touch(k, now);
         self.settle(k, now);
         let durable = !self.lagging;
         let slot = &mut self.slots[k as usize];
-        let mut new = book.clone();
-        // The store's high-water mark only rises (the script keeps the max).
-        if let Some(old) = slot.book.as_deref() {
-            new.high_water = new.high_water.max(old.high_water);
-        }
+        let new = match slot.book.as_deref() {
+            Some(old) => old.merge_write(book.clone()),
+            None => book.clone(),
+        };
+        let epoch = new.epoch;
         if slot.book.as_deref() != Some(&new) {
             self.changed.insert(k);
         }
@@ -328,7 +332,7 @@ impl LeaseStore for RegionStore {
         slot.book = Some(Box::new(new));
         self.writes += 1;
         self.clamp(k, now);
-        durable
+        Written { durable, epoch }
     }
 
     fn read_book(&mut self, _policy: &str, key: &str) -> Option<LeaseBook> {
@@ -406,7 +410,7 @@ mod tests {
             amount: 30.0,
             until: 1_000_000,
         });
-        assert!(s.write_book("g", "k0", &book));
+        assert!(s.write_book("g", "k0", &book).durable);
         real.set(2_000_000);
         // 1 s at 80/s (capacity 80) then 1 s at 50/s (capacity 50): clamped to 50.
         assert_eq!(s.admit(0, 1000), 50);
@@ -428,7 +432,7 @@ mod tests {
             until: 10_000_000,
         });
         s.lagging = true;
-        assert!(!s.write_book("g", "k0", &book), "not acknowledged");
+        assert!(!s.write_book("g", "k0", &book).durable, "not acknowledged");
         assert_eq!(s.rate(0, 0), 10.0);
         assert_eq!(s.admit(0, 1000), 10);
         s.check_capacity(0).unwrap();
