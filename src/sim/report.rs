@@ -178,11 +178,13 @@ pub fn svg(sc: &Scenario, samples: &[Sample]) -> String {
     let (w, h) = (900.0, 420.0);
     let (left, right, top, bottom) = (60.0, 160.0, 40.0, 40.0);
     let t_max = sc.duration_s.max(1.0);
-    let y_max = samples
+    let top_value = samples
         .iter()
         .flat_map(|s| s.rates.iter().chain(&s.demand))
         .fold(sc.rho * 0.1, |a, &b| a.max(b))
         * 1.05;
+    let y_step = nice_step(top_value / 5.0);
+    let y_max = (top_value / y_step).ceil() * y_step;
     let x = |t: f64| left + (w - left - right) * t / t_max;
     let y = |v: f64| top + (h - top - bottom) * (1.0 - v / y_max);
     let mut s = String::new();
@@ -207,8 +209,9 @@ pub fn svg(sc: &Scenario, samples: &[Sample]) -> String {
         );
     }
     // Axes and grid.
-    for i in 0..=5 {
-        let v = y_max * i as f64 / 5.0;
+    let y_lines = (y_max / y_step).round() as usize;
+    for i in 0..=y_lines {
+        let v = y_step * i as f64;
         let _ = writeln!(
             s,
             r##"<line x1="{left}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="#dddddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{v:.0}</text>"##,
@@ -280,11 +283,14 @@ pub fn svg(sc: &Scenario, samples: &[Sample]) -> String {
     s
 }
 
+/// 1, 2 or 5 times a power of ten, at least `raw`.
 fn nice_step(raw: f64) -> f64 {
-    [1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0]
+    let base = 10f64.powf(raw.max(1e-9).log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
         .into_iter()
+        .map(|m| m * base)
         .find(|&c| c >= raw)
-        .unwrap_or(300.0)
+        .unwrap_or(10.0 * base)
 }
 
 fn escape(s: &str) -> String {
