@@ -64,7 +64,14 @@ impl LeaseBook {
     /// The rate the region enforces at store time `now`: E − Σ_peers max live reservation
     /// + Σ live loans (loans not at all after a backward step beyond `step_tolerance`).
     pub fn rate(&self, now: LocalUs, step_tolerance: i64) -> f64 {
-        (self.escrow - self.reserved_total(now) + self.borrowed_total(now, step_tolerance)).max(0.0)
+        self.net_rate(now, step_tolerance).max(0.0)
+    }
+
+    /// [`Self::rate`] before the clamp at zero. Below zero the book reserves more than it
+    /// has, and the clamp would admit what a borrower also counts: the simulator treats
+    /// that as a breach of the invariant.
+    pub fn net_rate(&self, now: LocalUs, step_tolerance: i64) -> f64 {
+        self.escrow - self.reserved_total(now) + self.borrowed_total(now, step_tolerance)
     }
 
     /// The rate in force at store time `t` of a stretch the bucket is being settled over

@@ -59,8 +59,9 @@ pub struct Params {
     /// Rounds without a completed round trip before a peer is suspect (pinned, not lent to).
     pub suspect_rounds: u32,
     /// Smoothing of demand: weight of a new sample when it is above / below the estimate.
-    /// Tuned with the simulator (`quotad sim`): 0.9 / 0.7 meets τ5 ≤ 5 s after a step (the
-    /// old owner's estimate must fall for its share to move), where 0.7 / 0.3 took 8 s.
+    /// Tuned with the simulator (`quotad sim`): after a step the old owner's estimate must
+    /// fall for its share to move; 0.7 / 0.3 took 8 s to settle in S2, 0.9 / 0.8 takes 4-5 s
+    /// (a faster fall changes little more, and a lull then hands the share away sooner).
     pub ewma_up: f64,
     pub ewma_down: f64,
     /// Demand is clamped to this multiple of ρ (retry storms must not swamp the split).
@@ -90,7 +91,7 @@ impl Default for Params {
             margin_us: 100_000,
             suspect_rounds: 3,
             ewma_up: 0.9,
-            ewma_down: 0.7,
+            ewma_down: 0.8,
             demand_clamp: 4.0,
             floor: 0.05,
             headroom: 0.3,

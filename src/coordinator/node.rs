@@ -234,11 +234,11 @@ impl<C: Clock> Node<C> {
         };
         let new = policy.escrow[me];
         let previous_escrow = old.filter(|o| (o - new).abs() > 1e-12);
-        // The newest version this region vouches for: a first start has none to honour;
-        // a transition keeps the last one it completed until this one is complete.
+        // The newest version this region vouches for. A (re)start vouches for none until
+        // its books show it (a stored default may already be lowered while books still
+        // cover reservations of the old split); a transition keeps the last one complete.
         let applied = match &running {
             Some(ps) => applied_version(ps, me),
-            None if previous_escrow.is_none() => policy.version,
             None => 0,
         };
         let mut ps = PolicyState {
@@ -436,7 +436,7 @@ impl<C: Clock> Node<C> {
                 }
                 plan(ks, &ps.policy, self.me, &links, round, &p, now);
                 // Re-assert: the escrow in force, and everything in memory, every round.
-                let escrow = effective_escrow(escrow_now, ps.previous_escrow, &ks.book, now);
+                let escrow = effective_escrow(escrow_now, &ks.book, now);
                 ks.book.escrow = escrow;
                 ks.book.high_water = ks.book.high_water.max(now);
                 if ks.write(store, name, key) {
@@ -700,8 +700,11 @@ impl PolicyState {
                     let from = &mut ks.lenders[l.lender.index()];
                     from.accepted = (l.lender_incarnation, l.seq);
                     from.granted = l.amount;
-                    from.release = from.accepted;
                 }
+                // Announce nothing (no release watermark, no give-back) before this life
+                // has written the book durably itself: what the store holds now may be an
+                // unacknowledged write that a failover would undo.
+                ks.dirty = true;
                 ks
             });
         }
@@ -840,28 +843,26 @@ fn plan(
 
 /// The escrow written into a book: during a re-split min(old, new), but never below what
 /// is still reserved (a reservation granted under the old split holds until it ends).
-fn effective_escrow(lowered: f64, previous: Option<f64>, book: &LeaseBook, now: LocalUs) -> f64 {
-    match previous {
-        None => lowered,
-        Some(prev) => lowered.max(book.reserved_total(now).min(prev)),
-    }
+fn effective_escrow(in_force: f64, book: &LeaseBook, now: LocalUs) -> f64 {
+    // Whatever the transition state: a book is never cut below what it still reserves
+    // (the rate would be clamped at zero while the borrower counts the whole loan), and
+    // never raised above what it had except to the escrow in force.
+    in_force.max(book.reserved_total(now).min(book.escrow))
 }
 
-/// The version this region reports as applied: the previous one while its decrease is
-/// still held up by old reservations or by a write that is not durable yet.
+/// The version this region reports as applied: this one once the default escrow and every
+/// book are durably at or below the escrow in force, else the last one that was. Computed
+/// from the books whatever the transition state: a book may stay above the escrow (to cover
+/// reservations granted under an older split) even when this version did not change this
+/// region's escrow.
 fn applied_version(ps: &PolicyState, me: usize) -> u64 {
-    match ps.previous_escrow {
-        None => ps.policy.version,
-        Some(_) => {
-            let lowered = ps.escrow_in_force(me);
-            let done = ps.default_durable
-                && ps
-                    .keys
-                    .values()
-                    .all(|ks| !ks.dirty && ks.book.escrow <= lowered + 1e-9);
-            if done { ps.policy.version } else { ps.applied }
-        }
-    }
+    let in_force = ps.escrow_in_force(me);
+    let done = ps.default_durable
+        && ps
+            .keys
+            .values()
+            .all(|ks| !ks.dirty && ks.book.escrow <= in_force + 1e-9);
+    if done { ps.policy.version } else { ps.applied }
 }
 
 fn floor_milli(x: f64) -> f64 {

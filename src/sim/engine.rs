@@ -42,6 +42,8 @@ pub struct Violation {
     /// Seconds from the start of the measured period (negative: in the warm-up).
     pub t_s: f64,
     pub what: String,
+    /// Σ R / ρ when that is what broke.
+    pub ratio: Option<f64>,
     pub trace: Vec<String>,
 }
 
@@ -432,6 +434,7 @@ impl<'a> Run<'a> {
         for (&(r, key, n), &a) in arrivals.iter().zip(&admitted) {
             self.rec.arrivals(t_s, r, key, n, a);
         }
+        self.rec.tick_total(t_s, admitted.iter().sum());
         if t_s >= 0.0 {
             let rates_now = self.regime.rates(self.sc.plot_key);
             self.rec.observe_rates(t_s, &rates_now, &rates);
@@ -484,8 +487,16 @@ impl<'a> Run<'a> {
             .zip(&target)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f64::max);
-        if off <= RECONVERGED * self.sc.rho {
-            self.rec.reconverge_s = Some(t_s - p.end_s);
+        let inside = off <= RECONVERGED * self.sc.rho;
+        self.rec.reconverge_since = match (inside, self.rec.reconverge_since) {
+            (true, None) => Some(t_s),
+            (true, since) => since,
+            (false, _) => None,
+        };
+        if let Some(since) = self.rec.reconverge_since
+            && t_s - since >= RECONVERGED_HOLD_S
+        {
+            self.rec.reconverge_s = Some(since - p.end_s);
         }
     }
 
@@ -590,17 +601,19 @@ impl<'a> Run<'a> {
                 .enumerate()
                 .map(|(r, s)| format!("r{r} at local {}: {:?}", s.now(), s.book(key)))
                 .collect();
-            return Err(self.violation(
+            let mut v = self.violation(
                 at,
                 format!(
                     "k{key}: Σ R = {sum:.9} > ρ = {} (rates {rates:?})\n  {}",
                     self.sc.rho,
                     books.join("\n  ")
                 ),
-            ));
+            );
+            v.ratio = Some(ratio);
+            return Err(v);
         }
         for (r, s) in self.regime.stores.iter().enumerate() {
-            if let Err(e) = s.check_capacity(key) {
+            if let Err(e) = s.check_capacity(key).and_then(|()| s.check_net_rate(key)) {
                 return Err(self.violation(at, format!("k{key} r{r}: {e}")));
             }
         }
@@ -614,6 +627,7 @@ impl<'a> Run<'a> {
             seed: self.seed,
             t_s: self.t_s(at),
             what,
+            ratio: None,
             trace: self
                 .trace
                 .as_ref()
@@ -622,6 +636,9 @@ impl<'a> Run<'a> {
         }
     }
 }
+
+/// Reconverged means staying inside the band this long.
+pub const RECONVERGED_HOLD_S: f64 = 2.0;
 
 /// Every |R_i − target_i| ≤ this × ρ counts as reconverged after a heal. In steady state
 /// (S6 before the cut, seeds 0–4) the largest regional deviation, from demand-estimate

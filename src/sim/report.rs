@@ -74,7 +74,11 @@ pub fn aggregate(scenarios: &[Scenario], modes: &[ModeKind], outcomes: &[Outcome
                 mode: mode.name().to_owned(),
                 seeds: ok.len() as u64,
                 violations,
-                max_rate_ratio: max(&|m| m.max_rate_ratio),
+                // Runs that broke the bound count with the ratio they broke it at.
+                max_rate_ratio: mine
+                    .iter()
+                    .filter_map(|o| o.result.as_ref().err().and_then(|v| v.ratio))
+                    .fold(max(&|m| m.max_rate_ratio), f64::max),
                 oa60_max: max(&|m| m.oa60),
                 oa_short_max: max(&|m| m.oa_short),
                 utilization: mean(&|m| m.utilization),

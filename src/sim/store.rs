@@ -141,9 +141,15 @@ impl RegionStore {
     /// the key's loans for good, and the bucket keeps only the smaller capacity share.
     fn touch(&mut self, key: u32, now: LocalUs) {
         let tol = self.step_tolerance;
-        if let Some(book) = self.slots[key as usize].book.as_deref_mut()
+        let lagging = self.lagging;
+        let slot = &mut self.slots[key as usize];
+        if let Some(book) = slot.book.as_deref_mut()
             && book.observe_time(now, tol)
         {
+            // The drop is a write like any other: replicated unless the replica lags.
+            if !lagging {
+                slot.durable = Some(Box::new(book.clone()));
+            }
             self.changed.insert(key);
             self.clamp(key, now);
         }
@@ -203,8 +209,22 @@ impl RegionStore {
         });
     }
 
-    /// Invariant S, per bucket: the stored tokens are within the capacity share at the
-    /// rate in force when they were written.
+    /// The book never reserves more than it has (see [`LeaseBook::net_rate`]).
+    pub fn check_net_rate(&self, key: u32) -> Result<(), String> {
+        let Some(book) = self.book(key) else {
+            return Ok(());
+        };
+        let net = book.net_rate(self.now(), self.step_tolerance);
+        if net < -1e-9 {
+            return Err(format!("book reserves more than it has: net rate {net:.6}"));
+        }
+        Ok(())
+    }
+
+    /// Invariant S, per bucket: the stored tokens are within the capacity share in force
+    /// when they were written. (Every read clamps to the share in force then, so the
+    /// tokens a bucket can spend never exceed its share; this checks that the store writes
+    /// accordingly, including when a dropped loan or a failover lowers the rate.)
     pub fn check_capacity(&self, key: u32) -> Result<(), String> {
         let Some(State::Bucket { tokens, ts }) = self.slots[key as usize].bucket else {
             return Ok(());
@@ -223,10 +243,18 @@ impl RegionStore {
         std::mem::take(&mut self.changed).into_iter().collect()
     }
 
-    /// Store times at which `key`'s rate changes by itself.
+    /// Store times at which `key`'s rate changes by itself: a lease ends, or (after a
+    /// backward step no touch has seen yet) the clock catches up with the high-water mark
+    /// and the loans the rate ignored meanwhile count again.
     pub fn expiries(&self, key: u32) -> Vec<LocalUs> {
         match self.slots.get(key as usize).and_then(|s| s.book.as_deref()) {
-            Some(b) => b.expiries_between(LocalUs::MIN, LocalUs::MAX),
+            Some(b) => {
+                let mut out = b.expiries_between(LocalUs::MIN, LocalUs::MAX);
+                if !b.borrowed.is_empty() {
+                    out.push(b.high_water.saturating_sub(self.step_tolerance));
+                }
+                out
+            }
             None => Vec::new(),
         }
     }
@@ -240,16 +268,32 @@ impl RegionStore {
     }
 
     /// The replica is promoted: every book and the default escrow go back to their last
-    /// acknowledged versions. (Bucket states and counters are kept: this models the loss
-    /// of a lease write, not of decisions; see the README.)
+    /// acknowledged versions, and every loan is dropped (bumping the step epoch, so that
+    /// the daemon drops them too): the promoted copy may hold loans the old primary had
+    /// already dropped (after a backward step), and dropping a loan is always safe. The
+    /// daemon notices a failover (a new replication ID) and does this in Redis.
+    /// (Bucket states and counters are kept: this models the loss of lease writes, not of
+    /// decisions; see the README.)
     pub fn failover(&mut self) {
         let now = self.now();
         for k in 0..self.slots.len() as u32 {
             let slot = &self.slots[k as usize];
-            if slot.book != slot.durable {
+            let loans = slot
+                .durable
+                .as_deref()
+                .is_some_and(|b| !b.borrowed.is_empty());
+            if slot.book != slot.durable || loans {
                 self.settle(k, now);
                 let slot = &mut self.slots[k as usize];
-                slot.book = slot.durable.clone();
+                let mut book = slot.durable.clone();
+                if let Some(b) = book.as_deref_mut()
+                    && !b.borrowed.is_empty()
+                {
+                    b.borrowed.clear();
+                    b.epoch += 1;
+                }
+                slot.durable.clone_from(&book);
+                slot.book = book;
                 self.changed.insert(k);
                 self.clamp(k, now);
             }
