@@ -78,7 +78,7 @@ fn fixtures(dir: &str) -> Vec<(PathBuf, Scenario, u64)> {
 #[test]
 fn scenarios_that_once_broke_invariant_s_keep_it() {
     let found = fixtures("tests/fixtures/sim");
-    assert!(found.len() >= 5, "the regression fixtures are missing");
+    assert!(found.len() >= 10, "the regression fixtures are missing");
     for (path, sc, seed) in found {
         if let Err(v) = run(&sc, ModeKind::Lease, seed) {
             panic!("{} ({}):\n{v}", path.display(), sc.title);

@@ -113,6 +113,9 @@ struct KeyState {
     planned: Option<u64>,
     /// Whether the book has changes the store has not durably taken.
     dirty: bool,
+    /// Until when (our clock) a grant for a loan this key asked for could still be
+    /// accepted: the key is not forgotten before, or it would forget what it accepted.
+    asked_until: LocalUs,
 }
 
 /// A region as the borrower of one lender, for one key.
@@ -425,7 +428,12 @@ impl<C: Clock> Node<C> {
                 ks.book.prune(now);
                 // Durably at the escrow in force: nothing to re-assert for an idle book.
                 let settled = !ks.dirty && ks.book.escrow == escrow_now;
-                if sample && settled && !ks.relevant(round, &p) && ks.book.is_idle(now) {
+                if sample
+                    && settled
+                    && !ks.relevant(round, &p)
+                    && ks.book.is_idle(now)
+                    && now >= ks.asked_until.saturating_add(p.step_tolerance_us())
+                {
                     drop.push(key.clone());
                     continue;
                 }
@@ -457,9 +465,9 @@ impl<C: Clock> Node<C> {
         let p = self.params;
         let peer_inc = self.peers[j].incarnation;
         let mut policies = Vec::new();
-        for (name, ps) in &self.policies {
+        for (name, ps) in &mut self.policies {
             let mut keys = Vec::new();
-            for (key, ks) in &ps.keys {
+            for (key, ks) in &mut ps.keys {
                 let leased = ks.book.reserved.iter().any(|r| r.borrower.index() == j)
                     || ks.book.loan_from(RegionId(j as u16), now).is_some();
                 let mentioned = ks.peer_demand[j].is_some_and(|(_, r)| recent(round, r, &p));
@@ -470,6 +478,10 @@ impl<C: Clock> Node<C> {
                 let holds = ks.book.loan_from(RegionId(j as u16), now).is_some();
                 let from = &ks.lenders[j];
                 let want = (from.want > 0.0 || holds).then_some(from.want);
+                if want.is_some() {
+                    let until = now + p.borrower_valid_us(p.lease_us);
+                    ks.asked_until = ks.asked_until.max(until);
+                }
                 let mine = from.release.0 == peer_inc && peer_inc != 0;
                 keys.push(KeyReport {
                     key: key.clone(),
@@ -735,6 +747,7 @@ impl KeyState {
             target_self: 0.0,
             planned: None,
             dirty: false,
+            asked_until: LocalUs::MIN,
         }
     }
 
