@@ -173,8 +173,7 @@ impl<'a> Run<'a> {
                 SimClock::new(real.clone(), offset, drift)
             })
             .collect();
-        let policy =
-            GlobalPolicy::from_weights("api", 1, sc.rho, sc.burst, &sc.weights, sc.allocation);
+        let policy = sc.policy(1, &sc.weights);
         let keys = sc.load.keys();
         let regime = Regime::new(
             mode,
@@ -279,14 +278,7 @@ impl<'a> Run<'a> {
                     rollout_s,
                 } => {
                     version += 1;
-                    let p = GlobalPolicy::from_weights(
-                        "api",
-                        version,
-                        sc.rho,
-                        sc.burst,
-                        weights,
-                        sc.allocation,
-                    );
+                    let p = sc.policy(version, weights);
                     for r in 0..n {
                         let delay = clock_rng.random::<f64>() * rollout_s;
                         run.push(
@@ -332,10 +324,7 @@ impl<'a> Run<'a> {
             self.check(q.at)?;
             self.observe_fallback(q.at);
         }
-        self.rec.finish(self.regime.kind);
-        self.rec.nodes = (0..self.sc.regions)
-            .filter_map(|r| self.regime.node(r).map(|n| (n.stats(), n.key_status())))
-            .collect();
+        self.rec.finish();
         Ok(self.rec)
     }
 

@@ -27,7 +27,6 @@ use serde::Serialize;
 
 use super::regime::ModeKind;
 use super::scenario::Scenario;
-use crate::coordinator::node::{KeyStatus, NodeStats};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
@@ -58,8 +57,6 @@ pub struct Record {
     partition_start: Option<f64>,
     /// Rates and true demand of key 0 every 100 ms (the plots).
     pub samples: Vec<Sample>,
-    /// Lease mode: each live node's counters and key table at the end.
-    pub nodes: Vec<(NodeStats, Vec<KeyStatus>)>,
 }
 
 const SAMPLE_S: f64 = 0.1;
@@ -85,7 +82,6 @@ impl Record {
             ticks: vec![0; ticks],
             partition_start: sc.partition.as_ref().map(|p| p.start_s),
             samples: Vec::new(),
-            nodes: Vec::new(),
         }
     }
 
@@ -130,7 +126,7 @@ impl Record {
         }
     }
 
-    pub fn finish(&mut self, _mode: ModeKind) {
+    pub fn finish(&mut self) {
         self.fallback_s = match (self.partition_start, self.fallback_since) {
             (Some(start), Some(since)) => Some(since - start),
             _ => None,
@@ -190,7 +186,7 @@ pub fn compare(sc: &Scenario, ours: &Record, central: &Record) -> RunMetrics {
         Some(p) => {
             let bins = (p.start_s as usize)..(p.end_s.ceil() as usize).min(ours.admitted.len());
             let c = total(central, bins.clone()).max(1) as f64;
-            let escrow = sc.escrow(&sc.weights);
+            let escrow = sc.policy(1, &sc.weights).escrow;
             let components: [Vec<usize>; 2] = [
                 p.isolated.clone(),
                 (0..sc.regions)

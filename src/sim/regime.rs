@@ -211,10 +211,6 @@ impl Regime {
         ));
     }
 
-    pub fn node(&self, r: usize) -> Option<&Node<SimClock>> {
-        self.nodes.get(r).and_then(|n| n.as_ref())
-    }
-
     /// The protocol timer's period, if the mode talks at all.
     pub fn timer_us(&self) -> Option<i64> {
         match self.kind {

@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use super::net::{Jitter, NetModel};
-use crate::coordinator::{Mode, Params};
+use crate::coordinator::{GlobalPolicy, Mode, Params};
 
 pub const REGIONS: [&str; 3] = ["us-east", "eu-west", "ap-south"];
 const US: usize = 0;
@@ -178,10 +178,16 @@ impl Scenario {
         }
     }
 
-    /// The escrow in units/s from weights.
-    pub fn escrow(&self, weights: &[f64]) -> Vec<f64> {
-        let total: f64 = weights.iter().sum();
-        weights.iter().map(|w| self.rho * w / total).collect()
+    /// The global policy the regions run, at `version` with escrow `weights`.
+    pub fn policy(&self, version: u64, weights: &[f64]) -> GlobalPolicy {
+        GlobalPolicy::from_weights(
+            "api",
+            version,
+            self.rho,
+            self.burst,
+            weights,
+            self.allocation,
+        )
     }
 
     pub fn region_name(&self, i: usize) -> String {

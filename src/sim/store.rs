@@ -49,8 +49,6 @@ pub struct RegionStore {
     pub lagging: bool,
     /// The daemon's incarnation counter (kept in the store, so a restart can bump it).
     pub incarnation: u64,
-    /// Book writes, for the cost report.
-    pub writes: u64,
 }
 
 /// Keys are `k<index>`; anything else is a key this simulation never has traffic for.
@@ -76,7 +74,6 @@ impl RegionStore {
             changed: BTreeSet::new(),
             lagging: false,
             incarnation: 0,
-            writes: 0,
         }
     }
 
@@ -263,10 +260,6 @@ impl RegionStore {
         self.slots.get(key as usize).and_then(|s| s.book.as_deref())
     }
 
-    pub fn default_escrow_value(&self) -> Option<f64> {
-        self.default_escrow
-    }
-
     /// The replica is promoted: every book and the default escrow go back to their last
     /// acknowledged versions, and every loan is dropped (bumping the step epoch, so that
     /// the daemon drops them too): the promoted copy may hold loans the old primary had
@@ -374,7 +367,6 @@ impl LeaseStore for RegionStore {
             slot.durable = Some(Box::new(new.clone()));
         }
         slot.book = Some(Box::new(new));
-        self.writes += 1;
         self.clamp(k, now);
         Written { durable, epoch }
     }
