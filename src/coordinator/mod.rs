@@ -8,6 +8,8 @@
 //! - [`demand`]: offered load from cumulative counters, smoothed (fast up, slow down), clamped.
 //! - [`allocation`]: who should enforce how much, given demand (proportional with floors,
 //!   max-min, owner-first), and the loans that realise it.
+//! - [`bucket`]: what the region's store does with one key on every touch (the reference
+//!   model of the Lua scripts).
 //! - [`lease`]: the per-key lease book the region's store holds, and the enforced rate it
 //!   implies at a given store time (the input of the token bucket).
 //! - [`message`]: the exchange messages (serde types; they travel over HTTP in the daemon).
@@ -19,6 +21,7 @@
 //! network, and checks the safety invariant after every event.
 
 pub mod allocation;
+pub mod bucket;
 pub mod demand;
 pub mod lease;
 pub mod message;

@@ -10,8 +10,9 @@
 
 use std::collections::BTreeSet;
 
-use crate::algorithm::{self, BucketRate, Op, State, Write};
+use crate::algorithm::{Op, State};
 use crate::clock::Clock;
+use crate::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
 use crate::coordinator::demand::Counters;
 use crate::coordinator::lease::LeaseBook;
 use crate::coordinator::node::{LeaseStore, Written};
@@ -21,11 +22,10 @@ use super::clock::SimClock;
 
 #[derive(Debug, Clone, Default)]
 struct Slot {
-    book: Option<Box<LeaseBook>>,
-    /// The version a failover would bring back.
+    /// Book, bucket and counters: the production model of a store key.
+    key: KeySlot,
+    /// The book a failover would bring back.
     durable: Option<Box<LeaseBook>>,
-    bucket: Option<State>,
-    counters: Counters,
     active: bool,
 }
 
@@ -34,11 +34,8 @@ pub const ALL_KEYS: u32 = u32::MAX;
 
 pub struct RegionStore {
     clock: SimClock,
-    /// The global rate and capacity (the policy's ρ and B).
-    rho: f64,
-    burst: f64,
-    step_tolerance: i64,
-    default_escrow: Option<f64>,
+    shape: Shape,
+    default_escrow: Option<DefaultEscrow>,
     durable_default: Option<f64>,
     slots: Vec<Slot>,
     active: Vec<u32>,
@@ -60,13 +57,22 @@ pub fn key_index(name: &str) -> Option<u32> {
     name.strip_prefix('k')?.parse().ok()
 }
 
+/// Before the first default is set, keys without a book enforce nothing.
+const NO_DEFAULT: DefaultEscrow = DefaultEscrow {
+    escrow: 0.0,
+    before: 0.0,
+    since: LocalUs::MIN,
+};
+
 impl RegionStore {
     pub fn new(clock: SimClock, policy: &GlobalPolicy, keys: u32, step_tolerance: i64) -> Self {
         RegionStore {
             clock,
-            rho: policy.rho,
-            burst: policy.burst,
-            step_tolerance,
+            shape: Shape {
+                rho: policy.rho,
+                burst: policy.burst,
+                step_tolerance,
+            },
             default_escrow: None,
             durable_default: None,
             slots: vec![Slot::default(); keys as usize],
@@ -81,74 +87,15 @@ impl RegionStore {
         self.clock.now_us()
     }
 
+    fn default(&self) -> DefaultEscrow {
+        self.default_escrow.unwrap_or(NO_DEFAULT)
+    }
+
     /// The rate this store enforces for `key` at its time `now`.
     pub fn rate(&self, key: u32, now: LocalUs) -> f64 {
-        match self.slots.get(key as usize).and_then(|s| s.book.as_deref()) {
-            Some(book) => book.rate(now, self.step_tolerance),
-            None => self.default_escrow.unwrap_or(0.0),
-        }
-    }
-
-    /// The rate that was in force at `t`, a time the bucket is being settled across.
-    fn rate_during(&self, key: u32, t: LocalUs) -> f64 {
-        match self.slots.get(key as usize).and_then(|s| s.book.as_deref()) {
-            Some(book) => book.rate_during(t),
-            None => self.default_escrow.unwrap_or(0.0),
-        }
-    }
-
-    fn bucket_rate(&self, rate: f64) -> BucketRate {
-        let cap = if self.rho > 0.0 {
-            self.burst * rate / self.rho
-        } else {
-            0.0
-        };
-        BucketRate::per_second(rate, cap)
-    }
-
-    /// Brings the bucket to `now` at the rates in force since it was last written,
-    /// segment by segment (a lease that ends mid-way changes the rate there).
-    fn settle(&mut self, key: u32, now: LocalUs) {
-        let slot = &self.slots[key as usize];
-        let Some(State::Bucket { ts, .. }) = slot.bucket else {
-            return;
-        };
-        let points = slot
-            .book
-            .as_deref()
-            .map(|b| b.expiries_between(ts, now))
-            .unwrap_or_default();
-        let mut from = ts;
-        for at in points.into_iter().chain(std::iter::once(now)) {
-            if at <= from {
-                continue;
-            }
-            let rate = self.bucket_rate(self.rate_during(key, from));
-            let slot = &mut self.slots[key as usize];
-            let out =
-                algorithm::token_bucket_at(&rate, slot.bucket.as_ref(), at, Op::Refund { cost: 0 });
-            if let Write::Put { state, .. } = out.write {
-                slot.bucket = Some(state);
-            }
-            from = at;
-        }
-    }
-
-    /// What the script does on every touch: a backward step beyond the tolerance drops
-    /// the key's loans for good, and the bucket keeps only the smaller capacity share.
-    fn touch(&mut self, key: u32, now: LocalUs) {
-        let tol = self.step_tolerance;
-        let lagging = self.lagging;
-        let slot = &mut self.slots[key as usize];
-        if let Some(book) = slot.book.as_deref_mut()
-            && book.observe_time(now, tol)
-        {
-            // The drop is a write like any other: replicated unless the replica lags.
-            if !lagging {
-                slot.durable = Some(Box::new(book.clone()));
-            }
-            self.changed.insert(key);
-            self.clamp(key, now);
+        match self.slots.get(key as usize) {
+            Some(s) => s.key.rate(&self.default(), &self.shape, now),
+            None => self.default().escrow,
         }
     }
 
@@ -159,27 +106,22 @@ impl RegionStore {
             return 0;
         }
         let now = self.now();
-        self.touch(key, now);
-        self.settle(key, now);
-        let rate = self.bucket_rate(self.rate(key, now));
+        let (d, shape, lagging) = (self.default(), self.shape, self.lagging);
         let slot = &mut self.slots[key as usize];
-        let peek =
-            algorithm::token_bucket_at(&rate, slot.bucket.as_ref(), now, Op::Check { cost: 0 });
-        let take = n.min(peek.verdict.remaining);
-        if take > 0 {
-            let out = algorithm::token_bucket_at(
-                &rate,
-                slot.bucket.as_ref(),
-                now,
-                Op::Check { cost: take },
-            );
-            debug_assert!(out.verdict.allowed);
-            if let Write::Put { state, .. } = out.write {
-                slot.bucket = Some(state);
+        if slot.key.touch(&d, &shape, now) {
+            // The drop is a write like any other: replicated unless the replica lags.
+            if !lagging {
+                slot.durable = slot.key.book.clone().map(Box::new);
             }
+            self.changed.insert(key);
         }
-        slot.counters.admitted += take;
-        slot.counters.rejected += n - take;
+        let peek = slot.key.decide(&d, &shape, now, Op::Check { cost: 0 });
+        let take = n.min(peek.remaining);
+        if take > 0 {
+            let v = slot.key.decide(&d, &shape, now, Op::Check { cost: take });
+            debug_assert!(v.allowed);
+        }
+        slot.key.counters.rejected += n - take;
         if !slot.active {
             slot.active = true;
             self.active.push(key);
@@ -193,12 +135,13 @@ impl RegionStore {
             return;
         }
         let now = self.now();
-        self.settle(key, now);
-        let rate = self.bucket_rate(self.rate(key, now));
-        let slot = &mut self.slots[key as usize];
+        let (d, shape) = (self.default(), self.shape);
+        let slot = &mut self.slots[key as usize].key;
+        slot.settle(&d, &shape, now);
+        let cap = shape.burst * slot.rate(&d, &shape, now) / shape.rho;
         let tokens = match slot.bucket {
             Some(State::Bucket { tokens, .. }) => tokens,
-            _ => rate.capacity,
+            _ => cap,
         };
         slot.bucket = Some(State::Bucket {
             tokens: tokens - n as f64,
@@ -211,7 +154,7 @@ impl RegionStore {
         let Some(book) = self.book(key) else {
             return Ok(());
         };
-        let net = book.net_rate(self.now(), self.step_tolerance);
+        let net = book.net_rate(self.now(), self.shape.step_tolerance);
         if net < -1e-9 {
             return Err(format!("book reserves more than it has: net rate {net:.6}"));
         }
@@ -223,10 +166,13 @@ impl RegionStore {
     /// tokens a bucket can spend never exceed its share; this checks that the store writes
     /// accordingly, including when a dropped loan or a failover lowers the rate.)
     pub fn check_capacity(&self, key: u32) -> Result<(), String> {
-        let Some(State::Bucket { tokens, ts }) = self.slots[key as usize].bucket else {
+        let slot = &self.slots[key as usize].key;
+        let Some(State::Bucket { tokens, .. }) = slot.bucket else {
             return Ok(());
         };
-        let cap = self.bucket_rate(self.rate_during(key, ts)).capacity;
+        let cap = slot
+            .capacity_when_written(&self.default(), &self.shape)
+            .unwrap_or(0.0);
         if tokens > cap + 1e-6 * cap.max(1.0) {
             return Err(format!(
                 "bucket holds {tokens:.6} tokens, capacity share {cap:.6}"
@@ -244,11 +190,11 @@ impl RegionStore {
     /// backward step no touch has seen yet) the clock catches up with the high-water mark
     /// and the loans the rate ignored meanwhile count again.
     pub fn expiries(&self, key: u32) -> Vec<LocalUs> {
-        match self.slots.get(key as usize).and_then(|s| s.book.as_deref()) {
+        match self.book(key) {
             Some(b) => {
                 let mut out = b.expiries_between(LocalUs::MIN, LocalUs::MAX);
                 if !b.borrowed.is_empty() {
-                    out.push(b.high_water.saturating_sub(self.step_tolerance));
+                    out.push(b.high_water.saturating_sub(self.shape.step_tolerance));
                 }
                 out
             }
@@ -257,7 +203,9 @@ impl RegionStore {
     }
 
     pub fn book(&self, key: u32) -> Option<&LeaseBook> {
-        self.slots.get(key as usize).and_then(|s| s.book.as_deref())
+        self.slots
+            .get(key as usize)
+            .and_then(|s| s.key.book.as_ref())
     }
 
     /// The replica is promoted: every book and the default escrow go back to their last
@@ -269,26 +217,20 @@ impl RegionStore {
     /// decisions; see the README.)
     pub fn failover(&mut self) {
         let now = self.now();
+        let (d, shape) = (self.default(), self.shape);
         for k in 0..self.slots.len() as u32 {
-            let slot = &self.slots[k as usize];
+            let slot = &mut self.slots[k as usize];
             let loans = slot
                 .durable
                 .as_deref()
                 .is_some_and(|b| !b.borrowed.is_empty());
-            if slot.book != slot.durable || loans {
-                self.settle(k, now);
-                let slot = &mut self.slots[k as usize];
-                let mut book = slot.durable.clone();
-                if let Some(b) = book.as_deref_mut()
-                    && !b.borrowed.is_empty()
-                {
-                    b.borrowed.clear();
-                    b.epoch += 1;
-                }
-                slot.durable.clone_from(&book);
-                slot.book = book;
+            if slot.key.book.as_ref() != slot.durable.as_deref() || loans {
+                slot.key.settle(&d, &shape, now);
+                slot.key.book = slot.durable.as_deref().cloned();
+                slot.key.drop_loans(&d, &shape, now);
+                slot.key.clamp(&d, &shape, now);
+                slot.durable = slot.key.book.clone().map(Box::new);
                 self.changed.insert(k);
-                self.clamp(k, now);
             }
         }
         if let Some(e) = self.durable_default {
@@ -297,44 +239,20 @@ impl RegionStore {
         self.lagging = false;
     }
 
-    /// After a rate change: the bucket holds at most the new capacity share.
-    fn clamp(&mut self, key: u32, now: LocalUs) {
-        let rate = self.bucket_rate(self.rate(key, now));
-        let slot = &mut self.slots[key as usize];
-        if slot.bucket.is_some() {
-            let out = algorithm::token_bucket_at(
-                &rate,
-                slot.bucket.as_ref(),
-                now,
-                Op::Refund { cost: 0 },
-            );
-            if let Write::Put { state, .. } = out.write {
-                slot.bucket = Some(state);
-            }
-        }
-    }
-
-    /// Changes the escrow of every key without a book: their buckets settle at the old
-    /// rate first and are clamped to the new capacity share after.
+    /// Changes the escrow of every key without a book (they settle lazily, see
+    /// [`DefaultEscrow`]).
     fn change_default(&mut self, escrow: f64, now: LocalUs) {
-        if self.default_escrow == Some(escrow) {
-            return;
+        let changed = match &mut self.default_escrow {
+            Some(d) => d.change(escrow, now),
+            None => {
+                self.default_escrow = Some(DefaultEscrow::new(escrow));
+                true
+            }
+        };
+        if changed {
+            // Every key without a book changed rate: the engine checks them all.
+            self.changed.insert(ALL_KEYS);
         }
-        let bookless: Vec<u32> = (0..self.slots.len() as u32)
-            .filter(|&k| {
-                let s = &self.slots[k as usize];
-                s.book.is_none() && s.bucket.is_some()
-            })
-            .collect();
-        for &k in &bookless {
-            self.settle(k, now);
-        }
-        self.default_escrow = Some(escrow);
-        for &k in &bookless {
-            self.clamp(k, now);
-        }
-        // Every key without a book changed rate: the engine checks them all.
-        self.changed.insert(ALL_KEYS);
     }
 
     fn slot_index(&self, key: &str) -> Option<u32> {
@@ -351,36 +269,30 @@ impl LeaseStore for RegionStore {
             };
         };
         let now = self.now();
-        self.touch(k, now);
-        self.settle(k, now);
+        let (d, shape) = (self.default(), self.shape);
         let durable = !self.lagging;
         let slot = &mut self.slots[k as usize];
-        let new = match slot.book.as_deref() {
-            Some(old) => old.merge_write(book.clone()),
-            None => book.clone(),
-        };
-        let epoch = new.epoch;
-        if slot.book.as_deref() != Some(&new) {
+        let before = slot.key.book.clone();
+        let epoch = slot.key.write_book(&d, &shape, now, book);
+        if slot.key.book != before {
             self.changed.insert(k);
         }
         if durable {
-            slot.durable = Some(Box::new(new.clone()));
+            slot.durable = slot.key.book.clone().map(Box::new);
         }
-        slot.book = Some(Box::new(new));
-        self.clamp(k, now);
         Written { durable, epoch }
     }
 
     fn read_book(&mut self, _policy: &str, key: &str) -> Option<LeaseBook> {
         let k = self.slot_index(key)?;
-        self.slots[k as usize].book.as_deref().cloned()
+        self.slots[k as usize].key.book.clone()
     }
 
     fn books(&mut self, _policy: &str) -> Vec<(String, LeaseBook)> {
         self.slots
             .iter()
             .enumerate()
-            .filter_map(|(k, s)| s.book.as_deref().map(|b| (key_name(k as u32), b.clone())))
+            .filter_map(|(k, s)| s.key.book.clone().map(|b| (key_name(k as u32), b)))
             .collect()
     }
 
@@ -396,12 +308,12 @@ impl LeaseStore for RegionStore {
 
     fn counters(&mut self, _policy: &str, key: &str) -> Counters {
         self.slot_index(key)
-            .map(|k| self.slots[k as usize].counters)
+            .map(|k| self.slots[k as usize].key.counters)
             .unwrap_or_default()
     }
 
     fn default_escrow(&mut self, _policy: &str) -> Option<f64> {
-        self.default_escrow
+        self.default_escrow.map(|d| d.escrow)
     }
 
     fn set_default_escrow(&mut self, _policy: &str, escrow: f64) -> bool {
@@ -418,8 +330,7 @@ impl LeaseStore for RegionStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::lease::{Loan, Reservation};
-    use crate::coordinator::{Mode, RegionId};
+    use crate::coordinator::Mode;
     use crate::sim::clock::RealTime;
 
     fn store() -> (RealTime, RegionStore) {
@@ -432,43 +343,13 @@ mod tests {
         (real, s)
     }
 
-    /// The bucket refills at each rate for exactly as long as it was in force: a loan of
-    /// 30/s that ends 1 s into a 2 s gap adds 30 tokens, not 60.
+    /// A failover brings back the last durable book (here: none).
     #[test]
-    fn refill_is_piecewise_across_lease_expiries() {
+    fn failover_restores_durable_books() {
         let (real, mut s) = store();
-        assert_eq!(s.admit(0, 1000), 50, "capacity share B·E/ρ = 50");
-        let mut book = LeaseBook::new(50.0);
-        book.borrowed.push(Loan {
-            lender: RegionId(1),
-            lender_incarnation: 1,
-            seq: 1,
-            amount: 30.0,
-            until: 1_000_000,
-        });
-        assert!(s.write_book("g", "k0", &book).durable);
-        real.set(2_000_000);
-        // 1 s at 80/s (capacity 80) then 1 s at 50/s (capacity 50): clamped to 50.
-        assert_eq!(s.admit(0, 1000), 50);
-        real.set(2_500_000);
-        assert_eq!(s.admit(0, 1000), 25);
-        s.check_capacity(0).unwrap();
-    }
-
-    /// A reservation lowers the rate and the capacity at once; a failover brings back the
-    /// last durable book.
-    #[test]
-    fn reservations_clamp_and_failover_restores_durable_books() {
-        let (real, mut s) = store();
-        let mut book = LeaseBook::new(50.0);
-        book.reserved.push(Reservation {
-            borrower: RegionId(1),
-            seq: 1,
-            amount: 40.0,
-            until: 10_000_000,
-        });
         s.lagging = true;
-        assert!(!s.write_book("g", "k0", &book).durable, "not acknowledged");
+        let w = s.write_book("g", "k0", &LeaseBook::new(10.0));
+        assert!(!w.durable, "not acknowledged");
         assert_eq!(s.rate(0, 0), 10.0);
         assert_eq!(s.admit(0, 1000), 10);
         s.check_capacity(0).unwrap();

@@ -1,0 +1,347 @@
+//! A region's bucket for one key of a global policy: the state the region's store keeps for
+//! the key and what every touch of it does. This is the reference model of
+//! `lua/global/*.lua` (the differential test runs both on the same inputs), and the
+//! simulator's store runs it as is.
+//!
+//! Per key the store keeps a token bucket, the lease book (when the coordinator wrote one)
+//! and cumulative admitted / locally rejected counters. The bucket refills at the rate the
+//! book gives on the store's clock, *piecewise*: a lease that ends between two touches
+//! changes the rate at that instant, and each stretch is credited at its own rate and
+//! capacity B·R/ρ. Keys without a book run on the policy's default escrow
+//! ([`DefaultEscrow`]).
+
+use serde::{Deserialize, Serialize};
+
+use super::LocalUs;
+use super::demand::Counters;
+use super::lease::LeaseBook;
+use crate::algorithm::{self, BucketRate, Op, State, Verdict, Write};
+
+/// The policy-wide numbers a bucket needs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shape {
+    /// The global rate ρ, units per second.
+    pub rho: f64,
+    /// The global capacity B; a region holds at most B·R/ρ.
+    pub burst: f64,
+    /// A clock reading this far below the book's high-water mark is a backward step.
+    pub step_tolerance: i64,
+}
+
+impl Shape {
+    fn bucket_rate(&self, rate: f64) -> BucketRate {
+        let cap = if self.rho > 0.0 {
+            self.burst * rate / self.rho
+        } else {
+            0.0
+        };
+        BucketRate::per_second(rate, cap)
+    }
+}
+
+/// The escrow a region applies to keys without a book, and what it was before the last
+/// change. Stores change it without touching every key (Redis cannot enumerate them
+/// cheaply), so a key settles lazily: a stretch before `since` is credited at `before`,
+/// the smallest default ever in force before `since` (never more than was in force).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DefaultEscrow {
+    pub escrow: f64,
+    pub before: f64,
+    pub since: LocalUs,
+}
+
+impl DefaultEscrow {
+    pub fn new(escrow: f64) -> Self {
+        DefaultEscrow {
+            escrow,
+            before: escrow,
+            since: LocalUs::MIN,
+        }
+    }
+
+    /// Changes the escrow at store time `now`; returns whether it changed.
+    pub fn change(&mut self, escrow: f64, now: LocalUs) -> bool {
+        if escrow == self.escrow {
+            return false;
+        }
+        self.before = self.before.min(self.escrow);
+        self.escrow = escrow;
+        self.since = now;
+        true
+    }
+
+    fn during(&self, t: LocalUs) -> f64 {
+        if t < self.since {
+            self.before.min(self.escrow)
+        } else {
+            self.escrow
+        }
+    }
+}
+
+/// What the store holds for one key.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KeySlot {
+    pub book: Option<LeaseBook>,
+    pub bucket: Option<State>,
+    pub counters: Counters,
+}
+
+impl KeySlot {
+    /// The rate in force at store time `now`.
+    pub fn rate(&self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) -> f64 {
+        match &self.book {
+            Some(book) => book.rate(now, shape.step_tolerance),
+            None => default.escrow,
+        }
+    }
+
+    /// The rate in force at `t`, a time of a stretch being settled.
+    fn rate_during(&self, default: &DefaultEscrow, t: LocalUs) -> f64 {
+        match &self.book {
+            Some(book) => book.rate_during(t),
+            None => default.during(t),
+        }
+    }
+
+    /// The capacity share the stored tokens must be within (invariant S, per bucket).
+    pub fn capacity_when_written(&self, default: &DefaultEscrow, shape: &Shape) -> Option<f64> {
+        match self.bucket {
+            Some(State::Bucket { ts, .. }) => {
+                Some(shape.bucket_rate(self.rate_during(default, ts)).capacity)
+            }
+            _ => None,
+        }
+    }
+
+    /// Every touch starts here: a reading more than the tolerance below the book's
+    /// high-water mark is a backward step, and the key's loans are dropped for good (the
+    /// step epoch rises so that no stale copy brings them back) and the bucket is clamped
+    /// to the smaller share. Returns whether the book changed that way.
+    pub fn touch(&mut self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) -> bool {
+        let stepped = match &mut self.book {
+            Some(book) => book.observe_time(now, shape.step_tolerance),
+            None => false,
+        };
+        if stepped {
+            self.clamp(default, shape, now);
+        }
+        stepped
+    }
+
+    /// Brings the bucket to `now` at the rates in force since it was last written, stretch
+    /// by stretch (a lease that ends mid-way, a default that changed).
+    pub fn settle(&mut self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) {
+        let Some(State::Bucket { ts, .. }) = self.bucket else {
+            return;
+        };
+        let mut points = match &self.book {
+            Some(b) => b.expiries_between(ts, now),
+            None if default.since > ts && default.since <= now => vec![default.since],
+            None => Vec::new(),
+        };
+        points.push(now);
+        let mut from = ts;
+        for at in points {
+            if at <= from {
+                continue;
+            }
+            let rate = shape.bucket_rate(self.rate_during(default, from));
+            self.put(algorithm::token_bucket_at(
+                &rate,
+                self.bucket.as_ref(),
+                at,
+                Op::Refund { cost: 0 },
+            ));
+            from = at;
+        }
+    }
+
+    /// After a rate change: the bucket holds at most the new capacity share.
+    pub fn clamp(&mut self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) {
+        if self.bucket.is_some() {
+            let rate = shape.bucket_rate(self.rate(default, shape, now));
+            self.put(algorithm::token_bucket_at(
+                &rate,
+                self.bucket.as_ref(),
+                now,
+                Op::Refund { cost: 0 },
+            ));
+        }
+    }
+
+    fn put(&mut self, out: algorithm::Outcome) {
+        if let Write::Put { state, .. } = out.write {
+            self.bucket = Some(state);
+        }
+    }
+
+    /// One decision at store time `now`: touch, settle, then the token bucket at the rate
+    /// and capacity share in force. A check counts its cost as admitted or rejected
+    /// (offered load); a peek (cost 0) and a refund count nothing.
+    pub fn decide(
+        &mut self,
+        default: &DefaultEscrow,
+        shape: &Shape,
+        now: LocalUs,
+        op: Op,
+    ) -> Verdict {
+        self.touch(default, shape, now);
+        self.settle(default, shape, now);
+        let rate = shape.bucket_rate(self.rate(default, shape, now));
+        let out = algorithm::token_bucket_at(&rate, self.bucket.as_ref(), now, op);
+        if let Op::Check { cost } = op {
+            if out.verdict.allowed {
+                self.counters.admitted += cost;
+            } else {
+                self.counters.rejected += cost;
+            }
+        }
+        let verdict = out.verdict;
+        self.put(out);
+        verdict
+    }
+
+    /// The coordinator writes `incoming`: the bucket settles at the old rate first, the
+    /// store's high-water mark only rises, loans from before a step the store saw stay out,
+    /// and the bucket is clamped to the new share. Returns the key's epoch after the write.
+    pub fn write_book(
+        &mut self,
+        default: &DefaultEscrow,
+        shape: &Shape,
+        now: LocalUs,
+        incoming: &LeaseBook,
+    ) -> u64 {
+        self.touch(default, shape, now);
+        self.settle(default, shape, now);
+        let new = match &self.book {
+            Some(old) => old.merge_write(incoming.clone()),
+            None => incoming.clone(),
+        };
+        let epoch = new.epoch;
+        self.book = Some(new);
+        self.clamp(default, shape, now);
+        epoch
+    }
+
+    /// A failover promoted a replica: every loan goes (the promoted copy may hold loans the
+    /// old primary had dropped, and dropping a loan is always safe), the epoch rises.
+    /// Returns whether the book changed.
+    pub fn drop_loans(&mut self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) -> bool {
+        self.settle(default, shape, now);
+        let dropped = match &mut self.book {
+            Some(b) if !b.borrowed.is_empty() => {
+                b.borrowed.clear();
+                b.epoch += 1;
+                true
+            }
+            _ => false,
+        };
+        if dropped {
+            self.clamp(default, shape, now);
+        }
+        dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinator::RegionId;
+    use crate::coordinator::lease::{Loan, Reservation};
+
+    const SHAPE: Shape = Shape {
+        rho: 100.0,
+        burst: 100.0,
+        step_tolerance: 50_000,
+    };
+
+    fn loan(amount: f64, until: LocalUs) -> Loan {
+        Loan {
+            lender: RegionId(1),
+            lender_incarnation: 1,
+            seq: 1,
+            amount,
+            until,
+        }
+    }
+
+    fn admit(slot: &mut KeySlot, d: &DefaultEscrow, now: LocalUs, n: u64) -> u64 {
+        let peek = slot.decide(d, &SHAPE, now, Op::Check { cost: 0 });
+        let take = n.min(peek.remaining);
+        if take > 0 {
+            assert!(
+                slot.decide(d, &SHAPE, now, Op::Check { cost: take })
+                    .allowed
+            );
+        }
+        take
+    }
+
+    /// A loan of 30/s that ends 1 s into a 2 s gap adds 30 tokens, not 60.
+    #[test]
+    fn refill_is_piecewise_across_lease_expiries() {
+        let d = DefaultEscrow::new(50.0);
+        let mut slot = KeySlot::default();
+        assert_eq!(admit(&mut slot, &d, 0, 1000), 50, "capacity B·E/ρ = 50");
+        let mut book = LeaseBook::new(50.0);
+        book.borrowed.push(loan(30.0, 1_000_000));
+        slot.write_book(&d, &SHAPE, 0, &book);
+        // 1 s at 80/s (capacity 80) then 1 s at 50/s (capacity 50): clamped to 50.
+        assert_eq!(admit(&mut slot, &d, 2_000_000, 1000), 50);
+        assert_eq!(admit(&mut slot, &d, 2_500_000, 1000), 25);
+    }
+
+    /// A reservation lowers the rate and the capacity at once.
+    #[test]
+    fn a_reservation_clamps_the_bucket() {
+        let d = DefaultEscrow::new(50.0);
+        let mut slot = KeySlot::default();
+        assert_eq!(admit(&mut slot, &d, 0, 10), 10);
+        let mut book = LeaseBook::new(50.0);
+        book.reserved.push(Reservation {
+            borrower: RegionId(1),
+            seq: 1,
+            amount: 40.0,
+            until: 10_000_000,
+        });
+        slot.write_book(&d, &SHAPE, 0, &book);
+        assert_eq!(slot.rate(&d, &SHAPE, 0), 10.0);
+        assert_eq!(admit(&mut slot, &d, 0, 1000), 10);
+        assert_eq!(slot.counters.admitted, 20);
+        assert_eq!(slot.counters.rejected, 0);
+        assert!(!slot.decide(&d, &SHAPE, 0, Op::Check { cost: 1 }).allowed);
+        assert_eq!(slot.counters.rejected, 1);
+    }
+
+    /// A default that changes between touches: the stretch before the change is credited
+    /// at the smaller of the two, after it at the new one.
+    #[test]
+    fn a_changed_default_settles_lazily_and_never_over_credits() {
+        let mut d = DefaultEscrow::new(50.0);
+        let mut slot = KeySlot::default();
+        assert_eq!(admit(&mut slot, &d, 0, 1000), 50);
+        d.change(80.0, 500_000);
+        // 0.5 s at min(50, 80) = 25 tokens, then 0.25 s at 80 = 20 tokens.
+        assert_eq!(admit(&mut slot, &d, 750_000, 1000), 45);
+        d.change(10.0, 1_000_000);
+        // 0.25 s at min(50, 80, 10) = 2.5, then 1 s at 10 = 10, capacity 10.
+        assert_eq!(admit(&mut slot, &d, 2_000_000, 1000), 10);
+    }
+
+    #[test]
+    fn a_backward_step_drops_loans_and_clamps() {
+        let d = DefaultEscrow::new(50.0);
+        let mut slot = KeySlot::default();
+        let mut book = LeaseBook::new(50.0);
+        book.borrowed.push(loan(50.0, 10_000_000));
+        book.high_water = 2_000_000;
+        assert_eq!(slot.write_book(&d, &SHAPE, 2_000_000, &book), 0);
+        assert_eq!(slot.rate(&d, &SHAPE, 2_000_000), 100.0);
+        assert!(slot.touch(&d, &SHAPE, 1_000_000), "1 s back");
+        assert_eq!(slot.rate(&d, &SHAPE, 3_000_000), 50.0);
+        // A stale copy of the book cannot bring the loan back.
+        assert_eq!(slot.write_book(&d, &SHAPE, 3_000_000, &book), 1);
+        assert_eq!(slot.rate(&d, &SHAPE, 3_000_000), 50.0);
+    }
+}
