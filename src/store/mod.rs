@@ -6,6 +6,7 @@
 //! error means for a request.
 
 pub mod breaker;
+pub mod global;
 pub mod memory;
 pub mod redis;
 pub mod scripts;
@@ -54,6 +55,27 @@ impl StoreError {
     /// The label values of `kind`, for pre-registering metric series.
     pub const KINDS: [&'static str; 5] =
         ["timeout", "connection", "circuit_open", "command", "reply"];
+}
+
+/// A script's reply past 2^53 microseconds means "never" (a global key at a zero rate).
+pub const NEVER_US: i64 = 1 << 53;
+
+/// Every limiter script replies `{allowed, remaining, reset_after_us, retry_after_us}`.
+pub fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
+    let wait = |v: i64| if v >= NEVER_US { i64::MAX } else { v };
+    match reply {
+        [allowed, remaining, reset, retry]
+            if (*allowed == 0 || *allowed == 1) && *remaining >= 0 =>
+        {
+            Ok(Verdict {
+                allowed: *allowed == 1,
+                remaining: *remaining as u64,
+                reset_after_us: wait(*reset),
+                retry_after_us: wait(*retry),
+            })
+        }
+        other => Err(StoreError::Reply(format!("{other:?}"))),
+    }
 }
 
 /// The configured backend. An enum rather than a trait object: there are exactly two, and

@@ -27,7 +27,7 @@ use crate::algorithm::{Op, Verdict};
 use crate::metrics::Metrics;
 use crate::store::breaker::Breaker;
 use crate::store::scripts::{self, Scripts};
-use crate::store::{StoreCall, StoreError};
+use crate::store::{StoreCall, StoreError, parse_verdict};
 
 #[derive(Debug, Clone)]
 pub struct RedisSettings {
@@ -290,22 +290,6 @@ fn is_connection_error(e: &RedisError) -> bool {
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()
-}
-
-fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
-    match reply {
-        [allowed, remaining, reset, retry]
-            if (*allowed == 0 || *allowed == 1) && *remaining >= 0 =>
-        {
-            Ok(Verdict {
-                allowed: *allowed == 1,
-                remaining: *remaining as u64,
-                reset_after_us: *reset,
-                retry_after_us: *retry,
-            })
-        }
-        other => Err(StoreError::Reply(format!("{other:?}"))),
-    }
 }
 
 /// The URL without its password, for logs.

@@ -26,6 +26,47 @@ pub fn source(algorithm: Algorithm) -> &'static str {
     }
 }
 
+macro_rules! global_script {
+    ($file:literal) => {
+        concat!(
+            include_str!("../../lua/global/common.lua"),
+            include_str!(concat!("../../lua/global/", $file))
+        )
+    };
+}
+
+/// The scripts of global policies (`lua/global/`), each prefixed with `common.lua`: the
+/// decision, and the coordinator's writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Global {
+    Check,
+    WriteBook,
+    DropLoans,
+    SetDefault,
+}
+
+impl Global {
+    pub const ALL: [Global; 4] = [
+        Global::Check,
+        Global::WriteBook,
+        Global::DropLoans,
+        Global::SetDefault,
+    ];
+
+    pub fn source(self) -> &'static str {
+        match self {
+            Global::Check => global_script!("check.lua"),
+            Global::WriteBook => global_script!("write_book.lua"),
+            Global::DropLoans => global_script!("drop_loans.lua"),
+            Global::SetDefault => global_script!("set_default.lua"),
+        }
+    }
+
+    pub fn script(self) -> redis::Script {
+        redis::Script::new(self.source())
+    }
+}
+
 /// Every script with its SHA1, built once at start-up.
 #[derive(Debug)]
 pub struct Scripts {

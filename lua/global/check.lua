@@ -1,0 +1,74 @@
+-- check: one decision for a key of a global policy (bucket.rs KeySlot::decide).
+--
+-- KEYS[1]  the key's hash   KEYS[2]  the policy's meta hash   KEYS[3]  the policy's active zset
+-- ARGV     mode ('check' | 'refund'), cost, rho, burst, step tolerance us,
+--          fallback escrow (when the coordinator never set a default), keep_ms,
+--          user key (the active zset's member), [now_us: TESTS ONLY]
+-- Returns  {allowed, remaining, reset_after_us, retry_after_us} like every limiter script.
+if #KEYS ~= 3 or (#ARGV ~= 8 and #ARGV ~= 9) then
+  return redis.error_reply('ERR quotad global check: expected 3 keys and 8 or 9 arguments')
+end
+local key = KEYS[1]
+local refund = ARGV[1] == 'refund'
+local cost = tonumber(ARGV[2])
+local rho, burst, tol, fallback, keep_ms = shape_args(3)
+local now = redis_now(ARGV[9])
+local d = load_default(KEYS[2], fallback)
+local s = load_slot(key)
+
+touch(s, d, rho, burst, tol, now)
+settle(s, d, rho, burst, now)
+
+-- algorithm::token_bucket_at at the rate in force, capacity B·R/ρ.
+local rate = rate_now(s, d, tol, now)
+local cap = capacity(rate, rho, burst)
+local existed = s.tokens ~= nil
+local tokens, ts = s.tokens, s.ts
+if not existed then
+  tokens = cap
+  ts = now
+end
+local elapsed = now - ts
+if elapsed < 0 then elapsed = 0 end
+tokens = math.min(cap, tokens + elapsed * rate / 1000000)
+local function full_in(t)
+  return ceil_i((cap - t) * 1000000 / rate)
+end
+
+local reply
+if refund then
+  if existed then
+    tokens = math.min(cap, tokens + cost)
+    s.tokens, s.ts = tokens, now
+    reply = {1, floor_u(tokens), full_in(tokens), 0}
+  else
+    reply = {1, floor_u(tokens), 0, 0}
+  end
+else
+  local eval_cost = cost
+  if cost == 0 then eval_cost = 1 end
+  if tokens >= eval_cost then
+    if cost > 0 then
+      tokens = tokens - cost
+      s.tokens, s.ts = tokens, now
+      redis.call('HINCRBY', key, 'a', cost)
+    end
+    reply = {1, floor_u(tokens), full_in(tokens), 0}
+  else
+    if cost > 0 then redis.call('HINCRBY', key, 'x', cost) end
+    local retry = ceil_i((eval_cost - tokens) * 1000000 / rate)
+    if retry < 1 then retry = 1 end
+    reply = {0, floor_u(tokens), full_in(tokens), retry}
+  end
+  if cost > 0 then
+    redis.call('ZADD', KEYS[3], now, ARGV[8])
+    redis.call('PEXPIRE', KEYS[3], keep_ms)
+  end
+end
+
+save_bucket(key, s)
+if s.book then save_book(key, s.book) end
+if s.tokens ~= nil or s.book or cost > 0 then
+  expire(key, s, d, rho, burst, tol, now, keep_ms)
+end
+return reply

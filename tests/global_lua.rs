@@ -1,0 +1,263 @@
+//! The global policies' Lua scripts (`lua/global/`) against their reference model
+//! ([`quotad::coordinator::bucket::KeySlot`]): random sequences of checks, peeks, refunds,
+//! book writes (reservations, loans, stale epochs), failover drops, default changes and
+//! clock steps (forward and backward, beyond the step tolerance) go through both on a real
+//! redis-server with injected time, and after every step the verdict and the whole stored
+//! state (tokens to the last bit, book, epoch, high water, counters) must be identical.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::RedisServer;
+use quotad::algorithm::{Op, Verdict};
+use quotad::coordinator::RegionId;
+use quotad::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
+use quotad::coordinator::lease::{LeaseBook, Loan, Reservation};
+use quotad::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
+use quotad::store::scripts::Global;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const SEEDS: u64 = 12;
+const STEPS: usize = 1_500;
+const FENCE: &str = "t:coordinator:fence";
+
+struct Scripts {
+    check: redis::Script,
+    write: redis::Script,
+    drop: redis::Script,
+    default: redis::Script,
+}
+
+fn read_slot(conn: &mut redis::Connection, key: &str) -> KeySlot {
+    let v: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(key)
+        .arg(&SLOT_FIELDS[..])
+        .query(conn)
+        .unwrap();
+    global::decode_slot(&v).unwrap()
+}
+
+fn random_book(rng: &mut StdRng, now: i64, rho: f64) -> LeaseBook {
+    let until = |rng: &mut StdRng| now + rng.random_range(-1_000_000..10_000_000);
+    let mut book = LeaseBook::new(rng.random_range(0.0..=rho));
+    for _ in 0..rng.random_range(0..4) {
+        book.reserved.push(Reservation {
+            borrower: RegionId(rng.random_range(1..4)),
+            seq: rng.random_range(1..20),
+            amount: rng.random_range(0.0..rho / 2.0),
+            until: until(rng),
+        });
+    }
+    for _ in 0..rng.random_range(0..3) {
+        book.borrowed.push(Loan {
+            lender: RegionId(rng.random_range(1..4)),
+            lender_incarnation: rng.random_range(1..5),
+            seq: rng.random_range(1..20),
+            amount: rng.random_range(0.0..rho / 2.0),
+            until: until(rng),
+        });
+    }
+    book.high_water = match rng.random_range(0..4) {
+        0 => i64::MIN,
+        1 => now + rng.random_range(0..2_000_000),
+        _ => now - rng.random_range(0..2_000_000),
+    };
+    book.epoch = rng.random_range(0..3);
+    book
+}
+
+fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let rho = [7.0, 100.0, 1000.0, 12_345.6][rng.random_range(0..4)];
+    let shape = Shape {
+        rho,
+        burst: rho * rng.random_range(0.05..2.0),
+        step_tolerance: 50_000,
+    };
+    let fallback = rho * rng.random_range(0.0..1.0);
+    let args = ScriptShape {
+        rho,
+        burst: shape.burst,
+        step_tolerance_us: shape.step_tolerance,
+        fallback_escrow: fallback,
+        keep_ms: 3_600_000,
+    };
+    let keys = PolicyKeys::new("t", &format!("p{seed}"));
+    let users = ["alice", "bob", "carol"];
+    let storage = |u: &str| format!("t:p{seed}:g:{{{u}}}");
+    let mut model: HashMap<&str, KeySlot> = HashMap::new();
+    let mut default: Option<DefaultEscrow> = None;
+    let mut now: i64 = 1_764_000_000_000_000 + rng.random_range(0..1_000_000_000);
+    let mut trace: Vec<String> = Vec::new();
+    for step in 0..STEPS {
+        now += match rng.random_range(0..100) {
+            0..=19 => 0,
+            20..=79 => rng.random_range(1..200_000),
+            80..=92 => rng.random_range(200_000..5_000_000),
+            93..=96 => -rng.random_range(1..40_000),
+            _ => -rng.random_range(60_000..1_500_000),
+        };
+        let user = users[rng.random_range(0..users.len())];
+        let key = storage(user);
+        let d = default.unwrap_or(DefaultEscrow::new(fallback));
+        let slot = model.entry(user).or_default();
+        let write = |token: u64, book: &LeaseBook| {
+            global::write_book_invocation(
+                &s.write,
+                &key,
+                user,
+                &keys,
+                FENCE,
+                token,
+                &args,
+                book,
+                Some(now),
+            )
+        };
+        let what = match rng.random_range(0..100) {
+            0..=54 => {
+                let op = match rng.random_range(0..10) {
+                    0 => Op::Check { cost: 0 },
+                    1 => Op::Refund {
+                        cost: rng.random_range(1..4),
+                    },
+                    _ => Op::Check {
+                        cost: rng.random_range(1..4),
+                    },
+                };
+                let inv =
+                    global::check_invocation(&s.check, &key, user, &keys, &args, op, Some(now));
+                let reply: Vec<i64> = inv.invoke(conn).unwrap();
+                let got = quotad::store::parse_verdict(&reply).unwrap();
+                let want: Verdict = slot.decide(&d, &shape, now, op);
+                assert_eq!(
+                    got,
+                    want,
+                    "seed {seed} step {step}: {op:?} on {user}\n{}",
+                    trace.join("\n")
+                );
+                format!("{op:?} -> {got:?}")
+            }
+            55..=74 => {
+                let book = random_book(&mut rng, now, rho);
+                let epoch: u64 = write(1, &book).invoke(conn).unwrap();
+                assert_eq!(
+                    epoch,
+                    slot.write_book(&d, &shape, now, &book),
+                    "seed {seed} step {step}"
+                );
+                format!("write {book:?}")
+            }
+            75..=82 => {
+                let inv =
+                    global::drop_loans_invocation(&s.drop, &key, &keys, FENCE, 1, &args, Some(now));
+                let dropped: i64 = inv.invoke(conn).unwrap();
+                assert_eq!(
+                    dropped == 1,
+                    slot.drop_loans(&d, &shape, now),
+                    "seed {seed} step {step}"
+                );
+                "drop loans".to_owned()
+            }
+            83..=89 => {
+                // A stale coordinator: fenced, and nothing changes.
+                let book = random_book(&mut rng, now, rho);
+                let err = write(2, &book).invoke::<u64>(conn).unwrap_err();
+                assert!(err.to_string().contains("FENCED"), "{err}");
+                "fenced write".to_owned()
+            }
+            _ => {
+                let escrow = if rng.random_bool(0.2) {
+                    d.escrow
+                } else {
+                    rho * rng.random_range(0.0..1.0)
+                };
+                let inv =
+                    global::set_default_invocation(&s.default, &keys, FENCE, 1, escrow, Some(now));
+                let changed: i64 = inv.invoke(conn).unwrap();
+                let want = match &mut default {
+                    Some(d) => d.change(escrow, now),
+                    None => {
+                        default = Some(DefaultEscrow::new(escrow));
+                        true
+                    }
+                };
+                assert_eq!(changed == 1, want, "seed {seed} step {step}");
+                format!("default {escrow}")
+            }
+        };
+        trace.push(format!("step {step}: t={now} {user}: {what}"));
+        if trace.len() > 15 {
+            trace.remove(0);
+        }
+        let stored = read_slot(conn, &key);
+        assert_eq!(
+            &stored,
+            model.get(user).unwrap(),
+            "seed {seed} step {step}: stored state differs\n{}",
+            trace.join("\n")
+        );
+        let meta: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(&keys.meta)
+            .arg(&["d", "dp", "dt"])
+            .query(conn)
+            .unwrap();
+        assert_eq!(
+            global::decode_default(&meta).unwrap(),
+            default,
+            "seed {seed} step {step}"
+        );
+    }
+    // Every key the scripts wrote has a TTL (keep_ms or longer).
+    for u in users {
+        let pttl: i64 = redis::cmd("PTTL").arg(storage(u)).query(conn).unwrap();
+        assert!(pttl == -2 || pttl >= 3_000_000, "{u}: PTTL {pttl}");
+    }
+    let active: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&keys.active)
+        .arg(0)
+        .arg(-1)
+        .query(conn)
+        .unwrap();
+    assert!(!active.is_empty() && active.iter().all(|a| users.contains(&a.as_str())));
+}
+
+#[test]
+fn lua_global_scripts_match_the_reference_model() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let _: () = redis::cmd("SET")
+        .arg(FENCE)
+        .arg(1)
+        .query(&mut conn)
+        .unwrap();
+    let scripts = Scripts {
+        check: Global::Check.script(),
+        write: Global::WriteBook.script(),
+        drop: Global::DropLoans.script(),
+        default: Global::SetDefault.script(),
+    };
+    for seed in 0..SEEDS {
+        run(seed, &mut conn, &scripts);
+    }
+}
+
+/// Malformed calls are refused by the scripts themselves (quotad never sends them; this
+/// guards the scripts' own argument checks).
+#[test]
+fn global_scripts_refuse_wrong_arity() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    for g in Global::ALL {
+        let err = g
+            .script()
+            .key("k")
+            .arg(1)
+            .invoke::<i64>(&mut conn)
+            .unwrap_err();
+        assert!(err.to_string().contains("expected"), "{g:?}: {err}");
+    }
+    assert_eq!(redis.dbsize(), 0);
+}
