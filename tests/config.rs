@@ -10,6 +10,45 @@ use common::{fixture, quotad_binary};
 
 /// (fixture, expected lines: "line: field: message fragment")
 const BAD: &[(&str, &[&str])] = &[
+    (
+        "global_escrow_missing_region.toml",
+        &["12: policy[0].global.escrow: no weight for region \"eu-west\""],
+    ),
+    (
+        "global_escrow_unknown_region.toml",
+        &["12: policy[0].global.escrow: \"ap-south\" is neither this region nor a [[peer]]"],
+    ),
+    (
+        "global_lease_not_above_round.toml",
+        &["13: policy[0].global.lease: must be longer than round (1s)"],
+    ),
+    (
+        "global_mixed_timings.toml",
+        &["21: policy[1].global.lease: every global policy must use the same lease and round"],
+    ),
+    (
+        "global_no_peers.toml",
+        &["8: policy[0].global.escrow: a global policy needs at least one [[peer]]"],
+    ),
+    (
+        "global_window_algorithm.toml",
+        &[
+            "8: policy[0].algorithm: a global policy must be token_bucket or gcra",
+            "11: policy[0].on_store_error: \"local\" cannot keep a global budget",
+            "14: policy[0].global.allocation: unknown allocation \"fair\"",
+        ],
+    ),
+    (
+        "peer_problems.toml",
+        &[
+            "4: peer[0].url: \"https://10.0.0.1:8686\": must be http://HOST:PORT",
+            "5: peer[0].secret: must be at least 16 bytes",
+            "7: peer[1].region: duplicate peer region \"us-east\"",
+            "10: peer[2].region: \"eu-west\" is this daemon's own region",
+            "13: peer[3].url: a peer needs url",
+            "13: peer[3].secret: a peer needs a shared secret",
+        ],
+    ),
     ("syntax.toml", &["1: (syntax): unclosed array table"]),
     (
         "unknown_top_key.toml",

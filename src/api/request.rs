@@ -205,6 +205,7 @@ mod tests {
             burst: Some(20),
             on_store_error: FailMode::Open,
             shadow: false,
+            global: None,
         };
         let p = Policy::new("rl", spec).unwrap();
         let caps = Caps {

@@ -17,7 +17,8 @@ use std::time::Duration;
 use toml::Spanned;
 
 use crate::algorithm::Algorithm;
-use crate::policy::{self, FailMode, Policy, PolicySpec};
+use crate::coordinator::{Mode, Params, RegionId};
+use crate::policy::{self, FailMode, GlobalSpec, Policy, PolicySpec};
 use crate::store::redis::RedisSettings;
 
 /// One problem in a config file: `file:line: field: message`.
@@ -72,6 +73,43 @@ pub struct ServerSettings {
     pub max_key_bytes: usize,
 }
 
+/// A shared secret; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub Vec<u8>);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// A peer region: where its quotad instances answer exchanges, and the secret both sides
+/// sign them with.
+#[derive(Debug, Clone)]
+pub struct PeerSettings {
+    pub region: String,
+    pub id: RegionId,
+    /// Tried in order until one answers as its region's coordinator (a region may run
+    /// several instances; only the lock holder coordinates).
+    pub urls: Vec<String>,
+    pub secret: Secret,
+}
+
+/// Global budgets: this region among the others, and the protocol's timings.
+#[derive(Debug, Clone)]
+pub struct GlobalSettings {
+    /// Every region, sorted by name: a region's index here is its id in messages.
+    pub regions: Vec<String>,
+    pub me: RegionId,
+    pub peers: Vec<PeerSettings>,
+    pub params: Params,
+    /// The coordinator lock's period: a dead holder is replaced within it.
+    pub lock: Duration,
+    /// Signed exchanges whose timestamp is further than this from our clock are refused
+    /// (and nonces are remembered this long: the replay window).
+    pub max_skew: Duration,
+}
+
 /// Everything the daemon needs, validated.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -80,6 +118,8 @@ pub struct Settings {
     pub store: StoreBackend,
     pub key_prefix: String,
     pub policies: Vec<Policy>,
+    /// Present when at least one policy is global.
+    pub global: Option<GlobalSettings>,
 }
 
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8686";
@@ -92,6 +132,11 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 pub const DEFAULT_BREAKER_THRESHOLD: i64 = 3;
 pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 pub const DEFAULT_KEY_PREFIX: &str = "rl";
+pub const DEFAULT_LOCK: Duration = Duration::from_secs(3);
+pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
+/// Leases longer than this would outlive the keep time of global keys in Redis.
+pub const MAX_LEASE: Duration = Duration::from_secs(600);
+pub const MIN_SECRET_BYTES: usize = 16;
 /// A sliding log stores one entry per admission (about 100 KB per key at limit 1,000, and a
 /// cost-N check writes N entries inside one script): above this, the sliding_window counter
 /// is the right tool.
@@ -111,6 +156,7 @@ impl Settings {
                 burst: None,
                 on_store_error: FailMode::Open,
                 shadow: false,
+                global: None,
             },
         )
         .expect("the built-in policy is valid");
@@ -127,6 +173,7 @@ impl Settings {
             store: StoreBackend::Memory,
             key_prefix: DEFAULT_KEY_PREFIX.into(),
             policies: vec![policy],
+            global: None,
         }
     }
 
@@ -272,6 +319,12 @@ impl Validator<'_> {
         };
         let server = self.server(raw.server.unwrap_or_default());
         let (store, key_prefix) = self.store(raw.store.unwrap_or_default());
+        let coordinator = raw.coordinator.unwrap_or_default();
+        let peers = self.peers(&region, &raw.peer, &coordinator);
+        let mut regions: Vec<String> = peers.iter().map(|p| p.region.clone()).collect();
+        regions.push(region.clone());
+        regions.sort();
+        let mut timing: Option<(Duration, Duration, usize)> = None;
         let mut policies = Vec::new();
         let mut names = BTreeSet::new();
         if raw.policy.is_empty() {
@@ -283,7 +336,10 @@ impl Validator<'_> {
             });
         }
         for (i, p) in raw.policy.iter().enumerate() {
-            if let Some(policy) = self.policy(i, p, &key_prefix) {
+            let global = p.global.as_ref().and_then(|g| {
+                self.global_policy(i, p, g, &regions, !raw.peer.is_empty(), &mut timing)
+            });
+            if let Some(policy) = self.policy(i, p, &key_prefix, global) {
                 if !names.insert(policy.name.clone()) {
                     self.error(
                         &p.name,
@@ -295,12 +351,309 @@ impl Validator<'_> {
                 }
             }
         }
+        let global = timing.map(|(lease, round, _)| {
+            let mut settings = self.coordinator(&coordinator, lease, round);
+            settings.me = RegionId(regions.iter().position(|r| *r == region).unwrap_or(0) as u16);
+            settings.regions = regions.clone();
+            settings.peers = peers
+                .into_iter()
+                .map(|mut p| {
+                    p.id =
+                        RegionId(regions.iter().position(|r| *r == p.region).unwrap_or(0) as u16);
+                    p
+                })
+                .collect();
+            settings
+        });
         Settings {
             region,
             server,
             store,
             key_prefix,
             policies,
+            global,
+        }
+    }
+
+    /// The `[[peer]]` entries: unique regions other than ours, http URLs, a secret each.
+    fn peers(
+        &mut self,
+        region: &str,
+        raw: &[raw::Peer],
+        coordinator: &raw::Coordinator,
+    ) -> Vec<PeerSettings> {
+        let mut out: Vec<PeerSettings> = Vec::new();
+        for (i, p) in raw.iter().enumerate() {
+            let f = |name: &str| format!("peer[{i}].{name}");
+            let name = p.region.get_ref();
+            if !policy::valid_name(name) {
+                self.error(
+                    &p.region,
+                    &f("region"),
+                    "must be 1-64 characters of A-Z a-z 0-9 _ - .",
+                );
+                continue;
+            }
+            if name == region {
+                self.error(
+                    &p.region,
+                    &f("region"),
+                    format!("\"{name}\" is this daemon's own region"),
+                );
+                continue;
+            }
+            if out.iter().any(|o| o.region == *name) {
+                self.error(
+                    &p.region,
+                    &f("region"),
+                    format!("duplicate peer region \"{name}\""),
+                );
+                continue;
+            }
+            let mut urls = Vec::new();
+            match (&p.url, &p.urls) {
+                (Some(u), None) => urls.push((u.span().start, u.get_ref().clone())),
+                (None, Some(list)) if !list.get_ref().is_empty() => urls.extend(
+                    list.get_ref()
+                        .iter()
+                        .map(|u| (list.span().start, u.clone())),
+                ),
+                (Some(u), Some(_)) => {
+                    self.error(u, &f("url"), "give url or urls, not both");
+                }
+                _ => self.error(
+                    &p.region,
+                    &f("url"),
+                    "a peer needs url = \"http://HOST:PORT\" (or urls = [...])",
+                ),
+            }
+            for (at, u) in &urls {
+                let ok = u
+                    .strip_prefix("http://")
+                    .is_some_and(|rest| !rest.is_empty() && !rest.contains(char::is_whitespace));
+                if !ok {
+                    self.error_at(*at, &f("url"), format!("{u:?}: must be http://HOST:PORT (peers authenticate every exchange with HMAC; put TLS in front if the network is untrusted)"));
+                }
+            }
+            let secret = match (&p.secret, &coordinator.secret) {
+                (Some(s), _) | (None, Some(s)) => {
+                    if s.get_ref().len() < MIN_SECRET_BYTES {
+                        let field = if p.secret.is_some() {
+                            f("secret")
+                        } else {
+                            "coordinator.secret".to_owned()
+                        };
+                        self.error(
+                            s,
+                            &field,
+                            format!("must be at least {MIN_SECRET_BYTES} bytes"),
+                        );
+                    }
+                    Secret(s.get_ref().as_bytes().to_vec())
+                }
+                (None, None) => {
+                    self.error(&p.region, &f("secret"), "a peer needs a shared secret (here or in [coordinator] secret): exchanges move budget and are signed");
+                    Secret(Vec::new())
+                }
+            };
+            out.push(PeerSettings {
+                region: name.clone(),
+                id: RegionId(0),
+                urls: urls
+                    .into_iter()
+                    .map(|(_, u)| u.trim_end_matches('/').to_owned())
+                    .collect(),
+                secret,
+            });
+        }
+        out
+    }
+
+    /// `[policy.global]`: the escrow names exactly this region and its peers, the lease is
+    /// longer than the round, and every global policy shares one lease and round.
+    fn global_policy(
+        &mut self,
+        i: usize,
+        p: &raw::Policy,
+        g: &raw::Global,
+        regions: &[String],
+        has_peers: bool,
+        timing: &mut Option<(Duration, Duration, usize)>,
+    ) -> Option<GlobalSpec> {
+        let f = |name: &str| format!("policy[{i}].global.{name}");
+        let before = self.errors.len();
+        match p.algorithm.get_ref().as_str() {
+            "token_bucket" | "gcra" => {}
+            "fixed_window" | "sliding_log" | "sliding_window" => self.error(
+                &p.algorithm,
+                &format!("policy[{i}].algorithm"),
+                "a global policy must be token_bucket or gcra: budget moves between regions as rates (leases); window algorithms would need per-window loans, which quotad does not implement (see the README)",
+            ),
+            _ => {}
+        }
+        if let Some(mode) = &p.on_store_error {
+            if mode.get_ref() == "local" {
+                self.error(mode, &format!("policy[{i}].on_store_error"), "\"local\" cannot keep a global budget (the region's lease state is in Redis): use \"closed\" to keep the bound or \"open\"");
+            }
+        }
+        if !has_peers {
+            self.error(
+                &g.escrow,
+                &f("escrow"),
+                "a global policy needs at least one [[peer]] region",
+            );
+        }
+        let names = g.escrow.get_ref();
+        for (name, w) in names {
+            if !regions.contains(name) {
+                self.error(
+                    w,
+                    &f("escrow"),
+                    format!("\"{name}\" is neither this region nor a [[peer]]"),
+                );
+            } else if !(w.get_ref().is_finite() && *w.get_ref() >= 0.0) {
+                self.error(
+                    w,
+                    &f("escrow"),
+                    format!("weight of \"{name}\" must be a number >= 0"),
+                );
+            }
+        }
+        for r in regions {
+            if has_peers && !names.contains_key(r) {
+                self.error(
+                    &g.escrow,
+                    &f("escrow"),
+                    format!("no weight for region \"{r}\" (every region needs one, 0 allowed)"),
+                );
+            }
+        }
+        let weights: Vec<f64> = regions
+            .iter()
+            .map(|r| names.get(r).map_or(0.0, |w| *w.get_ref()))
+            .collect();
+        if has_peers && self.errors.len() == before && weights.iter().sum::<f64>() <= 0.0 {
+            self.error(&g.escrow, &f("escrow"), "the weights must not all be 0");
+        }
+        let round = self.duration(
+            g.round.as_ref(),
+            &f("round"),
+            Duration::from_secs(1),
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+        );
+        let lease = self.duration(
+            g.lease.as_ref(),
+            &f("lease"),
+            Duration::from_secs(10),
+            Duration::from_millis(200),
+            MAX_LEASE,
+        );
+        if lease <= round {
+            let at = g
+                .lease
+                .as_ref()
+                .map_or(g.escrow.span().start, |l| l.span().start);
+            self.error_at(
+                at,
+                &f("lease"),
+                format!(
+                    "must be longer than round ({})",
+                    humantime::format_duration(round)
+                ),
+            );
+        }
+        match timing {
+            Some((l, r, first)) if (*l, *r) != (lease, round) => {
+                let at = g
+                    .lease
+                    .as_ref()
+                    .or(g.round.as_ref())
+                    .map_or(g.escrow.span().start, |x| x.span().start);
+                let msg = format!(
+                    "every global policy must use the same lease and round (one coordinator per daemon); policy[{first}] uses lease {} and round {}",
+                    humantime::format_duration(*l),
+                    humantime::format_duration(*r)
+                );
+                self.error_at(at, &f("lease"), msg);
+            }
+            Some(_) => {}
+            None => *timing = Some((lease, round, i)),
+        }
+        let mode = match g.allocation.as_ref() {
+            None => Mode::Proportional,
+            Some(a) => match Mode::ALL.into_iter().find(|m| m.name() == a.get_ref()) {
+                Some(m) => m,
+                None => {
+                    self.error(a, &f("allocation"), format!("unknown allocation \"{}\"; expected proportional, maxmin or owner_first", a.get_ref()));
+                    Mode::Proportional
+                }
+            },
+        };
+        let version = self.integer(g.version.as_ref(), &f("version"), 1, 1, i64::MAX) as u64;
+        (self.errors.len() == before).then_some(GlobalSpec {
+            version,
+            weights,
+            mode,
+        })
+    }
+
+    /// `[coordinator]`: protocol timings shared by every region (the safety argument
+    /// compares them), the lock period, the replay window.
+    fn coordinator(
+        &mut self,
+        c: &raw::Coordinator,
+        lease: Duration,
+        round: Duration,
+    ) -> GlobalSettings {
+        let defaults = Params::default();
+        let margin = self.duration(
+            c.margin.as_ref(),
+            "coordinator.margin",
+            Duration::from_micros(defaults.margin_us as u64),
+            Duration::from_millis(1),
+            Duration::from_secs(10),
+        );
+        let epsilon = match &c.epsilon {
+            None => defaults.epsilon,
+            Some(e) if (0.0..0.1).contains(e.get_ref()) => *e.get_ref(),
+            Some(e) => {
+                self.error(
+                    e,
+                    "coordinator.epsilon",
+                    "must be in [0, 0.1): the bound on any clock's rate error",
+                );
+                defaults.epsilon
+            }
+        };
+        let lock = self.duration(
+            c.lock.as_ref(),
+            "coordinator.lock",
+            DEFAULT_LOCK,
+            Duration::from_millis(300),
+            Duration::from_secs(300),
+        );
+        let max_skew = self.duration(
+            c.max_skew.as_ref(),
+            "coordinator.max_skew",
+            DEFAULT_MAX_SKEW,
+            Duration::from_secs(1),
+            Duration::from_secs(3600),
+        );
+        let params = Params {
+            round_us: round.as_micros() as i64,
+            lease_us: lease.as_micros() as i64,
+            epsilon,
+            margin_us: margin.as_micros() as i64,
+            ..defaults
+        };
+        GlobalSettings {
+            regions: Vec::new(),
+            me: RegionId(0),
+            peers: Vec::new(),
+            params,
+            lock,
+            max_skew,
         }
     }
 
@@ -442,7 +795,13 @@ impl Validator<'_> {
         (backend, key_prefix)
     }
 
-    fn policy(&mut self, i: usize, p: &raw::Policy, key_prefix: &str) -> Option<Policy> {
+    fn policy(
+        &mut self,
+        i: usize,
+        p: &raw::Policy,
+        key_prefix: &str,
+        global: Option<GlobalSpec>,
+    ) -> Option<Policy> {
         let f = |name: &str| format!("policy[{i}].{name}");
         let errors_before = self.errors.len();
         let name = p.name.get_ref();
@@ -537,6 +896,7 @@ impl Validator<'_> {
                 burst,
                 on_store_error,
                 shadow: p.shadow.unwrap_or(false),
+                global,
             },
         );
         if policy.is_none() {
@@ -575,6 +935,35 @@ mod tests {
             lines[2].starts_with("t.toml:6: policy[0].window: not a duration"),
             "{lines:?}"
         );
+    }
+
+    #[test]
+    fn global_policies_number_regions_by_name() {
+        let s = Settings::load(Path::new("config/examples/global.toml")).unwrap();
+        let g = s.global.expect("a global policy");
+        assert_eq!(g.regions, ["ap-south", "eu-west", "us-east"]);
+        assert_eq!(g.me, RegionId(1));
+        let ids: Vec<(&str, RegionId)> =
+            g.peers.iter().map(|p| (p.region.as_str(), p.id)).collect();
+        assert_eq!(ids, [("us-east", RegionId(2)), ("ap-south", RegionId(0))]);
+        assert_eq!(g.peers[1].urls.len(), 2);
+        assert_eq!(
+            (g.params.lease_us, g.params.round_us),
+            (10_000_000, 1_000_000)
+        );
+        let p = s.policies[0].global_policy().unwrap();
+        let rho = 10_000.0 / 60.0;
+        assert_eq!(p.rho, rho);
+        assert_eq!(p.burst, 2000.0);
+        for (got, w) in p.escrow.iter().zip([1.0, 3.0, 6.0]) {
+            assert!((got - rho * w / 10.0).abs() < 1e-9, "{:?}", p.escrow);
+        }
+        assert!(
+            s.policies[0]
+                .storage_key("k")
+                .starts_with("rl:api-global:g:{")
+        );
+        assert!(format!("{:?}", g.peers[0].secret).contains("***"));
     }
 
     #[test]

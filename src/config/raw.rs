@@ -13,8 +13,40 @@ pub struct Config {
     pub region: Option<Spanned<String>>,
     pub server: Option<Server>,
     pub store: Option<Store>,
+    pub coordinator: Option<Coordinator>,
+    #[serde(default)]
+    pub peer: Vec<Peer>,
     #[serde(default)]
     pub policy: Vec<Policy>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Coordinator {
+    pub secret: Option<Spanned<String>>,
+    pub lock: Option<Spanned<String>>,
+    pub margin: Option<Spanned<String>>,
+    pub epsilon: Option<Spanned<f64>>,
+    pub max_skew: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Peer {
+    pub region: Spanned<String>,
+    pub url: Option<Spanned<String>>,
+    pub urls: Option<Spanned<Vec<String>>>,
+    pub secret: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Global {
+    pub escrow: Spanned<std::collections::BTreeMap<String, Spanned<f64>>>,
+    pub lease: Option<Spanned<String>>,
+    pub round: Option<Spanned<String>>,
+    pub allocation: Option<Spanned<String>>,
+    pub version: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -49,6 +81,7 @@ pub struct Policy {
     pub burst: Option<Spanned<i64>>,
     pub on_store_error: Option<Spanned<String>>,
     pub shadow: Option<bool>,
+    pub global: Option<Global>,
 }
 
 /// Where an offset falls in the file.

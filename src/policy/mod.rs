@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, Limits};
+use crate::coordinator::{GlobalPolicy, Mode};
 
 /// What a policy does when its store cannot answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,8 +45,20 @@ pub struct Policy {
     pub burst: NonZeroU64,
     pub on_store_error: FailMode,
     pub shadow: bool,
+    /// A global budget: `limit` per `window` is the rate ρ for all regions together.
+    pub global: Option<GlobalSpec>,
     /// Storage-key prefix up to the user key: `<key_prefix>:<policy>:<algorithm tag>:`.
     key_stem: String,
+}
+
+/// How a global policy splits its budget (validated by the config layer).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalSpec {
+    /// Bumped by the operator on every re-split; see `coordinator::node`.
+    pub version: u64,
+    /// Escrow weights, by region index (regions sorted by name).
+    pub weights: Vec<f64>,
+    pub mode: Mode,
 }
 
 /// Smallest window: the scripts' clock resolution is 1 us, but windows below 1 ms make no
@@ -95,7 +108,7 @@ pub fn check_rates(
 }
 
 /// What a config entry asks for; [`Policy::new`] checks it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PolicySpec<'a> {
     pub name: &'a str,
     pub algorithm: Algorithm,
@@ -105,6 +118,7 @@ pub struct PolicySpec<'a> {
     pub burst: Option<u64>,
     pub on_store_error: FailMode,
     pub shadow: bool,
+    pub global: Option<GlobalSpec>,
 }
 
 impl Policy {
@@ -118,6 +132,7 @@ impl Policy {
             burst,
             on_store_error,
             shadow,
+            global,
         } = spec;
         let limit = NonZeroU64::new(limit).filter(|l| l.get() <= MAX_LIMIT)?;
         let burst = match (algorithm.has_burst(), burst) {
@@ -140,8 +155,31 @@ impl Policy {
             burst,
             on_store_error,
             shadow,
-            key_stem: format!("{key_prefix}:{name}:{}:", algorithm.key_tag()),
+            // Global keys hold a bucket, a lease book and counters: their own shape.
+            key_stem: match global {
+                Some(_) => format!("{key_prefix}:{name}:g:"),
+                None => format!("{key_prefix}:{name}:{}:", algorithm.key_tag()),
+            },
+            global,
         })
+    }
+
+    /// The rate as units per second (a global policy's ρ).
+    pub fn rate_per_second(&self) -> f64 {
+        self.limit.get() as f64 / self.window.as_secs_f64()
+    }
+
+    /// The coordinator's view of a global policy.
+    pub fn global_policy(&self) -> Option<GlobalPolicy> {
+        let g = self.global.as_ref()?;
+        Some(GlobalPolicy::from_weights(
+            &self.name,
+            g.version,
+            self.rate_per_second(),
+            self.burst.get() as f64,
+            &g.weights,
+            g.mode,
+        ))
     }
 
     pub fn limits(&self) -> Limits {
@@ -238,6 +276,7 @@ mod tests {
             burst,
             on_store_error: FailMode::Open,
             shadow: false,
+            global: None,
         }
     }
 
