@@ -18,6 +18,7 @@ use tokio_util::task::TaskTracker;
 use crate::api::{self, AppState, request::Caps};
 use crate::clock::SystemClock;
 use crate::config::{Settings, StoreBackend};
+use crate::federation::Federation;
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -105,9 +106,24 @@ pub async fn serve(
         });
     }
 
+    let policies = Arc::new(Policies::new(settings.policies.iter().cloned()));
+    let federation = match (&settings.global, &settings.store) {
+        (Some(g), StoreBackend::Redis(rs)) => Some(
+            Federation::start(
+                g.clone(),
+                policies.iter().cloned().collect(),
+                &rs.url,
+                rs.timeout.max(Duration::from_millis(200)),
+                &settings.key_prefix,
+                metrics.clone(),
+            )
+            .map_err(AppError::RedisUrl)?,
+        ),
+        _ => None,
+    };
     let draining = Arc::new(AtomicBool::new(false));
     let state = AppState {
-        policies: Arc::new(Policies::new(settings.policies.iter().cloned())),
+        policies,
         limiter: Arc::new(Limiter::new(store.clone(), local, metrics.clone())),
         store,
         metrics,
@@ -117,6 +133,8 @@ pub async fn serve(
             max_key_bytes: settings.server.max_key_bytes,
         },
         draining: draining.clone(),
+        region: settings.region.as_str().into(),
+        federation: federation.clone(),
     };
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
@@ -145,6 +163,9 @@ pub async fn serve(
         }
     };
     background.cancel();
+    if let Some(f) = &federation {
+        f.stop().await;
+    }
     tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(1), tasks.wait()).await;
     tracing::info!("stopped");

@@ -22,6 +22,8 @@
 //! - [`clock`]: time for the embedded store (Redis decisions use Redis TIME).
 //! - [`coordinator`]: global budgets: demand, allocation, the lease book and state machine
 //!   (pure; no I/O).
+//! - [`federation`]: runs the coordinator between real processes: the region's lock,
+//!   Redis as the node's store and clock, signed HTTP exchanges with the peers.
 //! - [`sim`]: the deterministic simulator that drives the coordinator and checks its bound.
 //! - [`app`]: the composition root and shutdown order.
 
@@ -31,6 +33,7 @@ pub mod app;
 pub mod clock;
 pub mod config;
 pub mod coordinator;
+pub mod federation;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;

@@ -6,8 +6,8 @@
 //! would let any client grow the exposition without bound.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::store::StoreError;
@@ -31,6 +31,124 @@ pub struct Metrics {
     pub refund_errors: IntCounter,
     /// `quotad_build_info{version}`: always 1.
     pub build_info: IntGaugeVec,
+    /// Global budgets, from the instance that coordinates the region (the others export
+    /// zeros and `quotad_coordinator_leader 0`). Rates are units per second summed over the
+    /// keys the coordinator tracks (hot or leased keys; cold keys run on their escrow).
+    pub global: GlobalMetrics,
+}
+
+pub struct GlobalMetrics {
+    /// `quotad_share_rate{policy,region}`: the rate this region enforces.
+    pub share_rate: GaugeVec,
+    /// `quotad_lent_rate{policy}`, `quotad_borrowed_rate{policy}`: reserved for peers,
+    /// borrowed from them.
+    pub lent_rate: GaugeVec,
+    pub borrowed_rate: GaugeVec,
+    /// `quotad_demand_rate{policy}`: smoothed offered load here.
+    pub demand_rate: GaugeVec,
+    /// `quotad_hot_keys{policy}`: keys the coordinator tracks.
+    pub hot_keys: IntGaugeVec,
+    /// `quotad_peer_up{peer}`: 1 while the link is connected (heard within 3 rounds).
+    pub peer_up: IntGaugeVec,
+    /// `quotad_peer_rtt_seconds{peer}`: the last exchange round trip.
+    pub peer_rtt_seconds: GaugeVec,
+    /// `quotad_exchange_bytes_total{peer,direction}`: exchange bodies sent and received.
+    pub exchange_bytes: IntCounterVec,
+    /// `quotad_exchange_rejected_total{reason}`: peer requests refused before the
+    /// coordinator saw them (unauthenticated, bad_signature, stale, replay, ...).
+    pub exchange_rejected: IntCounterVec,
+    /// `quotad_rounds_total`: coordinator rounds run by this instance.
+    pub rounds: IntCounter,
+    /// `quotad_coordinator_leader`: 1 while this instance holds the region's lock.
+    pub leader: IntGauge,
+}
+
+impl GlobalMetrics {
+    fn new(registry: &Registry) -> Self {
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let int_gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let rounds = IntCounter::new("quotad_rounds_total", "Coordinator rounds run.")
+            .expect("valid metric");
+        registry
+            .register(Box::new(rounds.clone()))
+            .expect("unique metric");
+        let leader = IntGauge::new(
+            "quotad_coordinator_leader",
+            "1 while this instance coordinates its region.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(leader.clone()))
+            .expect("unique metric");
+        GlobalMetrics {
+            share_rate: gauge(
+                "quotad_share_rate",
+                "Rate this region enforces (tracked keys).",
+                &["policy", "region"],
+            ),
+            lent_rate: gauge(
+                "quotad_lent_rate",
+                "Rate reserved for loans to peers.",
+                &["policy"],
+            ),
+            borrowed_rate: gauge(
+                "quotad_borrowed_rate",
+                "Rate borrowed from peers.",
+                &["policy"],
+            ),
+            demand_rate: gauge(
+                "quotad_demand_rate",
+                "Smoothed offered load here.",
+                &["policy"],
+            ),
+            hot_keys: int_gauge(
+                "quotad_hot_keys",
+                "Keys the coordinator tracks.",
+                &["policy"],
+            ),
+            peer_up: int_gauge(
+                "quotad_peer_up",
+                "1 while the peer link is connected.",
+                &["peer"],
+            ),
+            peer_rtt_seconds: gauge(
+                "quotad_peer_rtt_seconds",
+                "Last exchange round trip.",
+                &["peer"],
+            ),
+            exchange_bytes: counter(
+                "quotad_exchange_bytes_total",
+                "Exchange bytes.",
+                &["peer", "direction"],
+            ),
+            exchange_rejected: counter(
+                "quotad_exchange_rejected_total",
+                "Peer requests refused.",
+                &["reason"],
+            ),
+            rounds,
+            leader,
+        }
+    }
 }
 
 /// The decision outcomes, as exported in `quotad_decisions_total{outcome}` and the API.
@@ -111,6 +229,7 @@ impl Metrics {
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
+        let global = GlobalMetrics::new(&registry);
         Metrics {
             registry,
             decisions,
@@ -120,6 +239,7 @@ impl Metrics {
             script_loads,
             refund_errors,
             build_info,
+            global,
         }
     }
 

@@ -17,6 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::federation::Federation;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -34,6 +35,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub caps: Caps,
     pub draining: Arc<AtomicBool>,
+    pub region: Arc<str>,
+    /// Present when a policy is global (the coordinator and the peer endpoint).
+    pub federation: Option<Arc<Federation>>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -41,6 +45,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/check", post(check))
         .route("/v1/reset", post(reset))
         .route("/v1/policies", get(policies))
+        .route("/v1/status", get(status))
+        .route(crate::federation::peers::EXCHANGE_PATH, post(peer_exchange))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -174,6 +180,57 @@ async fn policies(State(state): State<AppState>) -> Response {
         })
         .collect();
     Json(json!({"store": state.store.describe(), "policies": list})).into_response()
+}
+
+/// Global budgets as this instance sees them: regions, peers (link, RTT), and per tracked
+/// key of each global policy its escrow, enforced rate, loans and demand.
+async fn status(State(state): State<AppState>) -> Response {
+    match &state.federation {
+        Some(f) => Json(f.status_json(&state.region)).into_response(),
+        None => Json(json!({
+            "region": &*state.region,
+            "regions": [&*state.region],
+            "coordinator": {"leader": false},
+            "peers": [],
+            "policies": [],
+        }))
+        .into_response(),
+    }
+}
+
+/// A peer region's exchange: signed, size-capped, refused (and counted) before the
+/// coordinator sees it unless it verifies.
+async fn peer_exchange(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    req: Request,
+) -> Response {
+    let Some(f) = &state.federation else {
+        return ApiError::NotFound.into_response();
+    };
+    let body: Bytes =
+        match axum::body::to_bytes(req.into_body(), state.caps.max_body_bytes.max(1 << 20)).await {
+            Ok(b) => b,
+            Err(_) => {
+                return ApiError::PayloadTooLarge {
+                    max: state.caps.max_body_bytes.max(1 << 20),
+                }
+                .into_response();
+            }
+        };
+    let r = f.exchange(&headers, body).await;
+    let mut resp = (r.status, r.body).into_response();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(sig) = r.signature
+        && let Ok(v) = HeaderValue::from_str(&sig)
+    {
+        h.insert(crate::federation::auth::HEADER_SIGNATURE, v);
+    }
+    resp
 }
 
 async fn healthz() -> Response {

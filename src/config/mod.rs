@@ -19,6 +19,7 @@ use toml::Spanned;
 use crate::algorithm::Algorithm;
 use crate::coordinator::{Mode, Params, RegionId};
 use crate::policy::{self, FailMode, GlobalSpec, Policy, PolicySpec};
+use crate::store::global::{PolicyKeys, ScriptShape};
 use crate::store::redis::RedisSettings;
 
 /// One problem in a config file: `file:line: field: message`.
@@ -137,6 +138,9 @@ pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
 /// Leases longer than this would outlive the keep time of global keys in Redis.
 pub const MAX_LEASE: Duration = Duration::from_secs(600);
 pub const MIN_SECRET_BYTES: usize = 16;
+/// Every Redis key of a global policy lives this long after its last touch: far longer
+/// than any lease ([`MAX_LEASE`]), so a book never expires while it still counts.
+pub const GLOBAL_KEEP_MS: i64 = 3_600_000;
 /// A sliding log stores one entry per admission (about 100 KB per key at limit 1,000, and a
 /// cost-N check writes N entries inside one script): above this, the sliding_window counter
 /// is the right tool.
@@ -337,6 +341,9 @@ impl Validator<'_> {
         }
         for (i, p) in raw.policy.iter().enumerate() {
             let global = p.global.as_ref().and_then(|g| {
+                if matches!(store, StoreBackend::Memory) {
+                    self.error(&g.escrow, &format!("policy[{i}].global.escrow"), "a global policy needs store.redis: the region's lease state lives in Redis (the embedded store does not hold global budgets)");
+                }
                 self.global_policy(i, p, g, &regions, !raw.peer.is_empty(), &mut timing)
             });
             if let Some(policy) = self.policy(i, p, &key_prefix, global) {
@@ -354,6 +361,22 @@ impl Validator<'_> {
         let global = timing.map(|(lease, round, _)| {
             let mut settings = self.coordinator(&coordinator, lease, round);
             settings.me = RegionId(regions.iter().position(|r| *r == region).unwrap_or(0) as u16);
+            for p in &mut policies {
+                let escrow = p
+                    .global_policy()
+                    .map_or(0.0, |g| g.escrow[settings.me.index()]);
+                let (rho, burst) = (p.rate_per_second(), p.burst.get() as f64);
+                if let Some(g) = &mut p.global {
+                    g.keys = PolicyKeys::new(&key_prefix, &p.name);
+                    g.shape = ScriptShape {
+                        rho,
+                        burst,
+                        step_tolerance_us: settings.params.step_tolerance_us(),
+                        fallback_escrow: escrow,
+                        keep_ms: GLOBAL_KEEP_MS,
+                    };
+                }
+            }
             settings.regions = regions.clone();
             settings.peers = peers
                 .into_iter()
@@ -591,10 +614,19 @@ impl Validator<'_> {
             },
         };
         let version = self.integer(g.version.as_ref(), &f("version"), 1, 1, i64::MAX) as u64;
-        (self.errors.len() == before).then_some(GlobalSpec {
+        // Keys and script numbers are filled in once the whole file is read.
+        (self.errors.len() == before).then(|| GlobalSpec {
             version,
             weights,
             mode,
+            keys: PolicyKeys::new("", ""),
+            shape: ScriptShape {
+                rho: 0.0,
+                burst: 0.0,
+                step_tolerance_us: 0,
+                fallback_escrow: 0.0,
+                keep_ms: GLOBAL_KEEP_MS,
+            },
         })
     }
 

@@ -15,7 +15,7 @@ use crate::algorithm::{Algorithm, Op, Verdict};
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::memory::MemoryStore;
-use crate::store::{Store, StoreCall, StoreError};
+use crate::store::{GlobalCall, Store, StoreCall, StoreError};
 
 /// How a decision was reached: the API's `outcome` and the metrics' label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -255,13 +255,18 @@ impl Limiter {
     }
 }
 
-fn store_call<'a>(check: &Check, key: &'a str, op: Op, member: &'a str) -> StoreCall<'a> {
+fn store_call<'a>(check: &'a Check, key: &'a str, op: Op, member: &'a str) -> StoreCall<'a> {
     StoreCall {
         algorithm: check.policy.algorithm,
         limits: check.policy.limits(),
         key,
         op,
         member,
+        global: check.policy.global.as_ref().map(|g| GlobalCall {
+            user_key: &check.key,
+            keys: &g.keys,
+            shape: g.shape,
+        }),
     }
 }
 

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::algorithm::{Algorithm, Limits};
 use crate::coordinator::{GlobalPolicy, Mode};
+use crate::store::global::{PolicyKeys, ScriptShape};
 
 /// What a policy does when its store cannot answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,6 +60,10 @@ pub struct GlobalSpec {
     /// Escrow weights, by region index (regions sorted by name).
     pub weights: Vec<f64>,
     pub mode: Mode,
+    /// Where the policy's shared state lives in the region's Redis.
+    pub keys: PolicyKeys,
+    /// What the scripts need besides the key (this region's escrow as the fallback).
+    pub shape: ScriptShape,
 }
 
 /// Smallest window: the scripts' clock resolution is 1 us, but windows below 1 ms make no

@@ -138,6 +138,7 @@ mod tests {
             key: "k",
             op: Op::Check { cost: 1 },
             member: "m",
+            global: None,
         };
         assert!(store.apply(&call).allowed);
         assert!(!store.apply(&call).allowed);

@@ -23,6 +23,17 @@ pub struct StoreCall<'a> {
     pub op: Op,
     /// Unique id of the request (sliding-log entries).
     pub member: &'a str,
+    /// A key of a global policy: the regional bucket script instead of `algorithm`'s.
+    pub global: Option<GlobalCall<'a>>,
+}
+
+/// What a decision on a global policy's key needs beyond [`StoreCall`].
+#[derive(Debug, Clone, Copy)]
+pub struct GlobalCall<'a> {
+    /// The key as the client sent it: the coordinator's name for it.
+    pub user_key: &'a str,
+    pub keys: &'a global::PolicyKeys,
+    pub shape: global::ScriptShape,
 }
 
 /// Why a store could not answer. Every variant means "no decision was made"; none is a
@@ -89,6 +100,9 @@ impl Store {
     pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
         match self {
             Store::Redis(r) => r.apply(call).await,
+            Store::Memory(_) if call.global.is_some() => Err(StoreError::Command(
+                "global policies need Redis (config validation refuses them otherwise)".into(),
+            )),
             Store::Memory(m) => Ok(m.apply(call)),
         }
     }

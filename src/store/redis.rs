@@ -27,7 +27,7 @@ use crate::algorithm::{Op, Verdict};
 use crate::metrics::Metrics;
 use crate::store::breaker::Breaker;
 use crate::store::scripts::{self, Scripts};
-use crate::store::{StoreCall, StoreError, parse_verdict};
+use crate::store::{StoreCall, StoreError, global, parse_verdict};
 
 #[derive(Debug, Clone)]
 pub struct RedisSettings {
@@ -48,6 +48,8 @@ pub struct RedisStore {
     conn: RwLock<Option<(u64, MultiplexedConnection)>>,
     generation: std::sync::atomic::AtomicU64,
     scripts: Scripts,
+    /// The decision script of global policies (EVALSHA, loaded on NOSCRIPT by the crate).
+    global_check: redis::Script,
     settings: RedisSettings,
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
@@ -80,6 +82,7 @@ impl RedisStore {
             conn: RwLock::new(None),
             generation: std::sync::atomic::AtomicU64::new(0),
             scripts: Scripts::default(),
+            global_check: scripts::Global::Check.script(),
             settings,
             breaker,
             loaded: AtomicBool::new(false),
@@ -102,6 +105,21 @@ impl RedisStore {
     }
 
     pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
+        if let Some(g) = &call.global {
+            let inv = global::check_invocation(
+                &self.global_check,
+                call.key,
+                g.user_key,
+                g.keys,
+                &g.shape,
+                call.op,
+                None,
+            );
+            let reply: Vec<i64> = self
+                .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
+                .await?;
+            return parse_verdict(&reply);
+        }
         let sha = self.scripts.sha(call.algorithm);
         let reply: Vec<i64> = self
             .guarded(|mut conn| async move {

@@ -1,0 +1,466 @@
+//! The coordinator's view of the region's Redis: [`LeaseStore`] over `lua/global/`, and
+//! the coordinator's clock, which is Redis's.
+//!
+//! The coordinator thread owns one synchronous connection (its calls are sequential by
+//! nature: the node writes a book, then decides what to send). Every write is fenced by the
+//! lock's token, so an instance that lost the lock (paused, partitioned from Redis) changes
+//! nothing once another took over.
+//!
+//! Errors: the node's store interface cannot fail, so the first error of an event is
+//! remembered ([`RedisLeaseStore::failure`]), every later write of that event is skipped
+//! (reported not durable: no grant leaves, no release is announced), and reads return
+//! nothing. The runtime then drops the node and starts over with a new incarnation, the
+//! crash-and-restart path the simulator checks (S11): a half-applied event is a crash.
+//!
+//! Durability: with replicas attached, a write counts as durable once `WAIT` sees one
+//! acknowledge it; a Redis without replicas acknowledges by answering (run Redis with
+//! replicas or `appendfsync always` if a restart must not lose lease writes; see README).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::clock::Clock;
+use crate::coordinator::demand::Counters;
+use crate::coordinator::lease::LeaseBook;
+use crate::coordinator::node::{LeaseStore, Written};
+use crate::policy::Policy;
+use crate::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
+use crate::store::scripts::Global;
+
+/// Redis's clock as the coordinator reads it: the offset from a monotonic clock, re-read
+/// (`TIME`) at the start of every event, so the node's readings between two syncs move
+/// with the local monotonic clock and a step of Redis's clock shows at the next sync.
+#[derive(Debug, Clone)]
+pub struct RedisClock {
+    base: Instant,
+    offset_us: Arc<AtomicI64>,
+}
+
+impl RedisClock {
+    pub fn new() -> Self {
+        RedisClock {
+            base: Instant::now(),
+            offset_us: Arc::new(AtomicI64::new(0)),
+        }
+    }
+
+    fn mono_us(&self) -> i64 {
+        self.base.elapsed().as_micros() as i64
+    }
+}
+
+impl Default for RedisClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for RedisClock {
+    fn now_us(&self) -> i64 {
+        self.mono_us() + self.offset_us.load(Ordering::Acquire)
+    }
+}
+
+/// One global policy as the store needs it.
+struct PolicyRedis {
+    policy: Arc<Policy>,
+    keys: PolicyKeys,
+    shape: ScriptShape,
+}
+
+pub struct RedisLeaseStore {
+    conn: redis::Connection,
+    clock: RedisClock,
+    fence_key: String,
+    token: u64,
+    policies: HashMap<String, PolicyRedis>,
+    write: redis::Script,
+    drop: redis::Script,
+    default: redis::Script,
+    /// Replicas attached at the last sync (0: a write is durable when answered).
+    replicas: u32,
+    wait_timeout: Duration,
+    /// The replication ID at the last sync: a new one means a failover (or a restart).
+    replid: Option<String>,
+    /// Redis time of the previous `take_active`, per policy.
+    active_since: HashMap<String, i64>,
+    /// Counters read together with the active keys (one pipeline), for this round.
+    counters: HashMap<(String, String), Counters>,
+    failure: Option<String>,
+    fenced: bool,
+}
+
+impl RedisLeaseStore {
+    pub fn new(
+        conn: redis::Connection,
+        clock: RedisClock,
+        fence_key: String,
+        token: u64,
+        policies: &[Arc<Policy>],
+        wait_timeout: Duration,
+    ) -> Self {
+        let policies = policies
+            .iter()
+            .filter_map(|p| {
+                let g = p.global.as_ref()?;
+                Some((
+                    p.name.clone(),
+                    PolicyRedis {
+                        policy: p.clone(),
+                        keys: g.keys.clone(),
+                        shape: g.shape,
+                    },
+                ))
+            })
+            .collect();
+        RedisLeaseStore {
+            conn,
+            clock,
+            fence_key,
+            token,
+            policies,
+            write: Global::WriteBook.script(),
+            drop: Global::DropLoans.script(),
+            default: Global::SetDefault.script(),
+            replicas: 0,
+            wait_timeout,
+            replid: None,
+            active_since: HashMap::new(),
+            counters: HashMap::new(),
+            failure: None,
+            fenced: false,
+        }
+    }
+
+    /// The connection, for the lock's renewals between events.
+    pub fn conn(&mut self) -> &mut redis::Connection {
+        &mut self.conn
+    }
+
+    /// The first error since [`Self::begin`], if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+
+    /// Whether a write was refused because another instance holds the lock now.
+    pub fn fenced(&self) -> bool {
+        self.fenced
+    }
+
+    fn fail(&mut self, e: impl std::fmt::Display) {
+        if self.failure.is_none() {
+            let msg = e.to_string();
+            if msg.contains("FENCED") {
+                self.fenced = true;
+            }
+            self.failure = Some(msg);
+        }
+    }
+
+    /// Starts an event: reads Redis's clock (`TIME`, halfway through the round trip) and,
+    /// on a round, replication (replicas attached; a failover drops every loan).
+    pub fn begin(&mut self, round: bool) -> Result<(), String> {
+        self.failure = None;
+        let t0 = self.clock.mono_us();
+        let time: Result<(i64, i64), _> = redis::cmd("TIME").query(&mut self.conn);
+        let t1 = self.clock.mono_us();
+        match time {
+            Ok((s, us)) => {
+                let redis_us = s * 1_000_000 + us;
+                self.clock
+                    .offset_us
+                    .store(redis_us - (t0 + t1) / 2, Ordering::Release);
+            }
+            Err(e) => {
+                self.fail(&e);
+                return Err(e.to_string());
+            }
+        }
+        if round {
+            self.counters.clear();
+            self.replication()?;
+        }
+        Ok(())
+    }
+
+    fn replication(&mut self) -> Result<(), String> {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut self.conn)
+            .map_err(|e| e.to_string())?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(|v| v.trim().to_owned())
+        };
+        self.replicas = field("connected_slaves")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let replid = field("master_replid");
+        if self.replid.is_some() && replid.is_some() && replid != self.replid {
+            tracing::warn!(
+                "redis replication ID changed (failover or restart): dropping every loan"
+            );
+            self.drop_all_loans();
+        }
+        if replid.is_some() {
+            self.replid = replid;
+        }
+        Ok(())
+    }
+
+    fn drop_all_loans(&mut self) {
+        let names: Vec<String> = self.policies.keys().cloned().collect();
+        for name in names {
+            for (key, _) in self.books(&name) {
+                let p = &self.policies[&name];
+                let storage = p.policy.storage_key(&key);
+                let inv = global::drop_loans_invocation(
+                    &self.drop,
+                    &storage,
+                    &p.keys,
+                    &self.fence_key,
+                    self.token,
+                    &p.shape,
+                    None,
+                );
+                if let Err(e) = inv.invoke::<i64>(&mut self.conn) {
+                    self.fail(e);
+                }
+            }
+        }
+    }
+
+    /// Whether writes so far are durable (see the module docs).
+    fn durable(&mut self) -> bool {
+        if self.replicas == 0 {
+            return true;
+        }
+        let acked: Result<i64, _> = redis::cmd("WAIT")
+            .arg(1)
+            .arg(self.wait_timeout.as_millis() as u64)
+            .query(&mut self.conn);
+        match acked {
+            Ok(n) => n >= 1,
+            Err(e) => {
+                self.fail(e);
+                false
+            }
+        }
+    }
+
+    fn read_slot(
+        &mut self,
+        policy: &str,
+        key: &str,
+    ) -> Option<crate::coordinator::bucket::KeySlot> {
+        if self.failure.is_some() {
+            return None;
+        }
+        let storage = self.policies.get(policy)?.policy.storage_key(key);
+        let v: Result<Vec<Option<String>>, _> = redis::cmd("HMGET")
+            .arg(&storage)
+            .arg(&SLOT_FIELDS[..])
+            .query(&mut self.conn);
+        match v
+            .map_err(|e| e.to_string())
+            .and_then(|v| global::decode_slot(&v))
+        {
+            Ok(slot) => Some(slot),
+            Err(e) => {
+                self.fail(e);
+                None
+            }
+        }
+    }
+}
+
+impl LeaseStore for RedisLeaseStore {
+    fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written {
+        let not_written = Written {
+            durable: false,
+            epoch: book.epoch,
+        };
+        if self.failure.is_some() {
+            return not_written;
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return not_written;
+        };
+        let storage = p.policy.storage_key(key);
+        let inv = global::write_book_invocation(
+            &self.write,
+            &storage,
+            key,
+            &p.keys,
+            &self.fence_key,
+            self.token,
+            &p.shape,
+            book,
+            None,
+        );
+        match inv.invoke::<u64>(&mut self.conn) {
+            Ok(epoch) => Written {
+                durable: self.durable(),
+                epoch,
+            },
+            Err(e) => {
+                self.fail(e);
+                not_written
+            }
+        }
+    }
+
+    fn read_book(&mut self, policy: &str, key: &str) -> Option<LeaseBook> {
+        self.read_slot(policy, key)?.book
+    }
+
+    fn books(&mut self, policy: &str) -> Vec<(String, LeaseBook)> {
+        let Some(p) = self.policies.get(policy) else {
+            return Vec::new();
+        };
+        let set = p.keys.books.clone();
+        let members: Vec<String> = match redis::cmd("SMEMBERS").arg(&set).query(&mut self.conn) {
+            Ok(m) => m,
+            Err(e) => {
+                self.fail(e);
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        for key in members {
+            match self.read_book(policy, &key) {
+                Some(book) => out.push((key, book)),
+                None if self.failure.is_none() => {
+                    // The key expired (idle for the keep time): nothing left to adopt.
+                    let _: Result<i64, _> =
+                        redis::cmd("SREM").arg(&set).arg(&key).query(&mut self.conn);
+                }
+                None => return Vec::new(),
+            }
+        }
+        out
+    }
+
+    fn take_active(&mut self, policy: &str) -> Vec<String> {
+        if self.failure.is_some() {
+            return Vec::new();
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return Vec::new();
+        };
+        let now = self.clock.now_us();
+        let keep_us = p.shape.keep_ms * 1000;
+        let since = self
+            .active_since
+            .get(policy)
+            .copied()
+            .unwrap_or(now - keep_us);
+        // One pipeline: the keys active since the last call (with a little overlap: a key
+        // listed twice is harmless, one missed would be stale for a round), trimming what
+        // aged out of the keep window.
+        let active = p.keys.active.clone();
+        let keys: Result<Vec<String>, _> = redis::pipe()
+            .cmd("ZRANGEBYSCORE")
+            .arg(&active)
+            .arg(since - 100_000)
+            .arg("+inf")
+            .cmd("ZREMRANGEBYSCORE")
+            .arg(&active)
+            .arg("-inf")
+            .arg(format!("({}", now - keep_us))
+            .ignore()
+            .query::<(Vec<String>,)>(&mut self.conn)
+            .map(|(k,)| k);
+        let keys = match keys {
+            Ok(k) => k,
+            Err(e) => {
+                self.fail(e);
+                return Vec::new();
+            }
+        };
+        self.active_since.insert(policy.to_owned(), now);
+        if keys.is_empty() {
+            return keys;
+        }
+        // Their counters, in one more pipeline (the node reads them right after).
+        let mut pipe = redis::pipe();
+        for k in &keys {
+            pipe.cmd("HMGET")
+                .arg(p.policy.storage_key(k))
+                .arg("a")
+                .arg("x");
+        }
+        match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
+            Ok(rows) => {
+                for (k, (a, x)) in keys.iter().zip(rows) {
+                    self.counters.insert(
+                        (policy.to_owned(), k.clone()),
+                        Counters {
+                            admitted: a.unwrap_or(0),
+                            rejected: x.unwrap_or(0),
+                        },
+                    );
+                }
+            }
+            Err(e) => self.fail(e),
+        }
+        keys
+    }
+
+    fn counters(&mut self, policy: &str, key: &str) -> Counters {
+        if let Some(c) = self.counters.get(&(policy.to_owned(), key.to_owned())) {
+            return *c;
+        }
+        self.read_slot(policy, key)
+            .map(|s| s.counters)
+            .unwrap_or_default()
+    }
+
+    fn default_escrow(&mut self, policy: &str) -> Option<f64> {
+        if self.failure.is_some() {
+            return None;
+        }
+        let meta = self.policies.get(policy)?.keys.meta.clone();
+        let v: Result<Vec<Option<String>>, _> = redis::cmd("HMGET")
+            .arg(&meta)
+            .arg(&["d", "dp", "dt"])
+            .query(&mut self.conn);
+        match v
+            .map_err(|e| e.to_string())
+            .and_then(|v| global::decode_default(&v))
+        {
+            Ok(d) => d.map(|d| d.escrow),
+            Err(e) => {
+                self.fail(e);
+                None
+            }
+        }
+    }
+
+    fn set_default_escrow(&mut self, policy: &str, escrow: f64) -> bool {
+        if self.failure.is_some() {
+            return false;
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return false;
+        };
+        let inv = global::set_default_invocation(
+            &self.default,
+            &p.keys,
+            &self.fence_key,
+            self.token,
+            escrow,
+            None,
+        );
+        match inv.invoke::<i64>(&mut self.conn) {
+            Ok(_) => self.durable(),
+            Err(e) => {
+                self.fail(e);
+                false
+            }
+        }
+    }
+}

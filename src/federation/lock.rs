@@ -1,0 +1,77 @@
+//! The region's coordinator lock: several quotad instances may share a region's Redis (all
+//! serve checks), and exactly one runs the coordinator. The holder's instance id is the
+//! lock's value, with an expiry; on taking the lock the holder increments the fencing
+//! counter and keeps the new value as its token. Every coordinator write checks the token
+//! (`lua/global/`), so an instance that lost the lock (paused past the expiry, cut off from
+//! Redis) cannot write after the next holder has incremented the counter, which it does
+//! before it reads a single book. The token doubles as the node's incarnation: it grows
+//! with every takeover, as the lease protocol requires.
+
+use std::time::Duration;
+
+use redis::{Connection, RedisResult, Script};
+
+pub struct Lock {
+    key: String,
+    fence_key: String,
+    id: String,
+    ttl: Duration,
+    renew: Script,
+    release: Script,
+}
+
+impl Lock {
+    pub fn new(key: String, fence_key: String, id: String, ttl: Duration) -> Self {
+        Lock {
+            key,
+            fence_key,
+            id,
+            ttl,
+            renew: Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+                   return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end",
+            ),
+            release: Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+                   return redis.call('DEL', KEYS[1]) else return 0 end",
+            ),
+        }
+    }
+
+    pub fn fence_key(&self) -> &str {
+        &self.fence_key
+    }
+
+    /// Takes the lock if it is free; returns the fencing token.
+    pub fn try_acquire(&self, conn: &mut Connection) -> RedisResult<Option<u64>> {
+        let set: Option<String> = redis::cmd("SET")
+            .arg(&self.key)
+            .arg(&self.id)
+            .arg("NX")
+            .arg("PX")
+            .arg(self.ttl.as_millis() as u64)
+            .query(conn)?;
+        if set.is_none() {
+            return Ok(None);
+        }
+        let token: u64 = redis::cmd("INCR").arg(&self.fence_key).query(conn)?;
+        Ok(Some(token))
+    }
+
+    /// Extends the lock; false if another instance holds it now.
+    pub fn renew(&self, conn: &mut Connection) -> RedisResult<bool> {
+        let n: i64 = self
+            .renew
+            .key(&self.key)
+            .arg(&self.id)
+            .arg(self.ttl.as_millis() as u64)
+            .invoke(conn)?;
+        Ok(n == 1)
+    }
+
+    /// Gives the lock up (a clean shutdown: the next instance need not wait the expiry).
+    pub fn release(&self, conn: &mut Connection) -> RedisResult<()> {
+        let _: i64 = self.release.key(&self.key).arg(&self.id).invoke(conn)?;
+        Ok(())
+    }
+}

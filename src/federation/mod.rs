@@ -1,0 +1,365 @@
+//! Global budgets between real processes: this region's coordinator and its links to the
+//! others. The protocol itself is [`crate::coordinator`] (pure); this module runs it.
+//!
+//! - [`lock`]: which of the region's instances coordinates (a Redis lock with a fencing
+//!   token that every coordinator write checks).
+//! - [`lease_store`]: the node's store and clock, both Redis's (`lua/global/`).
+//! - [`runtime`]: the coordinator thread (rounds, incoming exchanges, replies, status).
+//! - [`auth`]: signed exchanges (HMAC-SHA256, timestamps, nonces).
+//! - [`peers`]: the HTTP client that sends exchanges and retries them.
+//!
+//! Data flow: a peer's POST → [`Federation::exchange`] (verify; refused requests never
+//! reach the node) → the runtime's channel → `Node::on_exchange` → reply back to the
+//! handler, signed. Rounds run on the thread; their exchanges go to [`peers`], whose
+//! verified replies come back through the same channel.
+
+pub mod auth;
+pub mod lease_store;
+pub mod lock;
+pub mod peers;
+pub mod runtime;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::config::GlobalSettings;
+use crate::coordinator::RegionId;
+use crate::coordinator::message::Exchange;
+use crate::coordinator::node::{KeyStatus, Link, NodeStats};
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+use auth::{HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP, Rejection, Signed};
+use runtime::Event;
+
+/// What the coordinator thread last published.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Status {
+    pub leader: bool,
+    pub token: u64,
+    pub stats: NodeStats,
+    pub peers: Vec<PeerStatus>,
+    pub keys: Vec<KeyStatus>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerStatus {
+    pub region: String,
+    pub link: Link,
+    pub rtt_ms: Option<f64>,
+}
+
+/// State shared by the HTTP handlers, the coordinator thread and the peer client.
+pub struct Shared {
+    pub settings: GlobalSettings,
+    pub policies: Vec<Arc<Policy>>,
+    pub metrics: Arc<Metrics>,
+    pub instance: String,
+    leader_token: AtomicU64,
+    stopping: AtomicBool,
+    status: RwLock<Status>,
+    /// Per region id: the last round trip (us; -1 unknown) and the peer URL in use.
+    rtt_us: Vec<AtomicI64>,
+    url: Vec<AtomicUsize>,
+}
+
+impl Shared {
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.leader_token.load(Ordering::Acquire) != 0
+    }
+
+    fn set_leader(&self, token: Option<u64>) {
+        let t = token.unwrap_or(0);
+        if self.leader_token.swap(t, Ordering::AcqRel) != t {
+            self.metrics.global.leader.set((t != 0) as i64);
+            if t == 0 {
+                *self.status.write().unwrap_or_else(|p| p.into_inner()) = Status::default();
+            }
+        }
+    }
+
+    fn set_status(&self, s: Status) {
+        *self.status.write().unwrap_or_else(|p| p.into_inner()) = s;
+    }
+
+    pub fn status(&self) -> Status {
+        self.status
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_rtt(&self, peer: RegionId, us: i64) {
+        if let Some(a) = self.rtt_us.get(peer.index()) {
+            a.store(us, Ordering::Relaxed);
+        }
+    }
+
+    fn rtt_us(&self, peer: RegionId) -> Option<i64> {
+        let v = self.rtt_us.get(peer.index())?.load(Ordering::Relaxed);
+        (v >= 0).then_some(v)
+    }
+
+    fn url_index(&self, peer: RegionId) -> usize {
+        self.url
+            .get(peer.index())
+            .map_or(0, |a| a.load(Ordering::Relaxed))
+    }
+
+    /// The URL at `idx` failed: move on, unless another attempt already did.
+    fn next_url(&self, peer: RegionId, idx: usize) {
+        if let Some(a) = self.url.get(peer.index()) {
+            let _ = a.compare_exchange(idx, idx + 1, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The handle the app and the API hold.
+pub struct Federation {
+    pub shared: Arc<Shared>,
+    events: std::sync::mpsc::Sender<Event>,
+    verifier: Mutex<auth::Verifier>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+/// An answer for the peer endpoint: status, body, and the reply signature header.
+pub struct PeerResponse {
+    pub status: StatusCode,
+    pub body: Vec<u8>,
+    pub signature: Option<String>,
+}
+
+impl Federation {
+    /// Starts the coordinator thread and the peer client (on the current tokio runtime).
+    pub fn start(
+        settings: GlobalSettings,
+        policies: Vec<Arc<Policy>>,
+        redis_url: &str,
+        redis_timeout: Duration,
+        key_prefix: &str,
+        metrics: Arc<Metrics>,
+    ) -> Result<Arc<Federation>, redis::RedisError> {
+        let client = redis::Client::open(redis_url)?;
+        let instance = format!("{:016x}", rand::random::<u64>());
+        let n = settings.regions.len();
+        let me = settings.regions[settings.me.index()].clone();
+        let secrets: HashMap<String, Vec<u8>> = settings
+            .peers
+            .iter()
+            .map(|p| (p.region.clone(), p.secret.0.clone()))
+            .collect();
+        let verifier = auth::Verifier::new(&me, secrets, settings.max_skew.as_millis() as i64);
+        for r in Rejection::ALL {
+            metrics
+                .global
+                .exchange_rejected
+                .with_label_values(&[r.reason()]);
+        }
+        metrics.global.leader.set(0);
+        let lock = lock::Lock::new(
+            crate::store::global::lock_key(key_prefix),
+            crate::store::global::fence_key(key_prefix),
+            instance.clone(),
+            // Renewed every fifth of the period; a dead holder's lock lapses within 0.8 of
+            // it and the others poll every tenth: a takeover within one period.
+            settings.lock.mul_f64(0.8),
+        );
+        let shared = Arc::new(Shared {
+            settings,
+            policies,
+            metrics,
+            instance,
+            leader_token: AtomicU64::new(0),
+            stopping: AtomicBool::new(false),
+            status: RwLock::new(Status::default()),
+            rtt_us: (0..n).map(|_| AtomicI64::new(-1)).collect(),
+            url: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+        });
+        let (events_tx, events_rx) = std::sync::mpsc::channel();
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let runtime = runtime::Runtime {
+            shared: shared.clone(),
+            client,
+            lock,
+            events: events_rx,
+            outbound: out_tx,
+            redis_timeout,
+        };
+        let thread = std::thread::Builder::new()
+            .name("coordinator".into())
+            .spawn(move || runtime.run())
+            .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
+        let round = Duration::from_micros(shared.settings.params.round_us as u64);
+        let http = reqwest::Client::builder()
+            .timeout(round * 3)
+            .connect_timeout(round)
+            .build()
+            .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
+        let client = Arc::new(peers::PeerClient {
+            shared: shared.clone(),
+            http,
+            events: events_tx.clone(),
+        });
+        tokio::spawn(client.run(out_rx));
+        Ok(Arc::new(Federation {
+            shared,
+            events: events_tx,
+            verifier: Mutex::new(verifier),
+            thread: Mutex::new(Some(thread)),
+        }))
+    }
+
+    /// Stops the coordinator thread (releasing the lock) and waits for it, bounded.
+    pub async fn stop(&self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = tokio::task::spawn_blocking(move || h.join()).await;
+        }
+    }
+
+    fn reject(&self, r: Rejection) -> PeerResponse {
+        self.shared
+            .metrics
+            .global
+            .exchange_rejected
+            .with_label_values(&[r.reason()])
+            .inc();
+        let status = match r {
+            Rejection::Malformed => StatusCode::BAD_REQUEST,
+            Rejection::NotCoordinator => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::UNAUTHORIZED,
+        };
+        let body = serde_json::json!({"error": {"code": r.reason(), "message": r.to_string()}});
+        PeerResponse {
+            status,
+            body: serde_json::to_vec(&body).unwrap_or_default(),
+            signature: None,
+        }
+    }
+
+    /// `POST /v1/peer/exchange`: authenticate, then hand the exchange to the coordinator.
+    pub async fn exchange(&self, headers: &HeaderMap, body: Bytes) -> PeerResponse {
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let signed = match (
+            header(HEADER_REGION),
+            header(HEADER_TIMESTAMP).and_then(|t| t.parse::<i64>().ok()),
+            header(HEADER_NONCE),
+            header(HEADER_SIGNATURE),
+        ) {
+            (Some(from), Some(ts), Some(nonce), Some(sig)) if nonce.len() <= 64 => Signed {
+                from: from.to_owned(),
+                timestamp_ms: ts,
+                nonce: nonce.to_owned(),
+                signature: sig.to_owned(),
+            },
+            _ => return self.reject(Rejection::Unauthenticated),
+        };
+        let verified = self
+            .verifier
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .verify(&signed, &body, peers::wall_ms());
+        if let Err(r) = verified {
+            return self.reject(r);
+        }
+        let s = &self.shared.settings;
+        let Some(peer) = s.peers.iter().find(|p| p.region == signed.from) else {
+            return self.reject(Rejection::UnknownPeer);
+        };
+        self.shared
+            .metrics
+            .global
+            .exchange_bytes
+            .with_label_values(&[&peer.region, "received"])
+            .inc_by(body.len() as u64);
+        let msg: Exchange = match serde_json::from_slice::<Exchange>(&body) {
+            // The body must speak for the region that signed it.
+            Ok(m) if m.from == peer.id => m,
+            _ => return self.reject(Rejection::Malformed),
+        };
+        if !self.shared.is_leader() {
+            return self.reject(Rejection::NotCoordinator);
+        }
+        let (tx, rx) = oneshot::channel();
+        if self
+            .events
+            .send(Event::Exchange { msg, reply: tx })
+            .is_err()
+        {
+            return self.reject(Rejection::NotCoordinator);
+        }
+        let round = Duration::from_micros(s.params.round_us as u64);
+        let reply = match tokio::time::timeout(round, rx).await {
+            Ok(Ok(Some(r))) => r,
+            _ => return self.reject(Rejection::NotCoordinator),
+        };
+        let body = serde_json::to_vec(&reply).unwrap_or_default();
+        self.shared
+            .metrics
+            .global
+            .exchange_bytes
+            .with_label_values(&[&peer.region, "sent"])
+            .inc_by(body.len() as u64);
+        let signature = auth::sign_reply(&peer.secret.0, &signed.nonce, &body);
+        PeerResponse {
+            status: StatusCode::OK,
+            body,
+            signature: Some(signature),
+        }
+    }
+
+    /// `GET /v1/status`.
+    pub fn status_json(&self, region: &str) -> serde_json::Value {
+        let s = &self.shared.settings;
+        let st = self.shared.status();
+        let policies: Vec<_> = self
+            .shared
+            .policies
+            .iter()
+            .filter_map(|p| p.global_policy())
+            .map(|g| {
+                let keys: Vec<&KeyStatus> = st.keys.iter().filter(|k| k.policy == g.name).collect();
+                serde_json::json!({
+                    "name": g.name,
+                    "version": g.version,
+                    "rho": g.rho,
+                    "burst": g.burst,
+                    "escrow": s.regions.iter().zip(&g.escrow).map(|(r, e)| (r.clone(), serde_json::json!(e))).collect::<serde_json::Map<String, serde_json::Value>>(),
+                    "keys": keys.iter().map(|k| serde_json::json!({
+                        "key": k.key,
+                        "escrow": k.escrow,
+                        "enforced": k.enforced,
+                        "lent": k.lent,
+                        "borrowed": k.borrowed,
+                        "demand": k.demand,
+                        "target": k.target,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "region": region,
+            "regions": s.regions,
+            "instance": self.shared.instance,
+            "coordinator": {
+                "leader": st.leader,
+                "token": st.token,
+                "rounds": st.stats.rounds,
+                "stats": st.stats,
+            },
+            "peers": st.peers,
+            "policies": policies,
+        })
+    }
+}

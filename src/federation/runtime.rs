@@ -1,0 +1,283 @@
+//! The coordinator thread: holds (or waits for) the region's lock, runs the node's rounds
+//! on Redis's clock, feeds it the peers' exchanges and replies, and publishes what it
+//! knows for `/v1/status` and the metrics.
+//!
+//! A plain thread with a synchronous Redis connection, not a task: the node is a
+//! sequential state machine whose store calls must complete in order (a grant leaves only
+//! after its reservation is durable), and a blocking call here never stalls the request
+//! path. Everything reaches it through one channel, so the node never runs concurrently
+//! with itself.
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::lease_store::{RedisClock, RedisLeaseStore};
+use super::lock::Lock;
+use super::{Shared, Status};
+use crate::coordinator::message::{Exchange, ExchangeReply};
+use crate::coordinator::node::{Link, Node};
+use crate::coordinator::{GlobalPolicy, RegionId};
+
+pub enum Event {
+    /// A peer's exchange, authenticated; the reply goes back on `reply` (None: not now).
+    Exchange {
+        msg: Exchange,
+        reply: oneshot::Sender<Option<ExchangeReply>>,
+    },
+    /// A peer's reply to one of our exchanges, authenticated.
+    Reply(ExchangeReply),
+}
+
+pub struct Runtime {
+    pub shared: Arc<Shared>,
+    pub client: redis::Client,
+    pub lock: Lock,
+    pub events: Receiver<Event>,
+    pub outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
+    pub redis_timeout: Duration,
+}
+
+/// What the lock holder runs.
+struct Leading {
+    node: Node<RedisClock>,
+    store: RedisLeaseStore,
+    token: u64,
+    next_round: Instant,
+    next_renew: Instant,
+}
+
+impl Runtime {
+    pub fn run(mut self) {
+        let mut conn: Option<redis::Connection> = None;
+        let mut leading: Option<Leading> = None;
+        while !self.shared.stopping() {
+            leading = match leading.take() {
+                Some(l) => self.lead(l),
+                None => self.follow(&mut conn),
+            };
+            self.shared.set_leader(leading.as_ref().map(|l| l.token));
+        }
+        if let Some(mut l) = leading
+            && !l.store.fenced()
+        {
+            let _ = self.lock.release(l.store.conn());
+        }
+    }
+
+    fn connect(&self) -> Option<redis::Connection> {
+        let conn = self
+            .client
+            .get_connection_with_timeout(self.redis_timeout.max(Duration::from_millis(500)))
+            .ok()?;
+        conn.set_read_timeout(Some(self.redis_timeout)).ok()?;
+        conn.set_write_timeout(Some(self.redis_timeout)).ok()?;
+        Some(conn)
+    }
+
+    /// Not the holder: answer nothing, try the lock every tenth of its period.
+    fn follow(&mut self, conn: &mut Option<redis::Connection>) -> Option<Leading> {
+        let poll = self.shared.settings.lock / 10;
+        let deadline = Instant::now() + poll;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.events.recv_timeout(left) {
+                Ok(Event::Exchange { reply, .. }) => {
+                    let _ = reply.send(None);
+                }
+                Ok(Event::Reply(_)) => {}
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+        if conn.is_none() {
+            *conn = self.connect();
+        }
+        let c = conn.as_mut()?;
+        let token = match self.lock.try_acquire(c) {
+            Ok(Some(t)) => t,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "coordinator lock: redis unreachable");
+                *conn = None;
+                return None;
+            }
+        };
+        let c = conn.take()?;
+        self.start(c, token)
+    }
+
+    fn start(&mut self, conn: redis::Connection, token: u64) -> Option<Leading> {
+        let s = &self.shared.settings;
+        let clock = RedisClock::new();
+        let mut store = RedisLeaseStore::new(
+            conn,
+            clock.clone(),
+            self.lock.fence_key().to_owned(),
+            token,
+            &self.shared.policies,
+            self.redis_timeout,
+        );
+        if store.begin(true).is_err() {
+            return None;
+        }
+        let policies: Vec<GlobalPolicy> = self
+            .shared
+            .policies
+            .iter()
+            .filter_map(|p| p.global_policy())
+            .collect();
+        let node = Node::start(
+            s.me,
+            s.regions.len(),
+            s.params,
+            clock,
+            token,
+            policies,
+            &mut store,
+        );
+        if let Some(e) = store.failure() {
+            tracing::warn!(error = %e, "coordinator start failed; retrying");
+            let _ = self.lock.release(store.conn());
+            return None;
+        }
+        tracing::info!(
+            token,
+            "coordinator lock taken: this instance coordinates the region"
+        );
+        let now = Instant::now();
+        Some(Leading {
+            node,
+            store,
+            token,
+            next_round: now,
+            next_renew: now + s.lock / 5,
+        })
+    }
+
+    /// The holder: one event (a message, a renewal, a round); `None` when it lost the lock
+    /// or its store failed mid-event (the node is dropped: a restart with a new token).
+    fn lead(&mut self, mut l: Leading) -> Option<Leading> {
+        let settings = &self.shared.settings;
+        let wake = l.next_round.min(l.next_renew);
+        let left = wake.saturating_duration_since(Instant::now());
+        match self.events.recv_timeout(left) {
+            Ok(Event::Exchange { msg, reply }) => {
+                if l.store.begin(false).is_ok() {
+                    let r = l.node.on_exchange(&msg, &mut l.store);
+                    let ok = l.store.failure().is_none();
+                    let _ = reply.send(if ok { r } else { None });
+                    self.send(l.node.link_ups(&mut l.store));
+                } else {
+                    let _ = reply.send(None);
+                }
+            }
+            Ok(Event::Reply(r)) => {
+                if l.store.begin(false).is_ok() {
+                    l.node.on_reply(&r, &mut l.store);
+                    self.send(l.node.link_ups(&mut l.store));
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return None,
+            Err(RecvTimeoutError::Timeout) => {
+                let now = Instant::now();
+                if now >= l.next_renew {
+                    match self.lock.renew(l.store.conn()) {
+                        Ok(true) => l.next_renew = now + settings.lock / 5,
+                        Ok(false) => {
+                            tracing::warn!("coordinator lock lost to another instance");
+                            return None;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "coordinator lock renewal failed; stepping down");
+                            return None;
+                        }
+                    }
+                }
+                if now >= l.next_round {
+                    if l.store.begin(true).is_ok() {
+                        let msgs = l.node.round(&mut l.store);
+                        if l.store.failure().is_none() {
+                            self.send(msgs);
+                        }
+                        self.shared.metrics.global.rounds.inc();
+                        self.publish(&l);
+                    }
+                    l.next_round = now + jittered(settings.params.round_us);
+                }
+            }
+        }
+        if let Some(e) = l.store.failure() {
+            tracing::warn!(error = %e, fenced = l.store.fenced(), "coordinator store failed mid-event; restarting the coordinator");
+            if !l.store.fenced() {
+                let _ = self.lock.release(l.store.conn());
+            }
+            return None;
+        }
+        Some(l)
+    }
+
+    fn send(&self, msgs: Vec<(RegionId, Exchange)>) {
+        for m in msgs {
+            let _ = self.outbound.send(m);
+        }
+    }
+
+    fn publish(&self, l: &Leading) {
+        let s = &self.shared.settings;
+        let node = &l.node;
+        let mut status = Status {
+            leader: true,
+            token: l.token,
+            stats: node.stats(),
+            peers: Vec::new(),
+            keys: node.key_status(),
+        };
+        let m = &self.shared.metrics.global;
+        for p in &s.peers {
+            let link = node.link(p.id);
+            let rtt = node.rtt_us(p.id);
+            m.peer_up
+                .with_label_values(&[&p.region])
+                .set((link == Link::Connected) as i64);
+            if let Some(rtt) = rtt {
+                m.peer_rtt_seconds
+                    .with_label_values(&[&p.region])
+                    .set(rtt as f64 / 1e6);
+                self.shared.set_rtt(p.id, rtt);
+            }
+            status.peers.push(super::PeerStatus {
+                region: p.region.clone(),
+                link,
+                rtt_ms: rtt.map(|r| r as f64 / 1000.0),
+            });
+        }
+        for policy in self.shared.policies.iter().filter(|p| p.global.is_some()) {
+            let keys = status.keys.iter().filter(|k| k.policy == policy.name);
+            let (mut share, mut lent, mut borrowed, mut demand, mut n) = (0.0, 0.0, 0.0, 0.0, 0);
+            for k in keys {
+                share += k.enforced;
+                lent += k.lent;
+                borrowed += k.borrowed;
+                demand += k.demand;
+                n += 1;
+            }
+            let name = policy.name.as_str();
+            m.share_rate
+                .with_label_values(&[name, &s.regions[s.me.index()]])
+                .set(share);
+            m.lent_rate.with_label_values(&[name]).set(lent);
+            m.borrowed_rate.with_label_values(&[name]).set(borrowed);
+            m.demand_rate.with_label_values(&[name]).set(demand);
+            m.hot_keys.with_label_values(&[name]).set(n);
+        }
+        self.shared.set_status(status);
+    }
+}
+
+/// A round interval with ±10% jitter, so regions started together do not stay in step.
+fn jittered(round_us: i64) -> Duration {
+    let j = rand::random_range(-0.1..0.1);
+    Duration::from_micros((round_us as f64 * (1.0 + j)) as u64)
+}
