@@ -174,8 +174,15 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 } else {
                     rho * rng.random_range(0.0..1.0)
                 };
-                let inv =
-                    global::set_default_invocation(&s.default, &keys, FENCE, 1, escrow, Some(now));
+                let inv = global::set_default_invocation(
+                    &s.default,
+                    &keys,
+                    FENCE,
+                    1,
+                    escrow,
+                    args.keep_ms,
+                    Some(now),
+                );
                 let changed: i64 = inv.invoke(conn).unwrap();
                 let want = match &mut default {
                     Some(d) => d.change(escrow, now),

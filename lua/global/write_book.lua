@@ -41,4 +41,5 @@ save_book(key, s.book)
 save_bucket(key, s)
 expire(key, s, d, rho, burst, tol, now, keep_ms)
 redis.call('SADD', KEYS[4], ARGV[7])
+redis.call('PEXPIRE', KEYS[4], keep_ms)
 return incoming.ep

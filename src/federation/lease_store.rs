@@ -453,6 +453,7 @@ impl LeaseStore for RedisLeaseStore {
             &self.fence_key,
             self.token,
             escrow,
+            p.shape.keep_ms,
             None,
         );
         match inv.invoke::<i64>(&mut self.conn) {

@@ -166,10 +166,15 @@ pub fn set_default_invocation<'a>(
     fence_key: &str,
     token: u64,
     escrow: f64,
+    keep_ms: i64,
     now_us: Option<i64>,
 ) -> ScriptInvocation<'a> {
     let mut inv = script.prepare_invoke();
-    inv.key(&keys.meta).key(fence_key).arg(token).arg(escrow);
+    inv.key(&keys.meta)
+        .key(fence_key)
+        .arg(token)
+        .arg(escrow)
+        .arg(keep_ms);
     if let Some(now) = now_us {
         inv.arg(now);
     }

@@ -1,0 +1,191 @@
+//! An open-loop load generator for multi-region tests: per region an offered rate (units
+//! per second, changeable while it runs) of checks of one policy and key, spread over the
+//! region's daemons, and a log of every answer with when it was sent and received. The
+//! admission bound is checked from that log ([`max_admitted_in_window`]).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One answer.
+#[derive(Debug, Clone, Copy)]
+pub struct Answer {
+    pub region: usize,
+    /// Seconds since the generator started.
+    pub sent: f64,
+    pub received: f64,
+    pub cost: u64,
+    pub allowed: bool,
+    /// HTTP status (0: no answer).
+    pub status: u16,
+}
+
+pub struct Load {
+    rates: Vec<Arc<AtomicU64>>,
+    stop: Arc<AtomicBool>,
+    log: Arc<Mutex<Vec<Answer>>>,
+    started: Instant,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+const TICK: Duration = Duration::from_millis(10);
+
+impl Load {
+    /// `urls[r]`: the daemons of region r (requests alternate between them; one that does
+    /// not answer is skipped until it does).
+    pub fn start(urls: Vec<Vec<String>>, policy: &str, key: &str, cost: u64) -> Load {
+        let rates: Vec<Arc<AtomicU64>> = urls.iter().map(|_| Arc::new(AtomicU64::new(0))).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let started = Instant::now();
+        let body = serde_json::json!({"policy": policy, "key": key, "cost": cost}).to_string();
+        let (r2, s2, l2) = (rates.clone(), stop.clone(), log.clone());
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let client = reqwest::Client::builder()
+                    .timeout(Duration::from_secs(2))
+                    .pool_max_idle_per_host(64)
+                    .build()
+                    .expect("client");
+                let mut tasks = Vec::new();
+                for (region, (urls, rate)) in urls.into_iter().zip(r2).enumerate() {
+                    let (client, stop, log, body) =
+                        (client.clone(), s2.clone(), l2.clone(), body.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let next = Arc::new(AtomicUsize::new(0));
+                        let mut owed = 0.0f64;
+                        let mut tick = tokio::time::interval(TICK);
+                        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+                        while !stop.load(Ordering::Relaxed) {
+                            tick.tick().await;
+                            let units = f64::from_bits(rate.load(Ordering::Relaxed));
+                            owed += units * TICK.as_secs_f64() / cost as f64;
+                            while owed >= 1.0 {
+                                owed -= 1.0;
+                                let (client, log, body, urls, next) = (
+                                    client.clone(),
+                                    log.clone(),
+                                    body.clone(),
+                                    urls.clone(),
+                                    next.clone(),
+                                );
+                                tokio::spawn(async move {
+                                    let i = next.load(Ordering::Relaxed) % urls.len();
+                                    let sent = started.elapsed().as_secs_f64();
+                                    let r = client
+                                        .post(format!("{}/v1/check", urls[i]))
+                                        .header("content-type", "application/json")
+                                        .body(body)
+                                        .send()
+                                        .await;
+                                    let (status, allowed) = match r {
+                                        Ok(resp) => {
+                                            let status = resp.status().as_u16();
+                                            let v: serde_json::Value =
+                                                resp.json().await.unwrap_or_default();
+                                            (status, v["allowed"] == true)
+                                        }
+                                        Err(_) => {
+                                            // That daemon is down: use the next one.
+                                            next.fetch_add(1, Ordering::Relaxed);
+                                            (0, false)
+                                        }
+                                    };
+                                    let received = started.elapsed().as_secs_f64();
+                                    log.lock().unwrap().push(Answer {
+                                        region,
+                                        sent,
+                                        received,
+                                        cost,
+                                        allowed,
+                                        status,
+                                    });
+                                });
+                            }
+                        }
+                    }));
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+                // Let requests in flight finish (bounded by the client timeout).
+                tokio::time::sleep(Duration::from_millis(2100)).await;
+            });
+        });
+        Load {
+            rates,
+            stop,
+            log,
+            started,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn set_rate(&self, region: usize, units_per_second: f64) {
+        self.rates[region].store(units_per_second.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn elapsed(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    pub fn answers(&self) -> Vec<Answer> {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Stops and returns every answer.
+    pub fn finish(mut self) -> Vec<Answer> {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.answers()
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The largest number of units admitted (over all regions) certainly inside one window of
+/// `window` seconds, and where it starts. "Certainly": an admission happened somewhere
+/// between its request's send and receive times, so only admissions whose whole
+/// interval lies in the window are counted: the check never blames the system for the
+/// client's latency, and any admission burst beyond ρW + B still shows.
+pub fn max_admitted_in_window(answers: &[Answer], window: f64) -> (u64, f64) {
+    let mut adm: Vec<&Answer> = answers.iter().filter(|a| a.allowed).collect();
+    adm.sort_by(|a, b| a.sent.total_cmp(&b.sent));
+    let mut best = (0, 0.0);
+    for (i, a) in adm.iter().enumerate() {
+        let end = a.sent + window;
+        let mut sum = 0;
+        for b in &adm[i..] {
+            if b.sent > end {
+                break;
+            }
+            if b.received <= end {
+                sum += b.cost;
+            }
+        }
+        if sum > best.0 {
+            best = (sum, a.sent);
+        }
+    }
+    best
+}
+
+/// Units admitted per region in [from, to) by send time.
+pub fn admitted_between(answers: &[Answer], region: usize, from: f64, to: f64) -> u64 {
+    answers
+        .iter()
+        .filter(|a| a.allowed && a.region == region && a.sent >= from && a.sent < to)
+        .map(|a| a.cost)
+        .sum()
+}

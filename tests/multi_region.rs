@@ -1,0 +1,403 @@
+//! Global budgets between real processes: a redis-server and quotad daemon(s) per region on
+//! loopback, every peer link through a fault proxy (delay, jitter, loss, one-way cuts),
+//! and an open-loop load generator that moves demand between regions. Shares are read
+//! from `/v1/status`; the admission bound is checked on every answer the generator got.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::load::{Answer, Load, admitted_between, max_admitted_in_window};
+use common::proxy::{Leg, LegHandle, Proxy};
+use common::{Quotad, RedisServer, wait_for};
+use quotad::coordinator::{GlobalPolicy, Mode, Params};
+use serde_json::Value;
+
+/// Regions, sorted by name (their ids in the protocol).
+const REGIONS: [&str; 3] = ["ap", "eu", "us"];
+const WEIGHTS: [f64; 3] = [1.0, 3.0, 6.0];
+const RHO: f64 = 1000.0;
+const BURST: f64 = 100.0;
+const COST: u64 = 5;
+const SECRET: &str = "integration-test-secret-0123456789";
+const ROUND: Duration = Duration::from_millis(500);
+const LEASE: Duration = Duration::from_secs(4);
+const LOCK: Duration = Duration::from_secs(2);
+/// One-way delays: ap-eu 110 ms, ap-us 80 ms, eu-us 40 ms (half the design's RTTs).
+const DELAY_MS: [[u64; 3]; 3] = [[0, 110, 80], [110, 0, 40], [80, 40, 0]];
+
+fn params() -> Params {
+    Params {
+        round_us: ROUND.as_micros() as i64,
+        lease_us: LEASE.as_micros() as i64,
+        ..Params::default()
+    }
+}
+
+fn policy() -> GlobalPolicy {
+    GlobalPolicy::from_weights("g", 1, RHO, BURST, &WEIGHTS, Mode::Proportional)
+}
+
+/// A region's daemons, its Redis, and the proxies its peers call it through.
+struct Region {
+    redis: RedisServer,
+    daemons: Vec<Quotad>,
+}
+
+struct Deployment {
+    regions: Vec<Region>,
+    /// legs[a][b]: messages from region a to region b.
+    legs: Vec<Vec<LegHandle>>,
+    _proxies: Vec<Proxy>,
+}
+
+fn config(me: usize, redis: &str, peer_urls: &[Vec<String>]) -> String {
+    let mut c = format!(
+        "region = \"{}\"\n[store]\nredis = \"{redis}\"\n[coordinator]\nsecret = \"{SECRET}\"\nlock = \"{}ms\"\n",
+        REGIONS[me],
+        LOCK.as_millis()
+    );
+    for (j, urls) in peer_urls.iter().enumerate() {
+        if j == me {
+            continue;
+        }
+        let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+        c += &format!(
+            "[[peer]]\nregion = \"{}\"\nurls = [{}]\n",
+            REGIONS[j],
+            list.join(", ")
+        );
+    }
+    c += &format!(
+        "[[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = {RHO}\nwindow = \"1s\"\nburst = {BURST}\non_store_error = \"closed\"\n[policy.global]\nescrow = {{ ap = 1, eu = 3, us = 6 }}\nlease = \"{}ms\"\nround = \"{}ms\"\n",
+        LEASE.as_millis(),
+        ROUND.as_millis()
+    );
+    c
+}
+
+impl Deployment {
+    /// `instances[r]` daemons in region r, all sharing r's Redis.
+    fn start(instances: [usize; 3]) -> Deployment {
+        let legs: Vec<Vec<LegHandle>> = (0..3)
+            .map(|a| {
+                (0..3)
+                    .map(|b| {
+                        let d = Duration::from_millis(DELAY_MS[a][b]);
+                        std::sync::Arc::new(std::sync::Mutex::new(Leg {
+                            delay: d,
+                            jitter: d / 4,
+                            ..Leg::default()
+                        }))
+                    })
+                    .collect()
+            })
+            .collect();
+        // proxies[a][b][i]: region a calling instance i of region b.
+        let proxies: Vec<Vec<Vec<Proxy>>> = (0..3)
+            .map(|a| {
+                (0..3)
+                    .map(|b| {
+                        (0..if a == b { 0 } else { instances[b] })
+                            .map(|_| Proxy::start(legs[a][b].clone(), legs[b][a].clone()))
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut regions = Vec::new();
+        for (me, n) in instances.iter().enumerate() {
+            let redis = RedisServer::start();
+            let urls: Vec<Vec<String>> = (0..3)
+                .map(|b| proxies[me][b].iter().map(Proxy::url).collect())
+                .collect();
+            let text = config(me, &redis.url(), &urls);
+            let daemons: Vec<Quotad> = (0..*n).map(|_| Quotad::start(&text)).collect();
+            regions.push(Region { redis, daemons });
+        }
+        for row in &proxies {
+            for (b, list) in row.iter().enumerate() {
+                for (i, p) in list.iter().enumerate() {
+                    p.set_target(regions[b].daemons[i].port);
+                }
+            }
+        }
+        Deployment {
+            regions,
+            legs,
+            _proxies: proxies.into_iter().flatten().flatten().collect(),
+        }
+    }
+
+    fn urls(&self) -> Vec<Vec<String>> {
+        self.regions
+            .iter()
+            .map(|r| r.daemons.iter().map(Quotad::url).collect())
+            .collect()
+    }
+
+    /// Cuts (or heals) messages from a to b.
+    fn cut(&self, a: usize, b: usize, cut: bool) {
+        self.legs[a][b].lock().unwrap().cut = cut;
+    }
+
+    fn isolate(&self, r: usize, cut: bool) {
+        for o in (0..3).filter(|&o| o != r) {
+            self.cut(r, o, cut);
+            self.cut(o, r, cut);
+        }
+    }
+
+    /// The status of the region's coordinating instance, if one coordinates.
+    fn leader_status(&self, r: usize) -> Option<Value> {
+        self.regions[r].daemons.iter().find_map(|d| {
+            let (code, text) = d.try_get("/v1/status")?;
+            let v: Value = serde_json::from_str(&text).ok()?;
+            (code == 200 && v["coordinator"]["leader"] == true).then_some(v)
+        })
+    }
+
+    /// The rate region r enforces for key `k` (its escrow while the key is cold there).
+    fn enforced(&self, r: usize) -> Option<f64> {
+        let s = self.leader_status(r)?;
+        let p = &s["policies"][0];
+        let key = p["keys"].as_array()?.iter().find(|k| k["key"] == "k");
+        Some(match key {
+            Some(k) => k["enforced"].as_f64()?,
+            None => p["escrow"][REGIONS[r]].as_f64()?,
+        })
+    }
+}
+
+/// Samples of every region's enforced rate: (seconds since the load started, rates).
+struct Trace(Vec<(f64, [f64; 3])>);
+
+impl Trace {
+    /// Polls the three regions every 100 ms until `until` (load seconds).
+    fn record(&mut self, d: &Deployment, load: &Load, until: f64) {
+        while load.elapsed() < until {
+            let rates = [0, 1, 2].map(|r| d.enforced(r).unwrap_or(f64::NAN));
+            self.0.push((load.elapsed(), rates));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The first time after `from` from which every region in `which` stays within 5% of ρ
+    /// of `target` until `to` (the measurement window of τ5 in the simulator, on shares).
+    fn settled(&self, from: f64, to: f64, target: &[f64; 3], which: &[usize]) -> Option<f64> {
+        let ok = |r: &[f64; 3]| {
+            which
+                .iter()
+                .all(|&i| (r[i] - target[i]).abs() <= 0.05 * RHO)
+        };
+        let window: Vec<&(f64, [f64; 3])> = self
+            .0
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .collect();
+        let last_bad = window.iter().rposition(|(_, r)| !ok(r));
+        match last_bad {
+            None => window.first().map(|(t, _)| *t - from),
+            Some(i) if i + 1 < window.len() => Some(window[i + 1].0 - from),
+            Some(_) => None,
+        }
+    }
+
+    fn dump(&self, from: f64, to: f64) -> String {
+        self.0
+            .iter()
+            .filter(|(t, _)| *t >= from && *t < to)
+            .map(|(t, r)| format!("{t:6.1}s ap {:7.1} eu {:7.1} us {:7.1}", r[0], r[1], r[2]))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+fn targets(demand: [f64; 3], pinned: [bool; 3]) -> [f64; 3] {
+    let t = policy().allocate(&params(), &demand, &pinned);
+    [t[0], t[1], t[2]]
+}
+
+fn assert_bound(answers: &[Answer]) {
+    let (max, at) = max_admitted_in_window(answers, 1.0);
+    let bound = RHO * 1.0 + BURST;
+    println!("max admitted in any 1 s window: {max} (bound {bound}) at {at:.1}s");
+    assert!(
+        max as f64 <= bound,
+        "admitted {max} units in the 1 s window from {at:.2}s: above rho*W + B = {bound}"
+    );
+}
+
+/// Demand moves from us to ap; ap is cut off while hot and healed; us's daemon is killed
+/// and restarted. Shares follow demand, a cut-off region runs on exactly its escrow, and
+/// admissions never exceed ρW + B in any 1 s window.
+#[test]
+fn three_regions_rebalance_fall_back_heal_and_keep_the_bound() {
+    let mut d = Deployment::start([1, 1, 1]);
+    let load = Load::start(d.urls(), "g", "k", COST);
+    let mut trace = Trace(Vec::new());
+    let (ap, eu, us) = (0, 1, 2);
+    let escrow = policy().escrow;
+
+    // Phase 1: all demand in us.
+    load.set_rate(us, 1500.0);
+    trace.record(&d, &load, 10.0);
+    let t1 = targets([0.0, 0.0, 1500.0], [false; 3]);
+    let settle1 = trace.settled(0.0, 10.0, &t1, &[0, 1, 2]);
+    println!("phase 1 targets {t1:?}: settled after {settle1:?} s");
+    assert!(
+        settle1.is_some(),
+        "us never reached its share:\n{}",
+        trace.dump(0.0, 10.0)
+    );
+
+    // Phase 2: demand moves from us to ap in one step.
+    load.set_rate(us, 0.0);
+    load.set_rate(ap, 1500.0);
+    trace.record(&d, &load, 22.0);
+    let t2 = targets([1500.0, 0.0, 0.0], [false; 3]);
+    let tau = trace.settled(10.0, 22.0, &t2, &[0, 1, 2]);
+    println!("phase 2 (demand moves us -> ap) targets {t2:?}: converged after {tau:?} s");
+    let tau = tau.unwrap_or_else(|| panic!("no convergence:\n{}", trace.dump(10.0, 22.0)));
+    assert!(
+        tau <= 8.0,
+        "converged only after {tau} s:\n{}",
+        trace.dump(10.0, 22.0)
+    );
+
+    // Phase 3: ap (hot, borrowing) is cut off from both peers; eu gets demand too.
+    load.set_rate(eu, 800.0);
+    let cut_at = load.elapsed();
+    d.isolate(ap, true);
+    trace.record(&d, &load, cut_at + 12.0);
+    let fallback_bound = params().fallback_bound_us() as f64 / 1e6;
+    let fallback = trace
+        .0
+        .iter()
+        .filter(|(t, _)| *t >= cut_at)
+        .find(|(_, r)| (r[ap] - escrow[ap]).abs() < 1e-6)
+        .map(|(t, _)| t - cut_at);
+    println!(
+        "phase 3: ap back on its escrow {} after {fallback:?} s (bound {fallback_bound:.3} s)",
+        escrow[ap]
+    );
+    let fallback = fallback
+        .unwrap_or_else(|| panic!("ap never fell back:\n{}", trace.dump(cut_at, cut_at + 12.0)));
+    assert!(
+        fallback <= fallback_bound + 0.25,
+        "fallback took {fallback} s"
+    );
+    // ... and from then on runs on exactly its escrow, serving.
+    for (t, r) in trace
+        .0
+        .iter()
+        .filter(|(t, _)| *t >= cut_at + fallback_bound + 0.2)
+    {
+        assert!((r[ap] - escrow[ap]).abs() < 1e-6, "ap at {} at {t}", r[ap]);
+    }
+    let served = admitted_between(&load.answers(), ap, cut_at + 6.0, cut_at + 12.0) as f64 / 6.0;
+    println!(
+        "phase 3: ap admitted {served:.1}/s while cut off (escrow {})",
+        escrow[ap]
+    );
+    assert!(
+        served >= 0.8 * escrow[ap] && served <= escrow[ap] + BURST / 6.0 + 1.0,
+        "{served}"
+    );
+    // us and eu keep rebalancing among themselves, ap pinned at its escrow.
+    let t3 = targets([1500.0, 800.0, 0.0], [true, false, false]);
+    let rebalanced = trace.settled(cut_at, cut_at + 12.0, &t3, &[eu, us]);
+    println!("phase 3 targets {t3:?}: us/eu settled after {rebalanced:?} s");
+    assert!(
+        rebalanced.is_some(),
+        "us/eu did not rebalance:\n{}",
+        trace.dump(cut_at, cut_at + 12.0)
+    );
+
+    // Phase 4: heal.
+    let heal_at = load.elapsed();
+    d.isolate(ap, false);
+    trace.record(&d, &load, heal_at + 10.0);
+    let t4 = targets([1500.0, 800.0, 0.0], [false; 3]);
+    let reconverged = trace.settled(heal_at, heal_at + 10.0, &t4, &[0, 1, 2]);
+    println!("phase 4 (heal) targets {t4:?}: reconverged after {reconverged:?} s");
+    let reconverged = reconverged
+        .unwrap_or_else(|| panic!("no reconvergence:\n{}", trace.dump(heal_at, heal_at + 10.0)));
+    assert!(
+        reconverged <= 6.0,
+        "{reconverged}:\n{}",
+        trace.dump(heal_at, heal_at + 10.0)
+    );
+
+    // Phase 5: us (the lender) is killed and restarted.
+    let kill_at = load.elapsed();
+    d.regions[us].daemons[0].kill();
+    while load.elapsed() < kill_at + 3.0 {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    d.regions[us].daemons[0].restart();
+    trace.record(&d, &load, kill_at + 14.0);
+    let answers = load.finish();
+    println!("{} answers", answers.len());
+    assert_bound(&answers);
+    assert!(
+        answers.iter().filter(|a| a.status == 200).count() * 10 >= answers.len() * 9,
+        "most checks answered"
+    );
+    for r in &d.regions {
+        r.redis.assert_every_key_has_ttl();
+    }
+}
+
+impl Quotad {
+    fn try_get(&self, path: &str) -> Option<(u16, String)> {
+        common::http(self.port, "GET", path, None, "")
+            .ok()
+            .map(|(s, _, t)| (s, t))
+    }
+}
+
+/// Two instances share us's Redis: one coordinates; killed, the other takes over within
+/// one lock period, peers find it through their URL lists, and the bound holds.
+#[test]
+fn a_standby_instance_takes_over_within_one_lock_period() {
+    let mut d = Deployment::start([1, 1, 2]);
+    let load = Load::start(d.urls(), "g", "k", COST);
+    let (ap, us) = (0, 2);
+    load.set_rate(ap, 1500.0);
+    let leader = wait_for("a coordinator in us", Duration::from_secs(10), || {
+        d.regions[us].daemons.iter().position(|q| {
+            q.try_get("/v1/status")
+                .and_then(|(_, t)| serde_json::from_str::<Value>(&t).ok())
+                .is_some_and(|v| v["coordinator"]["leader"] == true)
+        })
+    });
+    // Let ap borrow from us before the kill.
+    wait_for("ap borrowing", Duration::from_secs(15), || {
+        (d.enforced(ap)? > 500.0).then_some(())
+    });
+    let killed = Instant::now();
+    d.regions[us].daemons[leader].kill();
+    let other = 1 - leader;
+    wait_for("the standby to coordinate", Duration::from_secs(10), || {
+        let (_, t) = d.regions[us].daemons[other].try_get("/v1/status")?;
+        let v: Value = serde_json::from_str(&t).ok()?;
+        (v["coordinator"]["leader"] == true).then_some(())
+    });
+    let takeover = killed.elapsed();
+    println!("takeover after {takeover:?} (lock period {LOCK:?})");
+    assert!(takeover <= LOCK, "took {takeover:?}");
+    // The new coordinator trades with the peers again (through their second URL).
+    wait_for(
+        "exchanges with the new coordinator",
+        Duration::from_secs(10),
+        || {
+            let s = d.leader_status(us)?;
+            let peers = s["peers"].as_array()?;
+            peers.iter().all(|p| p["link"] == "connected").then_some(())
+        },
+    );
+    std::thread::sleep(Duration::from_secs(4));
+    let answers = load.finish();
+    assert_bound(&answers);
+}
