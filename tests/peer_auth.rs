@@ -1,0 +1,230 @@
+//! The peer endpoint moves budget, so it must refuse what it cannot trust: requests without
+//! signatures, with a wrong secret, a tampered body, an old timestamp, an unknown sender,
+//! a body that speaks for another region, and replays of a valid request. Each is refused
+//! and counted by reason, and none changes the region's lease state; a valid request is
+//! answered with a signed grant (the positive control).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Quotad, RedisServer, wait_for};
+use quotad::coordinator::RegionId;
+use quotad::coordinator::message::{Exchange, ExchangeReply, KeyReport, PolicyReport};
+use quotad::federation::auth::{
+    self, HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP, Signed,
+};
+use serde_json::Value;
+
+const SECRET: &[u8] = b"peer-auth-test-secret-0123456789";
+// Regions sorted: eu = 0 (the daemon), us = 1 (the peer the test plays).
+const US: RegionId = RegionId(1);
+
+fn config(redis: &str) -> String {
+    format!(
+        "region = \"eu\"\n[store]\nredis = \"{redis}\"\n[[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:9\"\nsecret = \"{}\"\n\
+         [[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = 1000\nwindow = \"1s\"\n\
+         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\nlease = \"1s\"\nround = \"250ms\"\n",
+        String::from_utf8_lossy(SECRET)
+    )
+}
+
+fn exchange(want: f64, t_req: i64) -> Vec<u8> {
+    let msg = Exchange {
+        from: US,
+        incarnation: 1,
+        to_incarnation: 0,
+        t_req,
+        policies: vec![PolicyReport {
+            name: "g".into(),
+            applied: 1,
+            keys: vec![KeyReport {
+                key: "k".into(),
+                demand: 900.0,
+                want: Some(want),
+                release: None,
+                held: None,
+            }],
+        }],
+    };
+    serde_json::to_vec(&msg).unwrap()
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+struct Peer {
+    rt: tokio::runtime::Runtime,
+    client: reqwest::Client,
+    url: String,
+}
+
+impl Peer {
+    /// POSTs `body` with the given auth headers; returns (status, reply signature, body).
+    fn post(&self, signed: Option<&Signed>, body: &[u8]) -> (u16, Option<String>, Vec<u8>) {
+        self.rt.block_on(async {
+            let mut req = self
+                .client
+                .post(format!("{}/v1/peer/exchange", self.url))
+                .header("content-type", "application/json")
+                .body(body.to_vec());
+            if let Some(s) = signed {
+                req = req
+                    .header(HEADER_REGION, &s.from)
+                    .header(HEADER_TIMESTAMP, s.timestamp_ms.to_string())
+                    .header(HEADER_NONCE, &s.nonce)
+                    .header(HEADER_SIGNATURE, &s.signature);
+            }
+            let resp = req.send().await.unwrap();
+            let status = resp.status().as_u16();
+            let sig = resp
+                .headers()
+                .get(HEADER_SIGNATURE)
+                .map(|v| v.to_str().unwrap().to_owned());
+            (status, sig, resp.bytes().await.unwrap().to_vec())
+        })
+    }
+}
+
+/// The lease state of key "k" in eu's Redis: the book's reservations field.
+fn reservations(redis: &RedisServer) -> Option<String> {
+    redis::cmd("HGET")
+        .arg("rl:g:g:{k}")
+        .arg("r")
+        .query(&mut redis.conn())
+        .unwrap()
+}
+
+#[test]
+fn peer_requests_must_be_signed_fresh_and_unique() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis.url()));
+    wait_for("eu to coordinate", Duration::from_secs(10), || {
+        let v: Value = q.json("/v1/status");
+        (v["coordinator"]["leader"] == true).then_some(())
+    });
+    let peer = Peer {
+        rt: tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap(),
+        client: reqwest::Client::new(),
+        url: q.url(),
+    };
+    let body = exchange(400.0, 0);
+    let sign = |from: &str, secret: &[u8], ts: i64, body: &[u8]| {
+        auth::sign_request(secret, from, "eu", ts, body)
+    };
+
+    let refused: Vec<(&str, Option<Signed>, Vec<u8>, u16)> = vec![
+        ("unauthenticated", None, body.clone(), 401),
+        (
+            "bad_signature",
+            Some(sign("us", b"wrong-secret-wrong-secret", now_ms(), &body)),
+            body.clone(),
+            401,
+        ),
+        (
+            "bad_signature",
+            Some(sign("us", SECRET, now_ms(), &exchange(1.0, 0))),
+            body.clone(),
+            401,
+        ),
+        (
+            "stale",
+            Some(sign("us", SECRET, now_ms() - 3_600_000, &body)),
+            body.clone(),
+            401,
+        ),
+        (
+            "unknown_peer",
+            Some(sign("ap", SECRET, now_ms(), &body)),
+            body.clone(),
+            401,
+        ),
+        (
+            "malformed",
+            Some(sign("us", SECRET, now_ms(), b"{\"f\":0}")),
+            b"{\"f\":0}".to_vec(),
+            400,
+        ),
+    ];
+    for (reason, signed, b, want) in &refused {
+        let (status, sig, reply) = peer.post(signed.as_ref(), b);
+        assert_eq!(
+            status,
+            *want,
+            "{reason}: {}",
+            String::from_utf8_lossy(&reply)
+        );
+        assert!(sig.is_none(), "{reason}: refusals are not signed replies");
+        let err: Value = serde_json::from_slice(&reply).unwrap();
+        assert_eq!(err["error"]["code"], *reason);
+    }
+    for reason in ["unauthenticated", "stale", "unknown_peer", "malformed"] {
+        assert_eq!(
+            q.metric(&format!(
+                "quotad_exchange_rejected_total{{reason=\"{reason}\"}}"
+            )),
+            1.0,
+            "{reason}"
+        );
+    }
+    assert_eq!(
+        q.metric("quotad_exchange_rejected_total{reason=\"bad_signature\"}"),
+        2.0
+    );
+    let status: Value = q.json("/v1/status");
+    assert_eq!(status["coordinator"]["stats"]["grants"], 0, "{status}");
+    assert_eq!(
+        reservations(&redis),
+        None,
+        "nothing reserved for a refused request"
+    );
+
+    // The positive control: a valid request gets a loan (once the learning period after
+    // the coordinator's start has passed), signed over our nonce.
+    let started = std::time::Instant::now();
+    let (signed, grant) = wait_for("a grant", Duration::from_secs(10), || {
+        let s = sign("us", SECRET, now_ms(), &body);
+        let (status, sig, reply) = peer.post(Some(&s), &body);
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+        assert!(auth::verify_reply(
+            SECRET,
+            &s.nonce,
+            &reply,
+            &sig.expect("signed reply")
+        ));
+        let r: ExchangeReply = serde_json::from_slice(&reply).unwrap();
+        // During the learning period after the coordinator's start, grants are of 0.
+        let lent = r
+            .policies
+            .iter()
+            .flat_map(|p| &p.keys)
+            .filter_map(|k| k.grant)
+            .any(|g| g.amount > 0.0);
+        lent.then_some((s, r))
+    });
+    assert_eq!(grant.from, RegionId(0));
+    println!("first loan after {:?}", started.elapsed());
+    let held = reservations(&redis).expect("the grant's reservation is in Redis");
+    assert!(!held.is_empty());
+    let grants = q.json("/v1/status")["coordinator"]["stats"]["grants"].clone();
+
+    // Replaying that exact request (same nonce, same signature) changes nothing.
+    let (status, _, reply) = peer.post(Some(&signed), &body);
+    assert_eq!(status, 401, "{}", String::from_utf8_lossy(&reply));
+    assert_eq!(
+        q.metric("quotad_exchange_rejected_total{reason=\"replay\"}"),
+        1.0
+    );
+    assert_eq!(reservations(&redis).as_deref(), Some(held.as_str()));
+    assert_eq!(
+        q.json("/v1/status")["coordinator"]["stats"]["grants"],
+        grants
+    );
+}
