@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 use crate::api::{self, AppState, request::Caps};
 use crate::clock::SystemClock;
 use crate::config::{Settings, StoreBackend};
-use crate::federation::Federation;
+use crate::federation::{BackendChoice, Federation};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -107,19 +107,33 @@ pub async fn serve(
     }
 
     let policies = Arc::new(Policies::new(settings.policies.iter().cloned()));
-    let federation = match (&settings.global, &settings.store) {
-        (Some(g), StoreBackend::Redis(rs)) => Some(
-            Federation::start(
-                g.clone(),
-                policies.iter().cloned().collect(),
-                &rs.url,
-                rs.timeout.max(Duration::from_millis(200)),
-                &settings.key_prefix,
-                metrics.clone(),
+    let federation = match &settings.global {
+        Some(g) => {
+            // The coordinator keeps its state where decisions keep theirs.
+            let backend = match (store.memory(), &settings.store) {
+                (Some(m), _) => BackendChoice::Memory(m),
+                (None, StoreBackend::Redis(rs)) => BackendChoice::Redis {
+                    url: &rs.url,
+                    timeout: rs.timeout.max(Duration::from_millis(200)),
+                    key_prefix: &settings.key_prefix,
+                },
+                (None, StoreBackend::Memory) => {
+                    return Err(AppError::Serve(std::io::Error::other(
+                        "the embedded store is missing",
+                    )));
+                }
+            };
+            Some(
+                Federation::start(
+                    g.clone(),
+                    policies.iter().cloned().collect(),
+                    backend,
+                    metrics.clone(),
+                )
+                .map_err(AppError::RedisUrl)?,
             )
-            .map_err(AppError::RedisUrl)?,
-        ),
-        _ => None,
+        }
+        None => None,
     };
     let draining = Arc::new(AtomicBool::new(false));
     let state = AppState {

@@ -13,7 +13,7 @@ pub trait Clock: Send + Sync + 'static {
 }
 
 /// The wall clock.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 pub struct SystemClock;
 
 impl Clock for SystemClock {

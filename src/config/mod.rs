@@ -341,9 +341,6 @@ impl Validator<'_> {
         }
         for (i, p) in raw.policy.iter().enumerate() {
             let global = p.global.as_ref().and_then(|g| {
-                if matches!(store, StoreBackend::Memory) {
-                    self.error(&g.escrow, &format!("policy[{i}].global.escrow"), "a global policy needs store.redis: the region's lease state lives in Redis (the embedded store does not hold global budgets)");
-                }
                 self.global_policy(i, p, g, &regions, !raw.peer.is_empty(), &mut timing)
             });
             if let Some(policy) = self.policy(i, p, &key_prefix, global) {

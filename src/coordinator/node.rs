@@ -328,8 +328,9 @@ impl<C: Clock> Node<C> {
                     key: key.clone(),
                     escrow: ks.book.escrow,
                     enforced: ks.book.rate(now, tol),
-                    lent: ks.book.reserved_total(now),
-                    borrowed: ks.book.borrowed_total(now, tol),
+                    // `+ 0.0`: an empty f64 sum is -0.0, which status pages print as such.
+                    lent: ks.book.reserved_total(now) + 0.0,
+                    borrowed: ks.book.borrowed_total(now, tol) + 0.0,
                     demand: ks.demand.value(),
                     target: ks.target_self,
                 });

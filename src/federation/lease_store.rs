@@ -21,6 +21,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::Shared;
+use super::lock::Lock;
+use super::runtime::{Backend, Coordinated};
 use crate::clock::Clock;
 use crate::coordinator::demand::Counters;
 use crate::coordinator::lease::LeaseBook;
@@ -63,19 +66,87 @@ impl Clock for RedisClock {
     }
 }
 
-/// One global policy as the store needs it.
-struct PolicyRedis {
-    policy: Arc<Policy>,
-    keys: PolicyKeys,
-    shape: ScriptShape,
+/// One global policy as a coordinator store needs it.
+pub struct PolicyEntry {
+    pub policy: Arc<Policy>,
+    pub keys: PolicyKeys,
+    pub shape: ScriptShape,
+}
+
+/// The global policies by name.
+pub fn global_policies(policies: &[Arc<Policy>]) -> HashMap<String, PolicyEntry> {
+    policies
+        .iter()
+        .filter_map(|p| {
+            let g = p.global.as_ref()?;
+            Some((
+                p.name.clone(),
+                PolicyEntry {
+                    policy: p.clone(),
+                    keys: g.keys.clone(),
+                    shape: g.shape,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Redis as the coordinator's backend: connects, takes the region's lock.
+pub struct RedisBackend {
+    pub client: redis::Client,
+    pub lock: Arc<Lock>,
+    pub timeout: Duration,
+    pub conn: Option<redis::Connection>,
+}
+
+impl RedisBackend {
+    fn connect(&self) -> Option<redis::Connection> {
+        let conn = self
+            .client
+            .get_connection_with_timeout(self.timeout.max(Duration::from_millis(500)))
+            .ok()?;
+        conn.set_read_timeout(Some(self.timeout)).ok()?;
+        conn.set_write_timeout(Some(self.timeout)).ok()?;
+        Some(conn)
+    }
+}
+
+impl Backend for RedisBackend {
+    type Clock = RedisClock;
+    type Store = RedisLeaseStore;
+
+    fn try_lead(&mut self, shared: &Shared) -> Option<(RedisLeaseStore, RedisClock, u64)> {
+        if self.conn.is_none() {
+            self.conn = self.connect();
+        }
+        let token = match self.lock.try_acquire(self.conn.as_mut()?) {
+            Ok(Some(t)) => t,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "coordinator lock: redis unreachable");
+                self.conn = None;
+                return None;
+            }
+        };
+        let clock = RedisClock::new();
+        let store = RedisLeaseStore::new(
+            self.conn.take()?,
+            clock.clone(),
+            self.lock.clone(),
+            token,
+            &shared.policies,
+            self.timeout,
+        );
+        Some((store, clock, token))
+    }
 }
 
 pub struct RedisLeaseStore {
     conn: redis::Connection,
     clock: RedisClock,
-    fence_key: String,
+    lock: Arc<Lock>,
     token: u64,
-    policies: HashMap<String, PolicyRedis>,
+    policies: HashMap<String, PolicyEntry>,
     write: redis::Script,
     drop: redis::Script,
     default: redis::Script,
@@ -96,31 +167,17 @@ impl RedisLeaseStore {
     pub fn new(
         conn: redis::Connection,
         clock: RedisClock,
-        fence_key: String,
+        lock: Arc<Lock>,
         token: u64,
         policies: &[Arc<Policy>],
         wait_timeout: Duration,
     ) -> Self {
-        let policies = policies
-            .iter()
-            .filter_map(|p| {
-                let g = p.global.as_ref()?;
-                Some((
-                    p.name.clone(),
-                    PolicyRedis {
-                        policy: p.clone(),
-                        keys: g.keys.clone(),
-                        shape: g.shape,
-                    },
-                ))
-            })
-            .collect();
         RedisLeaseStore {
             conn,
             clock,
-            fence_key,
+            lock,
             token,
-            policies,
+            policies: global_policies(policies),
             write: Global::WriteBook.script(),
             drop: Global::DropLoans.script(),
             default: Global::SetDefault.script(),
@@ -132,21 +189,6 @@ impl RedisLeaseStore {
             failure: None,
             fenced: false,
         }
-    }
-
-    /// The connection, for the lock's renewals between events.
-    pub fn conn(&mut self) -> &mut redis::Connection {
-        &mut self.conn
-    }
-
-    /// The first error since [`Self::begin`], if any.
-    pub fn failure(&self) -> Option<&str> {
-        self.failure.as_deref()
-    }
-
-    /// Whether a write was refused because another instance holds the lock now.
-    pub fn fenced(&self) -> bool {
-        self.fenced
     }
 
     fn fail(&mut self, e: impl std::fmt::Display) {
@@ -161,7 +203,7 @@ impl RedisLeaseStore {
 
     /// Starts an event: reads Redis's clock (`TIME`, halfway through the round trip) and,
     /// on a round, replication (replicas attached; a failover drops every loan).
-    pub fn begin(&mut self, round: bool) -> Result<(), String> {
+    fn begin_event(&mut self, round: bool) -> Result<(), String> {
         self.failure = None;
         let t0 = self.clock.mono_us();
         let time: Result<(i64, i64), _> = redis::cmd("TIME").query(&mut self.conn);
@@ -221,7 +263,7 @@ impl RedisLeaseStore {
                     &self.drop,
                     &storage,
                     &p.keys,
-                    &self.fence_key,
+                    self.lock.fence_key(),
                     self.token,
                     &p.shape,
                     None,
@@ -277,6 +319,28 @@ impl RedisLeaseStore {
     }
 }
 
+impl Coordinated for RedisLeaseStore {
+    fn begin(&mut self, round: bool) -> Result<(), String> {
+        self.begin_event(round)
+    }
+
+    fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+
+    fn fenced(&self) -> bool {
+        self.fenced
+    }
+
+    fn renew(&mut self) -> Result<bool, String> {
+        self.lock.renew(&mut self.conn).map_err(|e| e.to_string())
+    }
+
+    fn release(&mut self) {
+        let _ = self.lock.release(&mut self.conn);
+    }
+}
+
 impl LeaseStore for RedisLeaseStore {
     fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written {
         let not_written = Written {
@@ -295,7 +359,7 @@ impl LeaseStore for RedisLeaseStore {
             &storage,
             key,
             &p.keys,
-            &self.fence_key,
+            self.lock.fence_key(),
             self.token,
             &p.shape,
             book,
@@ -450,7 +514,7 @@ impl LeaseStore for RedisLeaseStore {
         let inv = global::set_default_invocation(
             &self.default,
             &p.keys,
-            &self.fence_key,
+            self.lock.fence_key(),
             self.token,
             escrow,
             p.shape.keep_ms,

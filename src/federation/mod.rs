@@ -16,6 +16,7 @@
 pub mod auth;
 pub mod lease_store;
 pub mod lock;
+pub mod memory;
 pub mod peers;
 pub mod runtime;
 
@@ -124,6 +125,18 @@ impl Shared {
     }
 }
 
+/// Where the region's coordinator keeps its state.
+pub enum BackendChoice<'a> {
+    /// The region's Redis: shared by its instances, one of which holds the lock.
+    Redis {
+        url: &'a str,
+        timeout: Duration,
+        key_prefix: &'a str,
+    },
+    /// The embedded store of this process (one instance per region).
+    Memory(Arc<crate::store::memory::MemoryStore>),
+}
+
 /// The handle the app and the API hold.
 pub struct Federation {
     pub shared: Arc<Shared>,
@@ -139,17 +152,31 @@ pub struct PeerResponse {
     pub signature: Option<String>,
 }
 
+fn spawn_runtime<B: runtime::Backend>(
+    shared: Arc<Shared>,
+    backend: B,
+    events: std::sync::mpsc::Receiver<Event>,
+    outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let runtime = runtime::Runtime {
+        shared,
+        backend,
+        events,
+        outbound,
+    };
+    std::thread::Builder::new()
+        .name("coordinator".into())
+        .spawn(move || runtime.run())
+}
+
 impl Federation {
     /// Starts the coordinator thread and the peer client (on the current tokio runtime).
     pub fn start(
         settings: GlobalSettings,
         policies: Vec<Arc<Policy>>,
-        redis_url: &str,
-        redis_timeout: Duration,
-        key_prefix: &str,
+        backend: BackendChoice<'_>,
         metrics: Arc<Metrics>,
     ) -> Result<Arc<Federation>, redis::RedisError> {
-        let client = redis::Client::open(redis_url)?;
         let instance = format!("{:016x}", rand::random::<u64>());
         let n = settings.regions.len();
         let me = settings.regions[settings.me.index()].clone();
@@ -166,19 +193,12 @@ impl Federation {
                 .with_label_values(&[r.reason()]);
         }
         metrics.global.leader.set(0);
-        let lock = lock::Lock::new(
-            crate::store::global::lock_key(key_prefix),
-            crate::store::global::fence_key(key_prefix),
-            instance.clone(),
-            // Renewed every fifth of the period; a dead holder's lock lapses within 0.8 of
-            // it and the others poll every tenth: a takeover within one period.
-            settings.lock.mul_f64(0.8),
-        );
+        let lock_ttl = settings.lock.mul_f64(0.8);
         let shared = Arc::new(Shared {
             settings,
             policies,
             metrics,
-            instance,
+            instance: instance.clone(),
             leader_token: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
             status: RwLock::new(Status::default()),
@@ -187,18 +207,37 @@ impl Federation {
         });
         let (events_tx, events_rx) = std::sync::mpsc::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
-        let runtime = runtime::Runtime {
-            shared: shared.clone(),
-            client,
-            lock,
-            events: events_rx,
-            outbound: out_tx,
-            redis_timeout,
+        let spawned = match backend {
+            BackendChoice::Redis {
+                url,
+                timeout,
+                key_prefix,
+            } => {
+                let lock = lock::Lock::new(
+                    crate::store::global::lock_key(key_prefix),
+                    crate::store::global::fence_key(key_prefix),
+                    shared.instance.clone(),
+                    // Renewed every fifth of the period; a dead holder's lock lapses within
+                    // 0.8 of it and the others poll every tenth: a takeover within one period.
+                    lock_ttl,
+                );
+                let backend = lease_store::RedisBackend {
+                    client: redis::Client::open(url)?,
+                    lock: Arc::new(lock),
+                    timeout,
+                    conn: None,
+                };
+                spawn_runtime(shared.clone(), backend, events_rx, out_tx)
+            }
+            BackendChoice::Memory(store) => {
+                let backend = memory::MemoryBackend {
+                    store,
+                    started: false,
+                };
+                spawn_runtime(shared.clone(), backend, events_rx, out_tx)
+            }
         };
-        let thread = std::thread::Builder::new()
-            .name("coordinator".into())
-            .spawn(move || runtime.run())
-            .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
+        let thread = spawned.map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
         let round = Duration::from_micros(shared.settings.params.round_us as u64);
         let http = reqwest::Client::builder()
             .timeout(round * 3)

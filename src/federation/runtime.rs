@@ -14,12 +14,36 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::lease_store::{RedisClock, RedisLeaseStore};
-use super::lock::Lock;
 use super::{Shared, Status};
+use crate::clock::Clock;
 use crate::coordinator::message::{Exchange, ExchangeReply};
-use crate::coordinator::node::{Link, Node};
+use crate::coordinator::node::{LeaseStore, Link, Node};
 use crate::coordinator::{GlobalPolicy, RegionId};
+
+/// The coordinator's store as the runtime drives it: a [`LeaseStore`] with events that
+/// can fail as a whole, and the region's lock.
+pub trait Coordinated: LeaseStore + Send {
+    /// Starts an event (reads the store's clock; on a round, checks replication).
+    fn begin(&mut self, round: bool) -> Result<(), String>;
+    /// The first error since [`Coordinated::begin`]: the event is abandoned.
+    fn failure(&self) -> Option<&str>;
+    /// A write was refused because another instance holds the lock now.
+    fn fenced(&self) -> bool;
+    /// Extends the lock; `Ok(false)` if another instance holds it.
+    fn renew(&mut self) -> Result<bool, String>;
+    /// Gives the lock up.
+    fn release(&mut self);
+}
+
+/// Where the coordinator's state lives: Redis (shared by the region's instances, one of
+/// which holds the lock) or the embedded store (one instance per region).
+pub trait Backend: Send + 'static {
+    type Clock: Clock + Clone;
+    type Store: Coordinated;
+    /// Tries to become the region's coordinator: a store fenced by the returned token
+    /// (the node's incarnation, above every earlier one) and the store's clock.
+    fn try_lead(&mut self, shared: &Shared) -> Option<(Self::Store, Self::Clock, u64)>;
+}
 
 pub enum Event {
     /// A peer's exchange, authenticated; the reply goes back on `reply` (None: not now).
@@ -31,54 +55,41 @@ pub enum Event {
     Reply(ExchangeReply),
 }
 
-pub struct Runtime {
+pub struct Runtime<B: Backend> {
     pub shared: Arc<Shared>,
-    pub client: redis::Client,
-    pub lock: Lock,
+    pub backend: B,
     pub events: Receiver<Event>,
     pub outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
-    pub redis_timeout: Duration,
 }
 
 /// What the lock holder runs.
-struct Leading {
-    node: Node<RedisClock>,
-    store: RedisLeaseStore,
+struct Leading<B: Backend> {
+    node: Node<B::Clock>,
+    store: B::Store,
     token: u64,
     next_round: Instant,
     next_renew: Instant,
 }
 
-impl Runtime {
+impl<B: Backend> Runtime<B> {
     pub fn run(mut self) {
-        let mut conn: Option<redis::Connection> = None;
-        let mut leading: Option<Leading> = None;
+        let mut leading: Option<Leading<B>> = None;
         while !self.shared.stopping() {
             leading = match leading.take() {
                 Some(l) => self.lead(l),
-                None => self.follow(&mut conn),
+                None => self.follow(),
             };
             self.shared.set_leader(leading.as_ref().map(|l| l.token));
         }
         if let Some(mut l) = leading
             && !l.store.fenced()
         {
-            let _ = self.lock.release(l.store.conn());
+            l.store.release();
         }
     }
 
-    fn connect(&self) -> Option<redis::Connection> {
-        let conn = self
-            .client
-            .get_connection_with_timeout(self.redis_timeout.max(Duration::from_millis(500)))
-            .ok()?;
-        conn.set_read_timeout(Some(self.redis_timeout)).ok()?;
-        conn.set_write_timeout(Some(self.redis_timeout)).ok()?;
-        Some(conn)
-    }
-
     /// Not the holder: answer nothing, try the lock every tenth of its period.
-    fn follow(&mut self, conn: &mut Option<redis::Connection>) -> Option<Leading> {
+    fn follow(&mut self) -> Option<Leading<B>> {
         let poll = self.shared.settings.lock / 10;
         let deadline = Instant::now() + poll;
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
@@ -91,35 +102,14 @@ impl Runtime {
                 Err(RecvTimeoutError::Disconnected) => return None,
             }
         }
-        if conn.is_none() {
-            *conn = self.connect();
-        }
-        let c = conn.as_mut()?;
-        let token = match self.lock.try_acquire(c) {
-            Ok(Some(t)) => t,
-            Ok(None) => return None,
-            Err(e) => {
-                tracing::debug!(error = %e, "coordinator lock: redis unreachable");
-                *conn = None;
-                return None;
-            }
-        };
-        let c = conn.take()?;
-        self.start(c, token)
+        let (store, clock, token) = self.backend.try_lead(&self.shared)?;
+        self.start(store, clock, token)
     }
 
-    fn start(&mut self, conn: redis::Connection, token: u64) -> Option<Leading> {
+    fn start(&mut self, mut store: B::Store, clock: B::Clock, token: u64) -> Option<Leading<B>> {
         let s = &self.shared.settings;
-        let clock = RedisClock::new();
-        let mut store = RedisLeaseStore::new(
-            conn,
-            clock.clone(),
-            self.lock.fence_key().to_owned(),
-            token,
-            &self.shared.policies,
-            self.redis_timeout,
-        );
         if store.begin(true).is_err() {
+            store.release();
             return None;
         }
         let policies: Vec<GlobalPolicy> = self
@@ -139,7 +129,7 @@ impl Runtime {
         );
         if let Some(e) = store.failure() {
             tracing::warn!(error = %e, "coordinator start failed; retrying");
-            let _ = self.lock.release(store.conn());
+            store.release();
             return None;
         }
         tracing::info!(
@@ -158,7 +148,7 @@ impl Runtime {
 
     /// The holder: one event (a message, a renewal, a round); `None` when it lost the lock
     /// or its store failed mid-event (the node is dropped: a restart with a new token).
-    fn lead(&mut self, mut l: Leading) -> Option<Leading> {
+    fn lead(&mut self, mut l: Leading<B>) -> Option<Leading<B>> {
         let settings = &self.shared.settings;
         let wake = l.next_round.min(l.next_renew);
         let left = wake.saturating_duration_since(Instant::now());
@@ -183,7 +173,7 @@ impl Runtime {
             Err(RecvTimeoutError::Timeout) => {
                 let now = Instant::now();
                 if now >= l.next_renew {
-                    match self.lock.renew(l.store.conn()) {
+                    match l.store.renew() {
                         Ok(true) => l.next_renew = now + settings.lock / 5,
                         Ok(false) => {
                             tracing::warn!("coordinator lock lost to another instance");
@@ -211,7 +201,7 @@ impl Runtime {
         if let Some(e) = l.store.failure() {
             tracing::warn!(error = %e, fenced = l.store.fenced(), "coordinator store failed mid-event; restarting the coordinator");
             if !l.store.fenced() {
-                let _ = self.lock.release(l.store.conn());
+                l.store.release();
             }
             return None;
         }
@@ -224,7 +214,7 @@ impl Runtime {
         }
     }
 
-    fn publish(&self, l: &Leading) {
+    fn publish(&self, l: &Leading<B>) {
         let s = &self.shared.settings;
         let node = &l.node;
         let mut status = Status {

@@ -9,13 +9,15 @@
 //! await inside, so a std mutex is the right primitive. Expired entries are dropped when
 //! touched and by [`MemoryStore::sweep`], which the app runs periodically.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::algorithm::{self, State, Verdict, Write};
+use crate::algorithm::{self, Op, State, Verdict, Write};
 use crate::clock::Clock;
-use crate::store::StoreCall;
+use crate::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
+use crate::store::global::{PolicyKeys, ScriptShape};
+use crate::store::{GlobalCall, StoreCall};
 
 const SHARDS: usize = 32;
 
@@ -28,6 +30,40 @@ pub struct MemoryStore {
     shards: Vec<Mutex<HashMap<String, Entry>>>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    /// Keys of global policies (zero-setup multi-region, `quotad demo` without Redis).
+    global: Mutex<GlobalState>,
+}
+
+/// Global policies in the embedded store: what `lua/global/` keeps in Redis, under the same
+/// key names, run through the same model ([`KeySlot`]). One mutex: global keys are the hot
+/// few the coordinator trades, not the long tail.
+#[derive(Default)]
+pub struct GlobalState {
+    pub slots: HashMap<String, KeySlot>,
+    /// By meta key: the default escrow of keys without a book.
+    pub defaults: HashMap<String, DefaultEscrow>,
+    /// By active key: user key → store time of its last check.
+    pub active: HashMap<String, HashMap<String, i64>>,
+    /// By books key: keys with a book.
+    pub books: HashMap<String, BTreeSet<String>>,
+}
+
+impl GlobalState {
+    pub fn default_for(&self, keys: &PolicyKeys, shape: &ScriptShape) -> DefaultEscrow {
+        self.defaults
+            .get(&keys.meta)
+            .copied()
+            .unwrap_or(DefaultEscrow::new(shape.fallback_escrow))
+    }
+}
+
+/// The model's numbers from a policy's script shape.
+pub fn shape_of(s: &ScriptShape) -> Shape {
+    Shape {
+        rho: s.rho,
+        burst: s.burst,
+        step_tolerance: s.step_tolerance_us,
+    }
 }
 
 /// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/prelude.lua).
@@ -45,7 +81,33 @@ impl MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
             clock,
+            global: Mutex::new(GlobalState::default()),
         }
+    }
+
+    pub fn now_us(&self) -> i64 {
+        self.clock.now_us()
+    }
+
+    /// The global keys, for the coordinator's store ([`crate::federation`]).
+    pub fn global(&self) -> MutexGuard<'_, GlobalState> {
+        self.global.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One decision on a key of a global policy (what `lua/global/check.lua` does).
+    pub fn apply_global(&self, call: &StoreCall<'_>, g: &GlobalCall<'_>) -> Verdict {
+        let now = self.clock.now_us();
+        let mut st = self.global();
+        let d = st.default_for(g.keys, &g.shape);
+        let slot = st.slots.entry(call.key.to_owned()).or_default();
+        let v = slot.decide(&d, &shape_of(&g.shape), now, call.op);
+        if let Op::Check { cost: 1.. } = call.op {
+            st.active
+                .entry(g.keys.active.clone())
+                .or_default()
+                .insert(g.user_key.to_owned(), now);
+        }
+        v
     }
 
     fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Entry>> {

@@ -100,10 +100,10 @@ impl Store {
     pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
         match self {
             Store::Redis(r) => r.apply(call).await,
-            Store::Memory(_) if call.global.is_some() => Err(StoreError::Command(
-                "global policies need Redis (config validation refuses them otherwise)".into(),
-            )),
-            Store::Memory(m) => Ok(m.apply(call)),
+            Store::Memory(m) => Ok(match &call.global {
+                Some(g) => m.apply_global(call, g),
+                None => m.apply(call),
+            }),
         }
     }
 
