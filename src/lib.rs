@@ -26,6 +26,7 @@
 //!   Redis as the node's store and clock, signed HTTP exchanges with the peers.
 //! - [`sim`]: the deterministic simulator that drives the coordinator and checks its bound.
 //! - [`app`]: the composition root and shutdown order.
+//! - [`demo`]: `quotad demo`, three regions on one machine.
 
 pub mod algorithm;
 pub mod api;
@@ -33,6 +34,7 @@ pub mod app;
 pub mod clock;
 pub mod config;
 pub mod coordinator;
+pub mod demo;
 pub mod federation;
 pub mod limiter;
 pub mod metrics;

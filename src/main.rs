@@ -32,6 +32,16 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         config: Option<PathBuf>,
     },
+    /// Three regions on this machine sharing one global budget: a redis-server each (the
+    /// embedded store if none is on PATH), moving demand, a cut and a heal, a live table.
+    Demo {
+        /// Use the embedded store even when redis-server is on PATH.
+        #[arg(long)]
+        embedded: bool,
+        /// Stop after this long (the script takes about 85 s).
+        #[arg(long, default_value = "85s", value_parser = humantime::parse_duration)]
+        duration: std::time::Duration,
+    },
     /// Check a config file: exit 0 if valid, else print every error and exit 1.
     Validate { path: PathBuf },
     /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S14 of
@@ -184,6 +194,7 @@ fn main() -> ExitCode {
             }
         },
         Command::Sim(args) => sim(args),
+        Command::Demo { embedded, duration } => demo(embedded, duration),
         Command::Script { algorithm } => {
             print!("{}", quotad::store::scripts::source(algorithm));
             ExitCode::SUCCESS
@@ -205,18 +216,22 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .init();
+fn demo(embedded: bool, duration: std::time::Duration) -> ExitCode {
+    // The table is the output: daemons log warnings only (RUST_LOG overrides).
+    init_tracing_at("warn");
+    until_signal(|stop| async move {
+        quotad::demo::run(embedded, duration, stop)
+            .await
+            .map_err(|e| eprintln!("demo failed: {e}"))
+    })
 }
 
-fn serve(settings: Settings) -> ExitCode {
+/// Runs `f` on a multi-threaded runtime with a token that SIGTERM / SIGINT cancel.
+fn until_signal<F, Fut>(f: F) -> ExitCode
+where
+    F: FnOnce(CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = Result<(), ()>>,
+{
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -228,15 +243,35 @@ fn serve(settings: Settings) -> ExitCode {
         }
     };
     runtime.block_on(async {
-        let shutdown = CancellationToken::new();
-        tokio::spawn(on_signal(shutdown.clone()));
-        match quotad::app::run(settings, shutdown).await {
+        let token = CancellationToken::new();
+        tokio::spawn(on_signal(token.clone()));
+        match f(token).await {
             Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                tracing::error!("{e}");
-                ExitCode::FAILURE
-            }
+            Err(()) => ExitCode::FAILURE,
         }
+    })
+}
+
+fn init_tracing() {
+    init_tracing_at("info");
+}
+
+fn init_tracing_at(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn serve(settings: Settings) -> ExitCode {
+    until_signal(|shutdown| async move {
+        quotad::app::run(settings, shutdown)
+            .await
+            .map_err(|e| tracing::error!("{e}"))
     })
 }
 

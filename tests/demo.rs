@@ -1,0 +1,104 @@
+//! `quotad demo` (the README's run command): it starts three regions, prints a row of the
+//! table every second, and Ctrl-C stops everything: the process exits 0 and every
+//! redis-server it started is gone.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::quotad_binary;
+
+/// Children of `pid`, from /proc.
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        // Fields after the command name (which may contain spaces) close with ')'.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let ppid = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(pid) {
+            out.push(child);
+        }
+    }
+    out
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+    })
+}
+
+#[test]
+fn the_demo_runs_and_ctrl_c_leaves_no_process_behind() {
+    let mut demo = Command::new(quotad_binary())
+        .args(["demo", "--duration", "60s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn quotad demo");
+    let pid = demo.id();
+    let mut lines = BufReader::new(demo.stdout.take().unwrap()).lines();
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    while rows.len() < 3 {
+        assert!(started.elapsed() < Duration::from_secs(30), "no table rows");
+        let line = lines.next().expect("demo output").expect("utf-8");
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        // A row: t, then (offered, enforced, admitted) per region, then the total.
+        if cells.len() == 11 && cells.iter().all(|c| c.parse::<f64>().is_ok()) {
+            rows.push(
+                cells
+                    .iter()
+                    .map(|c| c.parse::<f64>().unwrap())
+                    .collect::<Vec<f64>>(),
+            );
+        }
+    }
+    // Three real redis-servers (the test machine has redis-server on PATH).
+    let redis: Vec<u32> = children(pid);
+    assert_eq!(redis.len(), 3, "one redis-server per region: {redis:?}");
+    // Before any lending (the learning period), every region enforces its escrow.
+    let last = rows.last().unwrap();
+    assert_eq!(
+        (last[2], last[5], last[8]),
+        (600.0, 300.0, 100.0),
+        "{rows:?}"
+    );
+
+    assert!(
+        Command::new("kill")
+            .args(["-INT", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = demo.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "demo did not stop on SIGINT");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(rest.iter().any(|l| l.contains("stopped")), "{rest:?}");
+    for r in redis {
+        assert!(!alive(r), "redis-server {r} survived the demo");
+    }
+    assert!(
+        !std::path::Path::new(&std::env::temp_dir().join(format!("quotad-demo-{pid}"))).exists()
+    );
+}
