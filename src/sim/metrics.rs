@@ -247,20 +247,32 @@ const TAU_EVERY_S: f64 = 0.1;
 /// evaluated every 100 ms at the end of that second, are within 5% of central's and stay
 /// so for 5 s. The largest over the steps; `None` if one never settles.
 fn tau5(sc: &Scenario, ours: &Record, central: &Record) -> Option<f64> {
-    if sc.steps_s.is_empty() {
+    tau5_ticks(
+        &ours.ticks,
+        &central.ticks,
+        ours.tick_us as f64 / 1e6,
+        &sc.steps_s,
+    )
+}
+
+/// τ5 over admissions per tick (all regions) of ours and of the central oracle, for demand
+/// steps at `steps_s` (seconds from the first tick): the definition above, shared with the
+/// real-process measurement (tests/multi_region.rs).
+pub fn tau5_ticks(ours: &[u32], central: &[u32], tick_s: f64, steps_s: &[f64]) -> Option<f64> {
+    if steps_s.is_empty() {
         return None;
     }
-    let tick_s = ours.tick_us as f64 / 1e6;
     let per_s = (1.0 / tick_s).round() as usize;
     let every = ((TAU_EVERY_S / tick_s).round() as usize).max(1);
-    let prefix = |rec: &Record| -> Vec<u64> {
+    let prefix = |ticks: &[u32]| -> Vec<u64> {
         let mut p = vec![0u64];
-        for &x in &rec.ticks {
+        for &x in ticks {
             p.push(p[p.len() - 1] + x as u64);
         }
         p
     };
     let (po, pc) = (prefix(ours), prefix(central));
+    let last = po.len().min(pc.len()) - 1;
     // Window (end − 1 s, end], `end` in ticks.
     let close = |end: usize| {
         let start = end.saturating_sub(per_s);
@@ -269,9 +281,8 @@ fn tau5(sc: &Scenario, ours: &Record, central: &Record) -> Option<f64> {
         (o - c).abs() <= TAU_BAND * c
     };
     let hold = (TAU_HOLD_S / tick_s).round() as usize;
-    let last = po.len() - 1;
     let mut worst: f64 = 0.0;
-    for &step in &sc.steps_s {
+    for &step in steps_s {
         let first = (step / tick_s).ceil() as usize;
         let settled = (first..=last.saturating_sub(hold))
             .step_by(every)
@@ -279,6 +290,25 @@ fn tau5(sc: &Scenario, ours: &Record, central: &Record) -> Option<f64> {
         worst = worst.max(settled as f64 * tick_s - step);
     }
     Some(worst)
+}
+
+/// The central oracle over a recorded stream of requests (time in µs, cost), in time
+/// order: one token bucket of rate ρ and capacity B (the production bucket) deciding them
+/// all. Returns which were admitted.
+pub fn central_decisions(requests: &[(i64, u64)], rho: f64, burst: f64) -> Vec<bool> {
+    use crate::algorithm::{BucketRate, Op, Write, token_bucket_at};
+    let rate = BucketRate::per_second(rho, burst);
+    let mut state = None;
+    requests
+        .iter()
+        .map(|&(t, cost)| {
+            let out = token_bucket_at(&rate, state.as_ref(), t, Op::Check { cost });
+            if let Write::Put { state: s, .. } = out.write {
+                state = Some(s);
+            }
+            out.verdict.allowed
+        })
+        .collect()
 }
 
 #[cfg(test)]
