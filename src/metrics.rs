@@ -65,22 +65,22 @@ pub struct GlobalMetrics {
 
 impl GlobalMetrics {
     fn new(registry: &Registry) -> Self {
-        let gauge = |name: &str, help: &str, labels: &[&str]| {
-            let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+        let gauge = |opts: Opts, labels: &[&str]| {
+            let g = GaugeVec::new(opts, labels).expect("valid metric");
             registry
                 .register(Box::new(g.clone()))
                 .expect("unique metric");
             g
         };
-        let int_gauge = |name: &str, help: &str, labels: &[&str]| {
-            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+        let int_gauge = |opts: Opts, labels: &[&str]| {
+            let g = IntGaugeVec::new(opts, labels).expect("valid metric");
             registry
                 .register(Box::new(g.clone()))
                 .expect("unique metric");
             g
         };
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+        let counter = |opts: Opts, labels: &[&str]| {
+            let c = IntCounterVec::new(opts, labels).expect("valid metric");
             registry
                 .register(Box::new(c.clone()))
                 .expect("unique metric");
@@ -101,48 +101,42 @@ impl GlobalMetrics {
             .expect("unique metric");
         GlobalMetrics {
             share_rate: gauge(
-                "quotad_share_rate",
-                "Rate this region enforces (tracked keys).",
+                Opts::new(
+                    "quotad_share_rate",
+                    "Rate this region enforces (tracked keys).",
+                ),
                 &["policy", "region"],
             ),
             lent_rate: gauge(
-                "quotad_lent_rate",
-                "Rate reserved for loans to peers.",
+                Opts::new("quotad_lent_rate", "Rate reserved for loans to peers."),
                 &["policy"],
             ),
             borrowed_rate: gauge(
-                "quotad_borrowed_rate",
-                "Rate borrowed from peers.",
+                Opts::new("quotad_borrowed_rate", "Rate borrowed from peers."),
                 &["policy"],
             ),
             demand_rate: gauge(
-                "quotad_demand_rate",
-                "Smoothed offered load here.",
+                Opts::new("quotad_demand_rate", "Smoothed offered load here."),
                 &["policy"],
             ),
             hot_keys: int_gauge(
-                "quotad_hot_keys",
-                "Keys the coordinator tracks.",
+                Opts::new("quotad_hot_keys", "Keys the coordinator tracks."),
                 &["policy"],
             ),
             peer_up: int_gauge(
-                "quotad_peer_up",
-                "1 while the peer link is connected.",
+                Opts::new("quotad_peer_up", "1 while the peer link is connected."),
                 &["peer"],
             ),
             peer_rtt_seconds: gauge(
-                "quotad_peer_rtt_seconds",
-                "Last exchange round trip.",
+                Opts::new("quotad_peer_rtt_seconds", "Last exchange round trip."),
                 &["peer"],
             ),
             exchange_bytes: counter(
-                "quotad_exchange_bytes_total",
-                "Exchange bytes.",
+                Opts::new("quotad_exchange_bytes_total", "Exchange bytes."),
                 &["peer", "direction"],
             ),
             exchange_rejected: counter(
-                "quotad_exchange_rejected_total",
-                "Peer requests refused.",
+                Opts::new("quotad_exchange_rejected_total", "Peer requests refused."),
                 &["reason"],
             ),
             rounds,
