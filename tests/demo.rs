@@ -102,3 +102,28 @@ fn the_demo_runs_and_ctrl_c_leaves_no_process_behind() {
         !std::path::Path::new(&std::env::temp_dir().join(format!("quotad-demo-{pid}"))).exists()
     );
 }
+
+/// Without Redis (`--embedded`, as on a machine with no redis-server): the same table,
+/// and the script's end stops the demo by itself.
+#[test]
+fn the_demo_runs_on_the_embedded_store() {
+    let out = Command::new(quotad_binary())
+        .args(["demo", "--embedded", "--duration", "3s"])
+        .output()
+        .expect("run quotad demo");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("embedded store"), "{text}");
+    let rows = text
+        .lines()
+        .filter(|l| {
+            let cells: Vec<&str> = l.split_whitespace().collect();
+            cells.len() == 11 && cells.iter().all(|c| c.parse::<f64>().is_ok())
+        })
+        .count();
+    assert!(rows >= 2, "{text}");
+}

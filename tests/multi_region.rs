@@ -167,6 +167,14 @@ impl Deployment {
         self.legs[a][b].lock().unwrap().cut = cut;
     }
 
+    fn set_drop(&self, p: f64) {
+        for row in &self.legs {
+            for leg in row {
+                leg.lock().unwrap().drop = p;
+            }
+        }
+    }
+
     fn isolate(&self, r: usize, cut: bool) {
         for o in (0..3).filter(|&o| o != r) {
             self.cut(r, o, cut);
@@ -248,12 +256,14 @@ fn assert_bound(answers: &[Answer]) {
     assert_bound_with(answers, RHO, BURST);
 }
 
-/// Demand moves from us to ap; ap is cut off while hot and healed; us's daemon is killed
-/// and restarted. Shares follow demand, a cut-off region runs on exactly its escrow, and
+/// Demand moves from us to ap; ap is cut off while hot and healed; a one-way cut; us's
+/// daemon is killed and restarted; 5% message loss throughout. Shares follow demand, a cut-off region runs on exactly its escrow, and
 /// admissions never exceed ρW + B in any 1 s window.
 #[test]
 fn three_regions_rebalance_fall_back_heal_and_keep_the_bound() {
     let mut d = Deployment::start([1, 1, 1]);
+    // 5% of the exchange messages are lost on every link, throughout.
+    d.set_drop(0.05);
     let load = Load::start(d.urls(), "g", "k", COST);
     let mut trace = Trace(Vec::new());
     let (ap, eu, us) = (0, 1, 2);
@@ -349,7 +359,15 @@ fn three_regions_rebalance_fall_back_heal_and_keep_the_bound() {
         trace.dump(heal_at, heal_at + 10.0)
     );
 
-    // Phase 5: us (the lender) is killed and restarted.
+    // Phase 5: a one-way cut: nothing from us reaches ap (ap's requests to us arrive, the
+    // answers do not; us's requests to ap are lost), for 6 s.
+    let one_way_at = load.elapsed();
+    d.cut(us, ap, true);
+    trace.record(&d, &load, one_way_at + 6.0);
+    d.cut(us, ap, false);
+    trace.record(&d, &load, one_way_at + 9.0);
+
+    // Phase 6: us (the lender) is killed and restarted.
     let kill_at = load.elapsed();
     d.regions[us].daemons[0].kill();
     while load.elapsed() < kill_at + 3.0 {

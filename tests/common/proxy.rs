@@ -1,10 +1,10 @@
 //! A fault proxy for peer links: an HTTP/1.1 relay between two regions' daemons that can
 //! delay (with jitter), drop, or cut each direction on its own. One proxy carries the
 //! requests of region A to region B (the *request leg*, A→B) and B's answers back (the
-//! *response leg*, B→A); cutting "A→B one way" means cutting the A→B leg of both proxies
-//! between them (A's requests to B and A's answers to B's requests), which
-//! [`Link::cut`] does. A dropped or cut message is never delivered: the connection is
-//! closed without an answer, and the sender sees a failed exchange.
+//! *response leg*, B→A); legs are shared, so cutting the A→B leg cuts "A→B one way" on
+//! every proxy between them (A's requests to B and A's answers to B's requests). A dropped
+//! or cut message is never delivered: the connection is closed without an answer, and the
+//! sender sees a failed exchange.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -164,49 +164,4 @@ fn relay(mut conn: TcpStream, target: &AtomicU16, request: &LegHandle, response:
     }
     let _ = conn.write_all(&with_close(&resp));
     let _ = conn.shutdown(Shutdown::Both);
-}
-
-/// Both proxies between two regions a and b, and the two legs they share.
-pub struct Link {
-    /// Messages from a to b (a's requests, a's answers).
-    pub a_to_b: LegHandle,
-    pub b_to_a: LegHandle,
-    /// Carries a's requests to b.
-    pub a_calls_b: Proxy,
-    pub b_calls_a: Proxy,
-}
-
-impl Link {
-    pub fn new(one_way_delay: Duration, jitter: Duration) -> Link {
-        let leg = || {
-            Arc::new(Mutex::new(Leg {
-                delay: one_way_delay,
-                jitter,
-                ..Leg::default()
-            }))
-        };
-        let (a_to_b, b_to_a) = (leg(), leg());
-        Link {
-            a_calls_b: Proxy::start(a_to_b.clone(), b_to_a.clone()),
-            b_calls_a: Proxy::start(b_to_a.clone(), a_to_b.clone()),
-            a_to_b,
-            b_to_a,
-        }
-    }
-
-    /// Cuts (or heals) one direction: `a_to_b` true for messages from a to b.
-    pub fn cut(&self, a_to_b: bool, cut: bool) {
-        let leg = if a_to_b { &self.a_to_b } else { &self.b_to_a };
-        leg.lock().unwrap().cut = cut;
-    }
-
-    pub fn cut_both(&self, cut: bool) {
-        self.cut(true, cut);
-        self.cut(false, cut);
-    }
-
-    pub fn set_drop(&self, p: f64) {
-        self.a_to_b.lock().unwrap().drop = p;
-        self.b_to_a.lock().unwrap().drop = p;
-    }
 }
