@@ -21,10 +21,14 @@ const SECRET: &[u8] = b"peer-auth-test-secret-0123456789";
 const US: RegionId = RegionId(1);
 
 fn config(redis: &str) -> String {
+    config_with(redis, "1s", "250ms")
+}
+
+fn config_with(redis: &str, lease: &str, round: &str) -> String {
     format!(
         "region = \"eu\"\n[store]\nredis = \"{redis}\"\n[[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:9\"\nsecret = \"{}\"\n\
          [[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = 1000\nwindow = \"1s\"\n\
-         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\nlease = \"1s\"\nround = \"250ms\"\n",
+         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\nlease = \"{lease}\"\nround = \"{round}\"\n",
         String::from_utf8_lossy(SECRET)
     )
 }
@@ -107,14 +111,7 @@ fn peer_requests_must_be_signed_fresh_and_unique() {
         let v: Value = q.json("/v1/status");
         (v["coordinator"]["leader"] == true).then_some(())
     });
-    let peer = Peer {
-        rt: tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap(),
-        client: reqwest::Client::new(),
-        url: q.url(),
-    };
+    let peer = Peer::new(&q);
     let body = exchange(400.0, 0);
     let sign = |from: &str, secret: &[u8], ts: i64, body: &[u8]| {
         auth::sign_request(secret, from, "eu", ts, body)
@@ -226,5 +223,87 @@ fn peer_requests_must_be_signed_fresh_and_unique() {
     assert_eq!(
         q.json("/v1/status")["coordinator"]["stats"]["grants"],
         grants
+    );
+}
+
+impl Peer {
+    fn new(q: &Quotad) -> Peer {
+        Peer {
+            rt: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap(),
+            client: reqwest::Client::new(),
+            url: q.url(),
+        }
+    }
+
+    /// One signed request for a loan of 400: the amount granted (0 during the learning
+    /// period), or None when no grant came back.
+    fn ask(&self) -> Option<f64> {
+        let body = exchange(400.0, 0);
+        let s = auth::sign_request(SECRET, "us", "eu", now_ms(), &body);
+        let (status, _, reply) = self.post(Some(&s), &body);
+        if status != 200 {
+            return None;
+        }
+        let r: ExchangeReply = serde_json::from_slice(&reply).ok()?;
+        r.policies
+            .iter()
+            .flat_map(|p| &p.keys)
+            .find_map(|k| k.grant)
+            .map(|g| g.amount)
+    }
+}
+
+/// With a replica attached, a lender grants only once the replica acknowledged the
+/// reservation (WAIT): while the replica is stopped, no loan leaves (the requests are
+/// answered without a grant, and counted as withheld); when it resumes, loans do again.
+#[test]
+fn a_lender_grants_only_what_a_replica_acknowledged() {
+    let primary = RedisServer::start();
+    let replica = RedisServer::start();
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(primary.port)
+        .query(&mut replica.conn())
+        .unwrap();
+    wait_for("the replica to attach", Duration::from_secs(10), || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut primary.conn())
+            .ok()?;
+        info.contains("connected_slaves:1").then_some(())
+    });
+    let q = Quotad::start(&config_with(&primary.url(), "2s", "500ms"));
+    let peer = Peer::new(&q);
+    wait_for(
+        "a loan with the replica up",
+        Duration::from_secs(15),
+        || (peer.ask()? > 0.0).then_some(()),
+    );
+
+    replica.signal("-STOP");
+    let withheld_before = q.json("/v1/status")["coordinator"]["stats"]["grants_withheld"]
+        .as_u64()
+        .unwrap();
+    for _ in 0..5 {
+        let got = peer.ask();
+        assert!(
+            got.is_none_or(|a| a == 0.0),
+            "a loan of {got:?} left without the replica's ack"
+        );
+    }
+    // (Status is published once per round.)
+    wait_for("withheld grants counted", Duration::from_secs(10), || {
+        let w = q.json("/v1/status")["coordinator"]["stats"]["grants_withheld"].as_u64()?;
+        (w > withheld_before).then_some(())
+    });
+
+    replica.signal("-CONT");
+    wait_for(
+        "loans again once the replica acknowledges",
+        Duration::from_secs(15),
+        || (peer.ask()? > 0.0).then_some(()),
     );
 }

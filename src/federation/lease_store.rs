@@ -105,8 +105,11 @@ impl RedisBackend {
             .client
             .get_connection_with_timeout(self.timeout.max(Duration::from_millis(500)))
             .ok()?;
-        conn.set_read_timeout(Some(self.timeout)).ok()?;
-        conn.set_write_timeout(Some(self.timeout)).ok()?;
+        // Twice the call bound: a `WAIT` that runs its full `timeout` (no replica
+        // acknowledged) must come back as "not durable", not as a dead connection that
+        // would restart the coordinator.
+        conn.set_read_timeout(Some(self.timeout * 2)).ok()?;
+        conn.set_write_timeout(Some(self.timeout * 2)).ok()?;
         Some(conn)
     }
 }
