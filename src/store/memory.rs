@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::algorithm::{self, Op, State, Verdict, Write};
 use crate::clock::Clock;
+use crate::config::GLOBAL_KEEP_MS;
 use crate::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
 use crate::store::global::{PolicyKeys, ScriptShape};
 use crate::store::{GlobalCall, StoreCall};
@@ -158,7 +159,7 @@ impl MemoryStore {
     /// Drops every expired entry. O(keys); run it from a background task.
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_us();
-        let mut dropped = 0;
+        let mut dropped = self.sweep_global(now);
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|p| p.into_inner());
             let before = map.len();
@@ -166,6 +167,28 @@ impl MemoryStore {
             dropped += before - map.len();
         }
         dropped
+    }
+
+    /// Global keys idle for [`GLOBAL_KEEP_MS`] go, as their Redis keys expire: the last
+    /// write of the bucket and the book's high-water mark are both that old, so no lease
+    /// in the book still counts (leases are far shorter).
+    fn sweep_global(&self, now: i64) -> usize {
+        let horizon = now - GLOBAL_KEEP_MS * 1000;
+        let mut st = self.global();
+        let before = st.slots.len();
+        st.slots.retain(|_, slot| {
+            let written = match slot.bucket {
+                Some(State::Bucket { ts, .. }) => ts,
+                _ => i64::MIN,
+            };
+            let seen = slot.book.as_ref().map_or(i64::MIN, |b| b.high_water);
+            written.max(seen) > horizon
+        });
+        for active in st.active.values_mut() {
+            active.retain(|_, t| *t > horizon);
+        }
+        // (The books index may keep names of swept keys: readers skip keys without a slot.)
+        before - st.slots.len()
     }
 
     pub fn len(&self) -> usize {
@@ -208,5 +231,47 @@ mod tests {
         clock.advance(1_000_000 + TTL_GRACE_MS * 1000 + 1000);
         assert_eq!(store.sweep(), 1);
         assert!(store.apply(&call).allowed);
+    }
+
+    #[test]
+    fn idle_global_keys_are_swept_like_their_redis_keys_expire() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone());
+        let keys = PolicyKeys::new("rl", "g");
+        let global = GlobalCall {
+            user_key: "k",
+            keys: &keys,
+            shape: ScriptShape {
+                rho: 10.0,
+                burst: 10.0,
+                step_tolerance_us: 50_000,
+                fallback_escrow: 5.0,
+                keep_ms: GLOBAL_KEEP_MS,
+            },
+        };
+        let call = StoreCall {
+            algorithm: Algorithm::TokenBucket,
+            limits: Limits {
+                limit: 10,
+                window_us: 1_000_000,
+                burst: 10,
+            },
+            key: "rl:g:g:{k}",
+            op: Op::Check { cost: 5 },
+            member: "",
+            global: Some(global),
+        };
+        assert!(
+            store.apply_global(&call, &global).allowed,
+            "5 of the escrow's 5"
+        );
+        assert!(!store.apply_global(&call, &global).allowed);
+        clock.advance(GLOBAL_KEEP_MS * 1000 - 1);
+        assert_eq!(store.sweep(), 0, "not idle for the keep time yet");
+        assert_eq!(store.global().slots.len(), 1);
+        clock.advance(2);
+        assert_eq!(store.sweep(), 1);
+        assert!(store.global().slots.is_empty());
+        assert!(store.global().active.values().all(|a| a.is_empty()));
     }
 }
