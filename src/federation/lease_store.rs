@@ -156,8 +156,8 @@ pub struct RedisLeaseStore {
     /// Replicas attached at the last sync (0: a write is durable when answered).
     replicas: u32,
     wait_timeout: Duration,
-    /// The replication ID at the last sync: a new one means a failover (or a restart).
-    replid: Option<String>,
+    /// Where the replication ID the books were written under is kept.
+    replid_key: String,
     /// Redis time of the previous `take_active`, per policy.
     active_since: HashMap<String, i64>,
     /// Counters read together with the active keys (one pipeline), for this round.
@@ -176,6 +176,7 @@ impl RedisLeaseStore {
         wait_timeout: Duration,
     ) -> Self {
         RedisLeaseStore {
+            replid_key: crate::store::global::replid_key(&lock.prefix()),
             conn,
             clock,
             lock,
@@ -186,7 +187,6 @@ impl RedisLeaseStore {
             default: Global::SetDefault.script(),
             replicas: 0,
             wait_timeout,
-            replid: None,
             active_since: HashMap::new(),
             counters: HashMap::new(),
             failure: None,
@@ -230,6 +230,10 @@ impl RedisLeaseStore {
         Ok(())
     }
 
+    /// Reads the replicas attached, and detects a failover: the replication ID the region's
+    /// books were last written under is kept in Redis itself (a replicated key), so a
+    /// promoted replica, or a restart that reloaded its data, shows a different one, even
+    /// to a coordinator that only just connected. Then every loan is dropped.
     fn replication(&mut self) -> Result<(), String> {
         let info: String = redis::cmd("INFO")
             .arg("replication")
@@ -243,15 +247,36 @@ impl RedisLeaseStore {
         self.replicas = field("connected_slaves")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let replid = field("master_replid");
-        if self.replid.is_some() && replid.is_some() && replid != self.replid {
+        let Some(current) = field("master_replid") else {
+            return Ok(());
+        };
+        let stored: Option<String> = redis::cmd("GET")
+            .arg(&self.replid_key)
+            .query(&mut self.conn)
+            .map_err(|e| e.to_string())?;
+        if stored.as_ref().is_some_and(|s| *s != current) {
             tracing::warn!(
                 "redis replication ID changed (failover or restart): dropping every loan"
             );
             self.drop_all_loans();
+            if let Some(e) = &self.failure {
+                return Err(e.clone());
+            }
         }
-        if replid.is_some() {
-            self.replid = replid;
+        if stored.as_ref() != Some(&current) {
+            let keep_ms = self
+                .policies
+                .values()
+                .map(|p| p.shape.keep_ms)
+                .max()
+                .unwrap_or(3_600_000);
+            let _: () = redis::cmd("SET")
+                .arg(&self.replid_key)
+                .arg(&current)
+                .arg("PX")
+                .arg(keep_ms)
+                .query(&mut self.conn)
+                .map_err(|e| e.to_string())?;
         }
         Ok(())
     }

@@ -42,6 +42,14 @@ impl Lock {
         &self.fence_key
     }
 
+    /// The key prefix the lock lives under (`<prefix>:coordinator:lock`).
+    pub fn prefix(&self) -> String {
+        self.key
+            .strip_suffix(":coordinator:lock")
+            .unwrap_or(&self.key)
+            .to_owned()
+    }
+
     /// Takes the lock if it is free; returns the fencing token.
     pub fn try_acquire(&self, conn: &mut Connection) -> RedisResult<Option<u64>> {
         let set: Option<String> = redis::cmd("SET")

@@ -48,6 +48,11 @@ pub fn fence_key(key_prefix: &str) -> String {
     format!("{key_prefix}:coordinator:fence")
 }
 
+/// The replication ID the region's books were last written under (failover detection).
+pub fn replid_key(key_prefix: &str) -> String {
+    format!("{key_prefix}:coordinator:replid")
+}
+
 /// What every script of a policy needs besides the key.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScriptShape {

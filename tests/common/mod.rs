@@ -62,16 +62,29 @@ pub struct RedisServer {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    /// AOF with fsync on every write: a restart comes back with the data (a new
+    /// replication ID, as after a failover).
+    persistent: bool,
 }
 
 impl RedisServer {
     pub fn start() -> RedisServer {
+        Self::start_with(false)
+    }
+
+    /// With an append-only file, fsynced on every write.
+    pub fn start_persistent() -> RedisServer {
+        Self::start_with(true)
+    }
+
+    fn start_with(persistent: bool) -> RedisServer {
         let mut last = String::new();
         for _ in 0..5 {
             let mut s = RedisServer {
                 port: free_port(),
                 child: None,
                 dir: tempfile::tempdir().expect("tempdir"),
+                persistent,
             };
             match s.spawn() {
                 Ok(()) => return s,
@@ -90,9 +103,12 @@ impl RedisServer {
                 "127.0.0.1",
                 "--save",
                 "",
-                "--appendonly",
-                "no",
             ])
+            .args(if self.persistent {
+                ["--appendonly", "yes", "--appendfsync", "always"]
+            } else {
+                ["--appendonly", "no", "--appendfsync", "everysec"]
+            })
             .arg("--dir")
             .arg(self.dir.path())
             .stdout(Stdio::null())

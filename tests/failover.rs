@@ -1,0 +1,112 @@
+//! A Redis failover (or a restart that reloaded its data) may bring back loans the region
+//! had already dropped; the coordinator drops every loan when it finds the books were
+//! written under another replication ID, even as a coordinator that only just connected
+//! (the ID is kept in Redis, replicated with the books).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::RedisServer;
+use quotad::clock::Clock;
+use quotad::config::Settings;
+use quotad::coordinator::RegionId;
+use quotad::coordinator::lease::{LeaseBook, Loan, Reservation};
+use quotad::coordinator::node::LeaseStore;
+use quotad::federation::lease_store::{RedisClock, RedisLeaseStore};
+use quotad::federation::lock::Lock;
+use quotad::federation::runtime::Coordinated;
+use quotad::store::global::{fence_key, lock_key};
+
+fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
+    let config = format!(
+        "region = \"eu\"\n[store]\nredis = \"{}\"\n[[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:9\"\nsecret = \"0123456789abcdef\"\n\
+         [[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = 100\nwindow = \"1s\"\n\
+         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\n",
+        redis.url()
+    );
+    let settings = Settings::parse("failover.toml", &config).unwrap();
+    let policies: Vec<Arc<_>> = settings.policies.into_iter().map(Arc::new).collect();
+    let lock = Arc::new(Lock::new(
+        lock_key("rl"),
+        fence_key("rl"),
+        format!("test-{}", rand::random::<u32>()),
+        Duration::from_secs(30),
+    ));
+    let mut conn = redis.conn();
+    // A new holder each time (the previous one's lock is gone with the restart, or released).
+    let _: () = redis::cmd("DEL")
+        .arg(lock_key("rl"))
+        .query(&mut conn)
+        .unwrap();
+    let token = lock.try_acquire(&mut conn).unwrap().expect("the lock");
+    let clock = RedisClock::new();
+    let s = RedisLeaseStore::new(
+        conn,
+        clock.clone(),
+        lock,
+        token,
+        &policies,
+        Duration::from_millis(500),
+    );
+    (s, clock)
+}
+
+fn book(now: i64) -> LeaseBook {
+    let mut b = LeaseBook::new(50.0);
+    b.borrowed.push(Loan {
+        lender: RegionId(1),
+        lender_incarnation: 3,
+        seq: 7,
+        amount: 30.0,
+        until: now + 30_000_000,
+    });
+    b.reserved.push(Reservation {
+        borrower: RegionId(1),
+        seq: 2,
+        amount: 10.0,
+        until: now + 30_000_000,
+    });
+    b.high_water = now;
+    b
+}
+
+#[test]
+fn a_new_replication_id_drops_every_loan_and_keeps_reservations() {
+    let mut redis = RedisServer::start_persistent();
+    let (mut s, clock) = store(&redis);
+    s.begin(true).unwrap();
+    let written = s.write_book("g", "k", &book(clock.now_us()));
+    assert!(written.durable && written.epoch == 0);
+    // A round under the same ID changes nothing.
+    s.begin(true).unwrap();
+    let b = s.read_book("g", "k").expect("book");
+    assert_eq!(b.borrowed.len(), 1);
+
+    // Restart with the data (AOF): a new replication ID, the old one in the books' key.
+    drop(s);
+    redis.restart();
+    let (mut s, _) = store(&redis);
+    s.begin(true).unwrap();
+    assert!(s.failure().is_none(), "{:?}", s.failure());
+    let b = s
+        .read_book("g", "k")
+        .expect("the book survived the restart");
+    assert!(
+        b.borrowed.is_empty(),
+        "loans must go after a failover: {b:?}"
+    );
+    assert_eq!(
+        b.epoch, 1,
+        "and the epoch rises, so no stale copy brings them back"
+    );
+    assert_eq!(
+        b.reserved.len(),
+        1,
+        "reservations stay: dropping them would not be safe"
+    );
+    // The next round is under the new ID: nothing more to drop, nothing else changes.
+    s.begin(true).unwrap();
+    assert_eq!(s.read_book("g", "k").unwrap(), b);
+}
