@@ -59,8 +59,9 @@ pub struct GlobalMetrics {
     pub exchange_rejected: IntCounterVec,
     /// `quotad_rounds_total`: coordinator rounds run by this instance.
     pub rounds: IntCounter,
-    /// `quotad_coordinator_leader`: 1 while this instance holds the region's lock.
-    pub leader: IntGauge,
+    /// `quotad_coordinator_leader{region}`: 1 while this instance holds the region's lock
+    /// (summed by region: exactly 1 when the region is coordinated).
+    pub leader: IntGaugeVec,
 }
 
 impl GlobalMetrics {
@@ -91,14 +92,13 @@ impl GlobalMetrics {
         registry
             .register(Box::new(rounds.clone()))
             .expect("unique metric");
-        let leader = IntGauge::new(
-            "quotad_coordinator_leader",
-            "1 while this instance coordinates its region.",
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(leader.clone()))
-            .expect("unique metric");
+        let leader = int_gauge(
+            Opts::new(
+                "quotad_coordinator_leader",
+                "1 while this instance coordinates its region.",
+            ),
+            &["region"],
+        );
         GlobalMetrics {
             share_rate: gauge(
                 Opts::new(

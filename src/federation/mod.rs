@@ -82,7 +82,12 @@ impl Shared {
     fn set_leader(&self, token: Option<u64>) {
         let t = token.unwrap_or(0);
         if self.leader_token.swap(t, Ordering::AcqRel) != t {
-            self.metrics.global.leader.set((t != 0) as i64);
+            let region = &self.settings.regions[self.settings.me.index()];
+            self.metrics
+                .global
+                .leader
+                .with_label_values(&[region])
+                .set((t != 0) as i64);
             if t == 0 {
                 *self.status.write().unwrap_or_else(|p| p.into_inner()) = Status::default();
             }
@@ -192,7 +197,7 @@ impl Federation {
                 .exchange_rejected
                 .with_label_values(&[r.reason()]);
         }
-        metrics.global.leader.set(0);
+        metrics.global.leader.with_label_values(&[&me]).set(0);
         let lock_ttl = settings.lock.mul_f64(0.8);
         let shared = Arc::new(Shared {
             settings,
