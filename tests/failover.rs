@@ -27,6 +27,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         redis.url()
     );
     let settings = Settings::parse("failover.toml", &config).unwrap();
+    let global = settings.global.clone().expect("a global policy");
     let policies: Vec<Arc<_>> = settings.policies.into_iter().map(Arc::new).collect();
     let lock = Arc::new(Lock::new(
         lock_key("rl"),
@@ -49,6 +50,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         token,
         &policies,
         Duration::from_millis(500),
+        &global,
     );
     (s, clock)
 }

@@ -307,3 +307,28 @@ fn a_lender_grants_only_what_a_replica_acknowledged() {
         || (peer.ask()? > 0.0).then_some(()),
     );
 }
+
+/// A Redis that evicts keys under memory pressure could drop a live reservation: no
+/// instance coordinates on it (the region stays on its escrow) and the log says why.
+#[test]
+fn no_coordinator_runs_on_a_redis_that_evicts_keys() {
+    let redis = RedisServer::start();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query(&mut redis.conn())
+        .unwrap();
+    let q = Quotad::start(&config(&redis.url()));
+    wait_for("the refusal in the log", Duration::from_secs(10), || {
+        q.log()
+            .contains("maxmemory-policy evicts keys")
+            .then_some(())
+    });
+    let status: Value = q.json("/v1/status");
+    assert_eq!(status["coordinator"]["leader"], false, "{status}");
+    assert_eq!(q.metric("quotad_coordinator_leader{region=\"eu\"}"), 0.0);
+    // Checks are still answered, on the escrow (500 of 1000/s here, burst 500).
+    let d = q.check1("g", "k");
+    assert_eq!(d["allowed"], true, "{d}");
+}

@@ -10,6 +10,7 @@
 //! onto another request either. Everything here is pure except the clock the caller passes.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -137,17 +138,22 @@ pub fn verify_reply(secret: &[u8], nonce: &str, body: &[u8], signature: &str) ->
     }
 }
 
-/// The receiving side: the peers' secrets and the nonces seen within the window.
+/// The receiving side: the peers' secrets and the nonces seen within the window. Shared by
+/// the request handlers: the signature is checked without a lock (a body of up to a
+/// megabyte is hashed), only the nonce bookkeeping takes it.
 pub struct Verifier {
     me: String,
     secrets: HashMap<String, Vec<u8>>,
     max_skew_ms: i64,
     /// Nonce → the time (ours, ms) after which it may be forgotten.
-    seen: HashMap<String, i64>,
+    seen: Mutex<HashMap<String, i64>>,
     /// Bound on remembered nonces; beyond it, requests are refused as replays until the
     /// window moves on (a flood of validly signed requests needs the secret anyway).
     capacity: usize,
 }
+
+/// Hex of an HMAC-SHA256.
+const SIGNATURE_HEX: usize = 64;
 
 impl Verifier {
     pub fn new(me: &str, secrets: HashMap<String, Vec<u8>>, max_skew_ms: i64) -> Self {
@@ -155,17 +161,20 @@ impl Verifier {
             me: me.to_owned(),
             secrets,
             max_skew_ms,
-            seen: HashMap::new(),
+            seen: Mutex::new(HashMap::new()),
             capacity: 100_000,
         }
     }
 
-    /// Checks a request; on success returns the sender's region and remembers the nonce.
-    pub fn verify(&mut self, signed: &Signed, body: &[u8], now_ms: i64) -> Result<(), Rejection> {
+    /// Checks a request; on success remembers its nonce.
+    pub fn verify(&self, signed: &Signed, body: &[u8], now_ms: i64) -> Result<(), Rejection> {
         let secret = self
             .secrets
             .get(&signed.from)
             .ok_or(Rejection::UnknownPeer)?;
+        if signed.signature.len() != SIGNATURE_HEX {
+            return Err(Rejection::BadSignature);
+        }
         let sig = hex::decode(&signed.signature).map_err(|_| Rejection::BadSignature)?;
         request_mac(
             secret,
@@ -177,17 +186,17 @@ impl Verifier {
         )
         .verify_slice(&sig)
         .map_err(|_| Rejection::BadSignature)?;
-        if (signed.timestamp_ms - now_ms).abs() > self.max_skew_ms {
+        if signed.timestamp_ms.abs_diff(now_ms) > self.max_skew_ms.unsigned_abs() {
             return Err(Rejection::Stale);
         }
-        self.seen.retain(|_, until| *until > now_ms);
-        if self.seen.contains_key(&signed.nonce) || self.seen.len() >= self.capacity {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.retain(|_, until| *until > now_ms);
+        if seen.contains_key(&signed.nonce) || seen.len() >= self.capacity {
             return Err(Rejection::Replay);
         }
         // A nonce older than the window is refused as stale, so remembering it for twice
         // the window (its timestamp may be ahead of our clock by up to the skew) suffices.
-        self.seen
-            .insert(signed.nonce.clone(), now_ms + 2 * self.max_skew_ms);
+        seen.insert(signed.nonce.clone(), now_ms + 2 * self.max_skew_ms);
         Ok(())
     }
 
@@ -207,7 +216,7 @@ mod tests {
 
     #[test]
     fn a_signed_request_passes_once() {
-        let mut v = verifier();
+        let v = verifier();
         let s = sign_request(b"0123456789abcdef", "us", "eu", 1_000_000, b"{}");
         assert_eq!(v.verify(&s, b"{}", 1_000_500), Ok(()));
         assert_eq!(v.verify(&s, b"{}", 1_000_600), Err(Rejection::Replay));
@@ -215,7 +224,7 @@ mod tests {
 
     #[test]
     fn tampering_a_wrong_secret_a_stranger_and_old_timestamps_are_refused() {
-        let mut v = verifier();
+        let v = verifier();
         let s = sign_request(b"0123456789abcdef", "us", "eu", 1_000_000, b"{\"a\":1}");
         assert_eq!(
             v.verify(&s, b"{\"a\":2}", 1_000_000),

@@ -25,6 +25,7 @@ use super::Shared;
 use super::lock::Lock;
 use super::runtime::{Backend, Coordinated};
 use crate::clock::Clock;
+use crate::config::GlobalSettings;
 use crate::coordinator::demand::Counters;
 use crate::coordinator::lease::LeaseBook;
 use crate::coordinator::node::{LeaseStore, Written};
@@ -97,6 +98,8 @@ pub struct RedisBackend {
     pub lock: Arc<Lock>,
     pub timeout: Duration,
     pub conn: Option<redis::Connection>,
+    /// An eviction-policy problem was logged (once).
+    pub warned: bool,
 }
 
 impl RedisBackend {
@@ -122,6 +125,28 @@ impl Backend for RedisBackend {
         if self.conn.is_none() {
             self.conn = self.connect();
         }
+        // Lease books have TTLs: a Redis that evicts keys under memory pressure could drop
+        // a live reservation. Coordinate only on `noeviction` (Redis's default).
+        let policy: Result<Vec<String>, _> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query(self.conn.as_mut()?);
+        match policy.as_deref() {
+            Ok([_, p]) if p != "noeviction" => {
+                if !self.warned {
+                    tracing::error!(policy = %p, "redis maxmemory-policy evicts keys: not coordinating (global policies stay on their escrow); set maxmemory-policy noeviction");
+                    self.warned = true;
+                }
+                return None;
+            }
+            Ok(_) => {}
+            // CONFIG may be renamed or disabled (managed Redis): the operator's call.
+            Err(e) if !self.warned => {
+                tracing::warn!(error = %e, "cannot read redis maxmemory-policy; make sure it is noeviction");
+                self.warned = true;
+            }
+            Err(_) => {}
+        }
         let token = match self.lock.try_acquire(self.conn.as_mut()?) {
             Ok(Some(t)) => t,
             Ok(None) => return None,
@@ -139,6 +164,7 @@ impl Backend for RedisBackend {
             token,
             &shared.policies,
             self.timeout,
+            &shared.settings,
         );
         Some((store, clock, token))
     }
@@ -164,6 +190,10 @@ pub struct RedisLeaseStore {
     counters: HashMap<(String, String), Counters>,
     failure: Option<String>,
     fenced: bool,
+    /// Regions in the config (ids in stored books must be below).
+    regions: usize,
+    /// Half the longest TIME round trip accepted for a clock sync.
+    max_sync_us: i64,
 }
 
 impl RedisLeaseStore {
@@ -174,8 +204,11 @@ impl RedisLeaseStore {
         token: u64,
         policies: &[Arc<Policy>],
         wait_timeout: Duration,
+        settings: &GlobalSettings,
     ) -> Self {
         RedisLeaseStore {
+            regions: settings.regions.len(),
+            max_sync_us: (settings.params.margin_us / 4).max(1_000),
             replid_key: crate::store::global::replid_key(&lock.prefix()),
             conn,
             clock,
@@ -212,6 +245,12 @@ impl RedisLeaseStore {
         let time: Result<(i64, i64), _> = redis::cmd("TIME").query(&mut self.conn);
         let t1 = self.clock.mono_us();
         match time {
+            // The reading is placed at the round trip's midpoint, so it is off by at most
+            // half the round trip: beyond a quarter of the margin (half of what the step
+            // tolerance leaves) the event is skipped and the previous offset kept.
+            Ok(_) if t1 - t0 > self.max_sync_us * 2 => {
+                return Err(format!("TIME took {} us: clock not synced", t1 - t0));
+            }
             Ok((s, us)) => {
                 let redis_us = s * 1_000_000 + us;
                 self.clock
@@ -263,7 +302,8 @@ impl RedisLeaseStore {
                 return Err(e.clone());
             }
         }
-        if stored.as_ref() != Some(&current) {
+        // Refreshed every round: its TTL must not lapse while the region runs.
+        {
             let keep_ms = self
                 .policies
                 .values()
@@ -303,17 +343,19 @@ impl RedisLeaseStore {
         }
     }
 
-    /// Whether writes so far are durable (see the module docs).
+    /// Whether writes so far are durable (see the module docs): acknowledged by every
+    /// replica connected at the last round.
     fn durable(&mut self) -> bool {
         if self.replicas == 0 {
             return true;
         }
+        // Every connected replica: a failover may promote any of them.
         let acked: Result<i64, _> = redis::cmd("WAIT")
-            .arg(1)
+            .arg(self.replicas)
             .arg(self.wait_timeout.as_millis() as u64)
             .query(&mut self.conn);
         match acked {
-            Ok(n) => n >= 1,
+            Ok(n) => n >= self.replicas as i64,
             Err(e) => {
                 self.fail(e);
                 false
@@ -338,7 +380,16 @@ impl RedisLeaseStore {
             .map_err(|e| e.to_string())
             .and_then(|v| global::decode_slot(&v))
         {
-            Ok(slot) => Some(slot),
+            Ok(mut slot) => {
+                // A loan from a region this config does not have (the region set changed)
+                // is dropped: dropping a loan is always safe. Reservations are kept (they
+                // only lower the rate) and are matched by id, never indexed.
+                let n = self.regions;
+                if let Some(b) = slot.book.as_mut() {
+                    b.borrowed.retain(|l| l.lender.index() < n);
+                }
+                Some(slot)
+            }
             Err(e) => {
                 self.fail(e);
                 None

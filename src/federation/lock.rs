@@ -3,9 +3,10 @@
 //! lock's value, with an expiry; on taking the lock the holder increments the fencing
 //! counter and keeps the new value as its token. Every coordinator write checks the token
 //! (`lua/global/`), so an instance that lost the lock (paused past the expiry, cut off from
-//! Redis) cannot write after the next holder has incremented the counter, which it does
-//! before it reads a single book. The token doubles as the node's incarnation: it grows
-//! with every takeover, as the lease protocol requires.
+//! Redis) cannot write after the next holder has raised the counter, which it does before
+//! it reads a single book. The token doubles as the node's incarnation: it grows with every
+//! takeover, as the lease protocol requires, and never goes back (it is also at least
+//! Redis's clock in milliseconds, so a lost counter cannot make it repeat).
 
 use std::time::Duration;
 
@@ -18,6 +19,7 @@ pub struct Lock {
     ttl: Duration,
     renew: Script,
     release: Script,
+    next_token: Script,
 }
 
 impl Lock {
@@ -34,6 +36,16 @@ impl Lock {
             release: Script::new(
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then \
                    return redis.call('DEL', KEYS[1]) else return 0 end",
+            ),
+            // Above the stored token and above Redis's clock in ms: the token is the
+            // region's incarnation, and must grow even if the counter was lost (a
+            // failover before it replicated, a restart without persistence).
+            next_token: Script::new(
+                "local t = redis.call('TIME') \
+                 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) \
+                 local n = math.max((tonumber(redis.call('GET', KEYS[1])) or 0) + 1, now) \
+                 redis.call('SET', KEYS[1], string.format('%d', n)) \
+                 return n",
             ),
         }
     }
@@ -62,7 +74,7 @@ impl Lock {
         if set.is_none() {
             return Ok(None);
         }
-        let token: u64 = redis::cmd("INCR").arg(&self.fence_key).query(conn)?;
+        let token: u64 = self.next_token.key(&self.fence_key).invoke(conn)?;
         Ok(Some(token))
     }
 

@@ -1,9 +1,11 @@
 //! The embedded store as the coordinator's backend: one quotad per region, no Redis
 //! (zero-setup mode and `quotad demo` on a machine without redis-server). The same model
 //! ([`crate::coordinator::bucket::KeySlot`]) on the same keys as `lua/global/`, so a region
-//! behaves alike on either store; what it cannot give is sharing: the region's state
-//! lives and dies with the process (its incarnation is the wall clock at start, so a
-//! restart is a new life to the peers).
+//! behaves alike on either store; what it cannot give is sharing or durability: the
+//! region's state lives and dies with the process (its incarnation is the wall clock at
+//! start, so a restart is a new life to the peers). A restart also forgets the
+//! reservations for loans this region granted, so for up to one lease it can admit what
+//! its borrowers still count: the bound holds across restarts only with Redis.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,6 +34,9 @@ impl Backend for MemoryBackend {
         if std::mem::replace(&mut self.started, true) {
             return None;
         }
+        tracing::warn!(
+            "global policies on the embedded store: what this region lends lives in this process; a restart forgets it and can over-admit by it for one lease (use Redis outside demos)"
+        );
         let token = (SystemClock.now_us() / 1000).max(1) as u64;
         let store = MemoryLeaseStore {
             store: self.store.clone(),

@@ -146,7 +146,7 @@ pub enum BackendChoice<'a> {
 pub struct Federation {
     pub shared: Arc<Shared>,
     events: std::sync::mpsc::Sender<Event>,
-    verifier: Mutex<auth::Verifier>,
+    verifier: auth::Verifier,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -231,6 +231,7 @@ impl Federation {
                     lock: Arc::new(lock),
                     timeout,
                     conn: None,
+                    warned: false,
                 };
                 spawn_runtime(shared.clone(), backend, events_rx, out_tx)
             }
@@ -258,7 +259,7 @@ impl Federation {
         Ok(Arc::new(Federation {
             shared,
             events: events_tx,
-            verifier: Mutex::new(verifier),
+            verifier,
             thread: Mutex::new(Some(thread)),
         }))
     }
@@ -309,11 +310,7 @@ impl Federation {
             },
             _ => return self.reject(Rejection::Unauthenticated),
         };
-        let verified = self
-            .verifier
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .verify(&signed, &body, peers::wall_ms());
+        let verified = self.verifier.verify(&signed, &body, peers::wall_ms());
         if let Err(r) = verified {
             return self.reject(r);
         }

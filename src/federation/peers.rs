@@ -17,6 +17,8 @@ use crate::coordinator::message::{Exchange, ExchangeReply};
 
 pub const EXCHANGE_PATH: &str = "/v1/peer/exchange";
 const MAX_ATTEMPTS: usize = 3;
+/// Largest exchange reply read (the peer endpoint accepts bodies up to 1 MiB, too).
+const MAX_REPLY: usize = 4 << 20;
 
 pub struct PeerClient {
     pub shared: Arc<Shared>,
@@ -125,7 +127,17 @@ impl PeerClient {
             .get(HEADER_SIGNATURE)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)?;
-        let reply = resp.bytes().await.ok()?;
+        // Read at most MAX_REPLY bytes before the signature is checked: the link is
+        // plain HTTP, and anyone on the path could otherwise feed us without end.
+        let mut resp = resp;
+        let mut reply = Vec::new();
+        while let Some(chunk) = resp.chunk().await.ok()? {
+            if reply.len() + chunk.len() > MAX_REPLY {
+                tracing::warn!(peer = %peer.region, "exchange reply over {MAX_REPLY} bytes dropped");
+                return None;
+            }
+            reply.extend_from_slice(&chunk);
+        }
         bytes
             .with_label_values(&[&peer.region, "received"])
             .inc_by(reply.len() as u64);

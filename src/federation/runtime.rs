@@ -62,6 +62,13 @@ pub struct Runtime<B: Backend> {
     pub outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
 }
 
+/// What one step of the loop leaves.
+enum Step<B: Backend> {
+    Go(Option<Box<Leading<B>>>),
+    /// The channel is closed: the daemon is gone.
+    Closed,
+}
+
 /// What the lock holder runs.
 struct Leading<B: Backend> {
     node: Node<B::Clock>,
@@ -73,11 +80,28 @@ struct Leading<B: Backend> {
 
 impl<B: Backend> Runtime<B> {
     pub fn run(mut self) {
-        let mut leading: Option<Leading<B>> = None;
-        while !self.shared.stopping() {
-            leading = match leading.take() {
-                Some(l) => self.lead(l),
-                None => self.follow(),
+        let mut leading: Option<Box<Leading<B>>> = None;
+        let mut closed = false;
+        while !self.shared.stopping() && !closed {
+            // A panic (a bug, or data no config expects) must not leave the region with a
+            // dead coordinator that still reports itself leader: step down, pause, go on.
+            let step =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match leading.take() {
+                    Some(l) => self.lead(l),
+                    None => self.follow(),
+                }));
+            leading = match step {
+                Ok(Step::Go(l)) => l,
+                Ok(Step::Closed) => {
+                    closed = true;
+                    None
+                }
+                Err(_) => {
+                    tracing::error!("coordinator panicked; stepping down");
+                    self.shared.set_leader(None);
+                    std::thread::sleep(self.shared.settings.lock);
+                    None
+                }
             };
             self.shared.set_leader(leading.as_ref().map(|l| l.token));
         }
@@ -89,7 +113,7 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Not the holder: answer nothing, try the lock every tenth of its period.
-    fn follow(&mut self) -> Option<Leading<B>> {
+    fn follow(&mut self) -> Step<B> {
         let poll = self.shared.settings.lock / 10;
         let deadline = Instant::now() + poll;
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
@@ -99,11 +123,15 @@ impl<B: Backend> Runtime<B> {
                 }
                 Ok(Event::Reply(_)) => {}
                 Err(RecvTimeoutError::Timeout) => break,
-                Err(RecvTimeoutError::Disconnected) => return None,
+                Err(RecvTimeoutError::Disconnected) => return Step::Closed,
             }
         }
-        let (store, clock, token) = self.backend.try_lead(&self.shared)?;
-        self.start(store, clock, token)
+        Step::Go(
+            self.backend
+                .try_lead(&self.shared)
+                .and_then(|(store, clock, token)| self.start(store, clock, token))
+                .map(Box::new),
+        )
     }
 
     fn start(&mut self, mut store: B::Store, clock: B::Clock, token: u64) -> Option<Leading<B>> {
@@ -146,13 +174,17 @@ impl<B: Backend> Runtime<B> {
         })
     }
 
-    /// The holder: one event (a message, a renewal, a round); `None` when it lost the lock
-    /// or its store failed mid-event (the node is dropped: a restart with a new token).
-    fn lead(&mut self, mut l: Leading<B>) -> Option<Leading<B>> {
+    /// The holder: one event (a message, or nothing until the next deadline), then the
+    /// renewal and the round if they are due: checked after every message too, so a steady
+    /// stream of them cannot starve either. `None` when it lost the lock or its store
+    /// failed mid-event (the node is dropped: a restart with a new token).
+    fn lead(&mut self, mut l: Box<Leading<B>>) -> Step<B> {
         let settings = &self.shared.settings;
         let wake = l.next_round.min(l.next_renew);
         let left = wake.saturating_duration_since(Instant::now());
         match self.events.recv_timeout(left) {
+            // The handler already gave up on this one (it answered 503): the peer retries.
+            Ok(Event::Exchange { reply, .. }) if reply.is_closed() => {}
             Ok(Event::Exchange { msg, reply }) => {
                 if l.store.begin(false).is_ok() {
                     let r = l.node.on_exchange(&msg, &mut l.store);
@@ -169,43 +201,42 @@ impl<B: Backend> Runtime<B> {
                     self.send(l.node.link_ups(&mut l.store));
                 }
             }
-            Err(RecvTimeoutError::Disconnected) => return None,
-            Err(RecvTimeoutError::Timeout) => {
-                let now = Instant::now();
-                if now >= l.next_renew {
-                    match l.store.renew() {
-                        Ok(true) => l.next_renew = now + settings.lock / 5,
-                        Ok(false) => {
-                            tracing::warn!("coordinator lock lost to another instance");
-                            return None;
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "coordinator lock renewal failed; stepping down");
-                            return None;
-                        }
-                    }
+            Err(RecvTimeoutError::Disconnected) => return Step::Closed,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        let now = Instant::now();
+        if now >= l.next_renew && l.store.failure().is_none() {
+            match l.store.renew() {
+                Ok(true) => l.next_renew = now + settings.lock / 5,
+                Ok(false) => {
+                    tracing::warn!("coordinator lock lost to another instance");
+                    return Step::Go(None);
                 }
-                if now >= l.next_round {
-                    if l.store.begin(true).is_ok() {
-                        let msgs = l.node.round(&mut l.store);
-                        if l.store.failure().is_none() {
-                            self.send(msgs);
-                        }
-                        self.shared.metrics.global.rounds.inc();
-                        self.publish(&l);
-                    }
-                    l.next_round = now + jittered(settings.params.round_us);
+                Err(e) => {
+                    tracing::warn!(error = %e, "coordinator lock renewal failed; stepping down");
+                    return Step::Go(None);
                 }
             }
+        }
+        if now >= l.next_round && l.store.failure().is_none() {
+            if l.store.begin(true).is_ok() {
+                let msgs = l.node.round(&mut l.store);
+                if l.store.failure().is_none() {
+                    self.send(msgs);
+                }
+                self.shared.metrics.global.rounds.inc();
+                self.publish(&l);
+            }
+            l.next_round = now + jittered(settings.params.round_us);
         }
         if let Some(e) = l.store.failure() {
             tracing::warn!(error = %e, fenced = l.store.fenced(), "coordinator store failed mid-event; restarting the coordinator");
             if !l.store.fenced() {
                 l.store.release();
             }
-            return None;
+            return Step::Go(None);
         }
-        Some(l)
+        Step::Go(Some(l))
     }
 
     fn send(&self, msgs: Vec<(RegionId, Exchange)>) {
