@@ -112,3 +112,35 @@ fn a_new_replication_id_drops_every_loan_and_keeps_reservations() {
     s.begin(true).unwrap();
     assert_eq!(s.read_book("g", "k").unwrap(), b);
 }
+
+/// The books index is pruned of expired keys only by the current coordinator: one that
+/// lost the lock must not remove what the new one may have just added.
+#[test]
+fn a_deposed_coordinator_cannot_prune_the_books_index() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let (mut old, clock) = store(&redis);
+    old.begin(true).unwrap();
+    assert!(old.write_book("g", "gone", &book(clock.now_us())).durable);
+    // The key's hash expires (idle for the keep time); its name stays in the index.
+    let _: () = redis::cmd("DEL")
+        .arg("rl:g:g:{gone}")
+        .query(&mut conn)
+        .unwrap();
+    let listed = |conn: &mut redis::Connection| -> bool {
+        redis::cmd("SISMEMBER")
+            .arg("rl:g:g:books")
+            .arg("gone")
+            .query(conn)
+            .unwrap()
+    };
+    let (mut new, _) = store(&redis); // takes the lock over: a higher token
+    assert!(old.books("g").is_empty());
+    assert!(
+        listed(&mut conn),
+        "the deposed coordinator pruned the index"
+    );
+    new.begin(true).unwrap();
+    assert!(new.books("g").is_empty());
+    assert!(!listed(&mut conn), "the current coordinator prunes it");
+}

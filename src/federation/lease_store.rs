@@ -478,8 +478,9 @@ impl LeaseStore for RedisLeaseStore {
                 Some(book) => out.push((key, book)),
                 None if self.failure.is_none() => {
                     // The key expired (idle for the keep time): nothing left to adopt.
-                    let _: Result<i64, _> =
-                        redis::cmd("SREM").arg(&set).arg(&key).query(&mut self.conn);
+                    let _ = self
+                        .lock
+                        .fenced_srem(&mut self.conn, self.token, &set, &key);
                 }
                 None => return Vec::new(),
             }

@@ -20,6 +20,7 @@ pub struct Lock {
     renew: Script,
     release: Script,
     next_token: Script,
+    fenced_srem: Script,
 }
 
 impl Lock {
@@ -40,6 +41,10 @@ impl Lock {
             // Above the stored token and above Redis's clock in ms: the token is the
             // region's incarnation, and must grow even if the counter was lost (a
             // failover before it replicated, a restart without persistence).
+            fenced_srem: Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+                   return redis.call('SREM', KEYS[2], ARGV[2]) else return 0 end",
+            ),
             next_token: Script::new(
                 "local t = redis.call('TIME') \
                  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) \
@@ -87,6 +92,25 @@ impl Lock {
             .arg(self.ttl.as_millis() as u64)
             .invoke(conn)?;
         Ok(n == 1)
+    }
+
+    /// Removes `member` from the set `set` if `token` is still the current fencing token
+    /// (a deposed coordinator must not prune what the new one just added).
+    pub fn fenced_srem(
+        &self,
+        conn: &mut Connection,
+        token: u64,
+        set: &str,
+        member: &str,
+    ) -> RedisResult<()> {
+        let _: i64 = self
+            .fenced_srem
+            .key(&self.fence_key)
+            .key(set)
+            .arg(token)
+            .arg(member)
+            .invoke(conn)?;
+        Ok(())
     }
 
     /// Gives the lock up (a clean shutdown: the next instance need not wait the expiry).
