@@ -17,7 +17,7 @@ use quotad::coordinator::node::LeaseStore;
 use quotad::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad::federation::lock::Lock;
 use quotad::federation::runtime::Coordinated;
-use quotad::store::global::{fence_key, lock_key};
+use quotad::store::global::lock_key;
 
 fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     let config = format!(
@@ -30,8 +30,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     let global = settings.global.clone().expect("a global policy");
     let policies: Vec<Arc<_>> = settings.policies.into_iter().map(Arc::new).collect();
     let lock = Arc::new(Lock::new(
-        lock_key("rl"),
-        fence_key("rl"),
+        "rl",
         format!("test-{}", rand::random::<u32>()),
         Duration::from_secs(30),
     ));

@@ -199,10 +199,6 @@ impl Verifier {
         seen.insert(signed.nonce.clone(), now_ms + 2 * self.max_skew_ms);
         Ok(())
     }
-
-    pub fn secret(&self, region: &str) -> Option<&[u8]> {
-        self.secrets.get(region).map(Vec::as_slice)
-    }
 }
 
 #[cfg(test)]

@@ -209,7 +209,7 @@ impl RedisLeaseStore {
         RedisLeaseStore {
             regions: settings.regions.len(),
             max_sync_us: (settings.params.margin_us / 4).max(1_000),
-            replid_key: crate::store::global::replid_key(&lock.prefix()),
+            replid_key: crate::store::global::replid_key(lock.prefix()),
             conn,
             clock,
             lock,
@@ -539,14 +539,9 @@ impl LeaseStore for RedisLeaseStore {
         }
         match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
             Ok(rows) => {
-                for (k, (a, x)) in keys.iter().zip(rows) {
-                    self.counters.insert(
-                        (policy.to_owned(), k.clone()),
-                        Counters {
-                            admitted: a.unwrap_or(0),
-                            rejected: x.unwrap_or(0),
-                        },
-                    );
+                for (k, row) in keys.iter().zip(rows) {
+                    self.counters
+                        .insert((policy.to_owned(), k.clone()), counters_of(row));
                 }
             }
             Err(e) => self.fail(e),
@@ -558,9 +553,25 @@ impl LeaseStore for RedisLeaseStore {
         if let Some(c) = self.counters.get(&(policy.to_owned(), key.to_owned())) {
             return *c;
         }
-        self.read_slot(policy, key)
-            .map(|s| s.counters)
-            .unwrap_or_default()
+        // A tracked key that was quiet this round: its two counters only.
+        if self.failure.is_some() {
+            return Counters::default();
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return Counters::default();
+        };
+        let row = redis::cmd("HMGET")
+            .arg(p.policy.storage_key(key))
+            .arg("a")
+            .arg("x")
+            .query(&mut self.conn);
+        match row {
+            Ok(row) => counters_of(row),
+            Err(e) => {
+                self.fail(e);
+                Counters::default()
+            }
+        }
     }
 
     fn default_escrow(&mut self, policy: &str) -> Option<f64> {
@@ -607,5 +618,13 @@ impl LeaseStore for RedisLeaseStore {
                 false
             }
         }
+    }
+}
+
+/// A key's `a` and `x` fields (absent: 0).
+fn counters_of((admitted, rejected): (Option<u64>, Option<u64>)) -> Counters {
+    Counters {
+        admitted: admitted.unwrap_or(0),
+        rejected: rejected.unwrap_or(0),
     }
 }

@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use redis::{Connection, RedisResult, Script};
 
+use crate::store::global::{fence_key, lock_key};
+
 pub struct Lock {
+    prefix: String,
     key: String,
     fence_key: String,
     id: String,
@@ -24,10 +27,12 @@ pub struct Lock {
 }
 
 impl Lock {
-    pub fn new(key: String, fence_key: String, id: String, ttl: Duration) -> Self {
+    /// The lock of the region whose keys start with `key_prefix`.
+    pub fn new(key_prefix: &str, id: String, ttl: Duration) -> Self {
         Lock {
-            key,
-            fence_key,
+            prefix: key_prefix.to_owned(),
+            key: lock_key(key_prefix),
+            fence_key: fence_key(key_prefix),
             id,
             ttl,
             renew: Script::new(
@@ -59,12 +64,9 @@ impl Lock {
         &self.fence_key
     }
 
-    /// The key prefix the lock lives under (`<prefix>:coordinator:lock`).
-    pub fn prefix(&self) -> String {
-        self.key
-            .strip_suffix(":coordinator:lock")
-            .unwrap_or(&self.key)
-            .to_owned()
+    /// The key prefix of the region's keys.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
     }
 
     /// Takes the lock if it is free; returns the fencing token.

@@ -39,11 +39,9 @@ use crate::policy::Policy;
 use auth::{HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP, Rejection, Signed};
 use runtime::Event;
 
-/// What the coordinator thread last published.
+/// What the coordinator thread last published (whether it leads is `Shared`'s token).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Status {
-    pub leader: bool,
-    pub token: u64,
     pub stats: NodeStats,
     pub peers: Vec<PeerStatus>,
     pub keys: Vec<KeyStatus>,
@@ -92,6 +90,15 @@ impl Shared {
                 *self.status.write().unwrap_or_else(|p| p.into_inner()) = Status::default();
             }
         }
+    }
+
+    /// `quotad_exchange_bytes_total{peer,direction}`.
+    fn count_bytes(&self, peer: &str, direction: &str, bytes: usize) {
+        self.metrics
+            .global
+            .exchange_bytes
+            .with_label_values(&[peer, direction])
+            .inc_by(bytes as u64);
     }
 
     fn set_status(&self, s: Status) {
@@ -219,8 +226,7 @@ impl Federation {
                 key_prefix,
             } => {
                 let lock = lock::Lock::new(
-                    crate::store::global::lock_key(key_prefix),
-                    crate::store::global::fence_key(key_prefix),
+                    key_prefix,
                     shared.instance.clone(),
                     // Renewed every fifth of the period; a dead holder's lock lapses within
                     // 0.8 of it and the others poll every tenth: a takeover within one period.
@@ -319,11 +325,7 @@ impl Federation {
             return self.reject(Rejection::UnknownPeer);
         };
         self.shared
-            .metrics
-            .global
-            .exchange_bytes
-            .with_label_values(&[&peer.region, "received"])
-            .inc_by(body.len() as u64);
+            .count_bytes(&peer.region, "received", body.len());
         let msg: Exchange = match serde_json::from_slice::<Exchange>(&body) {
             // The body must speak for the region that signed it.
             Ok(m) if m.from == peer.id => m,
@@ -346,12 +348,7 @@ impl Federation {
             _ => return self.reject(Rejection::NotCoordinator),
         };
         let body = serde_json::to_vec(&reply).unwrap_or_default();
-        self.shared
-            .metrics
-            .global
-            .exchange_bytes
-            .with_label_values(&[&peer.region, "sent"])
-            .inc_by(body.len() as u64);
+        self.shared.count_bytes(&peer.region, "sent", body.len());
         let signature = auth::sign_reply(&peer.secret.0, &signed.nonce, &body);
         PeerResponse {
             status: StatusCode::OK,
@@ -394,8 +391,8 @@ impl Federation {
             "regions": s.regions,
             "instance": self.shared.instance,
             "coordinator": {
-                "leader": st.leader,
-                "token": st.token,
+                "leader": self.shared.is_leader(),
+                "token": self.shared.leader_token.load(Ordering::Acquire),
                 "rounds": st.stats.rounds,
                 "stats": st.stats,
             },

@@ -94,10 +94,7 @@ impl PeerClient {
         let idx = self.shared.url_index(to) % peer.urls.len();
         let url = format!("{}{EXCHANGE_PATH}", peer.urls[idx]);
         let signed = auth::sign_request(&peer.secret.0, me, &peer.region, wall_ms(), &body);
-        let bytes = &self.shared.metrics.global.exchange_bytes;
-        bytes
-            .with_label_values(&[&peer.region, "sent"])
-            .inc_by(body.len() as u64);
+        self.shared.count_bytes(&peer.region, "sent", body.len());
         let resp = self
             .http
             .post(&url)
@@ -138,9 +135,8 @@ impl PeerClient {
             }
             reply.extend_from_slice(&chunk);
         }
-        bytes
-            .with_label_values(&[&peer.region, "received"])
-            .inc_by(reply.len() as u64);
+        self.shared
+            .count_bytes(&peer.region, "received", reply.len());
         if !auth::verify_reply(&peer.secret.0, &signed.nonce, &reply, &sig) {
             tracing::warn!(peer = %peer.region, "exchange reply with a bad signature dropped");
             self.shared

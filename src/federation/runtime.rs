@@ -249,8 +249,6 @@ impl<B: Backend> Runtime<B> {
         let s = &self.shared.settings;
         let node = &l.node;
         let mut status = Status {
-            leader: true,
-            token: l.token,
             stats: node.stats(),
             peers: Vec::new(),
             keys: node.key_status(),

@@ -66,6 +66,24 @@ pub struct ScriptShape {
     pub keep_ms: i64,
 }
 
+impl ScriptShape {
+    /// The five numbers, in the order `shape_args` in `lua/global/common.lua` reads them.
+    fn push(&self, inv: &mut ScriptInvocation<'_>) {
+        inv.arg(self.rho)
+            .arg(self.burst)
+            .arg(self.step_tolerance_us)
+            .arg(self.fallback_escrow)
+            .arg(self.keep_ms);
+    }
+}
+
+/// The optional last argument of every script: the time, in tests only.
+fn push_now(inv: &mut ScriptInvocation<'_>, now_us: Option<i64>) {
+    if let Some(now) = now_us {
+        inv.arg(now);
+    }
+}
+
 /// The decision script's call for one operation; `now_us` only in tests.
 pub fn check_invocation<'a>(
     script: &'a Script,
@@ -85,16 +103,10 @@ pub fn check_invocation<'a>(
         .key(&keys.meta)
         .key(&keys.active)
         .arg(mode)
-        .arg(cost)
-        .arg(shape.rho)
-        .arg(shape.burst)
-        .arg(shape.step_tolerance_us)
-        .arg(shape.fallback_escrow)
-        .arg(shape.keep_ms)
-        .arg(user_key);
-    if let Some(now) = now_us {
-        inv.arg(now);
-    }
+        .arg(cost);
+    shape.push(&mut inv);
+    inv.arg(user_key);
+    push_now(&mut inv, now_us);
     inv
 }
 
@@ -116,13 +128,9 @@ pub fn write_book_invocation<'a>(
         .key(&keys.meta)
         .key(fence_key)
         .key(&keys.books)
-        .arg(token)
-        .arg(shape.rho)
-        .arg(shape.burst)
-        .arg(shape.step_tolerance_us)
-        .arg(shape.fallback_escrow)
-        .arg(shape.keep_ms)
-        .arg(user_key)
+        .arg(token);
+    shape.push(&mut inv);
+    inv.arg(user_key)
         .arg(book.escrow)
         .arg(reservations_arg(&book.reserved))
         .arg(loans_arg(&book.borrowed))
@@ -132,9 +140,7 @@ pub fn write_book_invocation<'a>(
             book.high_water.to_string()
         })
         .arg(book.epoch);
-    if let Some(now) = now_us {
-        inv.arg(now);
-    }
+    push_now(&mut inv, now_us);
     inv
 }
 
@@ -152,15 +158,9 @@ pub fn drop_loans_invocation<'a>(
     inv.key(storage_key)
         .key(&keys.meta)
         .key(fence_key)
-        .arg(token)
-        .arg(shape.rho)
-        .arg(shape.burst)
-        .arg(shape.step_tolerance_us)
-        .arg(shape.fallback_escrow)
-        .arg(shape.keep_ms);
-    if let Some(now) = now_us {
-        inv.arg(now);
-    }
+        .arg(token);
+    shape.push(&mut inv);
+    push_now(&mut inv, now_us);
     inv
 }
 
@@ -180,9 +180,7 @@ pub fn set_default_invocation<'a>(
         .arg(token)
         .arg(escrow)
         .arg(keep_ms);
-    if let Some(now) = now_us {
-        inv.arg(now);
-    }
+    push_now(&mut inv, now_us);
     inv
 }
 
