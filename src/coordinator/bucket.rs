@@ -29,7 +29,8 @@ pub struct Shape {
 }
 
 impl Shape {
-    fn bucket_rate(&self, rate: f64) -> BucketRate {
+    /// The regional token bucket at enforced rate `rate`: capacity B·rate/ρ.
+    pub fn bucket_rate(&self, rate: f64) -> BucketRate {
         let cap = if self.rho > 0.0 {
             self.burst * rate / self.rho
         } else {
@@ -101,16 +102,6 @@ impl KeySlot {
         match &self.book {
             Some(book) => book.rate_during(t),
             None => default.during(t),
-        }
-    }
-
-    /// The capacity share the stored tokens must be within (invariant S, per bucket).
-    pub fn capacity_when_written(&self, default: &DefaultEscrow, shape: &Shape) -> Option<f64> {
-        match self.bucket {
-            Some(State::Bucket { ts, .. }) => {
-                Some(shape.bucket_rate(self.rate_during(default, ts)).capacity)
-            }
-            _ => None,
         }
     }
 

@@ -36,6 +36,10 @@ pub struct RegionStore {
     clock: SimClock,
     shape: Shape,
     default_escrow: Option<DefaultEscrow>,
+    /// Every default escrow this store applied and since when (its clock): the checker's
+    /// record of what was in force when a bucket was written, which the store itself
+    /// keeps only as a lower bound (see [`DefaultEscrow`]).
+    default_history: Vec<(LocalUs, f64)>,
     durable_default: Option<f64>,
     slots: Vec<Slot>,
     active: Vec<u32>,
@@ -74,6 +78,7 @@ impl RegionStore {
                 step_tolerance,
             },
             default_escrow: None,
+            default_history: Vec::new(),
             durable_default: None,
             slots: vec![Slot::default(); keys as usize],
             active: Vec::new(),
@@ -164,15 +169,26 @@ impl RegionStore {
     /// Invariant S, per bucket: the stored tokens are within the capacity share in force
     /// when they were written. (Every read clamps to the share in force then, so the
     /// tokens a bucket can spend never exceed its share; this checks that the store writes
-    /// accordingly, including when a dropped loan or a failover lowers the rate.)
+    /// accordingly, including when a dropped loan or a failover lowers the rate.) For a
+    /// key without a book that share is the default escrow of that instant, from the
+    /// checker's own history: the store lowers a default lazily, as the smaller of old and
+    /// new for the whole stretch since a bucket's last write, so tokens written before a
+    /// lowering may exceed the new share until the next read clamps them.
     pub fn check_capacity(&self, key: u32) -> Result<(), String> {
         let slot = &self.slots[key as usize].key;
-        let Some(State::Bucket { tokens, .. }) = slot.bucket else {
+        let Some(State::Bucket { tokens, ts }) = slot.bucket else {
             return Ok(());
         };
-        let cap = slot
-            .capacity_when_written(&self.default(), &self.shape)
-            .unwrap_or(0.0);
+        let rate = match &slot.book {
+            Some(book) => book.rate_during(ts),
+            None => self
+                .default_history
+                .iter()
+                .rev()
+                .find(|(since, _)| *since <= ts)
+                .map_or(0.0, |(_, e)| *e),
+        };
+        let cap = self.shape.bucket_rate(rate).capacity;
         if tokens > cap + 1e-6 * cap.max(1.0) {
             return Err(format!(
                 "bucket holds {tokens:.6} tokens, capacity share {cap:.6}"
@@ -250,6 +266,7 @@ impl RegionStore {
             }
         };
         if changed {
+            self.default_history.push((now, escrow));
             // Every key without a book changed rate: the engine checks them all.
             self.changed.insert(ALL_KEYS);
         }
