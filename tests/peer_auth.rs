@@ -50,6 +50,7 @@ fn exchange(want: f64, t_req: i64) -> Vec<u8> {
                 held: None,
             }],
         }],
+        early: false,
     };
     serde_json::to_vec(&msg).unwrap()
 }

@@ -24,6 +24,11 @@ pub struct Exchange {
     pub t_req: LocalUs,
     #[serde(rename = "p")]
     pub policies: Vec<PolicyReport>,
+    /// Sent between rounds with news for the keys it carries (see
+    /// `Node::early_exchanges`): a borrower that was granted less than it asked for one of
+    /// them asks again at once instead of at its next round.
+    #[serde(rename = "e", default, skip_serializing_if = "std::ops::Not::not")]
+    pub early: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

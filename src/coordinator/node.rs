@@ -116,6 +116,12 @@ struct KeyState {
     /// Until when (our clock) a grant for a loan this key asked for could still be
     /// accepted: the key is not forgotten before, or it would forget what it accepted.
     asked_until: LocalUs,
+    /// Per peer: this key has news for it that should not wait for the next round (a
+    /// give-back to announce, a re-ask, capacity freed for it).
+    early: Vec<bool>,
+    /// Per borrower: its last request was granted less than it asked for (by more than
+    /// the hysteresis), so freed capacity is worth telling it about.
+    short: Vec<bool>,
 }
 
 /// A region as the borrower of one lender, for one key.
@@ -173,6 +179,9 @@ pub struct Node<C: Clock> {
     peers: Vec<Peer>,
     /// Peers heard from since the last round whose link was not connected before.
     link_up: Vec<bool>,
+    /// Per peer: the round in which the last early exchange (news for a few keys, between
+    /// rounds) went to it. At most one per peer per round; the rest waits for the round.
+    early_round: Vec<u64>,
     policies: BTreeMap<String, PolicyState>,
     stats: NodeStats,
 }
@@ -203,6 +212,7 @@ impl<C: Clock> Node<C> {
             high_water: now,
             peers: vec![Peer::default(); regions],
             link_up: vec![false; regions],
+            early_round: vec![0; regions],
             policies: BTreeMap::new(),
             stats: NodeStats::default(),
         };
@@ -339,6 +349,19 @@ impl<C: Clock> Node<C> {
         out
     }
 
+    /// Microseconds (node clock) until the next instant some tracked key's enforced rate
+    /// changes by itself (a loan or reservation ends), if any: a status page shows the
+    /// change then, not at the next event.
+    pub fn next_change_in(&self) -> Option<i64> {
+        let now = self.clock.now_us();
+        self.policies
+            .values()
+            .flat_map(|ps| ps.keys.values())
+            .filter_map(|ks| ks.book.expiries_between(now, LocalUs::MAX).first().copied())
+            .min()
+            .map(|t| t - now)
+    }
+
     /// A daemon-side backward-step check: drop every loan (the store does the same on its
     /// own clock, per key, on the next touch).
     fn observe_clock(&mut self, store: &mut dyn LeaseStore) -> LocalUs {
@@ -369,26 +392,50 @@ impl<C: Clock> Node<C> {
         let me = self.me.index();
         (0..self.peers.len())
             .filter(|&j| j != me)
-            .map(|j| (RegionId(j as u16), self.exchange_for(j, now)))
+            .map(|j| (RegionId(j as u16), self.exchange_for(j, now, false)))
             .collect()
     }
 
-    /// Exchanges for peers heard from again since the last round (a heal, a restart):
-    /// planned with them connected and sent now, so that loans resume a round earlier
-    /// than waiting for the next round would. Call after delivering a message; usually
-    /// empty.
-    pub fn link_ups(&mut self, store: &mut dyn LeaseStore) -> Vec<(RegionId, Exchange)> {
-        if !self.link_up.contains(&true) {
+    /// What should not wait for the next round; call after delivering a message (usually
+    /// empty):
+    /// - a whole exchange for each peer heard from again since the last round (a heal, a
+    ///   restart), planned with it connected, so that loans resume a round earlier;
+    /// - an exchange of just the keys with news for a peer: a give-back this region made
+    ///   as a borrower (the lender lowers its reservation a round earlier), capacity it
+    ///   freed as a lender for a borrower it granted short, and the re-ask of a borrower
+    ///   so told. After a heal, capacity moves from one borrower to another in a few
+    ///   one-way delays instead of a round of each region in turn. At most one per peer
+    ///   per round.
+    pub fn early_exchanges(&mut self, store: &mut dyn LeaseStore) -> Vec<(RegionId, Exchange)> {
+        let n = self.peers.len();
+        let me = self.me.index();
+        let has_news = |j: usize, ps: &BTreeMap<String, PolicyState>| {
+            ps.values().any(|p| p.keys.values().any(|ks| ks.early[j]))
+        };
+        let news: Vec<usize> = (0..n)
+            .filter(|&j| j != me && !self.link_up[j] && self.early_round[j] != self.round)
+            .filter(|&j| has_news(j, &self.policies))
+            .collect();
+        if !self.link_up.contains(&true) && news.is_empty() {
             return Vec::new();
         }
         let now = self.observe_clock(store);
-        self.refresh(store, now, false);
-        let peers: Vec<usize> = (0..self.peers.len()).filter(|&j| self.link_up[j]).collect();
-        self.link_up.fill(false);
-        peers
-            .into_iter()
-            .map(|j| (RegionId(j as u16), self.exchange_for(j, now)))
-            .collect()
+        let mut out = Vec::new();
+        if self.link_up.contains(&true) {
+            self.refresh(store, now, false);
+            let peers: Vec<usize> = (0..n).filter(|&j| self.link_up[j]).collect();
+            self.link_up.fill(false);
+            for j in peers {
+                out.push((RegionId(j as u16), self.exchange_for(j, now, false)));
+            }
+        }
+        for j in news {
+            if self.link_at(j, now) == Link::Connected {
+                self.early_round[j] = self.round;
+                out.push((RegionId(j as u16), self.exchange_for(j, now, true)));
+            }
+        }
+        out
     }
 
     /// Plans every engaged key and re-asserts its book. With `sample`, this is a round:
@@ -443,7 +490,7 @@ impl<C: Clock> Node<C> {
                     // nothing needs writing. Only its demand is watched (above).
                     continue;
                 }
-                plan(ks, &ps.policy, self.me, &links, round, &p, now);
+                let _ = plan(ks, &ps.policy, self.me, &links, round, &p, now);
                 // Re-assert: the escrow in force, and everything in memory, every round.
                 let escrow = effective_escrow(escrow_now, &ks.book, now);
                 ks.book.escrow = escrow;
@@ -459,8 +506,9 @@ impl<C: Clock> Node<C> {
         }
     }
 
-    /// The exchange for peer `j`: every key hot here, leased with it, or mentioned by it.
-    fn exchange_for(&mut self, j: usize, now: LocalUs) -> Exchange {
+    /// The exchange for peer `j`: every key hot here, leased with it, or mentioned by it;
+    /// with `news_only`, only the keys with news for it (see [`Self::early_exchanges`]).
+    fn exchange_for(&mut self, j: usize, now: LocalUs, news_only: bool) -> Exchange {
         let round = self.round;
         let me = self.me.index();
         let p = self.params;
@@ -473,7 +521,8 @@ impl<C: Clock> Node<C> {
                     || ks.book.loan_from(RegionId(j as u16), now).is_some();
                 let mentioned = ks.peer_demand[j].is_some_and(|(_, r)| recent(round, r, &p));
                 let hot = ks.hot_round.is_some_and(|r| recent(round, r, &p));
-                if !(hot || leased || mentioned) {
+                let news = std::mem::take(&mut ks.early[j]);
+                if news_only && !news || !(hot || leased || mentioned || news) {
                     continue;
                 }
                 let holds = ks.book.loan_from(RegionId(j as u16), now).is_some();
@@ -505,6 +554,7 @@ impl<C: Clock> Node<C> {
             to_incarnation: peer_inc,
             t_req: now,
             policies,
+            early: news_only,
         }
     }
 
@@ -574,17 +624,33 @@ impl<C: Clock> Node<C> {
                 ks.peer_demand[j] = Some((sanitize(report.demand as f64), round));
                 // Plan again with the demand just reported (and the link just heard from):
                 // what may be lent follows the freshest view, not the last round's.
-                plan(ks, &ps.policy, self.me, &links, round, &p, now);
+                let gave_back = plan(ks, &ps.policy, self.me, &links, round, &p, now);
+                // The sender is a lender this region wants more from than it holds, and it
+                // has news for the key (capacity freed): ask again now.
+                let held_from_j = ks.book.loan_from(msg.from, now).map_or(0.0, |l| l.amount);
+                if msg.early && ks.lenders[j].want >= held_from_j + p.hysteresis * ps.policy.rho {
+                    ks.early[j] = true;
+                }
                 let mut changed = false;
+                let mut durable = None;
                 if let Some(upto) = report.release
                     && msg.to_incarnation == self.incarnation
                 {
+                    let reserved = ks.book.reserved_total(now);
                     let before = ks.book.clone();
                     ks.book.release(msg.from, upto);
                     if let Some(held) = report.held {
                         ks.book.lower(msg.from, upto, sanitize(held));
                     }
                     changed |= ks.book != before;
+                    if ks.book.reserved_total(now) < reserved {
+                        // Capacity freed: tell the borrowers granted short.
+                        for b in 0..n {
+                            if b != j && ks.short[b] {
+                                ks.early[b] = true;
+                            }
+                        }
+                    }
                 }
                 let mut grant = None;
                 if let Some(want) = report.want {
@@ -596,6 +662,7 @@ impl<C: Clock> Node<C> {
                         0.0
                     };
                     let amount = floor_milli(sanitize(want).min(lendable.max(0.0)));
+                    ks.short[j] = sanitize(want) - amount >= p.hysteresis * ps.policy.rho;
                     let seq = self.next_seq;
                     self.next_seq += 1;
                     ks.book.reserved.push(Reservation {
@@ -605,16 +672,20 @@ impl<C: Clock> Node<C> {
                         until: now + hold,
                     });
                     ks.book.high_water = ks.book.high_water.max(now);
-                    if ks.write(store, &block.name, &report.key) {
+                    let ok = ks.write(store, &block.name, &report.key);
+                    if ok {
                         grant = Some(Grant { seq, amount });
                         self.stats.grants += 1;
                     } else {
                         self.stats.grants_withheld += 1;
                     }
-                    changed = false;
+                    durable = Some(ok);
+                } else if changed || gave_back {
+                    durable = Some(ks.write(store, &block.name, &report.key));
                 }
-                if changed {
-                    ks.write(store, &block.name, &report.key);
+                // A give-back is written now, and once durable announced (early).
+                if gave_back && durable == Some(true) {
+                    ks.durable_written();
                 }
                 keys.push(KeyReply {
                     key: report.key.clone(),
@@ -749,6 +820,8 @@ impl KeyState {
             planned: None,
             dirty: false,
             asked_until: LocalUs::MIN,
+            early: vec![false; n],
+            short: vec![false; n],
         }
     }
 
@@ -797,7 +870,8 @@ impl KeyState {
     }
 }
 
-/// Plans one key from this region's view and sets what to ask each lender for.
+/// Plans one key from this region's view and sets what to ask each lender for; true if
+/// it gave part of a loan back (the book is lower and not yet written).
 fn plan(
     ks: &mut KeyState,
     policy: &GlobalPolicy,
@@ -806,7 +880,8 @@ fn plan(
     round: u64,
     p: &Params,
     now: LocalUs,
-) {
+) -> bool {
+    let mut gave_back = false;
     let n = links.len();
     let me = me.index();
     let mut demand = vec![0.0; n];
@@ -851,8 +926,11 @@ fn plan(
                 l.amount = l.amount.min(want);
             }
             ks.dirty = true;
+            ks.early[j] = true;
+            gave_back = true;
         }
     }
+    gave_back
 }
 
 /// The escrow written into a book: during a re-split min(old, new), but never below what
@@ -1002,6 +1080,125 @@ mod tests {
         }
         assert!(max_sum <= 100.0 + 1e-9, "sum of enforced rates {max_sum}");
         assert!(borrowed_seen, "the hot region never borrowed");
+    }
+
+    /// Three regions on map stores and one manual clock. Every message is delivered at
+    /// once, in order, together with the early exchanges each delivery causes; the grants
+    /// are logged as (lender, borrower, amount).
+    struct Trio {
+        clock: Arc<ManualClock>,
+        stores: Vec<MapStore>,
+        nodes: Vec<Node<Arc<ManualClock>>>,
+        grants: Vec<(usize, usize, f64)>,
+    }
+
+    impl Trio {
+        fn new(weights: &[f64; 3], rho: f64) -> Trio {
+            let policy = GlobalPolicy::from_weights("g", 1, rho, rho, weights, Mode::Proportional);
+            let clock = Arc::new(ManualClock::new(0));
+            let mut stores: Vec<MapStore> = (0..3).map(|_| MapStore::default()).collect();
+            let nodes = (0..3)
+                .map(|i| {
+                    let (c, p) = (clock.clone(), Params::default());
+                    Node::start(
+                        RegionId(i),
+                        3,
+                        p,
+                        c,
+                        1,
+                        vec![policy.clone()],
+                        &mut stores[i as usize],
+                    )
+                })
+                .collect();
+            Trio {
+                clock,
+                stores,
+                nodes,
+                grants: Vec::new(),
+            }
+        }
+
+        fn deliver(&mut self, from: usize, out: Vec<(RegionId, Exchange)>) {
+            let mut queue: std::collections::VecDeque<(usize, RegionId, Exchange)> =
+                out.into_iter().map(|(to, ex)| (from, to, ex)).collect();
+            while let Some((from, to, ex)) = queue.pop_front() {
+                let j = to.index();
+                let reply = self.nodes[j]
+                    .on_exchange(&ex, &mut self.stores[j])
+                    .expect("reply");
+                for k in reply.policies.iter().flat_map(|p| &p.keys) {
+                    if let Some(g) = k.grant {
+                        self.grants.push((j, from, g.amount));
+                    }
+                }
+                let early = self.nodes[j].early_exchanges(&mut self.stores[j]);
+                queue.extend(early.into_iter().map(|(t, e)| (j, t, e)));
+                self.nodes[from].on_reply(&reply, &mut self.stores[from]);
+                let early = self.nodes[from].early_exchanges(&mut self.stores[from]);
+                queue.extend(early.into_iter().map(|(t, e)| (from, t, e)));
+            }
+        }
+
+        /// A round of region `r` at `t` seconds, offering it `offered` more units.
+        fn round(&mut self, r: usize, t: i64, offered: u64) {
+            self.clock.set(t * 1_000_000);
+            self.stores[r].counters.rejected += offered;
+            let out = self.nodes[r].round(&mut self.stores[r]);
+            self.deliver(r, out);
+        }
+
+        fn loan(&self, borrower: usize, lender: u16) -> f64 {
+            let now = self.clock.now_us();
+            let book = self.stores[borrower].books.get("k");
+            book.and_then(|b| b.loan_from(RegionId(lender), now))
+                .map_or(0.0, |l| l.amount)
+        }
+    }
+
+    /// Capacity moves from one borrower to another between rounds: region 1 borrows all of
+    /// region 0's spare; then region 2 gets hot and asks region 0, which can grant little
+    /// (it is reserved for region 1). Region 1 gives back at once when it hears of region
+    /// 2's demand, region 0 tells region 2 the capacity is free, and region 2 asks again:
+    /// within region 2's one round, not a round of each region in turn.
+    #[test]
+    fn freed_capacity_reaches_the_next_borrower_within_one_round() {
+        let mut trio = Trio::new(&[8.0, 1.0, 1.0], 1000.0);
+        // Region 1 hot (1000/s offered), the others idle, past the learning period.
+        for t in 1..=14 {
+            for r in 0..3 {
+                trio.round(r, t, if r == 1 { 1000 } else { 0 });
+            }
+        }
+        let before = trio.loan(1, 0);
+        assert!(before > 500.0, "region 1 borrowed {before} from region 0");
+        // Region 2 gets as hot: one round of its own.
+        trio.grants.clear();
+        trio.round(2, 15, 1000);
+        let to_2: Vec<f64> = trio
+            .grants
+            .iter()
+            .filter(|g| g.0 == 0 && g.1 == 2)
+            .map(|g| g.2)
+            .collect();
+        assert!(to_2.len() >= 2, "one grant only: {to_2:?}");
+        let (first, last) = (to_2[0], trio.loan(2, 0));
+        assert!(
+            last > first + 100.0,
+            "region 2 asked again for nothing: {to_2:?}"
+        );
+        assert!(
+            trio.loan(1, 0) < before - 100.0,
+            "region 1 gave nothing back"
+        );
+        let now = trio.clock.now_us();
+        let tol = Params::default().step_tolerance_us();
+        let sum: f64 = trio
+            .stores
+            .iter()
+            .map(|s| s.books["k"].rate(now, tol))
+            .sum();
+        assert!(sum <= 1000.0 + 1e-9, "Σ R = {sum}");
     }
 
     /// The bug a toy simulation of this protocol once found (design note, safety rule 3):

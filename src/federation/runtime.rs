@@ -76,6 +76,14 @@ struct Leading<B: Backend> {
     token: u64,
     next_round: Instant,
     next_renew: Instant,
+    /// When `/v1/status` and the metrics were last published, and whether a message has
+    /// changed what they would show since (published at most every tenth of a round, so
+    /// that a grant shows within that, not at the next round, at a bounded cost).
+    published: Instant,
+    unpublished: bool,
+    /// When a loan or reservation ends next: published then too (nothing else wakes the
+    /// thread of a cut-off region whose loans run out between rounds).
+    next_change: Option<Instant>,
 }
 
 impl<B: Backend> Runtime<B> {
@@ -171,6 +179,9 @@ impl<B: Backend> Runtime<B> {
             token,
             next_round: now,
             next_renew: now + s.lock / 5,
+            published: now,
+            unpublished: false,
+            next_change: None,
         })
     }
 
@@ -180,7 +191,14 @@ impl<B: Backend> Runtime<B> {
     /// failed mid-event (the node is dropped: a restart with a new token).
     fn lead(&mut self, mut l: Box<Leading<B>>) -> Step<B> {
         let settings = &self.shared.settings;
-        let wake = l.next_round.min(l.next_renew);
+        let publish_gap = Duration::from_micros(settings.params.round_us.max(0) as u64 / 10);
+        let mut wake = l.next_round.min(l.next_renew);
+        if l.unpublished {
+            wake = wake.min(l.published + publish_gap);
+        }
+        if let Some(t) = l.next_change {
+            wake = wake.min(t);
+        }
         let left = wake.saturating_duration_since(Instant::now());
         match self.events.recv_timeout(left) {
             // The handler already gave up on this one (it answered 503): the peer retries.
@@ -190,7 +208,8 @@ impl<B: Backend> Runtime<B> {
                     let r = l.node.on_exchange(&msg, &mut l.store);
                     let ok = l.store.failure().is_none();
                     let _ = reply.send(if ok { r } else { None });
-                    self.send(l.node.link_ups(&mut l.store));
+                    self.send(l.node.early_exchanges(&mut l.store));
+                    l.unpublished = true;
                 } else {
                     let _ = reply.send(None);
                 }
@@ -198,7 +217,8 @@ impl<B: Backend> Runtime<B> {
             Ok(Event::Reply(r)) => {
                 if l.store.begin(false).is_ok() {
                     l.node.on_reply(&r, &mut l.store);
-                    self.send(l.node.link_ups(&mut l.store));
+                    self.send(l.node.early_exchanges(&mut l.store));
+                    l.unpublished = true;
                 }
             }
             Err(RecvTimeoutError::Disconnected) => return Step::Closed,
@@ -225,9 +245,15 @@ impl<B: Backend> Runtime<B> {
                     self.send(msgs);
                 }
                 self.shared.metrics.global.rounds.inc();
-                self.publish(&l);
+                self.publish(&mut l);
             }
             l.next_round = now + jittered(settings.params.round_us);
+        }
+        let changed = l.next_change.is_some_and(|t| now >= t);
+        if (changed || l.unpublished && now >= l.published + publish_gap)
+            && l.store.failure().is_none()
+        {
+            self.publish(&mut l);
         }
         if let Some(e) = l.store.failure() {
             tracing::warn!(error = %e, fenced = l.store.fenced(), "coordinator store failed mid-event; restarting the coordinator");
@@ -245,7 +271,13 @@ impl<B: Backend> Runtime<B> {
         }
     }
 
-    fn publish(&self, l: &Leading<B>) {
+    fn publish(&self, l: &mut Leading<B>) {
+        l.published = Instant::now();
+        l.unpublished = false;
+        // A millisecond past the end, so that the republished rate no longer counts it.
+        l.next_change = l.node.next_change_in().map(|us| {
+            l.published + Duration::from_micros(us.max(0) as u64) + Duration::from_millis(1)
+        });
         let s = &self.shared.settings;
         let node = &l.node;
         let mut status = Status {

@@ -83,12 +83,12 @@ pub struct Send {
 
 /// An exchange waiting for its reply (the daemon's client retries it on a timeout).
 struct Pending {
-    t_req: LocalUs,
     bytes: Vec<u8>,
     tries: u32,
 }
 
-/// Retries of one exchange before the next round sends a fresh one.
+/// Retries of one exchange (as the daemon's client: each exchange on its own, so a round's
+/// exchange is retried even when an early one to the same peer went out after it).
 const MAX_RETRIES: u32 = 2;
 
 /// Things that happen to a region (from the scenario's fault schedule).
@@ -117,8 +117,9 @@ pub struct Regime {
     unsent: Vec<BTreeMap<u32, Vec<u64>>>,
     /// Central: which of a tick's simultaneous requests get the tokens.
     split_rng: ChaCha8Rng,
-    /// Lease: per (from, to), the exchange of the current round until its reply arrives.
-    pending: BTreeMap<(usize, usize), Pending>,
+    /// Lease: per (from, to, t_req), an exchange until its reply arrives or its retries
+    /// are spent.
+    pending: BTreeMap<(usize, usize, LocalUs), Pending>,
 }
 
 struct NaiveKey {
@@ -321,9 +322,8 @@ impl Regime {
             let bytes = Message::Exchange(ex).encode();
             let timeout = retry_timeout(node.rtt_us(to), self.params.round_us);
             self.pending.insert(
-                (r, to.index()),
+                (r, to.index(), t_req),
                 Pending {
-                    t_req,
                     bytes: bytes.clone(),
                     tries: 0,
                 },
@@ -418,18 +418,12 @@ impl Regime {
                         }
                     }
                     Ok(Message::Reply(reply)) => {
-                        if self
-                            .pending
-                            .get(&(to, from))
-                            .is_some_and(|p| p.t_req == reply.t_req)
-                        {
-                            self.pending.remove(&(to, from));
-                        }
+                        self.pending.remove(&(to, from, reply.t_req));
                         node.on_reply(&reply, store)
                     }
                     Err(_) => {}
                 }
-                let early = node.link_ups(store);
+                let early = node.early_exchanges(store);
                 self.send_exchanges(to, early, out);
             }
             ModeKind::CountSharing => {
@@ -456,11 +450,14 @@ impl Regime {
     /// An exchange's retry timer fired: send it again if no reply came and no newer
     /// round replaced it (the same bytes: a retry is a duplicate, which the protocol takes).
     pub fn retry(&mut self, from: usize, to: usize, t_req: LocalUs, out: &mut Vec<Send>) {
-        let (Some(node), Some(p)) = (self.nodes[from].as_ref(), self.pending.get_mut(&(from, to)))
-        else {
+        let (Some(node), Some(p)) = (
+            self.nodes[from].as_ref(),
+            self.pending.get_mut(&(from, to, t_req)),
+        ) else {
             return;
         };
-        if p.t_req != t_req || p.tries >= MAX_RETRIES {
+        if p.tries >= MAX_RETRIES {
+            self.pending.remove(&(from, to, t_req));
             return;
         }
         p.tries += 1;
@@ -480,7 +477,7 @@ impl Regime {
         match ev {
             RegionEvent::Crash => {
                 self.nodes[r] = None;
-                self.pending.retain(|&(from, _), _| from != r);
+                self.pending.retain(|&(from, _, _), _| from != r);
             }
             RegionEvent::Restart => {
                 if self.kind == ModeKind::Lease && self.nodes[r].is_none() {
