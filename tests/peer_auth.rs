@@ -48,9 +48,9 @@ fn exchange(want: f64, t_req: i64) -> Vec<u8> {
                 want: Some(want),
                 release: None,
                 held: None,
+                freed: false,
             }],
         }],
-        early: false,
     };
     serde_json::to_vec(&msg).unwrap()
 }

@@ -24,11 +24,6 @@ pub struct Exchange {
     pub t_req: LocalUs,
     #[serde(rename = "p")]
     pub policies: Vec<PolicyReport>,
-    /// Sent between rounds with news for the keys it carries (see
-    /// `Node::early_exchanges`): a borrower that was granted less than it asked for one of
-    /// them asks again at once instead of at its next round.
-    #[serde(rename = "e", default, skip_serializing_if = "std::ops::Not::not")]
-    pub early: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,6 +54,11 @@ pub struct KeyReport {
     /// part of it back): the receiver may lower that reservation to it.
     #[serde(rename = "h", default, skip_serializing_if = "Option::is_none")]
     pub held: Option<f64>,
+    /// The sender, as a lender that granted the receiver less than it asked for this key,
+    /// has freed capacity since: the receiver asks again at once (see
+    /// `Node::early_exchanges`) instead of at its next round.
+    #[serde(rename = "fr", default, skip_serializing_if = "std::ops::Not::not")]
+    pub freed: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -275,8 +275,9 @@ impl<B: Backend> Runtime<B> {
         l.published = Instant::now();
         l.unpublished = false;
         // A millisecond past the end, so that the republished rate no longer counts it.
-        l.next_change = l.node.next_change_in().map(|us| {
-            l.published + Duration::from_micros(us.max(0) as u64) + Duration::from_millis(1)
+        l.next_change = l.node.next_change_in().and_then(|us| {
+            let wait = Duration::from_micros(us.max(0) as u64) + Duration::from_millis(1);
+            l.published.checked_add(wait)
         });
         let s = &self.shared.settings;
         let node = &l.node;

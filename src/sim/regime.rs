@@ -447,8 +447,8 @@ impl Regime {
         }
     }
 
-    /// An exchange's retry timer fired: send it again if no reply came and no newer
-    /// round replaced it (the same bytes: a retry is a duplicate, which the protocol takes).
+    /// An exchange's retry timer fired: send it again if no reply came and it has retries
+    /// left (the same bytes: a retry is a duplicate, which the protocol takes).
     pub fn retry(&mut self, from: usize, to: usize, t_req: LocalUs, out: &mut Vec<Send>) {
         let (Some(node), Some(p)) = (
             self.nodes[from].as_ref(),
