@@ -191,6 +191,14 @@ impl LeaseBook {
         out
     }
 
+    /// The first store time after `after` at which the rate changes by itself, if any
+    /// (the first of [`Self::expiries_between`] to the end of time, without the list).
+    pub fn next_expiry(&self, after: LocalUs) -> Option<LocalUs> {
+        let reserved = self.reserved.iter().map(|r| r.until);
+        let borrowed = self.borrowed.iter().map(|l| l.until);
+        reserved.chain(borrowed).filter(|&t| t > after).min()
+    }
+
     /// Nothing lent or borrowed that still counts.
     pub fn is_idle(&self, now: LocalUs) -> bool {
         self.reserved.iter().all(|r| now >= r.until) && self.borrowed.iter().all(|l| now >= l.until)

@@ -363,7 +363,7 @@ impl<C: Clock> Node<C> {
         self.policies
             .values()
             .flat_map(|ps| ps.keys.values())
-            .filter_map(|ks| ks.book.expiries_between(now, LocalUs::MAX).first().copied())
+            .filter_map(|ks| ks.book.next_expiry(now))
             .min()
             .map(|t| t - now)
     }
@@ -647,14 +647,13 @@ impl<C: Clock> Node<C> {
                 if let Some(upto) = report.release
                     && msg.to_incarnation == self.incarnation
                 {
-                    let reserved = ks.book.reserved_total(now);
                     let before = ks.book.clone();
                     ks.book.release(msg.from, upto);
                     if let Some(held) = report.held {
                         ks.book.lower(msg.from, upto, sanitize(held));
                     }
                     changed |= ks.book != before;
-                    if ks.book.reserved_total(now) < reserved {
+                    if ks.book.reserved_total(now) < before.reserved_total(now) {
                         // Capacity freed: tell the borrowers granted short.
                         for b in 0..n {
                             if b != j && ks.short[b] {
