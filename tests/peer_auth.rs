@@ -285,28 +285,52 @@ fn a_lender_grants_only_what_a_replica_acknowledged() {
     );
 
     replica.signal("-STOP");
-    let withheld_before = q.json("/v1/status")["coordinator"]["stats"]["grants_withheld"]
-        .as_u64()
-        .unwrap();
-    for _ in 0..5 {
+    let stats = |field: &str| q.json("/v1/status")["coordinator"]["stats"][field].as_u64();
+    let before = (
+        stats("grants_withheld").unwrap(),
+        stats("key_reports").unwrap(),
+    );
+    let (waits_before, rounds_before) = (wait_calls(&primary), stats("rounds").unwrap());
+    // Asked until withheld grants show (a request that reaches the coordinator while it
+    // probes the replica at a round can be answered 503 first): never a loan.
+    let mut asked = 0;
+    wait_for("withheld grants counted", Duration::from_secs(10), || {
         let got = peer.ask();
+        asked += 1;
         assert!(
             got.is_none_or(|a| a == 0.0),
             "a loan of {got:?} left without the replica's ack"
         );
-    }
-    // (Status is published once per round.)
-    wait_for("withheld grants counted", Duration::from_secs(10), || {
-        let w = q.json("/v1/status")["coordinator"]["stats"]["grants_withheld"].as_u64()?;
-        (w > withheld_before).then_some(())
+        let withheld = stats("grants_withheld")?;
+        let reports = stats("key_reports")?;
+        (withheld > before.0 && reports >= before.1 + 5).then_some(())
     });
-
+    // A stalled replica costs one `WAIT` timeout per round (the round probes it), not one
+    // per message: each would block the coordinator for the whole timeout.
+    let waits = wait_calls(&primary) - waits_before;
+    let rounds = stats("rounds").unwrap() - rounds_before;
+    assert!(
+        waits <= rounds + 2,
+        "{waits} WAITs in {rounds} rounds for {asked} requests"
+    );
     replica.signal("-CONT");
     wait_for(
         "loans again once the replica acknowledges",
         Duration::from_secs(15),
         || (peer.ask()? > 0.0).then_some(()),
     );
+}
+
+/// How many `WAIT` commands the server has run.
+fn wait_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.conn())
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_wait:calls="))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 /// A Redis that evicts keys under memory pressure could drop a live reservation: no

@@ -189,6 +189,8 @@ pub struct RedisLeaseStore {
     /// Counters read together with the active keys (one pipeline), for this round.
     counters: HashMap<(String, String), Counters>,
     failure: Option<String>,
+    /// A `WAIT` timed out since the last round (see [`RedisLeaseStore::durable`]).
+    lagging: bool,
     fenced: bool,
     /// Regions in the config (ids in stored books must be below).
     regions: usize,
@@ -223,6 +225,7 @@ impl RedisLeaseStore {
             active_since: HashMap::new(),
             counters: HashMap::new(),
             failure: None,
+            lagging: false,
             fenced: false,
         }
     }
@@ -263,6 +266,7 @@ impl RedisLeaseStore {
             }
         }
         if round {
+            self.lagging = false;
             self.counters.clear();
             self.replication()?;
         }
@@ -345,9 +349,22 @@ impl RedisLeaseStore {
 
     /// Whether writes so far are durable (see the module docs): acknowledged by every
     /// replica connected at the last round.
+    ///
+    /// A `WAIT` that timed out marks the replicas lagging until the next round: writes
+    /// until then are reported not durable at once, and the round's first write probes
+    /// again. A stalled replica (stopped, or its link hung: Redis keeps it connected until
+    /// `repl-timeout`; or still waiting for its first sync) then costs one timeout per
+    /// round. Waiting per write would block the coordinator for the timeout and a tick of
+    /// Redis's clock (about 300 ms here: the 200 ms floor, at the default `hz`) on every
+    /// message and every re-asserted book: peers' requests would time out queued behind
+    /// it, and the lock could go stale. Not durable is always the safe answer: no grant
+    /// leaves, no release is announced, the book is rewritten at the next round.
     fn durable(&mut self) -> bool {
         if self.replicas == 0 {
             return true;
+        }
+        if self.lagging {
+            return false;
         }
         // Every connected replica: a failover may promote any of them.
         let acked: Result<i64, _> = redis::cmd("WAIT")
@@ -355,7 +372,10 @@ impl RedisLeaseStore {
             .arg(self.wait_timeout.as_millis() as u64)
             .query(&mut self.conn);
         match acked {
-            Ok(n) => n >= self.replicas as i64,
+            Ok(n) => {
+                self.lagging = n < self.replicas as i64;
+                !self.lagging
+            }
             Err(e) => {
                 self.fail(e);
                 false
