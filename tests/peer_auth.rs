@@ -95,6 +95,21 @@ impl Peer {
     }
 }
 
+/// A counter of the coordinator's, as `/v1/status` shows it.
+fn stat(q: &Quotad, field: &str) -> Option<u64> {
+    q.json("/v1/status")["coordinator"]["stats"][field].as_u64()
+}
+
+/// Waits until `/v1/status` was published by a round that started after this call: it
+/// then shows every message the coordinator took before (it is published within a tenth
+/// of a round of a message, and at the end of every round).
+fn after_a_round(q: &Quotad) {
+    let r0 = stat(q, "rounds").expect("rounds in /v1/status");
+    wait_for("a round", Duration::from_secs(10), || {
+        (stat(q, "rounds")? > r0 + 1).then_some(())
+    });
+}
+
 /// The lease state of key "k" in eu's Redis: the book's reservations field.
 fn reservations(redis: &RedisServer) -> Option<String> {
     redis::cmd("HGET")
@@ -176,8 +191,9 @@ fn peer_requests_must_be_signed_fresh_and_unique() {
         q.metric("quotad_exchange_rejected_total{reason=\"bad_signature\"}"),
         2.0
     );
-    let status: Value = q.json("/v1/status");
-    assert_eq!(status["coordinator"]["stats"]["grants"], 0, "{status}");
+    after_a_round(&q);
+    assert_eq!(stat(&q, "grants"), Some(0));
+    assert_eq!(stat(&q, "grants_withheld"), Some(0));
     assert_eq!(
         reservations(&redis),
         None,
@@ -187,10 +203,12 @@ fn peer_requests_must_be_signed_fresh_and_unique() {
     // The positive control: a valid request gets a loan (once the learning period after
     // the coordinator's start has passed), signed over our nonce.
     let started = std::time::Instant::now();
+    let mut answered = 0;
     let (signed, grant) = wait_for("a grant", Duration::from_secs(10), || {
         let s = sign("us", SECRET, now_ms(), &body);
         let (status, sig, reply) = peer.post(Some(&s), &body);
         assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+        answered += 1;
         assert!(auth::verify_reply(
             SECRET,
             &s.nonce,
@@ -211,7 +229,15 @@ fn peer_requests_must_be_signed_fresh_and_unique() {
     println!("first loan after {:?}", started.elapsed());
     let held = reservations(&redis).expect("the grant's reservation is in Redis");
     assert!(!held.is_empty());
-    let grants = q.json("/v1/status")["coordinator"]["stats"]["grants"].clone();
+    // Every answered request asked for a loan: granted (0 while learning) or withheld.
+    let grants = wait_for(
+        "the status to show every answer",
+        Duration::from_secs(10),
+        || {
+            let g = stat(&q, "grants")?;
+            (g + stat(&q, "grants_withheld")? >= answered).then_some(g)
+        },
+    );
 
     // Replaying that exact request (same nonce, same signature) changes nothing.
     let (status, _, reply) = peer.post(Some(&signed), &body);
@@ -221,10 +247,8 @@ fn peer_requests_must_be_signed_fresh_and_unique() {
         1.0
     );
     assert_eq!(reservations(&redis).as_deref(), Some(held.as_str()));
-    assert_eq!(
-        q.json("/v1/status")["coordinator"]["stats"]["grants"],
-        grants
-    );
+    after_a_round(&q);
+    assert_eq!(stat(&q, "grants"), Some(grants));
 }
 
 impl Peer {
@@ -284,15 +308,13 @@ fn a_lender_grants_only_what_a_replica_acknowledged() {
         || (peer.ask()? > 0.0).then_some(()),
     );
 
+    after_a_round(&q);
     replica.signal("-STOP");
-    let stats = |field: &str| q.json("/v1/status")["coordinator"]["stats"][field].as_u64();
-    let before = (
-        stats("grants_withheld").unwrap(),
-        stats("key_reports").unwrap(),
-    );
-    let (waits_before, rounds_before) = (wait_calls(&primary), stats("rounds").unwrap());
-    // Asked until withheld grants show (a request that reaches the coordinator while it
-    // probes the replica at a round can be answered 503 first): never a loan.
+    let withheld_before = stat(&q, "grants_withheld").unwrap();
+    let (waits_before, rounds_before) = (wait_calls(&primary), stat(&q, "rounds").unwrap());
+    // Asked until four requests were answered without a grant (withheld; one that reaches
+    // the coordinator while it probes the replica at a round can be answered 503 first):
+    // never a loan.
     let mut asked = 0;
     wait_for("withheld grants counted", Duration::from_secs(10), || {
         let got = peer.ask();
@@ -301,14 +323,12 @@ fn a_lender_grants_only_what_a_replica_acknowledged() {
             got.is_none_or(|a| a == 0.0),
             "a loan of {got:?} left without the replica's ack"
         );
-        let withheld = stats("grants_withheld")?;
-        let reports = stats("key_reports")?;
-        (withheld > before.0 && reports >= before.1 + 5).then_some(())
+        (stat(&q, "grants_withheld")? >= withheld_before + 4).then_some(())
     });
     // A stalled replica costs one `WAIT` timeout per round (the round probes it), not one
     // per message: each would block the coordinator for the whole timeout.
     let waits = wait_calls(&primary) - waits_before;
-    let rounds = stats("rounds").unwrap() - rounds_before;
+    let rounds = stat(&q, "rounds").unwrap() - rounds_before;
     assert!(
         waits <= rounds + 2,
         "{waits} WAITs in {rounds} rounds for {asked} requests"
