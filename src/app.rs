@@ -1,14 +1,14 @@
 //! The composition root: builds the store, the fallback store, the limiter and the router
 //! from validated settings, serves until the shutdown token fires, and owns shutdown order.
 //!
-//! Shutdown (SIGTERM/SIGINT cancel the token): `/readyz` turns 503 at once; after
-//! `server.shutdown_delay` (time for a load balancer to notice) the listener stops
-//! accepting; in-flight requests complete; the process exits no later than
-//! `server.drain_timeout` after the signal, whatever is still open.
+//! Shutdown (SIGTERM/SIGINT cancel the token): `/readyz` turns 503 at once and every
+//! response carries `Connection: close`; after `server.shutdown_delay` (time for a load
+//! balancer to notice) the listener stops accepting; in-flight requests complete and idle
+//! connections close (see [`crate::server`]); the process exits once they are gone, and
+//! no later than `server.drain_timeout` after the signal, whatever is still open.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
@@ -22,6 +22,7 @@ use crate::federation::{BackendChoice, Federation};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
+use crate::server::{self, Drain};
 use crate::store::Store;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::{RedisStore, redacted};
@@ -135,47 +136,83 @@ pub async fn serve(
         }
         None => None,
     };
-    let draining = Arc::new(AtomicBool::new(false));
+    let drain = Drain::default();
     let state = AppState {
         policies,
         limiter: Arc::new(Limiter::new(store.clone(), local, metrics.clone())),
         store,
-        metrics,
+        metrics: metrics.clone(),
         caps: Caps {
             max_body_bytes: settings.server.max_body_bytes,
             max_batch: settings.server.max_batch,
             max_key_bytes: settings.server.max_key_bytes,
+            body_timeout: settings.server.body_timeout,
         },
-        draining: draining.clone(),
+        drain: drain.clone(),
+        ready_requires_store: settings.server.ready_requires_store,
         region: settings.region.as_str().into(),
         federation: federation.clone(),
     };
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
 
+    let file_limit = server::raise_file_limit();
+    let limits = server::Limits {
+        max_connections: settings
+            .server
+            .max_connections
+            .unwrap_or_else(|| server::default_max_connections(file_limit)),
+        header_timeout: settings.server.header_timeout,
+        idle_timeout: settings.server.idle_timeout,
+        max_header_bytes: settings.server.max_header_bytes,
+    };
+    if let Some(n) = file_limit
+        && limits.max_connections as u64 + server::RESERVED_FILES > n
+    {
+        tracing::warn!(
+            max_connections = limits.max_connections,
+            open_files_limit = n,
+            "server.max_connections is above what the open-files limit leaves; accepts will fail first"
+        );
+    }
+    tracing::info!(
+        max_connections = limits.max_connections,
+        open_files_limit = file_limit,
+        "connection bounds"
+    );
+
     let delay = settings.server.shutdown_delay;
     let stop_accepting = {
-        let shutdown = shutdown.clone();
+        let (shutdown, drain) = (shutdown.clone(), drain.clone());
         async move {
             shutdown.cancelled().await;
-            draining.store(true, Ordering::Release);
-            tracing::info!(?delay, "shutting down: readiness off");
+            drain.begin();
+            tracing::info!(
+                ?delay,
+                "shutting down: readiness off, responses carry Connection: close; a second signal exits at once"
+            );
             tokio::time::sleep(delay).await;
-            tracing::info!("no longer accepting; draining in-flight requests");
+            drain.stop_accepting();
+            tracing::info!("no longer accepting; draining connections");
         }
     };
-    let server = axum::serve(listener, api::router(state)).with_graceful_shutdown(stop_accepting);
+    let server = server::serve(
+        listener,
+        api::router(state),
+        limits,
+        metrics.clone(),
+        drain.clone(),
+    );
     let deadline = async {
         shutdown.cancelled().await;
         tokio::time::sleep(settings.server.drain_timeout).await;
     };
-    let result = tokio::select! {
-        r = server.into_future() => r.map_err(AppError::Serve),
+    tokio::select! {
+        _ = async { tokio::join!(server, stop_accepting) } => {}
         _ = deadline => {
             tracing::warn!(timeout = ?settings.server.drain_timeout, "drain timeout reached; exiting with requests in flight");
-            Ok(())
         }
-    };
+    }
     background.cancel();
     if let Some(f) = &federation {
         f.stop().await;
@@ -183,5 +220,5 @@ pub async fn serve(
     tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(1), tasks.wait()).await;
     tracing::info!("stopped");
-    result
+    Ok(())
 }

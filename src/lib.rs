@@ -17,6 +17,7 @@
 //! - [`policy`]: policy types that cannot be invalid; storage-key building.
 //! - [`limiter`]: one check or a batch → decisions; fail modes, shadow mode, batch refunds.
 //! - [`api`]: the axum router, request parsing, the error type.
+//! - [`server`]: connections: their bound, per-phase timeouts, eviction and the drain.
 //! - [`config`]: TOML → validated settings, errors naming file, line and field.
 //! - [`metrics`]: the metric catalogue.
 //! - [`clock`]: time for the embedded store (Redis decisions use Redis TIME).
@@ -39,5 +40,6 @@ pub mod federation;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;
+pub mod server;
 pub mod sim;
 pub mod store;

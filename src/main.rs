@@ -275,27 +275,77 @@ fn serve(settings: Settings) -> ExitCode {
     })
 }
 
-/// Cancels `shutdown` on SIGTERM or SIGINT.
+/// Cancels `shutdown` on SIGTERM or SIGINT; a second one exits at once (an operator who
+/// does not want to wait for the drain). SIGHUP, SIGUSR1 and SIGUSR2 are logged and
+/// otherwise ignored: their default action would kill the daemon without a drain, and
+/// systemd's `Restart=on-failure` does not restart a process killed by SIGHUP.
 async fn on_signal(shutdown: CancellationToken) {
-    let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!("cannot install the SIGTERM handler: {e}");
-                    let _ = ctrl_c.await;
-                    shutdown.cancel();
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut ignored = Vec::new();
+        for (kind, name) in [
+            (SignalKind::hangup(), "SIGHUP"),
+            (SignalKind::user_defined1(), "SIGUSR1"),
+            (SignalKind::user_defined2(), "SIGUSR2"),
+        ] {
+            match signal(kind) {
+                Ok(s) => ignored.push((s, name)),
+                Err(e) => tracing::error!("cannot install the {name} handler: {e}"),
+            }
         }
+        for (mut s, name) in ignored {
+            tokio::spawn(async move {
+                while s.recv().await.is_some() {
+                    tracing::info!(
+                        signal = name,
+                        "signal received and ignored: configuration reload is not supported yet; restart to apply a new config"
+                    );
+                }
+            });
+        }
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::error!("cannot install the SIGTERM handler: {e}");
+                None
+            }
+        };
+        let mut int = signal(SignalKind::interrupt()).ok();
+        let first = stop_signal(&mut term, &mut int).await;
+        tracing::info!(signal = first, "shutdown requested");
+        shutdown.cancel();
+        let second = stop_signal(&mut term, &mut int).await;
+        tracing::warn!(
+            signal = second,
+            "second signal: exiting now without draining"
+        );
+        std::process::exit(1);
     }
     #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    shutdown.cancel();
+    {
+        let _ = tokio::signal::ctrl_c().await;
+        shutdown.cancel();
+    }
+}
+
+/// The next SIGTERM or SIGINT (whichever handlers could be installed).
+#[cfg(unix)]
+async fn stop_signal(
+    term: &mut Option<tokio::signal::unix::Signal>,
+    int: &mut Option<tokio::signal::unix::Signal>,
+) -> &'static str {
+    async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
+        let received = match s {
+            Some(s) => s.recv().await.is_some(),
+            None => false,
+        };
+        if !received {
+            std::future::pending::<()>().await;
+        }
+    }
+    tokio::select! {
+        _ = recv(term) => "SIGTERM",
+        _ = recv(int) => "SIGINT",
+    }
 }

@@ -31,6 +31,24 @@ pub struct Metrics {
     pub refund_errors: IntCounter,
     /// `quotad_build_info{version}`: always 1.
     pub build_info: IntGaugeVec,
+    /// `quotad_shed_total{reason}`: requests refused with 503 `overloaded` before reaching
+    /// Redis (`queue_full`, `queue_timeout`); not decisions, nothing charged.
+    pub shed: IntCounterVec,
+    /// `quotad_store_in_flight`: permits held by requests whose Redis calls are in flight.
+    pub store_in_flight: IntGauge,
+    /// `quotad_store_queued`: requests waiting for Redis permits.
+    pub store_queued: IntGauge,
+    /// `quotad_store_breaker_opens_total`: times the circuit breaker opened (a lost
+    /// connection, or timeouts confirmed by an unanswered PING).
+    pub breaker_opens: IntCounter,
+    /// `quotad_connections_open`: HTTP connections open now.
+    pub connections_open: IntGauge,
+    /// `quotad_connections_closed_total{reason}`: connections the server closed
+    /// (`header_timeout`, `idle_timeout`, `evicted`, `rejected`, `drained`); clients'
+    /// own closes are not counted.
+    pub connections_closed: IntCounterVec,
+    /// `quotad_accept_errors_total`: failed accepts (a full file table, usually).
+    pub accept_errors: IntCounter,
     /// Global budgets, from the instance that coordinates the region (the others export
     /// zeros and `quotad_coordinator_leader 0`). Rates are units per second summed over the
     /// keys the coordinator tracks (hot or leased keys; cold keys run on their escrow).
@@ -201,8 +219,53 @@ impl Metrics {
             &["version"],
         )
         .expect("valid metric");
+        let shed = IntCounterVec::new(
+            Opts::new(
+                "quotad_shed_total",
+                "Requests shed with 503 before reaching Redis, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let store_in_flight = IntGauge::new(
+            "quotad_store_in_flight",
+            "Redis call permits held by requests in flight.",
+        )
+        .expect("valid metric");
+        let store_queued = IntGauge::new(
+            "quotad_store_queued",
+            "Requests waiting for Redis call permits.",
+        )
+        .expect("valid metric");
+        let breaker_opens = IntCounter::new(
+            "quotad_store_breaker_opens_total",
+            "Times the store circuit breaker opened.",
+        )
+        .expect("valid metric");
+        let connections_open = IntGauge::new("quotad_connections_open", "HTTP connections open.")
+            .expect("valid metric");
+        let connections_closed = IntCounterVec::new(
+            Opts::new(
+                "quotad_connections_closed_total",
+                "HTTP connections closed by the server, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let accept_errors = IntCounter::new(
+            "quotad_accept_errors_total",
+            "Failed accepts on the listener.",
+        )
+        .expect("valid metric");
         for m in [
             Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(connections_open.clone()),
+            Box::new(connections_closed.clone()),
+            Box::new(accept_errors.clone()),
+            Box::new(shed.clone()),
+            Box::new(store_in_flight.clone()),
+            Box::new(store_queued.clone()),
+            Box::new(breaker_opens.clone()),
             Box::new(check_duration.clone()),
             Box::new(store_errors.clone()),
             Box::new(store_up.clone()),
@@ -220,6 +283,7 @@ impl Metrics {
         for k in StoreError::KINDS {
             store_errors.with_label_values(&[k]);
         }
+
         build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
@@ -233,6 +297,13 @@ impl Metrics {
             script_loads,
             refund_errors,
             build_info,
+            shed,
+            store_in_flight,
+            store_queued,
+            breaker_opens,
+            connections_open,
+            connections_closed,
+            accept_errors,
             global,
         }
     }

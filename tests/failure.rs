@@ -162,6 +162,9 @@ fn fallback_for(policy: &str) -> &'static str {
 fn redis_killed_mid_load_falls_back_per_policy_and_recovers() {
     let mut redis = RedisServer::start();
     let q = Quotad::start(&config(&redis));
+    // The same config, with readiness following the store (the opt-in).
+    let strict = Quotad::start_with(&config(&redis), "ready_requires_store = true");
+    assert_eq!(strict.get("/readyz").0, 200);
     let t0 = Instant::now();
     let load = Load::start(q.port, 3);
     wait_outcomes(&load, t0, "enforced decisions", |_, o| enforced(o));
@@ -172,9 +175,19 @@ fn redis_killed_mid_load_falls_back_per_policy_and_recovers() {
         o == fallback_for(p)
     });
     std::thread::sleep(Duration::from_millis(300));
-    let (status, _) = q.get("/readyz");
-    assert_eq!(status, 503, "readyz while Redis is down");
+    // Ready by default: this instance answers per its policies (they just showed it), so
+    // it must stay in its Service; the store's state is reported, not acted on.
+    let (status, body) = q.get("/readyz");
+    assert_eq!(status, 200, "readyz while Redis is down: {body}");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["store_ready"], false, "{body}");
     assert_eq!(q.metric("quotad_store_up"), 0.0);
+    // The opt-in instance has no traffic: its health check (every second) finds Redis gone.
+    wait_for(
+        "readyz 503 with ready_requires_store",
+        Duration::from_secs(5),
+        || (strict.get("/readyz").0 == 503).then_some(()),
+    );
 
     redis.restart(); // a new process: no data, empty script cache
     let restarted = Instant::now();
@@ -247,16 +260,21 @@ fn hung_redis_costs_at_most_the_timeout_then_fails_fast() {
         worst <= Duration::from_millis(TIMEOUT_MS + MARGIN_MS),
         "a request took {worst:?}"
     );
-    // After the breaker opens (3 timeouts), decisions no longer wait for the timeout.
-    let after: Vec<_> = latencies[5..].to_vec();
-    let slow_after = after
+    // Three timeouts in a row make Redis suspect; the breaker opens once a PING with a
+    // longer deadline (4 x the timeout, here 200 ms) goes unanswered too. From then on no
+    // decision waits for the timeout: the slow answers are a prefix of at most 3 + 4 + 1.
+    let slow = latencies
         .iter()
-        .filter(|l| **l >= Duration::from_millis(TIMEOUT_MS))
+        .take_while(|l| **l >= Duration::from_millis(TIMEOUT_MS))
         .count();
-    assert_eq!(
-        slow_after, 0,
+    assert!(
+        (3..=8).contains(&slow)
+            && latencies[slow..]
+                .iter()
+                .all(|l| *l < Duration::from_millis(TIMEOUT_MS)),
         "requests still paid the timeout after the breaker opened: {latencies:?}"
     );
+    assert_eq!(q.metric("quotad_store_breaker_opens_total"), 1.0);
     // Requests counted at least one timeout (the supervisor's health PING may have been one
     // of the 3 failures that opened the breaker; it is not a decision, so not in this metric).
     assert!(q.metric("quotad_store_errors_total{kind=\"timeout\"}") >= 1.0);

@@ -3,9 +3,11 @@
 //! Internal details (store errors, addresses) are never put in a message.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
+
+use crate::store::admission::Shed;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApiError {
@@ -21,6 +23,11 @@ pub enum ApiError {
     BatchTooLarge { max: usize, got: usize },
     #[error("request body is larger than {max} bytes")]
     PayloadTooLarge { max: usize },
+    /// The body's framing is broken (a bad chunk size, a body shorter than declared).
+    #[error("malformed request body: {0}")]
+    InvalidBody(String),
+    #[error("the request body did not arrive within {0:?}")]
+    BodyTimeout(std::time::Duration),
     #[error("content type must be application/json{0}")]
     UnsupportedMediaType(String),
     #[error("no such endpoint")]
@@ -29,6 +36,10 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("the store is unreachable; nothing was changed")]
     StoreUnavailable,
+    /// Shed by admission control (see `store::admission`): quotad is at its Redis
+    /// concurrency limit. Not a decision; nothing was charged. 503 with `Retry-After`.
+    #[error("overloaded ({0}): nothing was charged; retry after the Retry-After delay")]
+    Overloaded(#[from] Shed),
 }
 
 impl ApiError {
@@ -43,12 +54,14 @@ impl ApiError {
         match self {
             ApiError::InvalidJson(_)
             | ApiError::InvalidRequest { .. }
+            | ApiError::InvalidBody(_)
             | ApiError::BatchTooLarge { .. } => StatusCode::BAD_REQUEST,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnknownPolicy { .. } | ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StoreUnavailable | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -59,10 +72,13 @@ impl ApiError {
             ApiError::UnknownPolicy { .. } => "unknown_policy",
             ApiError::BatchTooLarge { .. } => "batch_too_large",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
+            ApiError::InvalidBody(_) => "invalid_body",
+            ApiError::BodyTimeout(_) => "request_timeout",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::NotFound => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::StoreUnavailable => "store_unavailable",
+            ApiError::Overloaded(_) => "overloaded",
         }
     }
 
@@ -83,6 +99,22 @@ impl IntoResponse for ApiError {
         if let Some(f) = self.field() {
             error["field"] = json!(f);
         }
-        (self.status(), Json(json!({ "error": error }))).into_response()
+        let mut resp = (self.status(), Json(json!({ "error": error }))).into_response();
+        let h = resp.headers_mut();
+        match self {
+            // Whole seconds only (RFC 9110); a second is long against a queue timeout of
+            // 100 ms, which is the point: a shed client should back off, not hammer.
+            ApiError::Overloaded(_) => {
+                h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            // What is left of the body on the connection is unknown: do not reuse it.
+            ApiError::PayloadTooLarge { .. }
+            | ApiError::InvalidBody(_)
+            | ApiError::BodyTimeout(_) => {
+                h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            _ => {}
+        }
+        resp
     }
 }

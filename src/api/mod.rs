@@ -2,11 +2,11 @@
 //! Handlers parse and validate, hand a [`Check`] to the [`Limiter`], and turn its decision
 //! into JSON and RateLimit headers. No business logic lives here.
 
+pub mod body;
 pub mod error;
 pub mod request;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
@@ -18,15 +18,15 @@ use axum::{Json, Router};
 use serde_json::json;
 
 use crate::federation::Federation;
-use crate::limiter::{Decision, Limiter};
+use crate::limiter::{Decision, Limiter, ResetError};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
+use crate::server::Drain;
 use crate::store::Store;
 use error::ApiError;
 use request::{Caps, CheckRequest};
 
-/// What the handlers share. Everything is read-only except `draining`, which the app sets
-/// once when shutdown begins (readiness must fail before the listener stops).
+/// What the handlers share, read-only (the drain is the server's: readiness reads it).
 #[derive(Clone)]
 pub struct AppState {
     pub policies: Arc<Policies>,
@@ -34,7 +34,9 @@ pub struct AppState {
     pub store: Arc<Store>,
     pub metrics: Arc<Metrics>,
     pub caps: Caps,
-    pub draining: Arc<AtomicBool>,
+    pub drain: Drain,
+    /// `server.ready_requires_store`: readiness follows the store too.
+    pub ready_requires_store: bool,
     pub region: Arc<str>,
     /// Present when a policy is global (the coordinator and the peer endpoint).
     pub federation: Option<Arc<Federation>>,
@@ -71,10 +73,14 @@ async fn json_body(state: &AppState, req: Request) -> Result<serde_json::Value, 
         };
         return Err(ApiError::UnsupportedMediaType(got));
     }
-    let max = state.caps.max_body_bytes;
-    let body: Bytes = axum::body::to_bytes(req.into_body(), max)
-        .await
-        .map_err(|_| ApiError::PayloadTooLarge { max })?;
+    let (parts, body) = req.into_parts();
+    let body = body::read(
+        &parts.headers,
+        body,
+        state.caps.max_body_bytes,
+        state.caps.body_timeout,
+    )
+    .await?;
     request::parse_json(&body)
 }
 
@@ -84,11 +90,11 @@ async fn check(State(state): State<AppState>, req: Request) -> Result<Response, 
     let parsed = CheckRequest::parse(&body, &state.policies, &state.caps)?;
     let response = match parsed {
         CheckRequest::Single(c) => {
-            let d = state.limiter.check(&c).await;
+            let d = state.limiter.check(&c).await?;
             with_headers(Json(&d).into_response(), std::slice::from_ref(&d))
         }
         CheckRequest::Batch(checks) => {
-            let ds = state.limiter.check_batch(&checks).await;
+            let ds = state.limiter.check_batch(&checks).await?;
             let allowed = ds.iter().all(|d| d.allowed);
             with_headers(
                 Json(json!({"allowed": allowed, "results": &ds})).into_response(),
@@ -154,7 +160,8 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
     let (policy, key) = request::parse_reset(&body, &state.policies, &state.caps)?;
     match state.limiter.reset(&policy, &key).await {
         Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
-        Err(e) => {
+        Err(ResetError::Shed(s)) => Err(s.into()),
+        Err(ResetError::Store(e)) => {
             state.metrics.store_error(&e);
             Err(ApiError::StoreUnavailable)
         }
@@ -237,10 +244,14 @@ async fn healthz() -> Response {
     Json(json!({"status": "ok"})).into_response()
 }
 
+/// Ready = this instance answers per its policies: it fails while draining. A store that
+/// is down does not fail it (each policy's `on_store_error` answers for it, and taking
+/// every replica out of a Service would deliver none of those answers), unless the
+/// operator opted in with `server.ready_requires_store`.
 async fn readyz(State(state): State<AppState>) -> Response {
-    let draining = state.draining.load(Ordering::Acquire);
+    let draining = state.drain.is_draining();
     let store_ready = state.store.is_ready();
-    let ready = store_ready && !draining;
+    let ready = !draining && (store_ready || !state.ready_requires_store);
     let status = if ready {
         StatusCode::OK
     } else {

@@ -16,6 +16,7 @@ pub struct Caps {
     pub max_body_bytes: usize,
     pub max_batch: usize,
     pub max_key_bytes: usize,
+    pub body_timeout: std::time::Duration,
 }
 
 /// A parsed `POST /v1/check` body.
@@ -25,8 +26,107 @@ pub enum CheckRequest {
     Batch(Vec<Check>),
 }
 
+/// Parses a body as JSON, refusing duplicate object keys: with serde_json's last-wins,
+/// `{"key":"A","key":"B","cost":1,"cost":0}` would be a peek on B, which is not what any
+/// client meant to send. The error names the duplicated field's path (`checks[1].key`).
 pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
-    serde_json::from_slice(body).map_err(|e| ApiError::InvalidJson(e.to_string()))
+    let duplicate = std::cell::RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let parsed = serde::de::DeserializeSeed::deserialize(
+        Strict {
+            path: String::new(),
+            duplicate: &duplicate,
+        },
+        &mut de,
+    )
+    .and_then(|v| de.end().map(|()| v));
+    match (parsed, duplicate.into_inner()) {
+        (_, Some(path)) => Err(ApiError::invalid(
+            path,
+            "appears more than once in its object; send each field once",
+        )),
+        (Ok(v), None) => Ok(v),
+        (Err(e), None) => Err(ApiError::InvalidJson(e.to_string())),
+    }
+}
+
+/// A JSON value whose objects may not repeat a key; records the first repeated key's path.
+struct Strict<'a> {
+    path: String,
+    duplicate: &'a std::cell::RefCell<Option<String>>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(Strict {
+            path: format!("{}[{}]", self.path, out.len()),
+            duplicate: self.duplicate,
+        })? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let path = if self.path.is_empty() {
+                key.clone()
+            } else {
+                format!("{}.{key}", self.path)
+            };
+            if out.contains_key(&key) {
+                *self.duplicate.borrow_mut() = Some(path);
+                return Err(serde::de::Error::custom("duplicate field"));
+            }
+            let v = map.next_value_seed(Strict {
+                path,
+                duplicate: self.duplicate,
+            })?;
+            out.insert(key, v);
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>, ApiError> {
@@ -103,15 +203,26 @@ fn cost(obj: &Map<String, Value>, prefix: &str, policy: &Policy) -> Result<u64, 
     let field = format!("{prefix}cost");
     let cost = match obj.get("cost") {
         None => 1,
-        Some(Value::Number(n)) => match n.as_u64() {
-            Some(c) => c,
-            None if n.as_i64().is_some() => {
+        Some(Value::Number(n)) => match (n.as_u64(), n.as_f64()) {
+            (Some(c), _) => c,
+            (None, Some(f)) if f < 0.0 => {
                 return Err(ApiError::invalid(field, "must not be negative"));
             }
-            None => {
+            (None, Some(f)) if f.fract() != 0.0 => {
                 return Err(ApiError::invalid(
                     field,
-                    "must be a whole number (0 = peek)",
+                    format!("must be a whole number (0 = peek), got {n}"),
+                ));
+            }
+            // Past u64 (2^64 and up parse as floats): a size problem, not a format one.
+            (None, _) => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!(
+                        "{n} is too large: at most the capacity {} of policy \"{}\"",
+                        policy.capacity(),
+                        policy.name
+                    ),
                 ));
             }
         },
@@ -212,6 +323,7 @@ mod tests {
             max_body_bytes: 1024,
             max_batch: 2,
             max_key_bytes: 8,
+            body_timeout: Duration::from_secs(1),
         };
         (Policies::new([p]), caps)
     }
@@ -262,6 +374,51 @@ mod tests {
             ),
             ApiError::BatchTooLarge { max: 2, got: 3 }
         ));
+    }
+
+    #[test]
+    fn duplicate_fields_are_refused_with_their_path() {
+        let dup = |body: &str| match parse_json(body.as_bytes()) {
+            Err(ApiError::InvalidRequest { field, .. }) => field,
+            other => panic!("{body}: {other:?}"),
+        };
+        assert_eq!(dup(r#"{"key":"A","key":"B","cost":1,"cost":0}"#), "key");
+        assert_eq!(
+            dup(r#"{"checks":[{"policy":"a","key":"k"},{"policy":"a","key":"k","policy":"b"}]}"#),
+            "checks[1].policy"
+        );
+        // Equal keys in different objects are fine; so is every JSON type.
+        let v = parse_json(br#"{"a":{"x":1},"b":{"x":[true,null,1.5,-2,"s"]}}"#).unwrap();
+        assert_eq!(v["b"]["x"][2], json!(1.5));
+        assert!(matches!(
+            parse_json(b"{\"a\":1} x"),
+            Err(ApiError::InvalidJson(_))
+        ));
+        assert!(matches!(
+            parse_json(b"{\"a\":"),
+            Err(ApiError::InvalidJson(_))
+        ));
+    }
+
+    #[test]
+    fn cost_errors_name_the_real_problem() {
+        let msg = |cost: &str| {
+            let body = format!(r#"{{"policy":"api","key":"k","cost":{cost}}}"#);
+            let (p, c) = setup();
+            match CheckRequest::parse(&parse_json(body.as_bytes()).unwrap(), &p, &c) {
+                Err(ApiError::InvalidRequest { field, message }) => {
+                    assert_eq!(field, "cost");
+                    message
+                }
+                other => panic!("{cost}: {other:?}"),
+            }
+        };
+        assert!(msg("18446744073709551616").contains("too large"), "2^64");
+        assert!(msg("1e300").contains("too large"));
+        assert!(msg("-18446744073709551616").contains("negative"));
+        assert!(msg("-1").contains("negative"));
+        assert!(msg("2.5").contains("whole number"));
+        assert!(msg("21").contains("exceeds the capacity 20"));
     }
 
     #[test]

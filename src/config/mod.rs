@@ -19,6 +19,7 @@ use toml::Spanned;
 use crate::algorithm::Algorithm;
 use crate::coordinator::{Mode, Params, RegionId};
 use crate::policy::{self, FailMode, GlobalSpec, Policy, PolicySpec};
+use crate::store::admission::AdmissionSettings;
 use crate::store::global::{PolicyKeys, ScriptShape};
 use crate::store::redis::RedisSettings;
 
@@ -72,6 +73,44 @@ pub struct ServerSettings {
     pub max_body_bytes: usize,
     pub max_batch: usize,
     pub max_key_bytes: usize,
+    /// `None`: sized at start-up from the open-files limit
+    /// ([`crate::server::default_max_connections`]).
+    pub max_connections: Option<usize>,
+    pub max_header_bytes: usize,
+    /// From accept (or a request's first byte) to the end of its headers.
+    pub header_timeout: Duration,
+    /// From the end of the headers to the end of the body.
+    pub body_timeout: Duration,
+    /// A keep-alive connection with no request in progress.
+    pub idle_timeout: Duration,
+    /// `/readyz` also fails while the store is unusable (default: only while draining).
+    pub ready_requires_store: bool,
+}
+
+impl ServerSettings {
+    /// The defaults of `[server]`.
+    pub fn defaults() -> Self {
+        ServerSettings {
+            listen: DEFAULT_LISTEN.parse().expect("valid default address"),
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+            shutdown_delay: default_shutdown_delay(DEFAULT_DRAIN_TIMEOUT),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES as usize,
+            max_batch: DEFAULT_MAX_BATCH as usize,
+            max_key_bytes: DEFAULT_MAX_KEY_BYTES as usize,
+            max_connections: None,
+            max_header_bytes: DEFAULT_MAX_HEADER_BYTES as usize,
+            header_timeout: DEFAULT_HEADER_TIMEOUT,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            ready_requires_store: false,
+        }
+    }
+}
+
+/// `shutdown_delay` when the file does not set it: 5 s (time for load balancers and
+/// kube-proxy to drop the instance after readiness fails), at most half the drain timeout.
+pub fn default_shutdown_delay(drain_timeout: Duration) -> Duration {
+    DEFAULT_SHUTDOWN_DELAY.min(drain_timeout / 2)
 }
 
 /// A shared secret; never printed.
@@ -128,10 +167,29 @@ pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_MAX_BODY_BYTES: i64 = 64 * 1024;
 pub const DEFAULT_MAX_BATCH: i64 = 64;
 pub const DEFAULT_MAX_KEY_BYTES: i64 = 512;
+pub const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
+/// Request headers (request line included): 431 beyond. nginx's default buffers hold 8 KiB
+/// per line and 32 KiB in all; quotad's requests carry a few hundred bytes.
+pub const DEFAULT_MAX_HEADER_BYTES: i64 = 16 * 1024;
+/// Long enough for any client on a slow link to send a few hundred bytes of headers; short
+/// enough that a slowloris holds a connection for seconds, not forever.
+pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Above the idle timeouts of common client pools and load balancers (AWS ALB 60 s), so
+/// that it is they who close an idle connection, never quotad under a request in flight.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(75);
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 pub const DEFAULT_BREAKER_THRESHOLD: i64 = 3;
 pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(100);
+/// Redis calls in flight: enough to keep Redis's pipeline full (its -P 32 ceiling with 50
+/// clients was reached at a few hundred), few enough that a call's wait inside Redis stays
+/// a few ms (256 scripts at ~20 us each).
+pub const DEFAULT_MAX_IN_FLIGHT: i64 = 256;
+/// Requests waiting for Redis: about 100 ms of work at the ~40k decisions/s of a 2-core
+/// machine. Beyond it a request would wait longer than any client's timeout allows.
+pub const DEFAULT_MAX_QUEUED: i64 = 4096;
+pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(100);
 pub const DEFAULT_KEY_PREFIX: &str = "rl";
 pub const DEFAULT_LOCK: Duration = Duration::from_secs(3);
 pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
@@ -166,14 +224,7 @@ impl Settings {
         .expect("the built-in policy is valid");
         Settings {
             region: "local".into(),
-            server: ServerSettings {
-                listen: DEFAULT_LISTEN.parse().expect("valid default address"),
-                drain_timeout: DEFAULT_DRAIN_TIMEOUT,
-                shutdown_delay: Duration::ZERO,
-                max_body_bytes: DEFAULT_MAX_BODY_BYTES as usize,
-                max_batch: DEFAULT_MAX_BATCH as usize,
-                max_key_bytes: DEFAULT_MAX_KEY_BYTES as usize,
-            },
+            server: ServerSettings::defaults(),
             store: StoreBackend::Memory,
             key_prefix: DEFAULT_KEY_PREFIX.into(),
             policies: vec![policy],
@@ -701,19 +752,29 @@ impl Validator<'_> {
                 }
             },
         };
+        let drain_timeout = self.duration(
+            s.drain_timeout.as_ref(),
+            "server.drain_timeout",
+            DEFAULT_DRAIN_TIMEOUT,
+            Duration::from_millis(1),
+            Duration::from_secs(600),
+        );
+        let timeout = |v: &mut Self, value: Option<&Spanned<String>>, field: &str, default| {
+            v.duration(
+                value,
+                field,
+                default,
+                Duration::from_millis(10),
+                Duration::from_secs(3600),
+            )
+        };
         let settings = ServerSettings {
             listen,
-            drain_timeout: self.duration(
-                s.drain_timeout.as_ref(),
-                "server.drain_timeout",
-                DEFAULT_DRAIN_TIMEOUT,
-                Duration::from_millis(1),
-                Duration::from_secs(600),
-            ),
+            drain_timeout,
             shutdown_delay: self.duration(
                 s.shutdown_delay.as_ref(),
                 "server.shutdown_delay",
-                Duration::ZERO,
+                default_shutdown_delay(drain_timeout),
                 Duration::ZERO,
                 Duration::from_secs(600),
             ),
@@ -738,6 +799,35 @@ impl Validator<'_> {
                 1,
                 8192,
             ) as usize,
+            max_connections: s.max_connections.as_ref().map(|m| {
+                self.integer(Some(m), "server.max_connections", 10_000, 1, 1_000_000) as usize
+            }),
+            max_header_bytes: self.integer(
+                s.max_header_bytes.as_ref(),
+                "server.max_header_bytes",
+                DEFAULT_MAX_HEADER_BYTES,
+                1024,
+                1 << 20,
+            ) as usize,
+            header_timeout: timeout(
+                self,
+                s.header_timeout.as_ref(),
+                "server.header_timeout",
+                DEFAULT_HEADER_TIMEOUT,
+            ),
+            body_timeout: timeout(
+                self,
+                s.body_timeout.as_ref(),
+                "server.body_timeout",
+                DEFAULT_BODY_TIMEOUT,
+            ),
+            idle_timeout: timeout(
+                self,
+                s.idle_timeout.as_ref(),
+                "server.idle_timeout",
+                DEFAULT_IDLE_TIMEOUT,
+            ),
+            ready_requires_store: s.ready_requires_store.unwrap_or(false),
         };
         // The drain deadline counts from the signal: a delay as long leaves no time to drain.
         if let Some(d) = &s.shutdown_delay {
@@ -796,6 +886,29 @@ impl Validator<'_> {
             1,
             1000,
         ) as u32;
+        let admission = AdmissionSettings {
+            max_in_flight: self.integer(
+                s.max_in_flight.as_ref(),
+                "store.max_in_flight",
+                DEFAULT_MAX_IN_FLIGHT,
+                1,
+                100_000,
+            ) as usize,
+            max_queued: self.integer(
+                s.max_queued.as_ref(),
+                "store.max_queued",
+                DEFAULT_MAX_QUEUED,
+                0,
+                1_000_000,
+            ) as usize,
+            queue_timeout: self.duration(
+                s.queue_timeout.as_ref(),
+                "store.queue_timeout",
+                DEFAULT_QUEUE_TIMEOUT,
+                Duration::from_millis(1),
+                Duration::from_secs(10),
+            ),
+        };
         let backend = match &s.redis {
             None => StoreBackend::Memory,
             Some(url) if url.get_ref() == "memory" => StoreBackend::Memory,
@@ -818,6 +931,7 @@ impl Validator<'_> {
                     connect_timeout,
                     breaker_threshold,
                     probe_interval,
+                    admission,
                 })
             }
         };

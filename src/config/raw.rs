@@ -58,6 +58,12 @@ pub struct Server {
     pub max_body_bytes: Option<Spanned<i64>>,
     pub max_batch: Option<Spanned<i64>>,
     pub max_key_bytes: Option<Spanned<i64>>,
+    pub max_connections: Option<Spanned<i64>>,
+    pub max_header_bytes: Option<Spanned<i64>>,
+    pub header_timeout: Option<Spanned<String>>,
+    pub body_timeout: Option<Spanned<String>>,
+    pub idle_timeout: Option<Spanned<String>>,
+    pub ready_requires_store: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -69,6 +75,9 @@ pub struct Store {
     pub key_prefix: Option<Spanned<String>>,
     pub breaker_threshold: Option<Spanned<i64>>,
     pub probe_interval: Option<Spanned<String>>,
+    pub max_in_flight: Option<Spanned<i64>>,
+    pub max_queued: Option<Spanned<i64>>,
+    pub queue_timeout: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

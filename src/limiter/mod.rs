@@ -1,7 +1,8 @@
 //! The decision: one check (or a batch) against a policy, through the store, with the
-//! policy's shadow mode and store-failure mode applied. Returns [`Decision`] values, never
-//! errors: a store failure becomes `fail_open`, `fail_closed` or a `local` decision, and
-//! every one is counted.
+//! policy's shadow mode and store-failure mode applied. Returns [`Decision`] values: a
+//! store failure becomes `fail_open`, `fail_closed` or a `local` decision, and every one is
+//! counted. The one refusal is [`Shed`]: quotad itself is at capacity (see
+//! [`crate::store::admission`]); that is not a decision, and nothing was charged.
 //!
 //! The limiter owns no state of its own beyond a request-id counter; it holds the store, the
 //! in-process fallback store and the metrics handles it was given.
@@ -14,6 +15,7 @@ use serde::Serialize;
 use crate::algorithm::{Algorithm, Op, Verdict};
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
+use crate::store::admission::Shed;
 use crate::store::memory::MemoryStore;
 use crate::store::{GlobalCall, Store, StoreCall, StoreError};
 
@@ -86,6 +88,15 @@ enum Charged {
     Local,
 }
 
+/// Why a reset changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum ResetError {
+    #[error(transparent)]
+    Shed(#[from] Shed),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
 /// How long a `fail_closed` answer tells clients to wait: about the time the store's
 /// supervisor needs to notice a recovered Redis (probe interval plus reconnect).
 const FAIL_CLOSED_RETRY_MS: u64 = 1000;
@@ -136,17 +147,20 @@ impl Limiter {
     }
 
     /// Decides one check.
-    pub async fn check(&self, check: &Check) -> Decision {
+    pub async fn check(&self, check: &Check) -> Result<Decision, Shed> {
+        let _admitted = self.store.admit(1).await?;
         let d = self
             .decide(check, &self.member(check.policy.algorithm))
             .await;
         self.count(&d);
-        d
+        Ok(d)
     }
 
     /// Decides a batch: all checks run concurrently; if any is denied, the others that were
     /// charged are refunded, so a denied batch costs nothing (envoyproxy/ratelimit#1060).
-    pub async fn check_batch(&self, checks: &[Check]) -> Vec<Decision> {
+    pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
+        // One permit per check; the refunds reuse them.
+        let _admitted = self.store.admit(checks.len()).await?;
         let members: Vec<String> = checks
             .iter()
             .map(|c| self.member(c.policy.algorithm))
@@ -171,12 +185,13 @@ impl Limiter {
         for d in &decisions {
             self.count(d);
         }
-        decisions
+        Ok(decisions)
     }
 
     /// Forgets a key's state in this region's store and in the local fallback.
-    pub async fn reset(&self, policy: &Policy, key: &str) -> Result<(), StoreError> {
+    pub async fn reset(&self, policy: &Policy, key: &str) -> Result<(), ResetError> {
         let storage_key = policy.storage_key(key);
+        let _admitted = self.store.admit(1).await?;
         // The store first: when it fails the caller is told nothing changed, so the local
         // fallback's state must not have changed either.
         self.store.delete(&storage_key).await?;

@@ -1,13 +1,22 @@
 //! A circuit breaker for the Redis connection.
 //!
 //! Without one, every request pays the full store timeout while Redis is down
-//! (envoyproxy/ratelimit#462, #978 report 10 s per request). After `threshold` consecutive
-//! failures the breaker opens: requests fail fast (`StoreError::CircuitOpen`) and take their
-//! policy's fallback in microseconds. It closes only when the store's supervisor task has
-//! probed Redis successfully (reconnected, PING, scripts loaded) - the half-open probe is that
-//! task's, so no client request is spent on finding out.
+//! (envoyproxy/ratelimit#462, #978 report 10 s per request). While it is open, requests
+//! fail fast (`StoreError::CircuitOpen`) and take their policy's fallback in microseconds.
 //!
-//! Lock-free: two atomics read on every request.
+//! It opens only on evidence that Redis itself is failing, because opening switches
+//! enforcement off for every `open` policy:
+//! - a lost or refused connection opens it at once ([`Breaker::trip`]);
+//! - `threshold` consecutive timed-out calls only make it *suspect* Redis: the store's
+//!   supervisor then PINGs Redis with a longer deadline, and opens it ([`Breaker::trip`])
+//!   only if that goes unanswered; an answer clears the suspicion ([`Breaker::cleared`]).
+//!   Calls are timed from the moment they are sent (admission keeps quotad's own queue out
+//!   of that time), so timeouts already point at Redis; the PING rules out a burst of
+//!   them caused by quotad itself being starved of CPU.
+//!
+//! It closes only when the supervisor has probed Redis successfully (reconnected, PING,
+//! scripts loaded): the half-open probe is that task's, so no client request is spent on
+//! finding out. Lock-free: atomics read on every request.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
@@ -16,6 +25,8 @@ pub struct Breaker {
     threshold: u32,
     failures: AtomicU32,
     open: AtomicBool,
+    /// A verification PING is under way (at most one).
+    suspect: AtomicBool,
 }
 
 impl Breaker {
@@ -24,6 +35,7 @@ impl Breaker {
             threshold: threshold.max(1),
             failures: AtomicU32::new(0),
             open: AtomicBool::new(false),
+            suspect: AtomicBool::new(false),
         }
     }
 
@@ -31,24 +43,39 @@ impl Breaker {
         self.open.load(Ordering::Acquire)
     }
 
+    /// Timeouts in a row await the supervisor's verification.
+    pub fn is_suspect(&self) -> bool {
+        self.suspect.load(Ordering::Acquire)
+    }
+
     pub fn record_success(&self) {
         self.failures.store(0, Ordering::Release);
     }
 
-    /// Counts a failure; returns true when this failure opened the breaker.
+    /// Counts a failed call; returns true when this failure makes Redis suspect (the
+    /// caller starts the one verification).
     pub fn record_failure(&self) -> bool {
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
-        n >= self.threshold && !self.open.swap(true, Ordering::AcqRel)
+        n >= self.threshold && !self.is_open() && !self.suspect.swap(true, Ordering::AcqRel)
     }
 
-    /// Opens at once (the connection is known to be gone).
+    /// The verification got an answer: Redis is alive, the failures were not its doing.
+    pub fn cleared(&self) {
+        self.failures.store(0, Ordering::Release);
+        self.suspect.store(false, Ordering::Release);
+    }
+
+    /// Opens at once (the connection is gone, or a verification went unanswered); true
+    /// when this call opened it.
     pub fn trip(&self) -> bool {
+        self.suspect.store(false, Ordering::Release);
         !self.open.swap(true, Ordering::AcqRel)
     }
 
     /// Closes after a successful probe.
     pub fn close(&self) {
         self.failures.store(0, Ordering::Release);
+        self.suspect.store(false, Ordering::Release);
         self.open.store(false, Ordering::Release);
     }
 }
@@ -58,17 +85,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn opens_after_threshold_consecutive_failures_only() {
+    fn threshold_consecutive_failures_make_redis_suspect_but_do_not_open() {
         let b = Breaker::new(3);
         assert!(!b.record_failure());
         assert!(!b.record_failure());
         b.record_success();
         assert!(!b.record_failure());
         assert!(!b.record_failure());
-        assert!(!b.is_open());
+        assert!(
+            b.record_failure(),
+            "the third in a row starts a verification"
+        );
+        assert!(!b.is_open(), "suspicion alone does not open");
+        assert!(!b.record_failure(), "one verification at a time");
+        // Redis answered the verification: back to counting from zero.
+        b.cleared();
+        assert!(!b.record_failure());
+        assert!(!b.record_failure());
         assert!(b.record_failure());
+        // This time it did not answer.
+        assert!(b.trip());
         assert!(b.is_open());
-        assert!(!b.record_failure(), "only the opening failure reports it");
+        assert!(!b.record_failure(), "nothing to verify while open");
         b.close();
         assert!(!b.is_open());
     }

@@ -5,6 +5,7 @@
 //! a backend. It knows nothing of policies, fail modes or HTTP; the limiter decides what an
 //! error means for a request.
 
+pub mod admission;
 pub mod breaker;
 pub mod global;
 pub mod memory;
@@ -97,6 +98,19 @@ pub enum Store {
 }
 
 impl Store {
+    /// Admission for a request that will make `calls` store calls: Redis permits (see
+    /// [`admission`]), or nothing to wait for in memory. Hold the result until the calls,
+    /// refunds included, are done.
+    pub async fn admit(
+        &self,
+        calls: usize,
+    ) -> Result<Option<admission::Admitted<'_>>, admission::Shed> {
+        match self {
+            Store::Redis(r) => r.admit(calls).await,
+            Store::Memory(_) => Ok(None),
+        }
+    }
+
     pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
         match self {
             Store::Redis(r) => r.apply(call).await,

@@ -5,8 +5,13 @@
 //! - One multiplexed connection carries every in-flight call, so concurrent requests reach
 //!   Redis pipelined (Redis then spends about half the CPU per script it spends on
 //!   one-request-per-round-trip clients; see ../shared/design/measuring.md).
-//! - Every call is bounded by `timeout`. Failures feed the [`Breaker`]; a dropped or refused
-//!   connection opens it at once. While it is open, calls fail in microseconds.
+//! - At most `max_in_flight` calls are in flight ([`Admission`]); a request waits for its
+//!   permits in a bounded queue with its own deadline, or is shed. Every call is then
+//!   bounded by `timeout`, timed from when it is sent, so the timeout judges Redis and not
+//!   quotad's own queue.
+//! - Failures feed the [`Breaker`]: a dropped or refused connection opens it at once;
+//!   `breaker_threshold` timeouts in a row make the supervisor PING Redis, and only an
+//!   unanswered PING opens it. While it is open, calls fail in microseconds.
 //! - [`RedisStore::supervise`] is the only place that connects: it probes (connect, PING,
 //!   SCRIPT LOAD) every `probe_interval` while the breaker is open and closes it on success,
 //!   so enforcement returns within one probe interval of Redis coming back. While closed it
@@ -25,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::algorithm::{Op, Verdict};
 use crate::metrics::Metrics;
+use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{StoreCall, StoreError, global, parse_verdict};
@@ -37,6 +43,7 @@ pub struct RedisSettings {
     pub connect_timeout: Duration,
     pub breaker_threshold: u32,
     pub probe_interval: Duration,
+    pub admission: AdmissionSettings,
 }
 
 pub struct RedisStore {
@@ -54,9 +61,10 @@ pub struct RedisStore {
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
     loaded: AtomicBool,
-    /// Wakes the supervisor the moment the breaker opens, so probing starts at once rather
-    /// than after its health-check sleep.
+    /// Wakes the supervisor the moment the breaker opens or Redis becomes suspect, so
+    /// probing or verifying starts at once rather than after its health-check sleep.
     tripped: tokio::sync::Notify,
+    admission: Admission,
     metrics: Arc<Metrics>,
 }
 
@@ -77,6 +85,7 @@ impl RedisStore {
         // Not connected yet: fail fast until the first probe succeeds.
         breaker.trip();
         metrics.store_up.set(0);
+        let admission = Admission::new(settings.admission, metrics.clone());
         Ok(RedisStore {
             client,
             conn: RwLock::new(None),
@@ -87,8 +96,18 @@ impl RedisStore {
             breaker,
             loaded: AtomicBool::new(false),
             tripped: tokio::sync::Notify::new(),
+            admission,
             metrics,
         })
+    }
+
+    /// Permits for `calls` calls of one request; none needed while the breaker is open
+    /// (those calls fail in microseconds without reaching Redis).
+    pub async fn admit(&self, calls: usize) -> Result<Option<Admitted<'_>>, Shed> {
+        if self.breaker.is_open() {
+            return Ok(None);
+        }
+        self.admission.admit(calls).await.map(Some)
     }
 
     pub fn is_ready(&self) -> bool {
@@ -194,24 +213,62 @@ impl RedisStore {
                 return Ok(v);
             }
             Ok(Err(e)) if is_connection_error(&e) => {
-                self.lose_connection(generation);
+                self.lose_connection(generation, "redis connection lost");
                 Err(StoreError::Connection(e.to_string()))
             }
             // The server answered: the connection is fine, the command was not.
             Ok(Err(e)) => return Err(StoreError::Command(e.to_string())),
         };
         if self.breaker.record_failure() {
-            tracing::warn!(
+            tracing::info!(
                 threshold = self.settings.breaker_threshold,
-                "redis failing: circuit opened"
+                "redis calls timing out: verifying that redis answers"
             );
-            self.metrics.store_up.set(0);
             self.tripped.notify_one();
         }
         result
     }
 
-    fn lose_connection(&self, generation: u64) {
+    /// Opens the breaker (counted once per opening).
+    fn trip(&self, why: &str) {
+        if self.breaker.trip() {
+            tracing::warn!("{why}: circuit opened");
+            self.metrics.breaker_opens.inc();
+            self.tripped.notify_one();
+        }
+        self.metrics.store_up.set(0);
+    }
+
+    /// Redis is suspect (timeouts in a row): a PING on the live connection, with a longer
+    /// deadline than a call's, decides. Unanswered, the connection is dropped and the
+    /// breaker opens (the probe reconnects); answered, the timeouts were not Redis's doing.
+    async fn verify(&self) {
+        let deadline = (self.settings.timeout * 4)
+            .max(Duration::from_millis(100))
+            .min(self.settings.connect_timeout.max(self.settings.timeout));
+        let Some((generation, mut conn)) = self.conn() else {
+            self.trip("redis connection gone");
+            return;
+        };
+        let cmd = redis::cmd("PING");
+        match tokio::time::timeout(deadline, cmd.query_async::<String>(&mut conn)).await {
+            Ok(Ok(_)) => {
+                tracing::info!("redis answered the verification PING; circuit stays closed");
+                self.breaker.cleared();
+            }
+            Ok(Err(e)) if !is_connection_error(&e) => self.breaker.cleared(),
+            failed => {
+                let why = match failed {
+                    Err(_) => format!("redis did not answer PING within {deadline:?}"),
+                    Ok(Err(e)) => format!("redis PING failed: {e}"),
+                    Ok(Ok(_)) => unreachable!("handled above"),
+                };
+                self.lose_connection(generation, &why);
+            }
+        }
+    }
+
+    fn lose_connection(&self, generation: u64, why: &str) {
         {
             let mut conn = self.conn.write().unwrap_or_else(|p| p.into_inner());
             match conn.as_ref() {
@@ -221,11 +278,7 @@ impl RedisStore {
             }
         }
         self.loaded.store(false, Ordering::Release);
-        if self.breaker.trip() {
-            tracing::warn!("redis connection lost: circuit opened");
-            self.tripped.notify_one();
-        }
-        self.metrics.store_up.set(0);
+        self.trip(why);
     }
 
     /// One probe: connect, PING, load every script. On success installs the connection and
@@ -278,6 +331,13 @@ impl RedisStore {
                         }
                         self.settings.probe_interval
                     }
+                }
+            } else if self.breaker.is_suspect() {
+                self.verify().await;
+                if self.breaker.is_open() {
+                    self.settings.probe_interval
+                } else {
+                    HEALTH_INTERVAL
                 }
             } else {
                 let ping = self

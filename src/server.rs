@@ -1,0 +1,485 @@
+//! The HTTP server: accepts connections and bounds everything a client can make quotad hold
+//! through one. The API's routes are the [`axum::Router`] it is given; this module owns
+//! sockets, their count, their timeouts and the drain on shutdown, and nothing else.
+//!
+//! Every connection is in one of four phases, and each phase but one has a deadline:
+//!
+//! | phase | what quotad waits for | deadline |
+//! |---|---|---|
+//! | fresh | the first request's headers | `header_timeout` from accept |
+//! | headers | the rest of a request's headers | `header_timeout` from its first byte |
+//! | busy | the handler (which bounds the body by `body_timeout`) | none here |
+//! | idle | the next request on a keep-alive connection | `idle_timeout` |
+//!
+//! A per-connection watchdog closes a connection whose deadline passes (slowloris, a
+//! half-sent request, an idle socket). Headers are capped at `max_header_bytes` (431).
+//! At most `max_connections` are open: when a new one arrives at the bound, the one that
+//! has waited longest without a request in progress (fresh, headers or idle) is closed to
+//! make room, as nginx reuses keep-alive connections; with every connection busy, the new
+//! one is closed at once. Either way it is counted. A connection costs no buffers until
+//! its first byte arrives: idle sockets cost a task and a file descriptor, nothing more.
+//!
+//! Drain (shutdown): [`Drain::begin`] only fails readiness; connections carry on as usual
+//! while load balancers notice (the app's `shutdown_delay`), so keep-alive clients are not
+//! pushed to reconnect to an instance that is about to close. [`Drain::stop_accepting`]
+//! then takes the connections already completed by the kernel, closes the listener, and
+//! from then on every response carries `Connection: close`: a client sending continuously
+//! moves off each connection right after an answer and never has a request cut. A
+//! connection that stays idle for [`DRAIN_IDLE`] is closed. [`serve`] returns once every
+//! connection is gone.
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::http::{HeaderValue, Request, header};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::metrics::Metrics;
+
+/// Bounds from `[server]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub header_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_header_bytes: usize,
+}
+
+/// How long a connection may stay idle once the listener has closed for shutdown: long
+/// enough for a client that sends continuously to use it once more (and be told
+/// `Connection: close`), short enough that the process exits promptly.
+pub const DRAIN_IDLE: Duration = Duration::from_secs(1);
+
+/// Why the server closed a connection: the `reason` label of
+/// `quotad_connections_closed_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closed {
+    HeaderTimeout,
+    IdleTimeout,
+    Evicted,
+    Rejected,
+    Drained,
+}
+
+impl Closed {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Closed::HeaderTimeout => "header_timeout",
+            Closed::IdleTimeout => "idle_timeout",
+            Closed::Evicted => "evicted",
+            Closed::Rejected => "rejected",
+            Closed::Drained => "drained",
+        }
+    }
+
+    pub const REASONS: [&'static str; 5] = [
+        "header_timeout",
+        "idle_timeout",
+        "evicted",
+        "rejected",
+        "drained",
+    ];
+}
+
+/// The shutdown sequence as the server sees it; the app drives it.
+#[derive(Clone, Default)]
+pub struct Drain {
+    /// Readiness fails from here on.
+    draining: Arc<AtomicBool>,
+    /// The listener closes, responses carry `Connection: close`, idle connections get
+    /// [`DRAIN_IDLE`].
+    stop: CancellationToken,
+}
+
+impl Drain {
+    /// Readiness fails.
+    pub fn begin(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    fn is_closing(&self) -> bool {
+        self.stop.is_cancelled()
+    }
+
+    /// Stops accepting; connections finish as described in the module doc.
+    pub fn stop_accepting(&self) {
+        self.begin();
+        self.stop.cancel();
+    }
+}
+
+const FRESH: u8 = 0;
+const HEADERS: u8 = 1;
+const BUSY: u8 = 2;
+const IDLE: u8 = 3;
+
+/// One connection's phase and when it entered it, shared by its reader, its service
+/// calls and its watchdog. Atomics: two stores per request, no lock.
+struct Conn {
+    phase: AtomicU8,
+    /// Milliseconds on the server's clock ([`Shared::now_ms`]).
+    since: AtomicU64,
+    /// Eviction: the watchdog closes the connection at once.
+    evict: Notify,
+    evicted: AtomicBool,
+}
+
+impl Conn {
+    fn set(&self, phase: u8, now_ms: u64) {
+        self.since.store(now_ms, Ordering::Release);
+        self.phase.store(phase, Ordering::Release);
+    }
+
+    /// Since when it has waited for the client (not busy, not already evicted).
+    fn waiting(&self) -> Option<u64> {
+        match self.phase.load(Ordering::Acquire) {
+            BUSY => None,
+            _ if self.evicted.load(Ordering::Acquire) => None,
+            _ => Some(self.since.load(Ordering::Acquire)),
+        }
+    }
+}
+
+struct Shared {
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    drain: Drain,
+    epoch: Instant,
+    slots: Arc<Semaphore>,
+    /// Open connections by id, for eviction.
+    conns: Mutex<HashMap<u64, Arc<Conn>>>,
+    next_id: AtomicU64,
+}
+
+impl Shared {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    fn closed(&self, why: Closed) {
+        self.metrics
+            .connections_closed
+            .with_label_values(&[why.reason()])
+            .inc();
+    }
+
+    /// Closes the connection that has waited longest without a request in progress;
+    /// false if every connection is busy.
+    fn evict_one(&self) -> bool {
+        let conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let victim = conns
+            .values()
+            .filter_map(|c| c.waiting().map(|since| (since, c)))
+            .min_by_key(|(since, _)| *since);
+        match victim {
+            Some((_, c)) => {
+                c.evicted.store(true, Ordering::Release);
+                c.evict.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Serves `router` on `listener` until `drain` stops accepting and every connection has
+/// closed. Accept errors (a full file table, a connection reset before accept) are
+/// logged, counted and retried after a short pause: they never stop the server.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    drain: Drain,
+) {
+    for r in Closed::REASONS {
+        metrics.connections_closed.with_label_values(&[r]);
+    }
+    let shared = Arc::new(Shared {
+        slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
+        limits,
+        metrics,
+        drain: drain.clone(),
+        epoch: Instant::now(),
+        conns: Mutex::new(HashMap::new()),
+        next_id: AtomicU64::new(0),
+    });
+    let tasks = TaskTracker::new();
+    let mut accept_errors = 0u64;
+    let spawn = |stream: TcpStream| {
+        let shared = shared.clone();
+        let router = router.clone();
+        tasks.spawn(async move {
+            let Some(_slot) = slot(&shared).await else {
+                shared.closed(Closed::Rejected);
+                return;
+            };
+            shared.metrics.connections_open.inc();
+            connection(&shared, stream, router).await;
+            shared.metrics.connections_open.dec();
+        });
+    };
+    loop {
+        let accepted = tokio::select! {
+            _ = drain.stop.cancelled() => break,
+            r = listener.accept() => r,
+        };
+        match accepted {
+            Ok((stream, _)) => spawn(stream),
+            Err(e) => {
+                accept_errors += 1;
+                shared.metrics.accept_errors.inc();
+                if accept_errors.is_power_of_two() {
+                    tracing::warn!(error = %e, occurrences = accept_errors, "accept failed");
+                }
+                // EMFILE/ENFILE: room appears as connections close (the watchdogs see to
+                // that). A short pause instead of a spin, not axum's 1 s stall.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+    // Connections the kernel completed before the stop have clients that sent (or are
+    // sending) a request: serve them rather than let closing the listener reset them.
+    // Bounded: a client that reconnects in a loop must not keep the listener open. (One
+    // whose handshake completes in the instant between this and the close is reset: no
+    // listener can avoid that, which is what shutdown_delay and the load balancer are for.)
+    let until = Instant::now() + Duration::from_millis(50);
+    while Instant::now() < until {
+        match tokio::time::timeout(Duration::ZERO, listener.accept()).await {
+            Ok(Ok((stream, _))) => spawn(stream),
+            _ => break,
+        }
+    }
+    drop(listener);
+    tasks.close();
+    tasks.wait().await;
+}
+
+/// A connection slot: a free one, or one freed by evicting the longest-waiting connection
+/// (its task ends within microseconds of the notice); `None` when every connection is busy.
+async fn slot(shared: &Shared) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    if let Ok(p) = shared.slots.clone().try_acquire_owned() {
+        return Some(p);
+    }
+    if !shared.evict_one() {
+        return None;
+    }
+    tokio::time::timeout(
+        Duration::from_millis(100),
+        shared.slots.clone().acquire_owned(),
+    )
+    .await
+    .ok()?
+    .ok()
+}
+
+async fn connection(shared: &Arc<Shared>, stream: TcpStream, router: Router) {
+    let _ = stream.set_nodelay(true);
+    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let conn = Arc::new(Conn {
+        phase: AtomicU8::new(FRESH),
+        since: AtomicU64::new(shared.now_ms()),
+        evict: Notify::new(),
+        evicted: AtomicBool::new(false),
+    });
+    shared
+        .conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id, conn.clone());
+    let why = serve_connection(shared, &conn, stream, router).await;
+    shared
+        .conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+    if let Some(why) = why {
+        shared.closed(why);
+    }
+}
+
+/// Runs one connection to its end; the reason when the server closed it.
+async fn serve_connection(
+    shared: &Arc<Shared>,
+    conn: &Arc<Conn>,
+    stream: TcpStream,
+    router: Router,
+) -> Option<Closed> {
+    // Until its first byte a connection gets no hyper buffers (8 KiB each way).
+    tokio::select! {
+        r = stream.readable() => if r.is_err() { return None },
+        why = watchdog(shared, conn) => return Some(why),
+    }
+    let io = TokioIo::new(Tracked {
+        inner: stream,
+        conn: conn.clone(),
+        shared: shared.clone(),
+    });
+    let service = {
+        let (shared, conn) = (shared.clone(), conn.clone());
+        hyper::service::service_fn(move |req: Request<Incoming>| {
+            conn.set(BUSY, shared.now_ms());
+            let mut router = router.clone();
+            let (shared, conn) = (shared.clone(), conn.clone());
+            async move {
+                let mut resp =
+                    tower_service::Service::call(&mut router, req.map(axum::body::Body::new))
+                        .await?;
+                if shared.drain.is_closing() {
+                    resp.headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                conn.set(IDLE, shared.now_ms());
+                Ok::<_, std::convert::Infallible>(resp)
+            }
+        })
+    };
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .keep_alive(true)
+        .max_buf_size(shared.limits.max_header_bytes.max(8192) * 2)
+        .max_header_size(shared.limits.max_header_bytes);
+    let served = builder.serve_connection(io, service);
+    tokio::pin!(served);
+    tokio::select! {
+        r = served.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            None
+        }
+        why = watchdog(shared, conn) => Some(why),
+    }
+}
+
+/// Resolves when the connection must close: its phase's deadline passed, it was evicted,
+/// or the drain found it idle.
+async fn watchdog(shared: &Shared, conn: &Conn) -> Closed {
+    loop {
+        let phase = conn.phase.load(Ordering::Acquire);
+        let since = conn.since.load(Ordering::Acquire);
+        let stopped = shared.drain.stop.is_cancelled();
+        let (limit, why) = match phase {
+            // A client that connected just before the listener closed sends at once.
+            FRESH | IDLE if stopped => {
+                (DRAIN_IDLE.min(shared.limits.idle_timeout), Closed::Drained)
+            }
+            FRESH | HEADERS => (shared.limits.header_timeout, Closed::HeaderTimeout),
+            IDLE => (shared.limits.idle_timeout, Closed::IdleTimeout),
+            // Busy: nothing to time here; look again in a while.
+            _ => (shared.limits.header_timeout, Closed::HeaderTimeout),
+        };
+        let deadline = shared.epoch + Duration::from_millis(since) + limit;
+        // Phase changes do not wake the watchdog (that would cost every request a
+        // notification); it looks again at least every shortest timeout instead, so a
+        // deadline is kept within that of its time.
+        let look = Instant::now() + shared.limits.header_timeout.min(shared.limits.idle_timeout);
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline.min(look).into()) => {}
+            _ = conn.evict.notified() => return Closed::Evicted,
+            _ = shared.drain.stop.cancelled(), if !stopped => continue,
+        }
+        let unchanged = conn.phase.load(Ordering::Acquire) == phase
+            && conn.since.load(Ordering::Acquire) == since;
+        if unchanged && phase != BUSY && Instant::now() >= deadline {
+            return why;
+        }
+    }
+}
+
+/// The socket, noting when the first byte of a request arrives on a waiting connection.
+struct Tracked {
+    inner: TcpStream,
+    conn: Arc<Conn>,
+    shared: Arc<Shared>,
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            // Idle → the next request has begun: its headers now have header_timeout.
+            // (Fresh keeps counting from accept.)
+            if self.conn.phase.load(Ordering::Acquire) == IDLE {
+                let now = self.shared.now_ms();
+                self.conn.set(HEADERS, now);
+            }
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// Raises the soft limit on open files to the hard limit (where allowed) and returns the
+/// limit in force, for sizing `max_connections`.
+pub fn raise_file_limit() -> Option<u64> {
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) => Some(n),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read or raise the open-files limit");
+            None
+        }
+    }
+}
+
+/// File descriptors kept back from connections: Redis, the coordinator, peers, logs.
+pub const RESERVED_FILES: u64 = 256;
+
+/// The default connection bound under a file limit: 10,000, or what the limit leaves.
+pub fn default_max_connections(file_limit: Option<u64>) -> usize {
+    let cap = 10_000u64;
+    match file_limit {
+        Some(n) => cap.min(n.saturating_sub(RESERVED_FILES).max(64)) as usize,
+        None => cap as usize,
+    }
+}

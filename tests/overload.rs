@@ -1,0 +1,135 @@
+//! Overload is not an outage: when more requests arrive than quotad lets reach Redis at
+//! once, the excess is shed with 503 `overloaded` and `Retry-After`, counted, and charges
+//! nothing; every answered decision is still enforced by the store, and the circuit
+//! breaker stays closed because Redis is healthy.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::{Quotad, RedisServer, header, http};
+use serde_json::json;
+
+/// One call to Redis at a time and no queue: any request that arrives while another is in
+/// flight is shed. Window algorithms over an hour, so that what a key spent reads back
+/// exactly (nothing refills during the test).
+fn config(redis: &RedisServer) -> String {
+    format!(
+        r#"
+[store]
+redis = "{}"
+max_in_flight = 1
+max_queued = 0
+
+[[policy]]
+name = "open"
+algorithm = "sliding_log"
+limit = 10000
+window = "1h"
+on_store_error = "open"
+
+[[policy]]
+name = "closed"
+algorithm = "sliding_window"
+limit = 100000
+window = "1h"
+on_store_error = "closed"
+"#,
+        redis.url()
+    )
+}
+
+#[test]
+fn excess_load_is_shed_with_503_and_charges_nothing_while_answers_stay_enforced() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    let (answered, shed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let threads: Vec<_> = (0..16)
+        .map(|t| {
+            let (port, answered, shed) = (q.port, answered.clone(), shed.clone());
+            std::thread::spawn(move || {
+                for i in 0..40 {
+                    // Singles on one key per policy, and batches over both.
+                    let body = match i % 3 {
+                        0 => json!({"policy": "open", "key": "hot"}),
+                        1 => json!({"policy": "closed", "key": "hot"}),
+                        _ => json!({"checks": [{"policy": "open", "key": "hot"},
+                                               {"policy": "closed", "key": "hot"}]}),
+                    };
+                    let (status, headers, text) = http(
+                        port,
+                        "POST",
+                        "/v1/check",
+                        Some("application/json"),
+                        &body.to_string(),
+                    )
+                    .expect("an answer");
+                    let v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+                    match status {
+                        200 => {
+                            let outcomes: Vec<&str> = match v["results"].as_array() {
+                                Some(rs) => {
+                                    rs.iter().map(|r| r["outcome"].as_str().unwrap()).collect()
+                                }
+                                None => vec![v["outcome"].as_str().unwrap()],
+                            };
+                            assert!(
+                                outcomes.iter().all(|o| *o == "allowed"),
+                                "thread {t}: an answered decision was not enforced: {v}"
+                            );
+                            answered.fetch_add(outcomes.len() as u64, Ordering::Relaxed);
+                        }
+                        503 => {
+                            assert_eq!(v["error"]["code"], "overloaded", "{v}");
+                            assert_eq!(header(&headers, "retry-after"), Some("1"));
+                            shed.fetch_add(1, Ordering::Relaxed);
+                        }
+                        other => panic!("thread {t}: status {other}: {v}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("client thread");
+    }
+    let (answered, shed) = (
+        answered.load(Ordering::Relaxed),
+        shed.load(Ordering::Relaxed),
+    );
+    eprintln!("answered {answered} checks, shed {shed} requests");
+    assert!(
+        shed > 0,
+        "16 concurrent clients against one permit: some must be shed"
+    );
+    assert!(answered > 0);
+    let counted = q.metric("quotad_shed_total{reason=\"queue_full\"}")
+        + q.metric("quotad_shed_total{reason=\"queue_timeout\"}");
+    assert_eq!(counted, shed as f64, "every shed request is counted");
+    assert_eq!(q.metric("quotad_store_breaker_opens_total"), 0.0);
+    assert_eq!(q.metric("quotad_store_errors_total{kind=\"timeout\"}"), 0.0);
+    for p in ["open", "closed"] {
+        for o in ["fail_open", "fail_closed"] {
+            let series = format!("quotad_decisions_total{{outcome=\"{o}\",policy=\"{p}\"}}");
+            assert_eq!(q.metric(&series), 0.0, "{series}");
+        }
+    }
+    assert_eq!(q.get("/readyz").0, 200);
+
+    // Shed requests charged nothing: what the keys spent is exactly what was admitted.
+    let peek = |policy: &str| {
+        let v = common::wait_for("a peek that is not shed", Duration::from_secs(5), || {
+            let (s, v) = q.check(&json!({"policy": policy, "key": "hot", "cost": 0}));
+            (s == 200).then_some(v)
+        });
+        v["limit"].as_u64().unwrap() - v["remaining"].as_u64().unwrap()
+    };
+    let spent = peek("open") + peek("closed");
+    assert_eq!(
+        spent, answered,
+        "units charged by the store vs checks answered"
+    );
+    redis.assert_every_key_has_ttl();
+}
