@@ -77,6 +77,9 @@ pub struct GlobalMetrics {
     pub exchange_rejected: IntCounterVec,
     /// `quotad_rounds_total`: coordinator rounds run by this instance.
     pub rounds: IntCounter,
+    /// `quotad_round_duration_seconds`: how long a round took (reading demand, planning,
+    /// writing every engaged book); it must stay well inside the lock period.
+    pub round_duration: Histogram,
     /// `quotad_coordinator_leader{region}`: 1 while this instance holds the region's lock
     /// (summed by region: exactly 1 when the region is coordinated).
     pub leader: IntGaugeVec,
@@ -109,6 +112,19 @@ impl GlobalMetrics {
             .expect("valid metric");
         registry
             .register(Box::new(rounds.clone()))
+            .expect("unique metric");
+        let round_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "quotad_round_duration_seconds",
+                "Time a coordinator round took.",
+            )
+            .buckets(vec![
+                0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(round_duration.clone()))
             .expect("unique metric");
         let leader = int_gauge(
             Opts::new(
@@ -158,6 +174,7 @@ impl GlobalMetrics {
                 &["reason"],
             ),
             rounds,
+            round_duration,
             leader,
         }
     }

@@ -377,3 +377,146 @@ fn no_coordinator_runs_on_a_redis_that_evicts_keys() {
     let d = q.check1("g", "k");
     assert_eq!(d["allowed"], true, "{d}");
 }
+
+/// A signed exchange with values out of bounds (an incarnation of 2^64-1 or an hour
+/// ahead, a release seq past 2^53, more keys than a round allows, an over-long key) is
+/// refused whole and counted as `invalid`, and changes nothing: the same peer's next
+/// valid exchange is answered as if it had never come. A body declared larger than a
+/// round can carry is refused from its headers (413, nothing read), and a peer's requests
+/// beyond its in-flight budget get 503 `busy` at once.
+#[test]
+fn absurd_values_are_refused_and_the_peer_keeps_exchanging() {
+    let redis = RedisServer::start();
+    let q = Quotad::start_with(&config(&redis.url()), "body_timeout = \"1s\"");
+    wait_for("eu to coordinate", Duration::from_secs(10), || {
+        let v: Value = q.json("/v1/status");
+        (v["coordinator"]["leader"] == true).then_some(())
+    });
+    let peer = Peer::new(&q);
+    let signed_post = |msg: &Exchange| {
+        let body = serde_json::to_vec(msg).unwrap();
+        let s = auth::sign_request(SECRET, "us", "eu", now_ms(), &body);
+        peer.post(Some(&s), &body)
+    };
+    let valid: Exchange = serde_json::from_slice(&exchange(400.0, 0)).unwrap();
+    let mut absurd = Vec::new();
+    let mut m = valid.clone();
+    m.incarnation = u64::MAX;
+    absurd.push(("incarnation 2^64-1", m));
+    let mut m = valid.clone();
+    m.incarnation = now_ms() as u64 + 3_600_000;
+    absurd.push(("incarnation an hour ahead", m));
+    let mut m = valid.clone();
+    m.policies[0].keys[0].release = Some(1 << 60);
+    absurd.push(("release seq past 2^53", m));
+    let mut m = valid.clone();
+    m.policies[0].keys = (0..20_000)
+        .map(|i| KeyReport {
+            key: format!("k{i}"),
+            demand: 1.0,
+            want: None,
+            release: None,
+            held: None,
+            freed: false,
+        })
+        .collect();
+    absurd.push(("20,000 keys", m));
+    let mut m = valid.clone();
+    m.policies[0].keys[0].key = "x".repeat(600);
+    absurd.push(("a 600-byte key", m));
+    for (what, msg) in &absurd {
+        let (status, sig, reply) = signed_post(msg);
+        assert_eq!(status, 400, "{what}: {}", String::from_utf8_lossy(&reply));
+        assert!(sig.is_none(), "{what}");
+        let err: Value = serde_json::from_slice(&reply).unwrap();
+        assert_eq!(err["error"]["code"], "invalid", "{what}");
+    }
+    assert_eq!(
+        q.metric("quotad_exchange_rejected_total{reason=\"invalid\"}"),
+        absurd.len() as f64
+    );
+    assert_eq!(
+        reservations(&redis),
+        None,
+        "nothing reserved for a refused request"
+    );
+
+    // The same peer, with its real incarnation, is answered (and soon lent to).
+    let grant = wait_for(
+        "a grant after the refusals",
+        Duration::from_secs(10),
+        || {
+            let (status, sig, reply) = signed_post(&valid);
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+            assert!(sig.is_some());
+            let r: ExchangeReply = serde_json::from_slice(&reply).unwrap();
+            r.policies[0].keys[0].grant.filter(|g| g.amount > 0.0)
+        },
+    );
+    assert!(grant.amount > 0.0);
+
+    // Over what a round can carry, from the headers alone: nothing of the body is read.
+    let big = 10_000 * (512 + 128) + 64 * 1024 + 1;
+    let s = auth::sign_request(SECRET, "us", "eu", now_ms(), b"{}");
+    let mut raw = std::net::TcpStream::connect(("127.0.0.1", q.port)).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    use std::io::{Read, Write};
+    write!(
+        raw,
+        "POST /v1/peer/exchange HTTP/1.1\r\nhost: q\r\ncontent-type: application/json\r\n\
+         {HEADER_REGION}: us\r\n{HEADER_TIMESTAMP}: {}\r\n{HEADER_NONCE}: {}\r\n{HEADER_SIGNATURE}: {}\r\n\
+         content-length: {big}\r\n\r\n",
+        s.timestamp_ms, s.nonce, s.signature
+    )
+    .unwrap();
+    let mut resp = String::new();
+    let _ = raw.read_to_string(&mut resp);
+    assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
+    assert!(resp.contains("too_large"), "{resp}");
+
+    // Half-sent 1 MiB bodies that name the peer: a few are read (until the body timeout),
+    // the rest are turned away at once, and none is held past the timeout.
+    let half: Vec<std::net::TcpStream> = (0..20)
+        .map(|_| {
+            let s = auth::sign_request(SECRET, "us", "eu", now_ms(), b"{}");
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", q.port)).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            write!(
+                c,
+                "POST /v1/peer/exchange HTTP/1.1\r\nhost: q\r\ncontent-type: application/json\r\n\
+                 {HEADER_REGION}: us\r\n{HEADER_TIMESTAMP}: {}\r\n{HEADER_NONCE}: {}\r\n{HEADER_SIGNATURE}: {}\r\n\
+                 content-length: {}\r\n\r\n",
+                s.timestamp_ms,
+                s.nonce,
+                s.signature,
+                1 << 20
+            )
+            .unwrap();
+            c.write_all(&vec![b' '; 512 * 1024]).unwrap();
+            c
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let mut statuses = Vec::new();
+    for mut c in half {
+        let mut resp = String::new();
+        let _ = c.read_to_string(&mut resp);
+        statuses.push(resp.split_whitespace().nth(1).unwrap_or("none").to_owned());
+    }
+    let busy = statuses.iter().filter(|s| *s == "503").count();
+    let timed_out = statuses.iter().filter(|s| *s == "408").count();
+    assert!(busy >= 6, "{statuses:?}");
+    assert_eq!(busy + timed_out, 20, "{statuses:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "held {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        q.metric("quotad_exchange_rejected_total{reason=\"busy\"}"),
+        busy as f64
+    );
+    // And the peer still gets through.
+    let (status, _, reply) = signed_post(&valid);
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+}

@@ -9,7 +9,7 @@ pub mod request;
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -205,27 +205,28 @@ async fn status(State(state): State<AppState>) -> Response {
     }
 }
 
-/// A peer region's exchange: signed, size-capped, refused (and counted) before the
-/// coordinator sees it unless it verifies.
-async fn peer_exchange(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    req: Request,
-) -> Response {
+/// A peer region's exchange: what the headers settle is checked before a byte of the
+/// body is read (a stranger, a stale or replayed request, a body over what a round can
+/// carry, a peer with too much in flight); the body is then read within the body timeout
+/// and verified. Every refusal is counted and none reaches the coordinator.
+async fn peer_exchange(State(state): State<AppState>, req: Request) -> Response {
     let Some(f) = &state.federation else {
         return ApiError::NotFound.into_response();
     };
-    let body: Bytes =
-        match axum::body::to_bytes(req.into_body(), state.caps.max_body_bytes.max(1 << 20)).await {
-            Ok(b) => b,
-            Err(_) => {
-                return ApiError::PayloadTooLarge {
-                    max: state.caps.max_body_bytes.max(1 << 20),
-                }
-                .into_response();
-            }
-        };
-    let r = f.exchange(&headers, body).await;
+    let (parts, body) = req.into_parts();
+    let admitted = match f.admit(&parts.headers) {
+        Ok(a) => a,
+        Err(r) => return peer_response(f.reject(r)),
+    };
+    let max = admitted.max_bytes;
+    let body = match body::read(&parts.headers, body, max, state.caps.body_timeout).await {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
+    peer_response(f.exchange(admitted, body).await)
+}
+
+fn peer_response(r: crate::federation::PeerResponse) -> Response {
     let mut resp = (r.status, r.body).into_response();
     let h = resp.headers_mut();
     h.insert(

@@ -148,7 +148,17 @@ pub struct GlobalSettings {
     /// Signed exchanges whose timestamp is further than this from our clock are refused
     /// (and nonces are remembered this long: the replay window).
     pub max_skew: Duration,
+    /// Largest exchange body accepted (and reply read): what `max_exchange_keys` keys of
+    /// `server.max_key_bytes` take, with room for the envelope.
+    pub max_exchange_bytes: usize,
+    /// `server.max_key_bytes`: a peer's key longer than this is refused like a client's.
+    pub max_key_bytes: usize,
 }
+
+/// Bytes an exchange may spend per key besides the key itself (fields, quoting, escapes
+/// of a few characters), and on its envelope.
+pub const EXCHANGE_BYTES_PER_KEY: usize = 128;
+pub const EXCHANGE_ENVELOPE_BYTES: usize = 64 * 1024;
 
 /// Everything the daemon needs, validated.
 #[derive(Debug, Clone)]
@@ -425,6 +435,10 @@ impl Validator<'_> {
                     };
                 }
             }
+            settings.max_exchange_bytes = settings.params.max_exchange_keys
+                * (server.max_key_bytes + EXCHANGE_BYTES_PER_KEY)
+                + EXCHANGE_ENVELOPE_BYTES;
+            settings.max_key_bytes = server.max_key_bytes;
             settings.regions = regions.clone();
             settings.peers = peers
                 .into_iter()
@@ -720,11 +734,19 @@ impl Validator<'_> {
             Duration::from_secs(1),
             Duration::from_secs(3600),
         );
+        let max_exchange_keys = self.integer(
+            c.max_exchange_keys.as_ref(),
+            "coordinator.max_exchange_keys",
+            defaults.max_exchange_keys as i64,
+            100,
+            1_000_000,
+        ) as usize;
         let params = Params {
             round_us: round.as_micros() as i64,
             lease_us: lease.as_micros() as i64,
             epsilon,
             margin_us: margin.as_micros() as i64,
+            max_exchange_keys,
             ..defaults
         };
         GlobalSettings {
@@ -734,6 +756,8 @@ impl Validator<'_> {
             params,
             lock,
             max_skew,
+            max_exchange_bytes: 0,
+            max_key_bytes: 0,
         }
     }
 

@@ -28,6 +28,7 @@ pub struct Coordinator {
     pub margin: Option<Spanned<String>>,
     pub epsilon: Option<Spanned<f64>>,
     pub max_skew: Option<Spanned<String>>,
+    pub max_exchange_keys: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -51,6 +51,31 @@ pub struct LeaseBook {
 }
 
 impl LeaseBook {
+    /// A digest of everything but the high-water mark: two books with the same one hold
+    /// the same escrow, reservations, loans and epoch (up to a 64-bit collision).
+    pub fn digest(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        // SipHash with fixed keys: the same book gives the same digest in every run.
+        let mut h = std::hash::DefaultHasher::new();
+        self.escrow.to_bits().hash(&mut h);
+        self.epoch.hash(&mut h);
+        for r in &self.reserved {
+            (r.borrower.0, r.seq, r.amount.to_bits(), r.until).hash(&mut h);
+        }
+        0xffu8.hash(&mut h);
+        for l in &self.borrowed {
+            (
+                l.lender.0,
+                l.lender_incarnation,
+                l.seq,
+                l.amount.to_bits(),
+                l.until,
+            )
+                .hash(&mut h);
+        }
+        h.finish()
+    }
+
     pub fn new(escrow: f64) -> Self {
         LeaseBook {
             escrow,

@@ -83,7 +83,23 @@ pub struct Params {
     pub hot_fraction: f64,
     /// Rounds a key stays in the exchange after it was last hot or mentioned by a peer.
     pub linger_rounds: u32,
+    /// Keys one exchange (or reply) may list, summed over its policies. A region with more
+    /// keys to report sends the most pressing ones (leases and news, then what peers asked
+    /// about, then the hottest); the rest run on their escrow until there is room, which is
+    /// safe. A receiver refuses a message over the bound before its coordinator sees it.
+    #[serde(default = "default_max_exchange_keys")]
+    pub max_exchange_keys: usize,
 }
+
+fn default_max_exchange_keys() -> usize {
+    Params::default().max_exchange_keys
+}
+
+/// Largest seq number or incarnation a message may carry: 2^53 (exact in a double, in
+/// JSON and in Lua). No live region gets there (2^53 grants at a million per second take
+/// 285 years); a value beyond is a bug or forgery and is refused, so it cannot wedge the
+/// "newer than" checks against a peer.
+pub const MAX_SEQ: u64 = 1 << 53;
 
 impl Default for Params {
     fn default() -> Self {
@@ -101,6 +117,7 @@ impl Default for Params {
             hysteresis: 0.01,
             hot_fraction: 0.5,
             linger_rounds: 5,
+            max_exchange_keys: 10_000,
         }
     }
 }

@@ -13,7 +13,7 @@
 //! the network belong to the caller ([`LeaseStore`]; messages are returned, not sent), and
 //! every map is ordered.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
@@ -43,7 +43,38 @@ pub trait LeaseStore {
     /// never set (a first start).
     fn default_escrow(&mut self, policy: &str) -> Option<f64>;
     fn set_default_escrow(&mut self, policy: &str, escrow: f64) -> bool;
+
+    /// Several books at once, in order. The node reads and writes through these, so that
+    /// a store with round trips (Redis) can pipeline them: with 100,000 keys, one round
+    /// trip each would outlast the coordinator lock. The defaults go one by one.
+    fn read_books(&mut self, policy: &str, keys: &[&str]) -> Vec<Option<LeaseBook>> {
+        keys.iter().map(|k| self.read_book(policy, k)).collect()
+    }
+    /// Writes several books, in order; one [`Written`] each.
+    fn write_books(&mut self, policy: &str, books: &[(&str, &LeaseBook)]) -> Vec<Written> {
+        books
+            .iter()
+            .map(|(k, b)| self.write_book(policy, k, b))
+            .collect()
+    }
+    /// Counters of several keys, in order.
+    fn counters_of(&mut self, policy: &str, keys: &[&str]) -> Vec<Counters> {
+        keys.iter().map(|k| self.counters(policy, k)).collect()
+    }
+    /// Whether the store failed over since the last call (a write it took durably may be
+    /// gone): the next round re-asserts every book, not only the changed ones.
+    fn take_failover(&mut self) -> bool {
+        false
+    }
 }
+
+/// An engaged book that did not change since its last durable write, and carries no
+/// loans, is re-asserted every this many rounds rather than every round: with 100,000
+/// leased keys, a write of each per round would cost Redis seconds per round. A book
+/// with loans is still written every round (it keeps the stored high-water mark, against
+/// which the store detects a backward clock step, fresh), and so is every book in the
+/// round after a failover.
+pub const REASSERT_ROUNDS: u64 = 5;
 
 /// What the store did with a book write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +155,8 @@ struct KeyState {
     short: Vec<bool>,
     /// Per borrower: capacity was freed since it was granted short (sent as `freed`).
     freed: Vec<bool>,
+    /// The digest of the book the store last took durably, and the round it did.
+    written: Option<(u64, u64)>,
 }
 
 /// A region as the borrower of one lender, for one key.
@@ -151,6 +184,8 @@ pub struct NodeStats {
     pub backward_steps: u64,
     /// Σ over rounds of the keys exchanged with each peer (for bytes per key).
     pub key_reports: u64,
+    /// Keys left out of an exchange because more qualified than one may carry.
+    pub keys_deferred: u64,
 }
 
 /// One key as the coordinator sees it, for status pages and tests.
@@ -375,13 +410,15 @@ impl<C: Clock> Node<C> {
         if now + self.params.step_tolerance_us() < self.high_water {
             self.stats.backward_steps += 1;
             for (name, ps) in self.policies.iter_mut() {
+                let mut stepped = Vec::new();
                 for (key, ks) in ps.keys.iter_mut() {
                     if !ks.book.borrowed.is_empty() {
                         ks.book.borrowed.clear();
                         ks.book.epoch += 1;
-                        ks.write(store, name, key);
+                        stepped.push(key.clone());
                     }
                 }
+                ps.write(store, name, &stepped, self.round);
             }
         }
         self.high_water = self.high_water.max(now);
@@ -457,21 +494,38 @@ impl<C: Clock> Node<C> {
             // Re-assert the default escrow too: a failover may have lost it.
             ps.default_durable = store.set_default_escrow(name, escrow_now);
             if sample {
-                for key in store.take_active(name) {
-                    let ks = ps.keys.entry(key).or_insert_with_key(|key| {
-                        let book = store
-                            .read_book(name, key)
-                            .unwrap_or_else(|| LeaseBook::new(escrow_now));
-                        KeyState::new(book, n)
-                    });
-                    ks.active_round = Some(round);
+                let active = store.take_active(name);
+                let mut new: Vec<&str> = active
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|k| !ps.keys.contains_key(*k))
+                    .collect();
+                new.sort_unstable();
+                new.dedup();
+                let books = store.read_books(name, &new);
+                for (key, book) in new.into_iter().zip(books) {
+                    let book = book.unwrap_or_else(|| LeaseBook::new(escrow_now));
+                    ps.keys.insert(key.to_owned(), KeyState::new(book, n));
+                }
+                for key in &active {
+                    if let Some(ks) = ps.keys.get_mut(key) {
+                        ks.active_round = Some(round);
+                    }
                 }
             }
+            let counters = if sample {
+                let keys: Vec<&str> = ps.keys.keys().map(String::as_str).collect();
+                store.counters_of(name, &keys)
+            } else {
+                Vec::new()
+            };
             let rho = ps.policy.rho;
+            let reassert_all = sample && store.take_failover();
             let mut drop = Vec::new();
-            for (key, ks) in ps.keys.iter_mut() {
-                if sample {
-                    let d = ks.demand.observe(now, store.counters(name, key), rho, &p);
+            let mut writes = Vec::new();
+            for (i, (key, ks)) in ps.keys.iter_mut().enumerate() {
+                if let Some(c) = counters.get(i) {
+                    let d = ks.demand.observe(now, *c, rho, &p);
                     if d >= p.hot_fraction * ps.policy.escrow[me] {
                         ks.hot_round = Some(round);
                     }
@@ -498,7 +552,21 @@ impl<C: Clock> Node<C> {
                 let escrow = effective_escrow(escrow_now, &ks.book, now);
                 ks.book.escrow = escrow;
                 ks.book.high_water = ks.book.high_water.max(now);
-                if ks.write(store, name, key) {
+                // Each unchanged book's re-assertion comes in a round of its own (by its
+                // key), so that a takeover's books do not all come due in one round.
+                let due = round % REASSERT_ROUNDS == key_slot(key);
+                let unchanged = !ks.dirty
+                    && ks.book.borrowed.is_empty()
+                    && ks.written.is_some_and(|(digest, r)| {
+                        digest == ks.book.digest() && round < r + REASSERT_ROUNDS
+                    });
+                if unchanged && !due && !reassert_all {
+                    continue;
+                }
+                writes.push(key.clone());
+            }
+            for (key, durable) in ps.write(store, name, &writes, round) {
+                if durable && let Some(ks) = ps.keys.get_mut(&key) {
                     ks.durable_written();
                 }
             }
@@ -511,24 +579,31 @@ impl<C: Clock> Node<C> {
 
     /// The exchange for peer `j`: every key hot here, leased with it, or mentioned by it;
     /// with `news_only`, only the keys with news for it (see [`Self::early_exchanges`]).
+    /// At most `max_exchange_keys` keys: beyond, the most pressing ones (see
+    /// [`KeyState::urgency`]); the others keep their flags for the next exchange.
     fn exchange_for(&mut self, j: usize, now: LocalUs, news_only: bool) -> Exchange {
         self.news[j] = false;
         let round = self.round;
         let me = self.me.index();
         let p = self.params;
         let peer_inc = self.peers[j].incarnation;
+        let chosen = self.over_cap(j, now, news_only);
         let mut policies = Vec::new();
         for (name, ps) in &mut self.policies {
             let mut keys = Vec::new();
             for (key, ks) in &mut ps.keys {
-                let leased = ks.book.reserved.iter().any(|r| r.borrower.index() == j)
-                    || ks.book.loan_from(RegionId(j as u16), now).is_some();
-                let mentioned = ks.peer_demand[j].is_some_and(|(_, r)| recent(round, r, &p));
-                let hot = ks.hot_round.is_some_and(|r| recent(round, r, &p));
-                let news = std::mem::take(&mut ks.early[j]);
-                if news_only && !news || !(hot || leased || mentioned || news) {
+                if ks.urgency(j, round, &p, now, news_only).is_none() {
                     continue;
                 }
+                if let Some(chosen) = &chosen
+                    && !chosen
+                        .get(name)
+                        .is_some_and(|keys| keys.contains(key.as_str()))
+                {
+                    self.stats.keys_deferred += 1;
+                    continue;
+                }
+                ks.early[j] = false;
                 let freed = std::mem::take(&mut ks.freed[j]);
                 let holds = ks.book.loan_from(RegionId(j as u16), now).is_some();
                 let from = &ks.lenders[j];
@@ -563,6 +638,44 @@ impl<C: Clock> Node<C> {
         }
     }
 
+    /// When more keys qualify for peer `j` than one exchange may carry: the ones to send.
+    fn over_cap(
+        &self,
+        j: usize,
+        now: LocalUs,
+        news_only: bool,
+    ) -> Option<HashMap<String, HashSet<String>>> {
+        let (round, p) = (self.round, &self.params);
+        let count = self
+            .policies
+            .values()
+            .flat_map(|ps| ps.keys.values())
+            .filter(|ks| ks.urgency(j, round, p, now, news_only).is_some())
+            .count();
+        if count <= p.max_exchange_keys {
+            return None;
+        }
+        let mut ranked: Vec<((u8, f64), &str, &str)> = self
+            .policies
+            .iter()
+            .flat_map(|(name, ps)| ps.keys.iter().map(move |(k, ks)| (name, k, ks)))
+            .filter_map(|(name, key, ks)| {
+                let u = ks.urgency(j, round, p, now, news_only)?;
+                Some(((u, -ks.demand.value()), name.as_str(), key.as_str()))
+            })
+            .collect();
+        ranked.sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
+        ranked.truncate(p.max_exchange_keys);
+        let mut chosen: HashMap<String, HashSet<String>> = HashMap::new();
+        for (_, name, key) in ranked {
+            chosen
+                .entry(name.to_owned())
+                .or_default()
+                .insert(key.to_owned());
+        }
+        Some(chosen)
+    }
+
     /// Ends a re-split once every peer reports the new version applied.
     fn finish_transition(&mut self, name: &str, links: &[Link], store: &mut dyn LeaseStore) {
         let me = self.me.index();
@@ -588,7 +701,9 @@ impl<C: Clock> Node<C> {
         }
     }
 
-    /// Lender side: answer a peer's exchange.
+    /// Lender side: answer a peer's exchange. Every key's decisions are made first, its
+    /// book written after (all of a policy's in one batch), and a grant leaves only for a
+    /// book the store took durably.
     pub fn on_exchange(
         &mut self,
         msg: &Exchange,
@@ -604,99 +719,52 @@ impl<C: Clock> Node<C> {
         }
         self.peers[j].incarnation = msg.incarnation;
         self.heard(j, now);
-        let p = self.params;
-        let me = self.me.index();
         let n = self.peers.len();
-        let round = self.round;
         let links: Vec<Link> = (0..n).map(|k| self.link_at(k, now)).collect();
         let can_lend = now >= self.learning_until && links[j] == Link::Connected;
-        let hold = p.lender_hold_us();
         let mut replies = Vec::new();
         for block in &msg.policies {
             let Some(mut ps) = self.policies.remove(&block.name) else {
                 continue;
             };
             ps.peer_applied[j] = ps.peer_applied[j].max(block.applied);
-            let base = ps.escrow_in_force(me);
+            let base = ps.escrow_in_force(self.me.index());
+            let keys: Vec<&str> = block.keys.iter().map(|r| r.key.as_str()).collect();
+            ps.track(store, &block.name, &keys, base, n);
+            let answers: Vec<Answer> = block
+                .keys
+                .iter()
+                .map(|report| self.lend(&mut ps, msg, report, &links, can_lend, now))
+                .collect();
+            let to_write: Vec<String> = answers
+                .iter()
+                .zip(&block.keys)
+                .filter(|(a, _)| a.write)
+                .map(|(_, r)| r.key.clone())
+                .collect();
+            let written: HashMap<String, bool> = ps
+                .write(store, &block.name, &to_write, self.round)
+                .into_iter()
+                .collect();
             let mut keys = Vec::new();
-            for report in &block.keys {
-                let ks = ps.keys.entry(report.key.clone()).or_insert_with(|| {
-                    let book = store
-                        .read_book(&block.name, &report.key)
-                        .unwrap_or_else(|| LeaseBook::new(base));
-                    KeyState::new(book, n)
-                });
-                ks.peer_demand[j] = Some((sanitize(report.demand as f64), round));
-                // Plan again with the demand just reported (and the link just heard from):
-                // what may be lent follows the freshest view, not the last round's.
-                let gave_back = plan(ks, &ps.policy, self.me, &links, round, &p, now);
-                for (l, &gave) in gave_back.iter().enumerate() {
-                    self.news[l] |= gave;
-                }
-                // The sender is a lender this region wants more from than it holds, and it
-                // freed capacity since it granted short: ask again now.
-                let held_from_j = ks.book.loan_from(msg.from, now).map_or(0.0, |l| l.amount);
-                if report.freed && ks.lenders[j].want >= held_from_j + p.hysteresis * ps.policy.rho
-                {
-                    ks.early[j] = true;
-                    self.news[j] = true;
-                }
-                let gave_back = gave_back.contains(&true);
-                let mut changed = false;
-                let mut durable = None;
-                if let Some(upto) = report.release
-                    && msg.to_incarnation == self.incarnation
-                {
-                    let before = ks.book.clone();
-                    ks.book.release(msg.from, upto);
-                    if let Some(held) = report.held {
-                        ks.book.lower(msg.from, upto, sanitize(held));
-                    }
-                    changed |= ks.book != before;
-                    if ks.book.reserved_total(now) < before.reserved_total(now) {
-                        // Capacity freed: tell the borrowers granted short.
-                        for b in 0..n {
-                            if b != j && ks.short[b] {
-                                ks.early[b] = true;
-                                ks.freed[b] = true;
-                                self.news[b] = true;
-                            }
-                        }
-                    }
-                }
-                let mut grant = None;
-                if let Some(want) = report.want {
-                    let lendable = if can_lend {
-                        let others: f64 =
-                            ks.book.reserved_total(now) - ks.book.reserved_for(msg.from, now);
-                        base - ks.target_self.min(base) - others
-                    } else {
-                        0.0
-                    };
-                    let amount = floor_milli(sanitize(want).min(lendable.max(0.0)));
-                    ks.short[j] = sanitize(want) - amount >= p.hysteresis * ps.policy.rho;
-                    let seq = self.next_seq;
-                    self.next_seq += 1;
-                    ks.book.reserved.push(Reservation {
-                        borrower: msg.from,
-                        seq,
-                        amount,
-                        until: now + hold,
-                    });
-                    ks.book.high_water = ks.book.high_water.max(now);
-                    let ok = ks.write(store, &block.name, &report.key);
-                    if ok {
-                        grant = Some(Grant { seq, amount });
+            for (a, report) in answers.into_iter().zip(&block.keys) {
+                let durable = a.write && written.get(&report.key) == Some(&true);
+                let Some(ks) = ps.keys.get_mut(&report.key) else {
+                    continue;
+                };
+                let grant = match a.grant {
+                    Some(g) if durable => {
                         self.stats.grants += 1;
-                    } else {
-                        self.stats.grants_withheld += 1;
+                        Some(g)
                     }
-                    durable = Some(ok);
-                } else if changed || gave_back {
-                    durable = Some(ks.write(store, &block.name, &report.key));
-                }
+                    Some(_) => {
+                        self.stats.grants_withheld += 1;
+                        None
+                    }
+                    None => None,
+                };
                 // A give-back is written now, and once durable announced (early).
-                if gave_back && durable == Some(true) {
+                if a.gave_back && durable {
                     ks.durable_written();
                 }
                 keys.push(KeyReply {
@@ -707,7 +775,7 @@ impl<C: Clock> Node<C> {
             }
             replies.push(PolicyReply {
                 name: block.name.clone(),
-                applied: applied_version(&ps, me),
+                applied: applied_version(&ps, self.me.index()),
                 keys,
             });
             self.policies.insert(block.name.clone(), ps);
@@ -717,9 +785,98 @@ impl<C: Clock> Node<C> {
             incarnation: self.incarnation,
             to_incarnation: msg.incarnation,
             t_req: msg.t_req,
-            lease_us: p.lease_us,
+            lease_us: self.params.lease_us,
             policies: replies,
         })
+    }
+
+    /// One key of a peer's exchange, in memory: its demand, a fresh plan, releases and
+    /// give-backs it announces, and the reservation for what it asks (granted once the
+    /// book is durably written).
+    fn lend(
+        &mut self,
+        ps: &mut PolicyState,
+        msg: &Exchange,
+        report: &KeyReport,
+        links: &[Link],
+        can_lend: bool,
+        now: LocalUs,
+    ) -> Answer {
+        let j = msg.from.index();
+        let n = self.peers.len();
+        let p = self.params;
+        let round = self.round;
+        let base = ps.escrow_in_force(self.me.index());
+        let Some(ks) = ps.keys.get_mut(&report.key) else {
+            return Answer::default();
+        };
+        ks.peer_demand[j] = Some((peer_demand(report.demand, &ps.policy, &p), round));
+        // Plan again with the demand just reported (and the link just heard from): what
+        // may be lent follows the freshest view, not the last round's.
+        let gave_back = plan(ks, &ps.policy, self.me, links, round, &p, now);
+        for (l, &gave) in gave_back.iter().enumerate() {
+            self.news[l] |= gave;
+        }
+        // The sender is a lender this region wants more from than it holds, and it freed
+        // capacity since it granted short: ask again now.
+        let held_from_j = ks.book.loan_from(msg.from, now).map_or(0.0, |l| l.amount);
+        if report.freed && ks.lenders[j].want >= held_from_j + p.hysteresis * ps.policy.rho {
+            ks.early[j] = true;
+            self.news[j] = true;
+        }
+        let gave_back = gave_back.contains(&true);
+        let mut changed = false;
+        // A watermark above every seq this life issued is no release of ours.
+        if let Some(upto) = report.release
+            && msg.to_incarnation == self.incarnation
+            && upto <= self.next_seq
+        {
+            let before = ks.book.clone();
+            ks.book.release(msg.from, upto);
+            if let Some(held) = report.held {
+                ks.book.lower(msg.from, upto, sanitize(held));
+            }
+            changed |= ks.book != before;
+            if ks.book.reserved_total(now) < before.reserved_total(now) {
+                // Capacity freed: tell the borrowers granted short.
+                for b in 0..n {
+                    if b != j && ks.short[b] {
+                        ks.early[b] = true;
+                        ks.freed[b] = true;
+                        self.news[b] = true;
+                    }
+                }
+            }
+        }
+        let Some(want) = report.want else {
+            return Answer {
+                write: changed || gave_back,
+                grant: None,
+                gave_back,
+            };
+        };
+        let lendable = if can_lend {
+            let others: f64 = ks.book.reserved_total(now) - ks.book.reserved_for(msg.from, now);
+            base - ks.target_self.min(base) - others
+        } else {
+            0.0
+        };
+        let amount = floor_milli(sanitize(want).min(lendable.max(0.0)));
+        ks.short[j] = sanitize(want) - amount >= p.hysteresis * ps.policy.rho;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        ks.book.reserved.push(Reservation {
+            borrower: msg.from,
+            seq,
+            amount,
+            until: now + p.lender_hold_us(),
+        });
+        ks.book.high_water = ks.book.high_water.max(now);
+        Answer {
+            write: true,
+            grant: Some(Grant { seq, amount }),
+            gave_back,
+        }
     }
 
     /// Borrower side: take a peer's reply (grants and demand).
@@ -746,15 +903,16 @@ impl<C: Clock> Node<C> {
         let until = reply.t_req + p.borrower_valid_us(lease);
         let tol = p.step_tolerance_us();
         for block in &reply.policies {
-            let Some(ps) = self.policies.get_mut(&block.name) else {
+            let Some(mut ps) = self.policies.remove(&block.name) else {
                 continue;
             };
             ps.peer_applied[j] = ps.peer_applied[j].max(block.applied);
+            let mut accepted = Vec::new();
             for kr in &block.keys {
                 let Some(ks) = ps.keys.get_mut(&kr.key) else {
                     continue; // we stopped tracking it; a grant for it is simply not used
                 };
-                ks.peer_demand[j] = Some((sanitize(kr.demand as f64), round));
+                ks.peer_demand[j] = Some((peer_demand(kr.demand, &ps.policy, &p), round));
                 let Some(g) = kr.grant else { continue };
                 let (inc, hi) = ks.lenders[j].accepted;
                 let newer = reply.incarnation > inc || (reply.incarnation == inc && g.seq > hi);
@@ -777,15 +935,82 @@ impl<C: Clock> Node<C> {
                 ks.lenders[j].granted = amount;
                 ks.book.high_water = ks.book.high_water.max(now);
                 self.stats.loans_accepted += 1;
-                if ks.write(store, &block.name, &kr.key) {
+                accepted.push(kr.key.clone());
+            }
+            for (key, durable) in ps.write(store, &block.name, &accepted, round) {
+                if durable && let Some(ks) = ps.keys.get_mut(&key) {
                     ks.durable_written();
                 }
             }
+            self.policies.insert(block.name.clone(), ps);
         }
     }
 }
 
+/// What [`Node::lend`] decided for one key, before its book is written.
+#[derive(Debug, Default)]
+struct Answer {
+    /// The book changed and must be written.
+    write: bool,
+    /// The grant, if the write is durable.
+    grant: Option<Grant>,
+    /// This region gave part of a loan back (announced once durable).
+    gave_back: bool,
+}
+
 impl PolicyState {
+    /// Starts tracking those of `keys` not tracked yet, with their stored books (read in
+    /// one batch) or a fresh book at `escrow`.
+    fn track(
+        &mut self,
+        store: &mut dyn LeaseStore,
+        name: &str,
+        keys: &[&str],
+        escrow: f64,
+        n: usize,
+    ) {
+        let mut new: Vec<&str> = keys
+            .iter()
+            .copied()
+            .filter(|k| !self.keys.contains_key(*k))
+            .collect();
+        new.sort_unstable();
+        new.dedup();
+        let books = store.read_books(name, &new);
+        for (key, book) in new.into_iter().zip(books) {
+            let book = book.unwrap_or_else(|| LeaseBook::new(escrow));
+            self.keys.insert(key.to_owned(), KeyState::new(book, n));
+        }
+    }
+
+    /// Writes the books of `keys` (each once, in one batch) and takes in what the store
+    /// did; returns each key with whether its write is durable.
+    fn write(
+        &mut self,
+        store: &mut dyn LeaseStore,
+        name: &str,
+        keys: &[String],
+        round: u64,
+    ) -> Vec<(String, bool)> {
+        let mut keys: Vec<&String> = keys.iter().collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let books: Vec<(&str, &LeaseBook)> = keys
+            .iter()
+            .filter_map(|k| Some((k.as_str(), &self.keys.get(*k)?.book)))
+            .collect();
+        let written = store.write_books(name, &books);
+        let names: Vec<String> = books.iter().map(|(k, _)| (*k).to_owned()).collect();
+        names
+            .into_iter()
+            .zip(written)
+            .map(|(key, w)| {
+                let durable = self.keys.get_mut(&key).is_some_and(|ks| ks.taken(w, round));
+                (key, durable)
+            })
+            .collect()
+    }
+
     /// Takes every book in the store that is not tracked yet (a start, a restart, a new
     /// policy version): the next refresh re-asserts it at the escrow in force.
     fn adopt_books(&mut self, store: &mut dyn LeaseStore, n: usize) {
@@ -814,6 +1039,14 @@ impl PolicyState {
     }
 }
 
+/// The round (modulo [`REASSERT_ROUNDS`]) in which an unchanged book is re-asserted.
+fn key_slot(key: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    key.hash(&mut h);
+    h.finish() % REASSERT_ROUNDS
+}
+
 /// Whether round `r` is within the linger window of round `round`.
 fn recent(round: u64, r: u64, p: &Params) -> bool {
     round.saturating_sub(r) <= p.linger_rounds as u64
@@ -835,17 +1068,19 @@ impl KeyState {
             early: vec![false; n],
             short: vec![false; n],
             freed: vec![false; n],
+            written: None,
         }
     }
 
-    /// Writes the book; returns whether the write is durable. A store that had dropped
-    /// the loans (a backward step it saw first) keeps them out, and so does this copy.
-    fn write(&mut self, store: &mut dyn LeaseStore, policy: &str, key: &str) -> bool {
-        let w = store.write_book(policy, key, &self.book);
+    /// Takes in what the store did with this key's book; returns whether the write is
+    /// durable. A store that had dropped the loans (a backward step it saw first) keeps
+    /// them out, and so does this copy.
+    fn taken(&mut self, w: Written, round: u64) -> bool {
         if w.epoch > self.book.epoch {
             self.book.borrowed.clear();
             self.book.epoch = w.epoch;
         }
+        self.written = w.durable.then(|| (self.book.digest(), round));
         self.dirty = !w.durable;
         w.durable
     }
@@ -872,6 +1107,37 @@ impl KeyState {
         self.hot_round.is_some_and(within)
             || self.peer_demand.iter().flatten().any(|&(_, r)| within(r))
             || !self.book.is_idle(now)
+    }
+
+    /// Whether this key goes into an exchange for peer `j`, and how pressing it is (lower
+    /// first): a lease with `j` or news for it (a lease not renewed ends, news not sent
+    /// waits), then what `j` asked about, then keys hot here (the hottest first, by the
+    /// caller). `None`: not for this exchange.
+    fn urgency(
+        &self,
+        j: usize,
+        round: u64,
+        p: &Params,
+        now: LocalUs,
+        news_only: bool,
+    ) -> Option<u8> {
+        let news = self.early[j];
+        if news_only {
+            return news.then_some(0);
+        }
+        let leased = self.book.reserved.iter().any(|r| r.borrower.index() == j)
+            || self.book.loan_from(RegionId(j as u16), now).is_some();
+        let mentioned = self.peer_demand[j].is_some_and(|(_, r)| recent(round, r, p));
+        let hot = self.hot_round.is_some_and(|r| recent(round, r, p));
+        if leased || news {
+            Some(0)
+        } else if mentioned {
+            Some(1)
+        } else if hot {
+            Some(2)
+        } else {
+            None
+        }
     }
 
     /// Hot here, active here, or mentioned by a peer within the linger window.
@@ -974,6 +1240,12 @@ fn floor_milli(x: f64) -> f64 {
     (x * 1000.0).floor() / 1000.0
 }
 
+/// A peer's reported demand, as planning may use it: finite, not negative, and clamped
+/// like our own estimate (a retry storm, or a bogus report, must not swamp the split).
+fn peer_demand(d: f32, policy: &GlobalPolicy, p: &Params) -> f64 {
+    sanitize(d as f64).min(p.demand_clamp * policy.rho)
+}
+
 fn sanitize(x: f64) -> f64 {
     if x.is_finite() && x > 0.0 { x } else { 0.0 }
 }
@@ -1074,6 +1346,66 @@ mod tests {
     fn rate(store: &MapStore, now: LocalUs) -> f64 {
         let tol = Params::default().step_tolerance_us();
         store.books.get("k").map_or(50.0, |b| b.rate(now, tol))
+    }
+
+    /// More keys qualify for an exchange than it may carry: the lease goes first, then
+    /// what the peer asked about; the rest are counted as deferred, not dropped silently.
+    #[test]
+    fn an_exchange_carries_at_most_the_cap_leases_first() {
+        let p = Params {
+            max_exchange_keys: 3,
+            ..Params::default()
+        };
+        let policy =
+            GlobalPolicy::from_weights("g", 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional);
+        let clock = Arc::new(ManualClock::new(0));
+        let mut store = MapStore::default();
+        let mut leased = LeaseBook::new(50.0);
+        leased.reserved.push(Reservation {
+            borrower: RegionId(1),
+            seq: 1,
+            amount: 5.0,
+            until: 60_000_000,
+        });
+        store.books.insert("z-leased".into(), leased);
+        let mut node = Node::start(
+            RegionId(0),
+            2,
+            p,
+            clock.clone(),
+            1,
+            vec![policy],
+            &mut store,
+        );
+        // The peer asks about five keys (no loan wanted): each is "mentioned".
+        let report = |key: &str| KeyReport {
+            key: key.into(),
+            demand: 1.0,
+            want: None,
+            release: None,
+            held: None,
+            freed: false,
+        };
+        let ex = Exchange {
+            from: RegionId(1),
+            incarnation: 1,
+            to_incarnation: 0,
+            t_req: 0,
+            policies: vec![PolicyReport {
+                name: "g".into(),
+                applied: 1,
+                keys: ["a", "b", "c", "d", "e"].map(report).to_vec(),
+            }],
+        };
+        node.on_exchange(&ex, &mut store).expect("a reply");
+        let out = node.round(&mut store);
+        let keys: Vec<&str> = out[0].1.policies[0]
+            .keys
+            .iter()
+            .map(|k| k.key.as_str())
+            .collect();
+        assert_eq!(keys, ["a", "b", "z-leased"]);
+        assert_eq!(node.stats().keys_deferred, 3);
     }
 
     /// Region 1 offers 90/s, region 0 nothing. After the learning period and a few rounds,

@@ -39,10 +39,20 @@ pub enum Rejection {
     Malformed,
     #[error("this instance does not coordinate its region")]
     NotCoordinator,
+    #[error("a content-length header is required")]
+    LengthRequired,
+    #[error("body larger than an exchange of the most keys a round allows")]
+    TooLarge,
+    #[error("too many exchanges from this peer in flight; retry")]
+    Busy,
+    /// Signed and well-formed, but a value is out of bounds (an incarnation from the
+    /// future, a seq past 2^53, more keys than a round allows, an over-long key).
+    #[error("a value is out of bounds")]
+    Invalid,
 }
 
 impl Rejection {
-    pub const ALL: [Rejection; 7] = [
+    pub const ALL: [Rejection; 11] = [
         Rejection::Unauthenticated,
         Rejection::UnknownPeer,
         Rejection::BadSignature,
@@ -50,6 +60,10 @@ impl Rejection {
         Rejection::Replay,
         Rejection::Malformed,
         Rejection::NotCoordinator,
+        Rejection::LengthRequired,
+        Rejection::TooLarge,
+        Rejection::Busy,
+        Rejection::Invalid,
     ];
 
     pub fn reason(self) -> &'static str {
@@ -61,6 +75,10 @@ impl Rejection {
             Rejection::Replay => "replay",
             Rejection::Malformed => "malformed",
             Rejection::NotCoordinator => "not_coordinator",
+            Rejection::LengthRequired => "length_required",
+            Rejection::TooLarge => "too_large",
+            Rejection::Busy => "busy",
+            Rejection::Invalid => "invalid",
         }
     }
 }
@@ -166,6 +184,28 @@ impl Verifier {
         }
     }
 
+    /// What the headers alone can settle, before a byte of the body is read: the sender
+    /// is a configured peer, the signature has the form of one, the timestamp is fresh,
+    /// and the nonce is new. A request that fails here costs no body read.
+    pub fn precheck(&self, signed: &Signed, now_ms: i64) -> Result<(), Rejection> {
+        if !self.secrets.contains_key(&signed.from) {
+            return Err(Rejection::UnknownPeer);
+        }
+        if signed.signature.len() != SIGNATURE_HEX
+            || !signed.signature.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            return Err(Rejection::BadSignature);
+        }
+        if signed.timestamp_ms.abs_diff(now_ms) > self.max_skew_ms.unsigned_abs() {
+            return Err(Rejection::Stale);
+        }
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.get(&signed.nonce).is_some_and(|until| *until > now_ms) {
+            return Err(Rejection::Replay);
+        }
+        Ok(())
+    }
+
     /// Checks a request; on success remembers its nonce.
     pub fn verify(&self, signed: &Signed, body: &[u8], now_ms: i64) -> Result<(), Rejection> {
         let secret = self
@@ -249,6 +289,31 @@ mod tests {
         );
         assert_eq!(v.verify(&s, b"{\"a\":1}", 1_040_000), Err(Rejection::Stale));
         assert_eq!(v.verify(&s, b"{\"a\":1}", 1_020_000), Ok(()));
+    }
+
+    #[test]
+    fn the_headers_alone_settle_strangers_forms_staleness_and_replays() {
+        let v = verifier();
+        let s = sign_request(b"0123456789abcdef", "us", "eu", 1_000_000, b"{}");
+        assert_eq!(v.precheck(&s, 1_000_100), Ok(()));
+        let mut stranger = s.clone();
+        stranger.from = "xx".into();
+        assert_eq!(
+            v.precheck(&stranger, 1_000_100),
+            Err(Rejection::UnknownPeer)
+        );
+        let mut short = s.clone();
+        short.signature.pop();
+        assert_eq!(v.precheck(&short, 1_000_100), Err(Rejection::BadSignature));
+        let mut not_hex = s.clone();
+        not_hex.signature.replace_range(0..1, "z");
+        assert_eq!(
+            v.precheck(&not_hex, 1_000_100),
+            Err(Rejection::BadSignature)
+        );
+        assert_eq!(v.precheck(&s, 1_040_000), Err(Rejection::Stale));
+        assert_eq!(v.verify(&s, b"{}", 1_000_100), Ok(()));
+        assert_eq!(v.precheck(&s, 1_000_200), Err(Rejection::Replay));
     }
 
     #[test]

@@ -15,6 +15,10 @@
 //! Durability: with replicas attached, a write counts as durable once `WAIT` sees one
 //! acknowledge it; a Redis without replicas acknowledges by answering (run Redis with
 //! replicas or `appendfsync always` if a restart must not lose lease writes; see README).
+//!
+//! Scale: books, counters and writes of many keys go in pipelines of [`BATCH`] commands
+//! (one `WAIT` after a batch of writes), so a takeover with 100,000 tracked keys costs a
+//! hundred round trips, not a hundred thousand, and stays well inside the lock period.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,6 +36,10 @@ use crate::coordinator::node::{LeaseStore, Written};
 use crate::policy::Policy;
 use crate::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
 use crate::store::scripts::Global;
+
+/// Commands per pipeline: large enough that round trips do not dominate, small enough
+/// that one pipeline's replies stay well inside the socket timeout.
+pub const BATCH: usize = 1000;
 
 /// Redis's clock as the coordinator reads it: the offset from a monotonic clock, re-read
 /// (`TIME`) at the start of every event, so the node's readings between two syncs move
@@ -196,6 +204,10 @@ pub struct RedisLeaseStore {
     regions: usize,
     /// Half the longest TIME round trip accepted for a clock sync.
     max_sync_us: i64,
+    /// A failover was detected and the node has not been told yet.
+    failed_over: bool,
+    /// When the lock was last extended; long batches extend it as they go.
+    renewed: Instant,
 }
 
 impl RedisLeaseStore {
@@ -227,6 +239,24 @@ impl RedisLeaseStore {
             failure: None,
             lagging: false,
             fenced: false,
+            failed_over: false,
+            renewed: Instant::now(),
+        }
+    }
+
+    /// Extends the lock between the pipelines of a long batch, so that loading or writing
+    /// many books never outlasts it (the runtime renews between events, too).
+    fn keep_lock(&mut self) {
+        if self.failure.is_some() || self.renewed.elapsed() < self.lock.ttl() / 4 {
+            return;
+        }
+        match self.lock.renew(&mut self.conn) {
+            Ok(true) => self.renewed = Instant::now(),
+            Ok(false) => {
+                self.fenced = true;
+                self.fail("coordinator lock lost during a batch");
+            }
+            Err(e) => self.fail(e),
         }
     }
 
@@ -301,6 +331,7 @@ impl RedisLeaseStore {
             tracing::warn!(
                 "redis replication ID changed (failover or restart): dropping every loan"
             );
+            self.failed_over = true;
             self.drop_all_loans();
             if let Some(e) = &self.failure {
                 return Err(e.clone());
@@ -328,20 +359,27 @@ impl RedisLeaseStore {
     fn drop_all_loans(&mut self) {
         let names: Vec<String> = self.policies.keys().cloned().collect();
         for name in names {
-            for (key, _) in self.books(&name) {
+            let keys: Vec<String> = self.books(&name).into_iter().map(|(k, _)| k).collect();
+            for chunk in keys.chunks(BATCH) {
+                self.keep_lock();
                 let p = &self.policies[&name];
-                let storage = p.policy.storage_key(&key);
-                let inv = global::drop_loans_invocation(
-                    &self.drop,
-                    &storage,
-                    &p.keys,
-                    self.lock.fence_key(),
-                    self.token,
-                    &p.shape,
-                    None,
-                );
-                if let Err(e) = inv.invoke::<i64>(&mut self.conn) {
+                let mut pipe = redis::pipe();
+                for key in chunk {
+                    let storage = p.policy.storage_key(key);
+                    let inv = global::drop_loans_invocation(
+                        &self.drop,
+                        &storage,
+                        &p.keys,
+                        self.lock.fence_key(),
+                        self.token,
+                        &p.shape,
+                        None,
+                    );
+                    pipe.invoke_script(&inv).ignore();
+                }
+                if let Err(e) = query_scripts::<()>(&mut self.conn, &pipe, &self.drop) {
                     self.fail(e);
+                    return;
                 }
             }
         }
@@ -383,38 +421,77 @@ impl RedisLeaseStore {
         }
     }
 
-    fn read_slot(
+    /// The hashes of `keys`, pipelined; `None` for each when the event already failed
+    /// (or fails here).
+    fn read_slots(
         &mut self,
         policy: &str,
-        key: &str,
-    ) -> Option<crate::coordinator::bucket::KeySlot> {
+        keys: &[&str],
+    ) -> Vec<Option<crate::coordinator::bucket::KeySlot>> {
+        let none = || (0..keys.len()).map(|_| None).collect();
         if self.failure.is_some() {
-            return None;
+            return none();
         }
-        let storage = self.policies.get(policy)?.policy.storage_key(key);
-        let v: Result<Vec<Option<String>>, _> = redis::cmd("HMGET")
-            .arg(&storage)
-            .arg(&SLOT_FIELDS[..])
-            .query(&mut self.conn);
-        match v
-            .map_err(|e| e.to_string())
-            .and_then(|v| global::decode_slot(&v))
-        {
-            Ok(mut slot) => {
-                // A loan from a region this config does not have (the region set changed)
-                // is dropped: dropping a loan is always safe. Reservations are kept (they
-                // only lower the rate) and are matched by id, never indexed.
-                let n = self.regions;
-                if let Some(b) = slot.book.as_mut() {
-                    b.borrowed.retain(|l| l.lender.index() < n);
+        if !self.policies.contains_key(policy) {
+            return none();
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(BATCH) {
+            self.keep_lock();
+            let p = &self.policies[policy];
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                pipe.cmd("HMGET")
+                    .arg(p.policy.storage_key(key))
+                    .arg(&SLOT_FIELDS[..]);
+            }
+            let rows: Result<Vec<Vec<Option<String>>>, _> = pipe.query(&mut self.conn);
+            let rows = match rows {
+                Ok(r) => r,
+                Err(e) => {
+                    self.fail(e);
+                    return none();
                 }
-                Some(slot)
-            }
-            Err(e) => {
-                self.fail(e);
-                None
+            };
+            for row in rows {
+                match global::decode_slot(&row) {
+                    Ok(mut slot) => {
+                        // A loan from a region this config does not have (the region set
+                        // changed) is dropped: dropping a loan is always safe. Reservations
+                        // are kept (they only lower the rate) and are matched by id, never
+                        // indexed.
+                        let n = self.regions;
+                        if let Some(b) = slot.book.as_mut() {
+                            b.borrowed.retain(|l| l.lender.index() < n);
+                        }
+                        out.push(Some(slot));
+                    }
+                    Err(e) => {
+                        self.fail(e);
+                        return none();
+                    }
+                }
             }
         }
+        out
+    }
+}
+
+/// Runs a pipeline of `script`'s invocations, loading the script once if Redis does not
+/// have it (a restart, SCRIPT FLUSH): a pipeline's EVALSHAs are not retried by the crate.
+/// Retrying the whole pipeline is safe: every script here sets state, so running one
+/// twice leaves what running it once does.
+fn query_scripts<T: redis::FromRedisValue>(
+    conn: &mut redis::Connection,
+    pipe: &redis::Pipeline,
+    script: &redis::Script,
+) -> redis::RedisResult<T> {
+    match pipe.query(conn) {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.prepare_invoke().load(conn)?;
+            pipe.query(conn)
+        }
+        r => r,
     }
 }
 
@@ -432,7 +509,11 @@ impl Coordinated for RedisLeaseStore {
     }
 
     fn renew(&mut self) -> Result<bool, String> {
-        self.lock.renew(&mut self.conn).map_err(|e| e.to_string())
+        let renewed = self.lock.renew(&mut self.conn).map_err(|e| e.to_string())?;
+        if renewed {
+            self.renewed = Instant::now();
+        }
+        Ok(renewed)
     }
 
     fn release(&mut self) {
@@ -442,42 +523,78 @@ impl Coordinated for RedisLeaseStore {
 
 impl LeaseStore for RedisLeaseStore {
     fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written {
-        let not_written = Written {
-            durable: false,
-            epoch: book.epoch,
+        self.write_books(policy, &[(key, book)])
+            .pop()
+            .unwrap_or(Written {
+                durable: false,
+                epoch: book.epoch,
+            })
+    }
+
+    fn write_books(&mut self, policy: &str, books: &[(&str, &LeaseBook)]) -> Vec<Written> {
+        let not_written = || {
+            books
+                .iter()
+                .map(|(_, b)| Written {
+                    durable: false,
+                    epoch: b.epoch,
+                })
+                .collect()
         };
-        if self.failure.is_some() {
-            return not_written;
+        if self.failure.is_some() || books.is_empty() {
+            return not_written();
         }
-        let Some(p) = self.policies.get(policy) else {
-            return not_written;
-        };
-        let storage = p.policy.storage_key(key);
-        let inv = global::write_book_invocation(
-            &self.write,
-            &storage,
-            key,
-            &p.keys,
-            self.lock.fence_key(),
-            self.token,
-            &p.shape,
-            book,
-            None,
-        );
-        match inv.invoke::<u64>(&mut self.conn) {
-            Ok(epoch) => Written {
-                durable: self.durable(),
-                epoch,
-            },
-            Err(e) => {
-                self.fail(e);
-                not_written
+        if !self.policies.contains_key(policy) {
+            return not_written();
+        }
+        let mut epochs = Vec::with_capacity(books.len());
+        for chunk in books.chunks(BATCH) {
+            self.keep_lock();
+            if self.failure.is_some() {
+                return not_written();
+            }
+            let p = &self.policies[policy];
+            let mut pipe = redis::pipe();
+            for (key, book) in chunk {
+                let storage = p.policy.storage_key(key);
+                let inv = global::write_book_invocation(
+                    &self.write,
+                    &storage,
+                    key,
+                    &p.keys,
+                    self.lock.fence_key(),
+                    self.token,
+                    &p.shape,
+                    book,
+                    None,
+                );
+                pipe.invoke_script(&inv);
+            }
+            match query_scripts::<Vec<u64>>(&mut self.conn, &pipe, &self.write) {
+                Ok(e) => epochs.extend(e),
+                Err(e) => {
+                    self.fail(e);
+                    return not_written();
+                }
             }
         }
+        // One WAIT covers the whole batch: a replica acknowledges in order.
+        let durable = self.durable();
+        epochs
+            .into_iter()
+            .map(|epoch| Written { durable, epoch })
+            .collect()
     }
 
     fn read_book(&mut self, policy: &str, key: &str) -> Option<LeaseBook> {
-        self.read_slot(policy, key)?.book
+        self.read_books(policy, &[key]).pop().flatten()
+    }
+
+    fn read_books(&mut self, policy: &str, keys: &[&str]) -> Vec<Option<LeaseBook>> {
+        self.read_slots(policy, keys)
+            .into_iter()
+            .map(|s| s.and_then(|s| s.book))
+            .collect()
     }
 
     fn books(&mut self, policy: &str) -> Vec<(String, LeaseBook)> {
@@ -492,18 +609,27 @@ impl LeaseStore for RedisLeaseStore {
                 return Vec::new();
             }
         };
+        let keys: Vec<&str> = members.iter().map(String::as_str).collect();
+        let books = self.read_books(policy, &keys);
+        if self.failure.is_some() {
+            return Vec::new();
+        }
         let mut out = Vec::new();
-        for key in members {
-            match self.read_book(policy, &key) {
-                Some(book) => out.push((key, book)),
-                None if self.failure.is_none() => {
-                    // The key expired (idle for the keep time): nothing left to adopt.
-                    let _ = self
-                        .lock
-                        .fenced_srem(&mut self.conn, self.token, &set, &key);
-                }
-                None => return Vec::new(),
+        let mut expired = Vec::new();
+        for (key, book) in members.iter().zip(books) {
+            match book {
+                Some(book) => out.push((key.clone(), book)),
+                // The key expired (idle for the keep time): nothing left to adopt.
+                None => expired.push(key.as_str()),
             }
+        }
+        for chunk in expired.chunks(BATCH) {
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                self.lock.fenced_srem_to(&mut pipe, self.token, &set, key);
+            }
+            // Best effort: a member left behind is pruned at the next adoption.
+            let _ = query_scripts::<()>(&mut self.conn, &pipe, self.lock.fenced_srem_script());
         }
         out
     }
@@ -570,28 +696,58 @@ impl LeaseStore for RedisLeaseStore {
     }
 
     fn counters(&mut self, policy: &str, key: &str) -> Counters {
-        if let Some(c) = self.counters.get(&(policy.to_owned(), key.to_owned())) {
-            return *c;
-        }
-        // A tracked key that was quiet this round: its two counters only.
-        if self.failure.is_some() {
-            return Counters::default();
-        }
-        let Some(p) = self.policies.get(policy) else {
-            return Counters::default();
-        };
-        let row = redis::cmd("HMGET")
-            .arg(p.policy.storage_key(key))
-            .arg("a")
-            .arg("x")
-            .query(&mut self.conn);
-        match row {
-            Ok(row) => counters_of(row),
-            Err(e) => {
-                self.fail(e);
-                Counters::default()
+        self.counters_of(policy, &[key]).pop().unwrap_or_default()
+    }
+
+    fn counters_of(&mut self, policy: &str, keys: &[&str]) -> Vec<Counters> {
+        // Keys active this round were read with the active set; the quiet tracked ones
+        // (their two counters only) in pipelines here.
+        let missing: Vec<&str> = keys
+            .iter()
+            .copied()
+            .filter(|k| {
+                !self
+                    .counters
+                    .contains_key(&(policy.to_owned(), (*k).to_owned()))
+            })
+            .collect();
+        if !missing.is_empty() && self.failure.is_none() {
+            if let Some(p) = self.policies.get(policy) {
+                for chunk in missing.chunks(BATCH) {
+                    let mut pipe = redis::pipe();
+                    for k in chunk {
+                        pipe.cmd("HMGET")
+                            .arg(p.policy.storage_key(k))
+                            .arg("a")
+                            .arg("x");
+                    }
+                    match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
+                        Ok(rows) => {
+                            for (k, row) in chunk.iter().zip(rows) {
+                                self.counters
+                                    .insert((policy.to_owned(), (*k).to_owned()), counters_of(row));
+                            }
+                        }
+                        Err(e) => {
+                            self.fail(e);
+                            break;
+                        }
+                    }
+                }
             }
         }
+        keys.iter()
+            .map(|k| {
+                self.counters
+                    .get(&(policy.to_owned(), (*k).to_owned()))
+                    .copied()
+                    .unwrap_or_default()
+            })
+            .collect()
+    }
+
+    fn take_failover(&mut self) -> bool {
+        std::mem::take(&mut self.failed_over)
     }
 
     fn default_escrow(&mut self, policy: &str) -> Option<f64> {

@@ -60,6 +60,11 @@ impl Lock {
         }
     }
 
+    /// How long the lock lives without a renewal.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     pub fn fence_key(&self) -> &str {
         &self.fence_key
     }
@@ -113,6 +118,18 @@ impl Lock {
             .arg(member)
             .invoke(conn)?;
         Ok(())
+    }
+
+    /// Adds [`Lock::fenced_srem`] to a pipeline (run it with [`Lock::fenced_srem_script`]
+    /// loaded).
+    pub fn fenced_srem_to(&self, pipe: &mut redis::Pipeline, token: u64, set: &str, member: &str) {
+        let mut inv = self.fenced_srem.prepare_invoke();
+        inv.key(&self.fence_key).key(set).arg(token).arg(member);
+        pipe.invoke_script(&inv).ignore();
+    }
+
+    pub fn fenced_srem_script(&self) -> &Script {
+        &self.fenced_srem
     }
 
     /// Gives the lock up (a clean shutdown: the next instance need not wait the expiry).

@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::config::GlobalSettings;
 use crate::coordinator::RegionId;
-use crate::coordinator::message::Exchange;
+use crate::coordinator::message::{Exchange, ExchangeReply};
 use crate::coordinator::node::{KeyStatus, Link, NodeStats};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
@@ -155,7 +155,25 @@ pub struct Federation {
     events: std::sync::mpsc::Sender<Event>,
     verifier: auth::Verifier,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Per peer (in `settings.peers` order): KiB of request bodies being read or handled.
+    /// Bounds what unauthenticated bodies can make quotad hold: the HMAC needs the whole
+    /// body, so until then anyone who names a peer and a fresh timestamp is a suspect.
+    budgets: Vec<Arc<tokio::sync::Semaphore>>,
 }
+
+/// A peer request that passed every check its headers allow, holding its share of that
+/// peer's body budget until it is answered.
+pub struct Admitted {
+    signed: Signed,
+    peer: usize,
+    /// Bytes its body may have (its declared length).
+    pub max_bytes: usize,
+    _budget: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// Requests from one peer in flight: twice the largest body (a round's exchange and an
+/// early one, with retries of small ones around them).
+const BUDGET_BODIES: usize = 2;
 
 /// An answer for the peer endpoint: status, body, and the reply signature header.
 pub struct PeerResponse {
@@ -262,11 +280,19 @@ impl Federation {
             events: events_tx.clone(),
         });
         tokio::spawn(client.run(out_rx));
+        let kib = (shared.settings.max_exchange_bytes.div_ceil(1024) * BUDGET_BODIES).max(1);
+        let budgets = shared
+            .settings
+            .peers
+            .iter()
+            .map(|_| Arc::new(tokio::sync::Semaphore::new(kib)))
+            .collect();
         Ok(Arc::new(Federation {
             shared,
             events: events_tx,
             verifier,
             thread: Mutex::new(Some(thread)),
+            budgets,
         }))
     }
 
@@ -279,7 +305,7 @@ impl Federation {
         }
     }
 
-    fn reject(&self, r: Rejection) -> PeerResponse {
+    pub fn reject(&self, r: Rejection) -> PeerResponse {
         self.shared
             .metrics
             .global
@@ -287,8 +313,10 @@ impl Federation {
             .with_label_values(&[r.reason()])
             .inc();
         let status = match r {
-            Rejection::Malformed => StatusCode::BAD_REQUEST,
-            Rejection::NotCoordinator => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::Malformed | Rejection::Invalid => StatusCode::BAD_REQUEST,
+            Rejection::NotCoordinator | Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::LengthRequired => StatusCode::LENGTH_REQUIRED,
+            Rejection::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             _ => StatusCode::UNAUTHORIZED,
         };
         let body = serde_json::json!({"error": {"code": r.reason(), "message": r.to_string()}});
@@ -299,8 +327,10 @@ impl Federation {
         }
     }
 
-    /// `POST /v1/peer/exchange`: authenticate, then hand the exchange to the coordinator.
-    pub async fn exchange(&self, headers: &HeaderMap, body: Bytes) -> PeerResponse {
+    /// `POST /v1/peer/exchange`, before its body is read: everything the headers settle
+    /// (signed form, known peer, fresh, not replayed, this instance coordinates, a length
+    /// within what a round can carry), then a share of that peer's body budget.
+    pub fn admit(&self, headers: &HeaderMap) -> Result<Admitted, Rejection> {
         let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
         let signed = match (
             header(HEADER_REGION),
@@ -314,16 +344,46 @@ impl Federation {
                 nonce: nonce.to_owned(),
                 signature: sig.to_owned(),
             },
-            _ => return self.reject(Rejection::Unauthenticated),
+            _ => return Err(Rejection::Unauthenticated),
         };
-        let verified = self.verifier.verify(&signed, &body, peers::wall_ms());
-        if let Err(r) = verified {
+        self.verifier.precheck(&signed, peers::wall_ms())?;
+        let s = &self.shared.settings;
+        let peer = s
+            .peers
+            .iter()
+            .position(|p| p.region == signed.from)
+            .ok_or(Rejection::UnknownPeer)?;
+        if !self.shared.is_leader() {
+            return Err(Rejection::NotCoordinator);
+        }
+        let len = header("content-length")
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or(Rejection::LengthRequired)?;
+        if len > s.max_exchange_bytes as u64 {
+            return Err(Rejection::TooLarge);
+        }
+        let kib = (len as usize).div_ceil(1024).max(1) as u32;
+        let budget = self.budgets[peer]
+            .clone()
+            .try_acquire_many_owned(kib)
+            .map_err(|_| Rejection::Busy)?;
+        Ok(Admitted {
+            signed,
+            peer,
+            max_bytes: len as usize,
+            _budget: budget,
+        })
+    }
+
+    /// The rest of `POST /v1/peer/exchange`: verify the body's signature, check its values,
+    /// hand it to the coordinator, sign its reply.
+    pub async fn exchange(&self, admitted: Admitted, body: Bytes) -> PeerResponse {
+        let signed = &admitted.signed;
+        if let Err(r) = self.verifier.verify(signed, &body, peers::wall_ms()) {
             return self.reject(r);
         }
         let s = &self.shared.settings;
-        let Some(peer) = s.peers.iter().find(|p| p.region == signed.from) else {
-            return self.reject(Rejection::UnknownPeer);
-        };
+        let peer = &s.peers[admitted.peer];
         self.shared
             .count_bytes(&peer.region, "received", body.len());
         let msg: Exchange = match serde_json::from_slice::<Exchange>(&body) {
@@ -331,6 +391,11 @@ impl Federation {
             Ok(m) if m.from == peer.id => m,
             _ => return self.reject(Rejection::Malformed),
         };
+        let me = self.shared.leader_token.load(Ordering::Acquire);
+        if let Err(why) = validate_exchange(&msg, signed.timestamp_ms, me, s) {
+            tracing::warn!(peer = %peer.region, why, "peer exchange refused: a value is out of bounds");
+            return self.reject(Rejection::Invalid);
+        }
         if !self.shared.is_leader() {
             return self.reject(Rejection::NotCoordinator);
         }
@@ -400,4 +465,72 @@ impl Federation {
             "policies": policies,
         })
     }
+}
+
+/// The bounds a signed exchange must keep before its coordinator sees it: at most
+/// `max_exchange_keys` keys, none longer than a client's key may be, an incarnation no
+/// later than the message's own (verified) timestamp plus the allowed skew (incarnations
+/// are the sender's store clock in ms at its takeover), and ours as it names it no later
+/// than ours. A message past them is refused whole and changes nothing, so a bad value
+/// cannot wedge the "newer than" checks that every later message of that peer must pass.
+pub fn validate_exchange(
+    msg: &Exchange,
+    signed_ms: i64,
+    my_incarnation: u64,
+    s: &GlobalSettings,
+) -> Result<(), &'static str> {
+    let keys: usize = msg.policies.iter().map(|p| p.keys.len()).sum();
+    if keys > s.params.max_exchange_keys || msg.policies.len() > s.params.max_exchange_keys {
+        return Err("more keys than a round allows");
+    }
+    let latest = signed_ms.max(0) as u64 + s.max_skew.as_millis() as u64;
+    if msg.incarnation > latest || msg.incarnation > crate::coordinator::MAX_SEQ {
+        return Err("incarnation from the future");
+    }
+    if msg.to_incarnation > my_incarnation {
+        return Err("names an incarnation of ours that does not exist yet");
+    }
+    let bad_key = msg
+        .policies
+        .iter()
+        .flat_map(|p| &p.keys)
+        .any(|k| k.key.is_empty() || k.key.len() > s.max_key_bytes);
+    if bad_key {
+        return Err("an empty or over-long key");
+    }
+    let bad_seq = msg
+        .policies
+        .iter()
+        .flat_map(|p| &p.keys)
+        .any(|k| k.release.is_some_and(|r| r > crate::coordinator::MAX_SEQ));
+    if bad_seq {
+        return Err("a release seq past 2^53");
+    }
+    Ok(())
+}
+
+/// The same bounds for a reply to one of our exchanges (its incarnation judged by our own
+/// wall clock: a reply carries no timestamp of its own).
+pub fn validate_reply(
+    reply: &ExchangeReply,
+    now_ms: i64,
+    s: &GlobalSettings,
+) -> Result<(), &'static str> {
+    let keys: usize = reply.policies.iter().map(|p| p.keys.len()).sum();
+    if keys > s.params.max_exchange_keys || reply.policies.len() > s.params.max_exchange_keys {
+        return Err("more keys than a round allows");
+    }
+    let latest = now_ms.max(0) as u64 + s.max_skew.as_millis() as u64;
+    if reply.incarnation > latest || reply.incarnation > crate::coordinator::MAX_SEQ {
+        return Err("incarnation from the future");
+    }
+    let bad_seq = reply
+        .policies
+        .iter()
+        .flat_map(|p| &p.keys)
+        .any(|k| k.grant.is_some_and(|g| g.seq > crate::coordinator::MAX_SEQ));
+    if bad_seq {
+        return Err("a grant seq past 2^53");
+    }
+    Ok(())
 }

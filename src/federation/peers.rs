@@ -17,8 +17,6 @@ use crate::coordinator::message::{Exchange, ExchangeReply};
 
 pub const EXCHANGE_PATH: &str = "/v1/peer/exchange";
 const MAX_ATTEMPTS: usize = 3;
-/// Largest exchange reply read (the peer endpoint accepts bodies up to 1 MiB, too).
-const MAX_REPLY: usize = 4 << 20;
 
 pub struct PeerClient {
     pub shared: Arc<Shared>,
@@ -124,13 +122,14 @@ impl PeerClient {
             .get(HEADER_SIGNATURE)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)?;
-        // Read at most MAX_REPLY bytes before the signature is checked: the link is
-        // plain HTTP, and anyone on the path could otherwise feed us without end.
+        // Read at most what a round can carry before the signature is checked: the link
+        // is plain HTTP, and anyone on the path could otherwise feed us without end.
+        let max = s.max_exchange_bytes;
         let mut resp = resp;
         let mut reply = Vec::new();
         while let Some(chunk) = resp.chunk().await.ok()? {
-            if reply.len() + chunk.len() > MAX_REPLY {
-                tracing::warn!(peer = %peer.region, "exchange reply over {MAX_REPLY} bytes dropped");
+            if reply.len() + chunk.len() > max {
+                tracing::warn!(peer = %peer.region, "exchange reply over {max} bytes dropped");
                 return None;
             }
             reply.extend_from_slice(&chunk);
@@ -148,6 +147,16 @@ impl PeerClient {
             return None;
         }
         let reply: ExchangeReply = serde_json::from_slice(&reply).ok()?;
+        if let Err(why) = super::validate_reply(&reply, wall_ms(), s) {
+            tracing::warn!(peer = %peer.region, why, "exchange reply refused: a value is out of bounds");
+            self.shared
+                .metrics
+                .global
+                .exchange_rejected
+                .with_label_values(&["invalid"])
+                .inc();
+            return None;
+        }
         (reply.from == to).then_some(reply)
     }
 }

@@ -144,6 +144,7 @@ impl<B: Backend> Runtime<B> {
 
     fn start(&mut self, mut store: B::Store, clock: B::Clock, token: u64) -> Option<Leading<B>> {
         let s = &self.shared.settings;
+        let taken = Instant::now();
         if store.begin(true).is_err() {
             store.release();
             return None;
@@ -168,8 +169,24 @@ impl<B: Backend> Runtime<B> {
             store.release();
             return None;
         }
+        // Taking over many books takes time out of the lock's period: extend it now, so
+        // the first round starts with a whole period ahead of it.
+        match store.renew() {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!("coordinator lock lost while taking over; retrying");
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "coordinator lock renewal failed while taking over; retrying");
+                store.release();
+                return None;
+            }
+        }
         tracing::info!(
             token,
+            keys = node.tracked_keys(),
+            took_ms = taken.elapsed().as_millis() as u64,
             "coordinator lock taken: this instance coordinates the region"
         );
         let now = Instant::now();
@@ -240,11 +257,25 @@ impl<B: Backend> Runtime<B> {
         }
         if now >= l.next_round && l.store.failure().is_none() {
             if l.store.begin(true).is_ok() {
+                let started = Instant::now();
                 let msgs = l.node.round(&mut l.store);
                 if l.store.failure().is_none() {
                     self.send(msgs);
                 }
                 self.shared.metrics.global.rounds.inc();
+                let took = started.elapsed();
+                self.shared
+                    .metrics
+                    .global
+                    .round_duration
+                    .observe(took.as_secs_f64());
+                if took > settings.lock / 4 {
+                    tracing::warn!(
+                        took_ms = took.as_millis() as u64,
+                        keys = l.node.tracked_keys(),
+                        "a coordinator round took over a quarter of the lock period"
+                    );
+                }
                 self.publish(&mut l);
             }
             l.next_round = now + jittered(settings.params.round_us);
