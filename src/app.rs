@@ -75,8 +75,10 @@ pub async fn serve(
             )))))
         }
         StoreBackend::Redis(rs) => {
-            let redis =
-                Arc::new(RedisStore::new(rs.clone(), metrics.clone()).map_err(AppError::RedisUrl)?);
+            let redis = Arc::new(
+                RedisStore::new(rs.clone(), &settings.key_prefix, metrics.clone())
+                    .map_err(AppError::RedisUrl)?,
+            );
             // One bounded attempt before serving, so the first requests are enforced when
             // Redis is up; if it is not, the supervisor keeps trying while we serve.
             let first = tokio::select! {
@@ -92,6 +94,18 @@ pub async fn serve(
                 }
             }
             tasks.spawn(redis.clone().supervise(background.clone()));
+            tasks.spawn(redis.clone().follow_invalidations(background.clone()));
+            {
+                let (redis, stop) = (redis.clone(), background.clone());
+                tasks.spawn(async move {
+                    loop {
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = tokio::time::sleep(SWEEP_INTERVAL) => redis.sweep(),
+                        }
+                    }
+                });
+            }
             Arc::new(Store::Redis(redis))
         }
     };

@@ -49,6 +49,11 @@ pub struct Metrics {
     pub connections_closed: IntCounterVec,
     /// `quotad_accept_errors_total`: failed accepts (a full file table, usually).
     pub accept_errors: IntCounter,
+    /// `quotad_deny_cache_hits_total{policy}`: denials answered from memory, without a
+    /// Redis call (a key hammered while over its limit).
+    pub deny_cache_hits: IntCounterVec,
+    /// `quotad_deny_cache_keys`: denials remembered (at the last sweep).
+    pub deny_cache_keys: IntGauge,
     /// Global budgets, from the instance that coordinates the region (the others export
     /// zeros and `quotad_coordinator_leader 0`). Rates are units per second summed over the
     /// keys the coordinator tracks (hot or leased keys; cold keys run on their escrow).
@@ -274,8 +279,20 @@ impl Metrics {
             "Failed accepts on the listener.",
         )
         .expect("valid metric");
+        let deny_cache_hits = IntCounterVec::new(
+            Opts::new(
+                "quotad_deny_cache_hits_total",
+                "Denials answered from memory without a Redis call.",
+            ),
+            &["policy"],
+        )
+        .expect("valid metric");
+        let deny_cache_keys =
+            IntGauge::new("quotad_deny_cache_keys", "Denials remembered.").expect("valid metric");
         for m in [
             Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(deny_cache_hits.clone()),
+            Box::new(deny_cache_keys.clone()),
             Box::new(connections_open.clone()),
             Box::new(connections_closed.clone()),
             Box::new(accept_errors.clone()),
@@ -296,6 +313,7 @@ impl Metrics {
             for o in OUTCOMES {
                 decisions.with_label_values(&[p, o]);
             }
+            deny_cache_hits.with_label_values(&[p]);
         }
         for k in StoreError::KINDS {
             store_errors.with_label_values(&[k]);
@@ -321,6 +339,8 @@ impl Metrics {
             connections_open,
             connections_closed,
             accept_errors,
+            deny_cache_hits,
+            deny_cache_keys,
             global,
         }
     }

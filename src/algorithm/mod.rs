@@ -867,5 +867,60 @@ mod tests {
                 proptest::prop_assert_eq!(a, b);
             }
         }
+
+        /// What lets a denial be answered from memory (`store::deny_cache`): a denial
+        /// writes nothing, and with no other write to the key the same check, or one that
+        /// costs more (a peek counting as 1), is denied at every instant up to a microsecond
+        /// before the retry time the denial gave (which is rounded up to the microsecond;
+        /// the cache lets an entry go at least that much earlier), and the check itself
+        /// fits a microsecond after it (the float arithmetic of the refill can land the
+        /// exact instant a hair past the rounded one).
+        #[test]
+        fn a_denial_holds_until_its_retry_time_for_equal_and_larger_costs(
+            alg_i in 0usize..5,
+            limit in 1u64..20,
+            window_ms in 1i64..2000,
+            burst in 1u64..30,
+            steps in proptest::collection::vec((0i64..400_000, 1u64..25, proptest::bool::weighted(0.1)), 1..60),
+            cost in 0u64..25,
+            more in 0u64..25,
+            probes in proptest::collection::vec(0.0f64..1.0, 8),
+        ) {
+            let alg = Algorithm::ALL[alg_i];
+            let l = Limits { limit, window_us: window_ms * 1000, burst: if alg.has_burst() { burst } else { limit } };
+            let cap = l.capacity(alg);
+            let mut now = 1_700_000_000_000_000i64;
+            let mut state: Option<State> = None;
+            for (i, (dt, c, refund)) in steps.iter().enumerate() {
+                now += dt;
+                let c = c % (cap + 1);
+                let op = if *refund { Op::Refund { cost: c } } else { Op::Check { cost: c } };
+                let out = apply(alg, &l, state.as_ref(), now, op, &format!("m{}", i % 3));
+                match out.write {
+                    Write::Keep => {}
+                    Write::Put { state: s, .. } => state = Some(s),
+                    Write::Delete => state = None,
+                }
+            }
+            let cost = cost % (cap + 1);
+            let out = apply(alg, &l, state.as_ref(), now, Op::Check { cost }, "d");
+            if !out.verdict.allowed {
+                proptest::prop_assert!(matches!(out.write, Write::Keep), "{alg:?}: a denial wrote");
+                let r = out.verdict.retry_after_us;
+                proptest::prop_assert!(r >= 1);
+                let larger = (cost.max(1) + more).min(cap);
+                let mut at: Vec<i64> = probes.iter().map(|f| now + (f * r as f64) as i64).collect();
+                at.push(now + r - 2);
+                for t in at.into_iter().filter(|t| *t >= now && *t < now + r - 1) {
+                    for c in [cost, cost.max(1), larger] {
+                        let v = apply(alg, &l, state.as_ref(), t, Op::Check { cost: c }, "p").verdict;
+                        proptest::prop_assert!(!v.allowed, "{alg:?}: cost {c} allowed at +{} us, retry was {r} us", t - now);
+                    }
+                }
+                // And it is not late by more than the rounding of the float arithmetic.
+                let v = apply(alg, &l, state.as_ref(), now + r + 1, Op::Check { cost }, "p").verdict;
+                proptest::prop_assert!(v.allowed, "{alg:?}: cost {cost} still denied after its retry time +{r} us");
+            }
+        }
     }
 }

@@ -200,6 +200,8 @@ pub const DEFAULT_MAX_IN_FLIGHT: i64 = 256;
 /// machine. Beyond it a request would wait longer than any client's timeout allows.
 pub const DEFAULT_MAX_QUEUED: i64 = 4096;
 pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(100);
+/// Denials remembered (about 100 bytes each): enough for every key a flood can be hitting.
+pub const DEFAULT_DENY_CACHE_KEYS: i64 = 100_000;
 pub const DEFAULT_KEY_PREFIX: &str = "rl";
 pub const DEFAULT_LOCK: Duration = Duration::from_secs(3);
 pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
@@ -956,6 +958,13 @@ impl Validator<'_> {
                     breaker_threshold,
                     probe_interval,
                     admission,
+                    deny_cache_keys: self.integer(
+                        s.deny_cache_keys.as_ref(),
+                        "store.deny_cache_keys",
+                        DEFAULT_DENY_CACHE_KEYS,
+                        0,
+                        10_000_000,
+                    ) as usize,
                 })
             }
         };

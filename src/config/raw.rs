@@ -79,6 +79,7 @@ pub struct Store {
     pub max_in_flight: Option<Spanned<i64>>,
     pub max_queued: Option<Spanned<i64>>,
     pub queue_timeout: Option<Spanned<String>>,
+    pub deny_cache_keys: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -148,27 +148,57 @@ impl Limiter {
 
     /// Decides one check.
     pub async fn check(&self, check: &Check) -> Result<Decision, Shed> {
-        let _admitted = self.store.admit(1).await?;
-        let d = self
-            .decide(check, &self.member(check.policy.algorithm))
-            .await;
+        let d = match self.remembered(check) {
+            Some(d) => d,
+            None => {
+                let _admitted = self.store.admit(1).await?;
+                self.decide(check, &self.member(check.policy.algorithm))
+                    .await
+            }
+        };
         self.count(&d);
         Ok(d)
     }
 
+    /// A denial the store gave this key and that still holds (no Redis call, no permit;
+    /// see [`crate::store::deny_cache`]); counted.
+    fn remembered(&self, check: &Check) -> Option<Decision> {
+        let key = check.policy.storage_key(&check.key);
+        let call = store_call(check, &key, Op::Check { cost: check.cost }, "");
+        let v = self.store.cached_denial(&call)?;
+        self.metrics
+            .deny_cache_hits
+            .with_label_values(&[check.policy.name.as_str()])
+            .inc();
+        Some(decision(check, &v, Outcome::Denied, None))
+    }
+
     /// Decides a batch: all checks run concurrently; if any is denied, the others that were
     /// charged are refunded, so a denied batch costs nothing (envoyproxy/ratelimit#1060).
+    /// Checks whose denial is remembered are answered from memory; the others still go to
+    /// the store (their answers are part of the response).
     pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
-        // One permit per check; the refunds reuse them.
-        let _admitted = self.store.admit(checks.len()).await?;
+        let remembered: Vec<Option<Decision>> = checks.iter().map(|c| self.remembered(c)).collect();
+        let asked = remembered.iter().filter(|d| d.is_none()).count();
+        // One permit per check asked; the refunds reuse them.
+        let _admitted = match asked {
+            0 => None,
+            n => self.store.admit(n).await?,
+        };
         let members: Vec<String> = checks
             .iter()
             .map(|c| self.member(c.policy.algorithm))
             .collect();
-        let mut decisions = futures_util::future::join_all(
-            checks.iter().zip(&members).map(|(c, m)| self.decide(c, m)),
-        )
-        .await;
+        let mut decisions =
+            futures_util::future::join_all(checks.iter().zip(&members).zip(remembered).map(
+                |((c, m), known)| async move {
+                    match known {
+                        Some(d) => d,
+                        None => self.decide(c, m).await,
+                    }
+                },
+            ))
+            .await;
         if decisions.iter().any(|d| !d.allowed) {
             let refunds = checks
                 .iter()

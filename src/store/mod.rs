@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod breaker;
+pub mod deny_cache;
 pub mod global;
 pub mod memory;
 pub mod redis;
@@ -108,6 +109,15 @@ impl Store {
         match self {
             Store::Redis(r) => r.admit(calls).await,
             Store::Memory(_) => Ok(None),
+        }
+    }
+
+    /// A denial of this call remembered from the store and still in force: answering it
+    /// costs no Redis call (see [`deny_cache`]). Never for the embedded store.
+    pub fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
+        match self {
+            Store::Redis(r) => r.cached_denial(call),
+            Store::Memory(_) => None,
         }
     }
 

@@ -21,7 +21,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
 use redis::io::tcp::TcpSettings;
@@ -32,6 +32,7 @@ use crate::algorithm::{Op, Verdict};
 use crate::metrics::Metrics;
 use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
+use crate::store::deny_cache::DenyCache;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{StoreCall, StoreError, global, parse_verdict};
 
@@ -44,6 +45,8 @@ pub struct RedisSettings {
     pub breaker_threshold: u32,
     pub probe_interval: Duration,
     pub admission: AdmissionSettings,
+    /// Denials remembered at most (0: none; see [`DenyCache`]).
+    pub deny_cache_keys: usize,
 }
 
 pub struct RedisStore {
@@ -65,14 +68,24 @@ pub struct RedisStore {
     /// probing or verifying starts at once rather than after its health-check sleep.
     tripped: tokio::sync::Notify,
     admission: Admission,
+    /// Denials answered from memory until their retry time.
+    deny: DenyCache,
+    /// The channel on which every instance announces the keys it gave capacity back to
+    /// (refunds, resets), so that none answers an outdated denial from memory.
+    channel: String,
     metrics: Arc<Metrics>,
 }
 
 const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 
 impl RedisStore {
-    /// Parses the URL; does not connect (the supervisor does).
-    pub fn new(settings: RedisSettings, metrics: Arc<Metrics>) -> Result<Self, RedisError> {
+    /// Parses the URL; does not connect (the supervisor does). `key_prefix` names the
+    /// invalidation channel (`<prefix>:invalidate`).
+    pub fn new(
+        settings: RedisSettings,
+        key_prefix: &str,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, RedisError> {
         // TCP_NODELAY: the multiplexed connection writes many small commands; with Nagle's
         // algorithm on (the crate's default) a write can wait for the previous ACK.
         let info = settings
@@ -92,13 +105,88 @@ impl RedisStore {
             generation: std::sync::atomic::AtomicU64::new(0),
             scripts: Scripts::default(),
             global_check: scripts::Global::Check.script(),
-            settings,
             breaker,
             loaded: AtomicBool::new(false),
             tripped: tokio::sync::Notify::new(),
             admission,
+            deny: DenyCache::new(settings.deny_cache_keys),
+            channel: format!("{key_prefix}:invalidate"),
             metrics,
+            settings,
         })
+    }
+
+    /// A denial of this call's check remembered and still in force (see [`DenyCache`]).
+    pub fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
+        match (call.op, &call.global) {
+            (Op::Check { cost }, None) => self.deny.lookup(call.key, cost, Instant::now()),
+            _ => None,
+        }
+    }
+
+    /// Drops expired remembered denials (the app's sweep).
+    pub fn sweep(&self) {
+        let n = self.deny.sweep(Instant::now());
+        self.metrics.deny_cache_keys.set(n as i64);
+    }
+
+    /// Forgets `key`'s remembered denial here and in every other instance.
+    async fn gave_back(&self, key: &str) {
+        self.deny.invalidate(key);
+        let channel = self.channel.as_str();
+        let published = self
+            .guarded(|mut conn| async move {
+                redis::cmd("PUBLISH")
+                    .arg(channel)
+                    .arg(key)
+                    .query_async::<i64>(&mut conn)
+                    .await
+            })
+            .await;
+        if let Err(e) = published {
+            tracing::debug!(error = %e, "invalidation not published");
+        }
+    }
+
+    /// Follows the invalidation channel until `shutdown`: remembered denials are used only
+    /// while subscribed (from an empty cache at each subscription), so no instance answers
+    /// a denial that another's refund or reset has made stale.
+    pub async fn follow_invalidations(self: Arc<Self>, shutdown: CancellationToken) {
+        use futures_util::StreamExt;
+        loop {
+            let subscribed = async {
+                let mut pubsub = self.client.get_async_pubsub().await?;
+                pubsub.subscribe(&self.channel).await?;
+                Ok::<_, RedisError>(pubsub)
+            };
+            let attempt = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = tokio::time::timeout(self.settings.connect_timeout, subscribed) => r,
+            };
+            if let Ok(Ok(mut pubsub)) = attempt {
+                self.deny.set_live(true);
+                let mut messages = pubsub.on_message();
+                loop {
+                    let msg = tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        m = messages.next() => m,
+                    };
+                    match msg {
+                        Some(m) => {
+                            if let Ok(key) = m.get_payload::<String>() {
+                                self.deny.invalidate(&key);
+                            }
+                        }
+                        None => break,
+                    }
+                }
+                self.deny.set_live(false);
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(self.settings.probe_interval) => {}
+            }
+        }
     }
 
     /// Permits for `calls` calls of one request; none needed while the breaker is open
@@ -140,6 +228,7 @@ impl RedisStore {
             return parse_verdict(&reply);
         }
         let sha = self.scripts.sha(call.algorithm);
+        let sent = Instant::now();
         let reply: Vec<i64> = self
             .guarded(|mut conn| async move {
                 let (mode, cost) = match call.op {
@@ -165,7 +254,13 @@ impl RedisStore {
                 }
             })
             .await?;
-        parse_verdict(&reply)
+        let v = parse_verdict(&reply)?;
+        match call.op {
+            Op::Check { cost } if !v.allowed => self.deny.remember(call.key, cost, &v, sent),
+            Op::Refund { .. } => self.gave_back(call.key).await,
+            Op::Check { .. } => {}
+        }
+        Ok(v)
     }
 
     pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
@@ -175,8 +270,9 @@ impl RedisStore {
                 .query_async::<i64>(&mut conn)
                 .await
         })
-        .await
-        .map(|_| ())
+        .await?;
+        self.gave_back(key).await;
+        Ok(())
     }
 
     async fn load(
