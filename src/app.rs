@@ -65,14 +65,16 @@ pub async fn serve(
     ));
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
-    let local = Arc::new(MemoryStore::new(Arc::new(SystemClock)));
+    let max_keys = settings.memory_max_keys;
+    let local = Arc::new(MemoryStore::new(Arc::new(SystemClock), max_keys));
 
     let store = match &settings.store {
         StoreBackend::Memory => {
             metrics.store_up.set(1);
-            Arc::new(Store::Memory(Arc::new(MemoryStore::new(Arc::new(
-                SystemClock,
-            )))))
+            Arc::new(Store::Memory(Arc::new(MemoryStore::new(
+                Arc::new(SystemClock),
+                max_keys,
+            ))))
         }
         StoreBackend::Redis(rs) => {
             let redis = Arc::new(
@@ -109,13 +111,21 @@ pub async fn serve(
             Arc::new(Store::Redis(redis))
         }
     };
-    for m in [Some(local.clone()), store.memory()].into_iter().flatten() {
-        let stop = background.clone();
+    let memories = [("local", Some(local.clone())), ("primary", store.memory())];
+    for (name, m) in memories {
+        let Some(m) = m else { continue };
+        let (stop, gauge) = (
+            background.clone(),
+            metrics.memory_store_keys.with_label_values(&[name]),
+        );
         tasks.spawn(async move {
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(SWEEP_INTERVAL) => { m.sweep(); }
+                    _ = tokio::time::sleep(SWEEP_INTERVAL) => {
+                        m.sweep();
+                        gauge.set(m.len() as i64);
+                    }
                 }
             }
         });

@@ -54,6 +54,10 @@ pub struct Metrics {
     pub deny_cache_hits: IntCounterVec,
     /// `quotad_deny_cache_keys`: denials remembered (at the last sweep).
     pub deny_cache_keys: IntGauge,
+    /// `quotad_memory_store_keys{store}`: keys the embedded store holds (`primary` in
+    /// memory mode, `local` for the fallback), at the last sweep; at `store.memory_max_keys`
+    /// new keys are refused (`quotad_store_errors_total{kind="full"}`).
+    pub memory_store_keys: IntGaugeVec,
     /// Global budgets, from the instance that coordinates the region (the others export
     /// zeros and `quotad_coordinator_leader 0`). Rates are units per second summed over the
     /// keys the coordinator tracks (hot or leased keys; cold keys run on their escrow).
@@ -289,10 +293,19 @@ impl Metrics {
         .expect("valid metric");
         let deny_cache_keys =
             IntGauge::new("quotad_deny_cache_keys", "Denials remembered.").expect("valid metric");
+        let memory_store_keys = IntGaugeVec::new(
+            Opts::new(
+                "quotad_memory_store_keys",
+                "Keys held by the embedded store.",
+            ),
+            &["store"],
+        )
+        .expect("valid metric");
         for m in [
             Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(deny_cache_hits.clone()),
             Box::new(deny_cache_keys.clone()),
+            Box::new(memory_store_keys.clone()),
             Box::new(connections_open.clone()),
             Box::new(connections_closed.clone()),
             Box::new(accept_errors.clone()),
@@ -341,6 +354,7 @@ impl Metrics {
             accept_errors,
             deny_cache_hits,
             deny_cache_keys,
+            memory_store_keys,
             global,
         }
     }

@@ -133,3 +133,38 @@ fn excess_load_is_shed_with_503_and_charges_nothing_while_answers_stay_enforced(
     );
     redis.assert_every_key_has_ttl();
 }
+
+/// The embedded store is bounded: at `store.memory_max_keys` a check that would add a key
+/// is answered by its policy's fail mode (counted as a store error of kind `full`) and
+/// stores nothing; keys already held are enforced as before.
+#[test]
+fn the_embedded_store_refuses_new_keys_at_its_bound_and_keeps_enforcing_held_ones() {
+    let q = Quotad::start(
+        "[store]\nredis = \"memory\"\nmemory_max_keys = 1000\n\
+         [[policy]]\nname = \"closed\"\nalgorithm = \"sliding_log\"\nlimit = 2\nwindow = \"1h\"\non_store_error = \"closed\"\n\
+         [[policy]]\nname = \"open\"\nalgorithm = \"fixed_window\"\nlimit = 2\nwindow = \"1h\"\non_store_error = \"open\"\n",
+    );
+    for i in 0..1000 {
+        assert_eq!(
+            q.check1("closed", &format!("k{i}"))["outcome"],
+            "allowed",
+            "k{i}"
+        );
+    }
+    let v = q.check1("closed", "one-too-many");
+    assert_eq!(
+        (v["allowed"].as_bool(), v["outcome"].as_str()),
+        (Some(false), Some("fail_closed")),
+        "{v}"
+    );
+    assert_eq!(q.check1("open", "one-too-many")["outcome"], "fail_open");
+    assert_eq!(q.metric("quotad_store_errors_total{kind=\"full\"}"), 2.0);
+    // Held keys: enforced, to the limit.
+    assert_eq!(q.check1("closed", "k7")["outcome"], "allowed");
+    assert_eq!(q.check1("closed", "k7")["outcome"], "denied");
+    // A reset frees a key's room.
+    let (status, _, _) = q.post("/v1/reset", &json!({"policy": "closed", "key": "k1"}));
+    assert_eq!(status, 204);
+    assert_eq!(q.check1("closed", "new-key")["outcome"], "allowed");
+    assert_eq!(q.check1("closed", "another")["outcome"], "fail_closed");
+}

@@ -167,6 +167,9 @@ pub struct Settings {
     pub server: ServerSettings,
     pub store: StoreBackend,
     pub key_prefix: String,
+    /// Keys the embedded store (the primary in memory mode, and the `local` fallback)
+    /// holds at most.
+    pub memory_max_keys: usize,
     pub policies: Vec<Policy>,
     /// Present when at least one policy is global.
     pub global: Option<GlobalSettings>,
@@ -202,6 +205,9 @@ pub const DEFAULT_MAX_QUEUED: i64 = 4096;
 pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(100);
 /// Denials remembered (about 100 bytes each): enough for every key a flood can be hitting.
 pub const DEFAULT_DENY_CACHE_KEYS: i64 = 100_000;
+/// A million keys: about 100 MB for counters and buckets, about 400 MB for sliding logs at a
+/// limit of 5 (measured: 394 MB for 1.1 M keys).
+pub const DEFAULT_MEMORY_MAX_KEYS: i64 = 1_000_000;
 pub const DEFAULT_KEY_PREFIX: &str = "rl";
 pub const DEFAULT_LOCK: Duration = Duration::from_secs(3);
 pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
@@ -239,6 +245,7 @@ impl Settings {
             server: ServerSettings::defaults(),
             store: StoreBackend::Memory,
             key_prefix: DEFAULT_KEY_PREFIX.into(),
+            memory_max_keys: DEFAULT_MEMORY_MAX_KEYS as usize,
             policies: vec![policy],
             global: None,
         }
@@ -385,7 +392,15 @@ impl Validator<'_> {
             None => "local".to_owned(),
         };
         let server = self.server(raw.server.unwrap_or_default());
-        let (store, key_prefix) = self.store(raw.store.unwrap_or_default());
+        let raw_store = raw.store.unwrap_or_default();
+        let memory_max_keys = self.integer(
+            raw_store.memory_max_keys.as_ref(),
+            "store.memory_max_keys",
+            DEFAULT_MEMORY_MAX_KEYS,
+            1_000,
+            100_000_000,
+        ) as usize;
+        let (store, key_prefix) = self.store(raw_store);
         let coordinator = raw.coordinator.unwrap_or_default();
         let peers = self.peers(&region, &raw.peer, &coordinator);
         let mut regions: Vec<String> = peers.iter().map(|p| p.region.clone()).collect();
@@ -457,6 +472,7 @@ impl Validator<'_> {
             server,
             store,
             key_prefix,
+            memory_max_keys,
             policies,
             global,
         }

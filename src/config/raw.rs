@@ -80,6 +80,7 @@ pub struct Store {
     pub max_queued: Option<Spanned<i64>>,
     pub queue_timeout: Option<Spanned<String>>,
     pub deny_cache_keys: Option<Spanned<i64>>,
+    pub memory_max_keys: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

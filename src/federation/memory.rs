@@ -80,11 +80,20 @@ impl LeaseStore for MemoryLeaseStore {
         let now = self.store.now_us();
         let mut st = self.store.global();
         let d = st.default_for(&p.keys, &p.shape);
-        let epoch = st
-            .slots
-            .entry(p.policy.storage_key(key))
-            .or_default()
-            .write_book(&d, &shape_of(&p.shape), now, book);
+        let storage = p.policy.storage_key(key);
+        // At the store's bound a new key's book is not written: reported not durable, so
+        // no grant leaves for it (the safe answer).
+        if !st.slots.contains_key(&storage) && self.store.reserve().is_err() {
+            return Written {
+                durable: false,
+                epoch: book.epoch,
+            };
+        }
+        let epoch =
+            st.slots
+                .entry(storage)
+                .or_default()
+                .write_book(&d, &shape_of(&p.shape), now, book);
         st.books
             .entry(p.keys.books.clone())
             .or_default()

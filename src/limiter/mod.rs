@@ -268,10 +268,15 @@ impl Limiter {
                 match policy.on_store_error {
                     FailMode::Open => unenforced(check, true),
                     FailMode::Closed => unenforced(check, false),
-                    FailMode::Local => {
-                        let v = self.local.apply(&call);
-                        decision(check, &v, Outcome::Local, charged(&v, Charged::Local))
-                    }
+                    FailMode::Local => match self.local.apply(&call) {
+                        Ok(v) => decision(check, &v, Outcome::Local, charged(&v, Charged::Local)),
+                        // The in-process store is at its bound too: nothing can enforce
+                        // this check, and `local` leans to availability.
+                        Err(full) => {
+                            self.metrics.store_error(&StoreError::Full(full.0));
+                            unenforced(check, true)
+                        }
+                    },
                 }
             }
         }
@@ -291,10 +296,8 @@ impl Limiter {
                     false
                 }
             },
-            Some(Charged::Local) => {
-                self.local.apply(&call);
-                true
-            }
+            // A refund only lowers a key the store holds: never refused for room.
+            Some(Charged::Local) => self.local.apply(&call).is_ok(),
             None => false,
         }
     }

@@ -8,9 +8,17 @@
 //! contend; a critical section is one hash lookup and one pure function call, with no
 //! await inside, so a std mutex is the right primitive. Expired entries are dropped when
 //! touched and by [`MemoryStore::sweep`], which the app runs periodically.
+//!
+//! Bounded: at most `max_keys` keys (plain and global together). At the bound a check that
+//! would create a key fails with [`Full`] and changes nothing: the limiter treats it like a
+//! store that cannot answer, so the policy's `on_store_error` decides (for the `local`
+//! fallback, which is this store already: `fail_open`), and it is counted as a store error
+//! of kind `full`. Keys already held keep working; expired ones free their room at the
+//! next sweep. Evicting instead would silently reset some other key's limit.
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::algorithm::{self, Op, State, Verdict, Write};
@@ -27,8 +35,16 @@ struct Entry {
     expires_at_us: i64,
 }
 
+/// The store holds its maximum number of keys: a new one is refused, nothing changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the embedded store holds its maximum of {0} keys")]
+pub struct Full(pub usize);
+
 pub struct MemoryStore {
     shards: Vec<Mutex<HashMap<String, Entry>>>,
+    /// Keys held (plain and global), and the bound on them.
+    keys: AtomicUsize,
+    max_keys: usize,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
     /// Keys of global policies (zero-setup multi-region, `quotad demo` without Redis).
@@ -77,9 +93,11 @@ pub fn ttl_ms(us: i64) -> i64 {
 }
 
 impl MemoryStore {
-    pub fn new(clock: Arc<dyn Clock>) -> Self {
+    pub fn new(clock: Arc<dyn Clock>, max_keys: usize) -> Self {
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            keys: AtomicUsize::new(0),
+            max_keys,
             hasher: RandomState::new(),
             clock,
             global: Mutex::new(GlobalState::default()),
@@ -95,11 +113,31 @@ impl MemoryStore {
         self.global.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Takes room for one more key, or refuses at the bound (the coordinator's book
+    /// writes on the embedded store call it for a key without a slot).
+    pub fn reserve(&self) -> Result<(), Full> {
+        let n = self.keys.fetch_add(1, Ordering::AcqRel);
+        if n >= self.max_keys {
+            self.keys.fetch_sub(1, Ordering::AcqRel);
+            return Err(Full(self.max_keys));
+        }
+        Ok(())
+    }
+
+    fn released(&self, n: usize) {
+        if n > 0 {
+            self.keys.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
     /// One decision on a key of a global policy (what `lua/global/check.lua` does).
-    pub fn apply_global(&self, call: &StoreCall<'_>, g: &GlobalCall<'_>) -> Verdict {
+    pub fn apply_global(&self, call: &StoreCall<'_>, g: &GlobalCall<'_>) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut st = self.global();
         let d = st.default_for(g.keys, &g.shape);
+        if !st.slots.contains_key(call.key) {
+            self.reserve()?;
+        }
         let slot = st.slots.entry(call.key.to_owned()).or_default();
         let v = slot.decide(&d, &shape_of(&g.shape), now, call.op);
         if let Op::Check { cost: 1.. } = call.op {
@@ -108,7 +146,7 @@ impl MemoryStore {
                 .or_default()
                 .insert(g.user_key.to_owned(), now);
         }
-        v
+        Ok(v)
     }
 
     fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Entry>> {
@@ -118,9 +156,10 @@ impl MemoryStore {
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn apply(&self, call: &StoreCall<'_>) -> Verdict {
+    pub fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
+        let held = map.contains_key(call.key);
         let state = match map.get(call.key) {
             Some(e) if e.expires_at_us > now => Some(&e.state),
             _ => None,
@@ -136,6 +175,9 @@ impl MemoryStore {
         match out.write {
             Write::Keep => {}
             Write::Put { state, ttl_us } => {
+                if !held {
+                    self.reserve()?;
+                }
                 let expires_at_us = now.saturating_add(ttl_ms(ttl_us).saturating_mul(1000));
                 map.insert(
                     call.key.to_owned(),
@@ -146,14 +188,18 @@ impl MemoryStore {
                 );
             }
             Write::Delete => {
-                map.remove(call.key);
+                if map.remove(call.key).is_some() {
+                    self.released(1);
+                }
             }
         }
-        out.verdict
+        Ok(out.verdict)
     }
 
     pub fn delete(&self, key: &str) {
-        self.shard(key).remove(key);
+        if self.shard(key).remove(key).is_some() {
+            self.released(1);
+        }
     }
 
     /// Drops every expired entry. O(keys); run it from a background task.
@@ -166,6 +212,7 @@ impl MemoryStore {
             map.retain(|_, e| e.expires_at_us > now);
             dropped += before - map.len();
         }
+        self.released(dropped);
         dropped
     }
 
@@ -191,11 +238,9 @@ impl MemoryStore {
         before - st.slots.len()
     }
 
+    /// Keys held, plain and global (expired ones until the next sweep).
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
-            .sum()
+        self.keys.load(Ordering::Acquire)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -212,7 +257,7 @@ mod tests {
     #[test]
     fn expired_state_reads_as_absent_and_sweeps() {
         let clock = Arc::new(ManualClock::new(1_000_000_000));
-        let store = MemoryStore::new(clock.clone());
+        let store = MemoryStore::new(clock.clone(), 1000);
         let call = StoreCall {
             algorithm: Algorithm::FixedWindow,
             limits: Limits {
@@ -225,18 +270,82 @@ mod tests {
             member: "m",
             global: None,
         };
-        assert!(store.apply(&call).allowed);
-        assert!(!store.apply(&call).allowed);
+        assert!(store.apply(&call).unwrap().allowed);
+        assert!(!store.apply(&call).unwrap().allowed);
         assert_eq!(store.len(), 1);
         clock.advance(1_000_000 + TTL_GRACE_MS * 1000 + 1000);
         assert_eq!(store.sweep(), 1);
-        assert!(store.apply(&call).allowed);
+        assert_eq!(store.len(), 0);
+        assert!(store.apply(&call).unwrap().allowed);
+    }
+
+    #[test]
+    fn at_the_bound_a_new_key_is_refused_and_held_keys_keep_working() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone(), 3);
+        let call = |key: &'static str, op: Op| StoreCall {
+            algorithm: Algorithm::SlidingLog,
+            limits: Limits {
+                limit: 2,
+                window_us: 1_000_000,
+                burst: 2,
+            },
+            key,
+            op,
+            member: "m",
+            global: None,
+        };
+        for k in ["a", "b", "c"] {
+            assert!(
+                store
+                    .apply(&call(k, Op::Check { cost: 1 }))
+                    .unwrap()
+                    .allowed
+            );
+        }
+        assert_eq!(store.apply(&call("d", Op::Check { cost: 1 })), Err(Full(3)));
+        // A peek on a new key writes nothing, so it is answered.
+        assert!(
+            store
+                .apply(&call("d", Op::Check { cost: 0 }))
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            store
+                .apply(&call("a", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            !store
+                .apply(&call("a", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
+        assert_eq!(store.len(), 3);
+        store.delete("b");
+        assert!(
+            store
+                .apply(&call("d", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
+        assert_eq!(store.apply(&call("e", Op::Check { cost: 1 })), Err(Full(3)));
+        clock.advance(3_000_000);
+        assert_eq!(store.sweep(), 3);
+        assert!(
+            store
+                .apply(&call("e", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
     }
 
     #[test]
     fn idle_global_keys_are_swept_like_their_redis_keys_expire() {
         let clock = Arc::new(ManualClock::new(1_000_000_000));
-        let store = MemoryStore::new(clock.clone());
+        let store = MemoryStore::new(clock.clone(), 1000);
         let keys = PolicyKeys::new("rl", "g");
         let global = GlobalCall {
             user_key: "k",
@@ -262,10 +371,10 @@ mod tests {
             global: Some(global),
         };
         assert!(
-            store.apply_global(&call, &global).allowed,
+            store.apply_global(&call, &global).unwrap().allowed,
             "5 of the escrow's 5"
         );
-        assert!(!store.apply_global(&call, &global).allowed);
+        assert!(!store.apply_global(&call, &global).unwrap().allowed);
         clock.advance(GLOBAL_KEEP_MS * 1000 - 1);
         assert_eq!(store.sweep(), 0, "not idle for the keep time yet");
         assert_eq!(store.global().slots.len(), 1);

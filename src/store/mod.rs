@@ -52,6 +52,9 @@ pub enum StoreError {
     Command(String),
     #[error("unexpected reply from the limiter script: {0}")]
     Reply(String),
+    /// The embedded store holds its maximum of keys and this check would add one.
+    #[error("the embedded store is full ({0} keys)")]
+    Full(usize),
 }
 
 impl StoreError {
@@ -62,12 +65,19 @@ impl StoreError {
             StoreError::CircuitOpen => "circuit_open",
             StoreError::Command(_) => "command",
             StoreError::Reply(_) => "reply",
+            StoreError::Full(_) => "full",
         }
     }
 
     /// The label values of `kind`, for pre-registering metric series.
-    pub const KINDS: [&'static str; 5] =
-        ["timeout", "connection", "circuit_open", "command", "reply"];
+    pub const KINDS: [&'static str; 6] = [
+        "timeout",
+        "connection",
+        "circuit_open",
+        "command",
+        "reply",
+        "full",
+    ];
 }
 
 /// A script's reply past 2^53 microseconds means "never" (a global key at a zero rate).
@@ -124,10 +134,11 @@ impl Store {
     pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
         match self {
             Store::Redis(r) => r.apply(call).await,
-            Store::Memory(m) => Ok(match &call.global {
+            Store::Memory(m) => match &call.global {
                 Some(g) => m.apply_global(call, g),
                 None => m.apply(call),
-            }),
+            }
+            .map_err(|e| StoreError::Full(e.0)),
         }
     }
 
