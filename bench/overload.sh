@@ -13,6 +13,8 @@
 # circuit-breaker openings, and /readyz answers other than 200 (polled every 50 ms).
 # Redis stays healthy throughout: every unenforced decision is quotad's own doing.
 # Needs redis-server (apt-get install -y redis-server). Extra quotad [store] lines: STORE_EXTRA.
+# QUOTAD_BIN runs another quotad binary (an older build, for a before/after table); the
+# config then uses only keys every version knows.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
@@ -34,7 +36,7 @@ cleanup() {
 trap cleanup EXIT
 
 (cd "$ROOT" && cargo build --release --locked -q && cargo build --release --locked -q --example overload)
-Q="$ROOT/target/release/quotad"
+Q="${QUOTAD_BIN:-$ROOT/target/release/quotad}"
 LOAD="$ROOT/target/release/examples/overload"
 
 redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \

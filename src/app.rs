@@ -43,14 +43,25 @@ pub enum AppError {
 /// How often expired entries are dropped from in-process stores.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
+/// Connections the kernel may hold complete but not yet accepted. tokio's default (1024)
+/// overflows under a burst of connects, and an overflowing queue leaves clients believing
+/// they are connected to a socket nobody will read; the kernel caps it at somaxconn.
+const LISTEN_BACKLOG: u32 = 4096;
+
 /// Binds the configured address and serves until `shutdown` is cancelled.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
-    let listener = TcpListener::bind(settings.server.listen)
-        .await
-        .map_err(|source| AppError::Bind {
-            addr: settings.server.listen,
-            source,
-        })?;
+    let addr = settings.server.listen;
+    let bind = || {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(LISTEN_BACKLOG)
+    };
+    let listener = bind().map_err(|source| AppError::Bind { addr, source })?;
     serve(settings, listener, shutdown).await
 }
 

@@ -321,11 +321,25 @@ async fn serve_connection(
     stream: TcpStream,
     router: Router,
 ) -> Option<Closed> {
-    // Until its first byte a connection gets no hyper buffers (8 KiB each way).
+    // Until its first byte a connection gets no hyper state at all: its buffers (8 KiB
+    // each way) and the connection's state machine live in a box made only then, so an
+    // idle socket costs its task and little more.
+    // (`readable()` may complete spuriously; a peek of one byte waits for a real one.)
+    let mut first = [0u8; 1];
     tokio::select! {
-        r = stream.readable() => if r.is_err() { return None },
+        r = stream.peek(&mut first) => if !matches!(r, Ok(1..)) { return None },
         why = watchdog(shared, conn) => return Some(why),
     }
+    Box::pin(serve_http(shared, conn, stream, router)).await
+}
+
+/// The HTTP part of a connection, from its first byte on.
+async fn serve_http(
+    shared: &Arc<Shared>,
+    conn: &Arc<Conn>,
+    stream: TcpStream,
+    router: Router,
+) -> Option<Closed> {
     let io = TokioIo::new(Tracked {
         inner: stream,
         conn: conn.clone(),
