@@ -306,8 +306,10 @@ async fn run_in(
             None => "memory".to_owned(),
         };
         let text = region_config(me, &store, &urls[me]);
-        let settings = Settings::parse(&format!("demo:{}", REGIONS[me]), &text)
+        let mut settings = Settings::parse(&format!("demo:{}", REGIONS[me]), &text)
             .map_err(|e| DemoError::Config(e.to_string()))?;
+        // No load balancer to tell: Ctrl-C stops the daemons at once.
+        settings.server.shutdown_delay = std::time::Duration::ZERO;
         listener.set_nonblocking(true)?;
         let listener = TcpListener::from_std(listener)?;
         let token = background.child_token();

@@ -44,8 +44,14 @@ use runtime::Event;
 pub struct Status {
     pub stats: NodeStats,
     pub peers: Vec<PeerStatus>,
+    /// The [`STATUS_KEYS`] keys with the most demand here (all, when there are fewer).
     pub keys: Vec<KeyStatus>,
+    /// Keys the coordinator tracks.
+    pub keys_total: usize,
 }
+
+/// Keys listed in `/v1/status` at most.
+pub const STATUS_KEYS: usize = 1000;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct PeerStatus {
@@ -460,6 +466,8 @@ impl Federation {
                 "token": self.shared.leader_token.load(Ordering::Acquire),
                 "rounds": st.stats.rounds,
                 "stats": st.stats,
+                "keys_tracked": st.keys_total,
+                "keys_listed_max": STATUS_KEYS,
             },
             "peers": st.peers,
             "policies": policies,

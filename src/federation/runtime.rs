@@ -316,6 +316,7 @@ impl<B: Backend> Runtime<B> {
             stats: node.stats(),
             peers: Vec::new(),
             keys: node.key_status(),
+            keys_total: 0,
         };
         let m = &self.shared.metrics.global;
         for p in &s.peers {
@@ -354,6 +355,17 @@ impl<B: Backend> Runtime<B> {
             m.borrowed_rate.with_label_values(&[name]).set(borrowed);
             m.demand_rate.with_label_values(&[name]).set(demand);
             m.hot_keys.with_label_values(&[name]).set(n);
+        }
+        // `/v1/status` lists the busiest keys only: with 100,000 tracked keys the whole list
+        // is megabytes per request (the metrics above sum over all of them).
+        status.keys_total = status.keys.len();
+        if status.keys.len() > super::STATUS_KEYS {
+            status.keys.sort_by(|a, b| {
+                b.demand
+                    .total_cmp(&a.demand)
+                    .then_with(|| a.key.cmp(&b.key))
+            });
+            status.keys.truncate(super::STATUS_KEYS);
         }
         self.shared.set_status(status);
     }

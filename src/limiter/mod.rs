@@ -148,11 +148,12 @@ impl Limiter {
 
     /// Decides one check.
     pub async fn check(&self, check: &Check) -> Result<Decision, Shed> {
-        let d = match self.remembered(check) {
+        let key = check.policy.storage_key(&check.key);
+        let d = match self.remembered(check, &key) {
             Some(d) => d,
             None => {
                 let _admitted = self.store.admit(1).await?;
-                self.decide(check, &self.member(check.policy.algorithm))
+                self.decide(check, &key, &self.member(check.policy.algorithm))
                     .await
             }
         };
@@ -162,9 +163,8 @@ impl Limiter {
 
     /// A denial the store gave this key and that still holds (no Redis call, no permit;
     /// see [`crate::store::deny_cache`]); counted.
-    fn remembered(&self, check: &Check) -> Option<Decision> {
-        let key = check.policy.storage_key(&check.key);
-        let call = store_call(check, &key, Op::Check { cost: check.cost }, "");
+    fn remembered(&self, check: &Check, key: &str) -> Option<Decision> {
+        let call = store_call(check, key, Op::Check { cost: check.cost }, "");
         let v = self.store.cached_denial(&call)?;
         self.metrics
             .deny_cache_hits
@@ -178,7 +178,15 @@ impl Limiter {
     /// Checks whose denial is remembered are answered from memory; the others still go to
     /// the store (their answers are part of the response).
     pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
-        let remembered: Vec<Option<Decision>> = checks.iter().map(|c| self.remembered(c)).collect();
+        let keys: Vec<String> = checks
+            .iter()
+            .map(|c| c.policy.storage_key(&c.key))
+            .collect();
+        let remembered: Vec<Option<Decision>> = checks
+            .iter()
+            .zip(&keys)
+            .map(|(c, k)| self.remembered(c, k))
+            .collect();
         let asked = remembered.iter().filter(|d| d.is_none()).count();
         // One permit per check asked; the refunds reuse them.
         let _admitted = match asked {
@@ -189,24 +197,26 @@ impl Limiter {
             .iter()
             .map(|c| self.member(c.policy.algorithm))
             .collect();
-        let mut decisions =
-            futures_util::future::join_all(checks.iter().zip(&members).zip(remembered).map(
-                |((c, m), known)| async move {
+        let mut decisions = futures_util::future::join_all(
+            checks.iter().zip(&keys).zip(&members).zip(remembered).map(
+                |(((c, k), m), known)| async move {
                     match known {
                         Some(d) => d,
-                        None => self.decide(c, m).await,
+                        None => self.decide(c, k, m).await,
                     }
                 },
-            ))
-            .await;
+            ),
+        )
+        .await;
         if decisions.iter().any(|d| !d.allowed) {
             let refunds = checks
                 .iter()
+                .zip(&keys)
                 .zip(&members)
                 .zip(decisions.iter_mut())
                 .filter(|(_, d)| d.charged.is_some())
-                .map(|((c, m), d)| async move {
-                    if self.refund(c, m, d.charged).await {
+                .map(|(((c, k), m), d)| async move {
+                    if self.refund(c, k, m, d.charged).await {
                         d.refunded = true;
                     }
                 });
@@ -236,10 +246,10 @@ impl Limiter {
             .inc();
     }
 
-    async fn decide(&self, check: &Check, member: &str) -> Decision {
+    /// `key` is the check's storage key (built once per check by the caller).
+    async fn decide(&self, check: &Check, key: &str, member: &str) -> Decision {
         let policy = &check.policy;
-        let key = policy.storage_key(&check.key);
-        let call = store_call(check, &key, Op::Check { cost: check.cost }, member);
+        let call = store_call(check, key, Op::Check { cost: check.cost }, member);
         let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
         match self.store.apply(&call).await {
             Ok(v) => {
@@ -282,10 +292,15 @@ impl Limiter {
         }
     }
 
-    async fn refund(&self, check: &Check, member: &str, charged: Option<Charged>) -> bool {
+    async fn refund(
+        &self,
+        check: &Check,
+        key: &str,
+        member: &str,
+        charged: Option<Charged>,
+    ) -> bool {
         let policy = &check.policy;
-        let key = policy.storage_key(&check.key);
-        let call = store_call(check, &key, Op::Refund { cost: check.cost }, member);
+        let call = store_call(check, key, Op::Refund { cost: check.cost }, member);
         match charged {
             Some(Charged::Primary) => match self.store.apply(&call).await {
                 Ok(_) => true,
