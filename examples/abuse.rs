@@ -7,7 +7,8 @@
 //!
 //! Modes: `idle` (connect, send nothing), `slowloris` (send a header byte every second,
 //! never finish), `peer-half` (a `POST /v1/peer/exchange` naming a peer region with a fresh
-//! timestamp and a signature of the right form, declaring 1 MiB, sending half). The probe
+//! timestamp and signatures of the right form but no secret behind them, declaring 1 MiB,
+//! sending half). The probe
 //! sends `POST /v1/check` every 10 ms on one keep-alive connection (reconnecting if quotad
 //! closes it) and records each latency. quotad's resident memory is sampled every 100 ms
 //! from /proc. Reported: connections opened, how many quotad closed and how long after
@@ -101,10 +102,11 @@ async fn hostile(a: Arc<Args>, i: usize, stop: Arc<AtomicBool>) -> Option<Durati
             let head = format!(
                 "POST /v1/peer/exchange HTTP/1.1\r\nhost: q\r\ncontent-type: application/json\r\n\
                  x-quotad-region: us\r\nx-quotad-timestamp: {}\r\nx-quotad-nonce: n{i}x{}\r\n\
-                 x-quotad-signature: {}\r\ncontent-length: {}\r\n\r\n",
+                 x-quotad-signature: {}\r\nx-quotad-headers-signature: {}\r\ncontent-length: {}\r\n\r\n",
                 now_ms(),
                 opened.elapsed().as_nanos(),
                 "ab".repeat(32),
+                "cd".repeat(32),
                 1 << 20
             );
             if s.write_all(head.as_bytes()).await.is_err() {

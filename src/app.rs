@@ -185,6 +185,7 @@ pub async fn serve(
         },
         drain: drain.clone(),
         ready_requires_store: settings.server.ready_requires_store,
+        body_budget: api::body::BodyBudget::new(settings.server.max_body_memory, metrics.clone()),
         region: settings.region.as_str().into(),
         federation: federation.clone(),
     };

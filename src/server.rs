@@ -13,10 +13,10 @@
 //!
 //! A per-connection watchdog closes a connection whose deadline passes (slowloris, a
 //! half-sent request, an idle socket). Headers are capped at `max_header_bytes` (431).
-//! At most `max_connections` are open: when a new one arrives at the bound, the one that
-//! has waited longest without a request in progress (fresh, headers or idle) is closed to
-//! make room, as nginx reuses keep-alive connections; with every connection busy, the new
-//! one is closed at once. Either way it is counted. A connection costs no buffers until
+//! At most `max_connections` are open: when a new one arrives at the bound, one without a
+//! request in progress is closed to make room (one that never completed a request first,
+//! then the longest waiting), as nginx reuses keep-alive connections; with every
+//! connection busy, the new one is closed at once. Either way it is counted. A connection costs no buffers until
 //! its first byte arrives: idle sockets cost a task and a file descriptor, nothing more.
 //!
 //! Drain (shutdown): [`Drain::begin`] only fails readiness; connections carry on as usual
@@ -28,7 +28,6 @@
 //! connection that stays idle for [`DRAIN_IDLE`] is closed. [`serve`] returns once every
 //! connection is gone.
 
-use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
@@ -56,6 +55,9 @@ pub struct Limits {
     pub idle_timeout: Duration,
     pub max_header_bytes: usize,
 }
+
+/// Connections looked at to choose one to evict (all of them, up to this many).
+pub const EVICTION_SAMPLE: usize = 64;
 
 /// How long a connection may stay idle once the listener has closed for shutdown: long
 /// enough for a client that sends continuously to use it once more (and be told
@@ -138,6 +140,8 @@ struct Conn {
     /// Eviction: the watchdog closes the connection at once.
     evict: Notify,
     evicted: AtomicBool,
+    /// Position in `Shared::conns`.
+    index: std::sync::atomic::AtomicUsize,
 }
 
 impl Conn {
@@ -146,12 +150,15 @@ impl Conn {
         self.phase.store(phase, Ordering::Release);
     }
 
-    /// Since when it has waited for the client (not busy, not already evicted).
-    fn waiting(&self) -> Option<u64> {
+    /// Whether it may be evicted, and how readily (lower first): a connection that has
+    /// not completed a request yet before one that has (a client that proved itself keeps
+    /// its keep-alive connection through a flood of silent sockets), then the one waiting
+    /// longest. `None`: busy, or already evicted.
+    fn waiting(&self) -> Option<(bool, u64)> {
         match self.phase.load(Ordering::Acquire) {
             BUSY => None,
             _ if self.evicted.load(Ordering::Acquire) => None,
-            _ => Some(self.since.load(Ordering::Acquire)),
+            p => Some((p != FRESH, self.since.load(Ordering::Acquire))),
         }
     }
 }
@@ -163,8 +170,9 @@ struct Shared {
     epoch: Instant,
     slots: Arc<Semaphore>,
     /// Open connections by id, for eviction.
-    conns: Mutex<HashMap<u64, Arc<Conn>>>,
-    next_id: AtomicU64,
+    /// Open connections, for eviction; each knows its position (`Conn::index`), so that
+    /// joining and leaving are O(1).
+    conns: Mutex<Vec<Arc<Conn>>>,
 }
 
 impl Shared {
@@ -179,14 +187,25 @@ impl Shared {
             .inc();
     }
 
-    /// Closes the connection that has waited longest without a request in progress;
-    /// false if every connection is busy.
+    /// Closes a connection without a request in progress: one that never completed a
+    /// request before one that did, the longest waiting first (of all, up to
+    /// [`EVICTION_SAMPLE`] connections; of that many picked at random beyond: a flood of
+    /// connects must not cost a scan of every connection each); false if none of them is
+    /// waiting.
     fn evict_one(&self) -> bool {
         let conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
-        let victim = conns
-            .values()
-            .filter_map(|c| c.waiting().map(|since| (since, c)))
-            .min_by_key(|(since, _)| *since);
+        let pick = |c: &Arc<Conn>| c.waiting().map(|since| (since, c.clone()));
+        let victim = if conns.len() <= EVICTION_SAMPLE {
+            conns
+                .iter()
+                .filter_map(pick)
+                .min_by_key(|(since, _)| *since)
+        } else {
+            (0..EVICTION_SAMPLE)
+                .map(|_| &conns[rand::random_range(0..conns.len())])
+                .filter_map(pick)
+                .min_by_key(|(since, _)| *since)
+        };
         match victim {
             Some((_, c)) => {
                 c.evicted.store(true, Ordering::Release);
@@ -217,8 +236,7 @@ pub async fn serve(
         metrics,
         drain: drain.clone(),
         epoch: Instant::now(),
-        conns: Mutex::new(HashMap::new()),
-        next_id: AtomicU64::new(0),
+        conns: Mutex::new(Vec::new()),
     });
     let tasks = TaskTracker::new();
     let mut accept_errors = 0u64;
@@ -291,24 +309,27 @@ async fn slot(shared: &Shared) -> Option<tokio::sync::OwnedSemaphorePermit> {
 
 async fn connection(shared: &Arc<Shared>, stream: TcpStream, router: Router) {
     let _ = stream.set_nodelay(true);
-    let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let conn = Arc::new(Conn {
         phase: AtomicU8::new(FRESH),
         since: AtomicU64::new(shared.now_ms()),
         evict: Notify::new(),
         evicted: AtomicBool::new(false),
+        index: std::sync::atomic::AtomicUsize::new(0),
     });
-    shared
-        .conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(id, conn.clone());
+    {
+        let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        conn.index.store(conns.len(), Ordering::Release);
+        conns.push(conn.clone());
+    }
     let why = serve_connection(shared, &conn, stream, router).await;
-    shared
-        .conns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&id);
+    {
+        let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
+        let i = conn.index.load(Ordering::Acquire);
+        conns.swap_remove(i);
+        if let Some(moved) = conns.get(i) {
+            moved.index.store(i, Ordering::Release);
+        }
+    }
     if let Some(why) = why {
         shared.closed(why);
     }
@@ -367,7 +388,9 @@ async fn serve_http(
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .keep_alive(true)
-        .max_buf_size(shared.limits.max_header_bytes.max(8192) * 2)
+        // The read buffer never needs more than the headers (a body is read by the handler
+        // in chunks): a connection that dribbles headers holds at most this much.
+        .max_buf_size(shared.limits.max_header_bytes.max(8192))
         .max_header_size(shared.limits.max_header_bytes);
     let served = builder.serve_connection(io, service);
     tokio::pin!(served);

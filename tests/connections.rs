@@ -180,10 +180,15 @@ fn oversized_headers_get_431_and_broken_chunked_framing_gets_400() {
 #[test]
 fn at_the_connection_bound_the_longest_waiting_connection_makes_room() {
     let q = start("max_connections = 4\nheader_timeout = \"30s\"");
-    // Four connections that send nothing fill every slot, the oldest first.
+    // A client that has been served keeps its connection, even though it has waited
+    // longest of all: silent sockets go first.
+    let mut served = connect(&q);
+    assert!(keep_alive_check(&mut served, "served").starts_with("HTTP/1.1 200"));
+    std::thread::sleep(Duration::from_millis(50));
+    // Three connections that send nothing fill the other slots, the oldest first.
     let mut oldest = connect(&q);
     std::thread::sleep(Duration::from_millis(50));
-    let _others: Vec<TcpStream> = (0..3)
+    let _others: Vec<TcpStream> = (0..2)
         .map(|_| {
             let s = connect(&q);
             std::thread::sleep(Duration::from_millis(20));
@@ -197,6 +202,7 @@ fn at_the_connection_bound_the_longest_waiting_connection_makes_room() {
     assert!(keep_alive_check(&mut fresh, "k").starts_with("HTTP/1.1 200"));
     let (sent, _) = until_closed(&mut oldest, Instant::now());
     assert!(sent.is_empty());
+    assert!(keep_alive_check(&mut served, "still").starts_with("HTTP/1.1 200"));
     // This very request took a slot too (evicting the next oldest silent connection).
     assert!(closed(&q, "evicted") >= 1.0);
     assert!(q.metric("quotad_connections_open") <= 4.0);

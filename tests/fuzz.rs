@@ -16,9 +16,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use quotad::coordinator::RegionId;
 use quotad::coordinator::message::{Exchange, KeyReport, PolicyReport};
-use quotad::federation::auth::{
-    self, HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP,
-};
+use quotad::federation::auth;
 use serde_json::{Value, json};
 
 const SECRET: &str = "fuzz-test-secret-0123456789abcdef";
@@ -306,39 +304,75 @@ fn bad_peer_request() -> impl Strategy<Value = Raw> {
                     .collect(),
             }],
         });
-    (exchange, 0usize..7, prop::collection::vec(any::<u8>(), 0..200)).prop_map(|(mut msg, how, junk)| {
-        let mut body = serde_json::to_vec(&msg).unwrap();
-        let (region, secret, ts) = ("us", SECRET.as_bytes(), now_ms());
-        let (what, signed) = match how {
-            0 => ("no auth headers", None),
-            1 => ("wrong secret", Some(auth::sign_request(b"not-the-secret-at-all", region, "eu", ts, &body))),
-            2 => ("stale", Some(auth::sign_request(secret, region, "eu", ts - 3_600_000, &body))),
-            3 => ("unknown region", Some(auth::sign_request(secret, "ap", "eu", ts, &body))),
-            4 => {
-                let s = auth::sign_request(secret, region, "eu", ts, &body);
-                body = junk;
-                ("body not signed", Some(s))
-            }
-            5 => {
-                msg.incarnation = u64::MAX - msg.incarnation;
-                body = serde_json::to_vec(&msg).unwrap();
-                ("absurd incarnation", Some(auth::sign_request(secret, region, "eu", ts, &body)))
-            }
-            _ => {
-                let mut s = auth::sign_request(secret, region, "eu", ts, &body);
-                s.signature = hex_junk(&junk);
-                ("garbled signature", Some(s))
-            }
-        };
-        let extra = match &signed {
-            None => String::new(),
-            Some(s) => format!(
-                "{HEADER_REGION}: {}\r\n{HEADER_TIMESTAMP}: {}\r\n{HEADER_NONCE}: {}\r\n{HEADER_SIGNATURE}: {}\r\n",
-                s.from, s.timestamp_ms, s.nonce, s.signature
-            ),
-        };
-        post("/v1/peer/exchange", "application/json", &extra, body, format!("peer: {what}"))
-    })
+    (
+        exchange,
+        0usize..7,
+        prop::collection::vec(any::<u8>(), 0..200),
+    )
+        .prop_map(|(mut msg, how, junk)| {
+            let mut body = serde_json::to_vec(&msg).unwrap();
+            let (region, secret, ts) = ("us", SECRET.as_bytes(), now_ms());
+            let (what, signed) = match how {
+                0 => ("no auth headers", None),
+                1 => (
+                    "wrong secret",
+                    Some(auth::sign_request(
+                        b"not-the-secret-at-all",
+                        region,
+                        "eu",
+                        ts,
+                        &body,
+                    )),
+                ),
+                2 => (
+                    "stale",
+                    Some(auth::sign_request(
+                        secret,
+                        region,
+                        "eu",
+                        ts - 3_600_000,
+                        &body,
+                    )),
+                ),
+                3 => (
+                    "unknown region",
+                    Some(auth::sign_request(secret, "ap", "eu", ts, &body)),
+                ),
+                4 => {
+                    let s = auth::sign_request(secret, region, "eu", ts, &body);
+                    body = junk;
+                    ("body not signed", Some(s))
+                }
+                5 => {
+                    msg.incarnation = u64::MAX - msg.incarnation;
+                    body = serde_json::to_vec(&msg).unwrap();
+                    (
+                        "absurd incarnation",
+                        Some(auth::sign_request(secret, region, "eu", ts, &body)),
+                    )
+                }
+                _ => {
+                    let mut s = auth::sign_request(secret, region, "eu", ts, &body);
+                    s.signature = hex_junk(&junk);
+                    ("garbled signature", Some(s))
+                }
+            };
+            let extra = match &signed {
+                None => String::new(),
+                Some(s) => s
+                    .headers()
+                    .iter()
+                    .map(|(name, value)| format!("{name}: {value}\r\n"))
+                    .collect(),
+            };
+            post(
+                "/v1/peer/exchange",
+                "application/json",
+                &extra,
+                body,
+                format!("peer: {what}"),
+            )
+        })
 }
 
 fn hex_junk(bytes: &[u8]) -> String {

@@ -37,6 +37,8 @@ pub struct AppState {
     pub drain: Drain,
     /// `server.ready_requires_store`: readiness follows the store too.
     pub ready_requires_store: bool,
+    /// `server.max_body_memory`: what request bodies being read may hold together.
+    pub body_budget: body::BodyBudget,
     pub region: Arc<str>,
     /// Present when a policy is global (the coordinator and the peer endpoint).
     pub federation: Option<Arc<Federation>>,
@@ -74,11 +76,13 @@ async fn json_body(state: &AppState, req: Request) -> Result<serde_json::Value, 
         return Err(ApiError::UnsupportedMediaType(got));
     }
     let (parts, body) = req.into_parts();
-    let body = body::read(
+    // The body's share of the memory budget is held until it is parsed.
+    let (body, _room) = body::read(
         &parts.headers,
         body,
         state.caps.max_body_bytes,
         state.caps.body_timeout,
+        Some(&state.body_budget),
     )
     .await?;
     request::parse_json(&body)
@@ -219,8 +223,8 @@ async fn peer_exchange(State(state): State<AppState>, req: Request) -> Response 
         Err(r) => return peer_response(f.reject(r)),
     };
     let max = admitted.max_bytes;
-    let body = match body::read(&parts.headers, body, max, state.caps.body_timeout).await {
-        Ok(b) => b,
+    let body = match body::read(&parts.headers, body, max, state.caps.body_timeout, None).await {
+        Ok((b, _)) => b,
         Err(e) => return e.into_response(),
     };
     peer_response(f.exchange(admitted, body).await)

@@ -32,14 +32,12 @@ pub enum CheckRequest {
 pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     let duplicate = std::cell::RefCell::new(None);
     let mut de = serde_json::Deserializer::from_slice(body);
-    let parsed = serde::de::DeserializeSeed::deserialize(
-        Strict {
-            path: String::new(),
-            duplicate: &duplicate,
-        },
-        &mut de,
-    )
-    .and_then(|v| de.end().map(|()| v));
+    let root = Strict {
+        at: Step::Root,
+        duplicate: &duplicate,
+    };
+    let parsed =
+        serde::de::DeserializeSeed::deserialize(root, &mut de).and_then(|v| de.end().map(|()| v));
     match (parsed, duplicate.into_inner()) {
         (_, Some(path)) => Err(ApiError::invalid(
             path,
@@ -50,13 +48,36 @@ pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     }
 }
 
-/// A JSON value whose objects may not repeat a key; records the first repeated key's path.
-struct Strict<'a> {
-    path: String,
-    duplicate: &'a std::cell::RefCell<Option<String>>,
+/// Where a value sits, as a chain back to the root: built for free on the way down, and
+/// written out only for a duplicate (formatting every path would cost time quadratic in a
+/// hostile body's size).
+#[derive(Clone, Copy)]
+enum Step<'p> {
+    Root,
+    Key(&'p Step<'p>, &'p str),
+    Index(&'p Step<'p>, usize),
 }
 
-impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_> {
+impl Step<'_> {
+    fn path(&self) -> String {
+        match self {
+            Step::Root => String::new(),
+            Step::Key(parent, k) => match parent.path() {
+                p if p.is_empty() => (*k).to_owned(),
+                p => format!("{p}.{k}"),
+            },
+            Step::Index(parent, i) => format!("{}[{i}]", parent.path()),
+        }
+    }
+}
+
+/// A JSON value whose objects may not repeat a key; records the first repeated key's path.
+struct Strict<'p, 'd> {
+    at: Step<'p>,
+    duplicate: &'d std::cell::RefCell<Option<String>>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_, '_> {
     type Value = Value;
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
@@ -64,7 +85,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_> {
     }
 }
 
-impl<'de> serde::de::Visitor<'de> for Strict<'_> {
+impl<'de> serde::de::Visitor<'de> for Strict<'_, '_> {
     type Value = Value;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -98,29 +119,29 @@ impl<'de> serde::de::Visitor<'de> for Strict<'_> {
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
         let mut out = Vec::new();
-        while let Some(v) = seq.next_element_seed(Strict {
-            path: format!("{}[{}]", self.path, out.len()),
-            duplicate: self.duplicate,
-        })? {
-            out.push(v);
+        loop {
+            let at = Step::Index(&self.at, out.len());
+            let next = seq.next_element_seed(Strict {
+                at,
+                duplicate: self.duplicate,
+            })?;
+            match next {
+                Some(v) => out.push(v),
+                None => return Ok(Value::Array(out)),
+            }
         }
-        Ok(Value::Array(out))
     }
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut out = Map::new();
         while let Some(key) = map.next_key::<String>()? {
-            let path = if self.path.is_empty() {
-                key.clone()
-            } else {
-                format!("{}.{key}", self.path)
-            };
+            let at = Step::Key(&self.at, &key);
             if out.contains_key(&key) {
-                *self.duplicate.borrow_mut() = Some(path);
+                *self.duplicate.borrow_mut() = Some(at.path());
                 return Err(serde::de::Error::custom("duplicate field"));
             }
             let v = map.next_value_seed(Strict {
-                path,
+                at,
                 duplicate: self.duplicate,
             })?;
             out.insert(key, v);

@@ -85,6 +85,8 @@ pub struct ServerSettings {
     pub idle_timeout: Duration,
     /// `/readyz` also fails while the store is unusable (default: only while draining).
     pub ready_requires_store: bool,
+    /// Bytes that request bodies being read may hold together (503 beyond).
+    pub max_body_memory: usize,
 }
 
 impl ServerSettings {
@@ -103,6 +105,7 @@ impl ServerSettings {
             body_timeout: DEFAULT_BODY_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             ready_requires_store: false,
+            max_body_memory: DEFAULT_MAX_BODY_MEMORY as usize,
         }
     }
 }
@@ -149,7 +152,8 @@ pub struct GlobalSettings {
     /// (and nonces are remembered this long: the replay window).
     pub max_skew: Duration,
     /// Largest exchange body accepted (and reply read): what `max_exchange_keys` keys of
-    /// `server.max_key_bytes` take, with room for the envelope.
+    /// `server.max_key_bytes` take at worst (every byte escaped), with room for the
+    /// envelope. Only a peer that holds the secret gets a body read at all.
     pub max_exchange_bytes: usize,
     /// `server.max_key_bytes`: a peer's key longer than this is refused like a client's.
     pub max_key_bytes: usize,
@@ -181,9 +185,13 @@ pub const DEFAULT_MAX_BODY_BYTES: i64 = 64 * 1024;
 pub const DEFAULT_MAX_BATCH: i64 = 64;
 pub const DEFAULT_MAX_KEY_BYTES: i64 = 512;
 pub const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
-/// Request headers (request line included): 431 beyond. nginx's default buffers hold 8 KiB
-/// per line and 32 KiB in all; quotad's requests carry a few hundred bytes.
-pub const DEFAULT_MAX_HEADER_BYTES: i64 = 16 * 1024;
+/// Request headers (request line included): 431 beyond. nginx holds 8 KiB per line;
+/// quotad's requests carry a few hundred bytes, and a connection dribbling headers holds a
+/// read buffer of this size.
+pub const DEFAULT_MAX_HEADER_BYTES: i64 = 8 * 1024;
+/// Request bodies being read, together: 1,024 full 64 KiB bodies. Normal checks carry a few
+/// hundred bytes; this is what slow or hostile senders can pin.
+pub const DEFAULT_MAX_BODY_MEMORY: i64 = 64 << 20;
 /// Long enough for any client on a slow link to send a few hundred bytes of headers; short
 /// enough that a slowloris holds a connection for seconds, not forever.
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -452,8 +460,9 @@ impl Validator<'_> {
                     };
                 }
             }
+            // JSON escapes a control character in a key as six bytes (\u00XX).
             settings.max_exchange_bytes = settings.params.max_exchange_keys
-                * (server.max_key_bytes + EXCHANGE_BYTES_PER_KEY)
+                * (6 * server.max_key_bytes + EXCHANGE_BYTES_PER_KEY)
                 + EXCHANGE_ENVELOPE_BYTES;
             settings.max_key_bytes = server.max_key_bytes;
             settings.regions = regions.clone();
@@ -870,6 +879,13 @@ impl Validator<'_> {
                 DEFAULT_IDLE_TIMEOUT,
             ),
             ready_requires_store: s.ready_requires_store.unwrap_or(false),
+            max_body_memory: self.integer(
+                s.max_body_memory.as_ref(),
+                "server.max_body_memory",
+                DEFAULT_MAX_BODY_MEMORY,
+                64 * 1024,
+                1 << 34,
+            ) as usize,
         };
         // The drain deadline counts from the signal: a delay as long leaves no time to drain.
         if let Some(d) = &s.shutdown_delay {

@@ -65,6 +65,7 @@ pub struct Server {
     pub body_timeout: Option<Spanned<String>>,
     pub idle_timeout: Option<Spanned<String>>,
     pub ready_requires_store: Option<bool>,
+    pub max_body_memory: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

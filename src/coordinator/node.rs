@@ -487,6 +487,8 @@ impl<C: Clock> Node<C> {
         let p = self.params;
         let links: Vec<Link> = (0..n).map(|j| self.link_at(j, now)).collect();
         let names: Vec<String> = self.policies.keys().cloned().collect();
+        // Read once for every policy: the store reports a failover once.
+        let reassert_all = sample && store.take_failover();
         for name in &names {
             self.finish_transition(name, &links, store);
             let mut ps = self.policies.remove(name).expect("listed above");
@@ -520,7 +522,6 @@ impl<C: Clock> Node<C> {
                 Vec::new()
             };
             let rho = ps.policy.rho;
-            let reassert_all = sample && store.take_failover();
             let mut drop = Vec::new();
             let mut writes = Vec::new();
             for (i, (key, ks)) in ps.keys.iter_mut().enumerate() {
@@ -1263,10 +1264,17 @@ mod tests {
         books: BTreeMap<String, LeaseBook>,
         counters: Counters,
         escrow: Option<f64>,
+        /// (policy, key) of every book write, in order.
+        writes: Vec<(String, String)>,
+        failover: bool,
     }
 
     impl LeaseStore for MapStore {
-        fn write_book(&mut self, _: &str, key: &str, book: &LeaseBook) -> Written {
+        fn take_failover(&mut self) -> bool {
+            std::mem::take(&mut self.failover)
+        }
+        fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written {
+            self.writes.push((policy.to_owned(), key.to_owned()));
             self.books.insert(key.to_owned(), book.clone());
             Written {
                 durable: true,
@@ -1346,6 +1354,73 @@ mod tests {
     fn rate(store: &MapStore, now: LocalUs) -> f64 {
         let tol = Params::default().step_tolerance_us();
         store.books.get("k").map_or(50.0, |b| b.rate(now, tol))
+    }
+
+    /// Unchanged loan-free books are re-asserted every REASSERT_ROUNDS rounds, each in its
+    /// key's round; after a failover, every book of every policy in the next round.
+    #[test]
+    fn unchanged_books_are_reasserted_in_turn_and_all_after_a_failover() {
+        let policies: Vec<GlobalPolicy> = ["a", "b"]
+            .map(|n| {
+                GlobalPolicy::from_weights(n, 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional)
+            })
+            .to_vec();
+        let clock = Arc::new(ManualClock::new(0));
+        let mut store = MapStore::default();
+        let mut leased = LeaseBook::new(50.0);
+        leased.reserved.push(Reservation {
+            borrower: RegionId(1),
+            seq: 1,
+            amount: 5.0,
+            until: 600_000_000,
+        });
+        for i in 0..20 {
+            store.books.insert(format!("a{i}"), leased.clone());
+        }
+        let mut node = Node::start(
+            RegionId(0),
+            2,
+            Params::default(),
+            clock.clone(),
+            1,
+            policies,
+            &mut store,
+        );
+        let mut per_round = Vec::new();
+        for _ in 0..(1 + 2 * REASSERT_ROUNDS) {
+            clock.advance(1_000_000);
+            store.writes.clear();
+            node.round(&mut store);
+            per_round.push(
+                store
+                    .writes
+                    .iter()
+                    .filter(|(_, k)| k.starts_with('a'))
+                    .count(),
+            );
+        }
+        // The first round writes every adopted book (of both policies: the map store
+        // lists them for each); later rounds only the keys whose turn it is.
+        assert!(per_round[0] >= 20, "{per_round:?}");
+        let later: usize = per_round[1..=REASSERT_ROUNDS as usize].iter().sum();
+        assert!(
+            (20..=2 * 20).contains(&later),
+            "each book about once per cycle: {per_round:?}"
+        );
+        assert!(per_round[1..].iter().all(|&n| n < 20 * 2), "{per_round:?}");
+        store.failover = true;
+        clock.advance(1_000_000);
+        store.writes.clear();
+        node.round(&mut store);
+        let policies_written: std::collections::BTreeSet<&str> =
+            store.writes.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(
+            policies_written.len(),
+            2,
+            "every policy re-asserted: {:?}",
+            store.writes
+        );
+        assert!(store.writes.len() >= 40, "{}", store.writes.len());
     }
 
     /// More keys qualify for an exchange than it may carry: the lease goes first, then

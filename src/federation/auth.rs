@@ -3,7 +3,10 @@
 //!
 //! A request carries the sender's region, a wall-clock timestamp, a random nonce and
 //! `HMAC-SHA256(secret, "quotad-exchange-v1" ‖ from ‖ to ‖ timestamp ‖ nonce ‖ body)`,
-//! with the secret both regions configured for each other. The receiver checks, in order:
+//! with the secret both regions configured for each other, and a second MAC over the same
+//! fields with the body's length instead of the body: the receiver checks that one from the
+//! headers alone, so a stranger who names a peer cannot make quotad read (or reserve room
+//! for) a body at all. The receiver checks, in order:
 //! the sender is a configured peer, the signature (constant time), the timestamp is within
 //! `max_skew` of its clock, and the nonce was not seen within that window. The reply is
 //! signed over the request's nonce and the reply body, so it cannot be swapped or replayed
@@ -21,6 +24,7 @@ pub const HEADER_REGION: &str = "x-quotad-region";
 pub const HEADER_TIMESTAMP: &str = "x-quotad-timestamp";
 pub const HEADER_NONCE: &str = "x-quotad-nonce";
 pub const HEADER_SIGNATURE: &str = "x-quotad-signature";
+pub const HEADER_HEADERS_SIGNATURE: &str = "x-quotad-headers-signature";
 
 /// Why an exchange was refused: the `reason` label of `quotad_exchange_rejected_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -90,6 +94,37 @@ pub struct Signed {
     pub timestamp_ms: i64,
     pub nonce: String,
     pub signature: String,
+    /// The MAC over the headers and the body's length (see the module docs).
+    pub headers_signature: String,
+}
+
+impl Signed {
+    /// The request headers that carry this signature.
+    pub fn headers(&self) -> [(&'static str, String); 5] {
+        [
+            (HEADER_REGION, self.from.clone()),
+            (HEADER_TIMESTAMP, self.timestamp_ms.to_string()),
+            (HEADER_NONCE, self.nonce.clone()),
+            (HEADER_SIGNATURE, self.signature.clone()),
+            (HEADER_HEADERS_SIGNATURE, self.headers_signature.clone()),
+        ]
+    }
+}
+
+fn headers_mac(secret: &[u8], from: &str, to: &str, ts: i64, nonce: &str, len: u64) -> HmacSha256 {
+    let mut m = mac(secret);
+    m.update(b"quotad-headers-v1\n");
+    for part in [
+        from.as_bytes(),
+        to.as_bytes(),
+        ts.to_string().as_bytes(),
+        nonce.as_bytes(),
+        len.to_string().as_bytes(),
+    ] {
+        m.update(part);
+        m.update(b"\n");
+    }
+    m
 }
 
 fn mac(secret: &[u8]) -> HmacSha256 {
@@ -137,11 +172,17 @@ pub fn sign_request(secret: &[u8], from: &str, to: &str, now_ms: i64, body: &[u8
             .finalize()
             .into_bytes(),
     );
+    let headers_signature = hex::encode(
+        headers_mac(secret, from, to, now_ms, &nonce, body.len() as u64)
+            .finalize()
+            .into_bytes(),
+    );
     Signed {
         from: from.to_owned(),
         timestamp_ms: now_ms,
         nonce,
         signature,
+        headers_signature,
     }
 }
 
@@ -185,17 +226,31 @@ impl Verifier {
     }
 
     /// What the headers alone can settle, before a byte of the body is read: the sender
-    /// is a configured peer, the signature has the form of one, the timestamp is fresh,
-    /// and the nonce is new. A request that fails here costs no body read.
-    pub fn precheck(&self, signed: &Signed, now_ms: i64) -> Result<(), Rejection> {
-        if !self.secrets.contains_key(&signed.from) {
-            return Err(Rejection::UnknownPeer);
-        }
+    /// is a configured peer, its MAC over the headers and the declared body length `len`
+    /// holds (it needs the secret), the timestamp is fresh, and the nonce is new. A request
+    /// that fails here costs no body read.
+    pub fn precheck(&self, signed: &Signed, len: u64, now_ms: i64) -> Result<(), Rejection> {
+        let secret = self
+            .secrets
+            .get(&signed.from)
+            .ok_or(Rejection::UnknownPeer)?;
         if signed.signature.len() != SIGNATURE_HEX
             || !signed.signature.bytes().all(|b| b.is_ascii_hexdigit())
+            || signed.headers_signature.len() != SIGNATURE_HEX
         {
             return Err(Rejection::BadSignature);
         }
+        let sig = hex::decode(&signed.headers_signature).map_err(|_| Rejection::BadSignature)?;
+        headers_mac(
+            secret,
+            &signed.from,
+            &self.me,
+            signed.timestamp_ms,
+            &signed.nonce,
+            len,
+        )
+        .verify_slice(&sig)
+        .map_err(|_| Rejection::BadSignature)?;
         if signed.timestamp_ms.abs_diff(now_ms) > self.max_skew_ms.unsigned_abs() {
             return Err(Rejection::Stale);
         }
@@ -295,25 +350,24 @@ mod tests {
     fn the_headers_alone_settle_strangers_forms_staleness_and_replays() {
         let v = verifier();
         let s = sign_request(b"0123456789abcdef", "us", "eu", 1_000_000, b"{}");
-        assert_eq!(v.precheck(&s, 1_000_100), Ok(()));
+        let check = |s: &Signed, len: u64, now: i64| v.precheck(s, len, now);
+        assert_eq!(check(&s, 2, 1_000_100), Ok(()));
         let mut stranger = s.clone();
         stranger.from = "xx".into();
-        assert_eq!(
-            v.precheck(&stranger, 1_000_100),
-            Err(Rejection::UnknownPeer)
-        );
+        assert_eq!(check(&stranger, 2, 1_000_100), Err(Rejection::UnknownPeer));
         let mut short = s.clone();
         short.signature.pop();
-        assert_eq!(v.precheck(&short, 1_000_100), Err(Rejection::BadSignature));
+        assert_eq!(check(&short, 2, 1_000_100), Err(Rejection::BadSignature));
         let mut not_hex = s.clone();
         not_hex.signature.replace_range(0..1, "z");
-        assert_eq!(
-            v.precheck(&not_hex, 1_000_100),
-            Err(Rejection::BadSignature)
-        );
-        assert_eq!(v.precheck(&s, 1_040_000), Err(Rejection::Stale));
+        assert_eq!(check(&not_hex, 2, 1_000_100), Err(Rejection::BadSignature));
+        // Without the secret the headers MAC cannot be made: not even a length claim passes.
+        assert_eq!(check(&s, 1 << 20, 1_000_100), Err(Rejection::BadSignature));
+        let forged = sign_request(b"not-the-secret!!", "us", "eu", 1_000_000, b"{}");
+        assert_eq!(check(&forged, 2, 1_000_100), Err(Rejection::BadSignature));
+        assert_eq!(check(&s, 2, 1_040_000), Err(Rejection::Stale));
         assert_eq!(v.verify(&s, b"{}", 1_000_100), Ok(()));
-        assert_eq!(v.precheck(&s, 1_000_200), Err(Rejection::Replay));
+        assert_eq!(check(&s, 2, 1_000_200), Err(Rejection::Replay));
     }
 
     #[test]

@@ -206,6 +206,8 @@ pub struct RedisLeaseStore {
     max_sync_us: i64,
     /// A failover was detected and the node has not been told yet.
     failed_over: bool,
+    /// This store has written the replication-ID key (so its absence is news).
+    replid_written: bool,
     /// When the lock was last extended; long batches extend it as they go.
     renewed: Instant,
 }
@@ -240,6 +242,7 @@ impl RedisLeaseStore {
             lagging: false,
             fenced: false,
             failed_over: false,
+            replid_written: false,
             renewed: Instant::now(),
         }
     }
@@ -327,9 +330,14 @@ impl RedisLeaseStore {
             .arg(&self.replid_key)
             .query(&mut self.conn)
             .map_err(|e| e.to_string())?;
-        if stored.as_ref().is_some_and(|s| *s != current) {
+        // The key is written every round (with an hour's TTL): gone after this store wrote
+        // it means Redis lost its data (a restart without persistence); changed means a
+        // failover or a restart that reloaded older data. Either way writes it took may be
+        // lost.
+        let lost = stored.is_none() && self.replid_written;
+        if lost || stored.as_ref().is_some_and(|s| *s != current) {
             tracing::warn!(
-                "redis replication ID changed (failover or restart): dropping every loan"
+                "redis replication ID changed or lost (failover or restart): dropping every loan"
             );
             self.failed_over = true;
             self.drop_all_loans();
@@ -352,6 +360,7 @@ impl RedisLeaseStore {
                 .arg(keep_ms)
                 .query(&mut self.conn)
                 .map_err(|e| e.to_string())?;
+            self.replid_written = true;
         }
         Ok(())
     }

@@ -36,7 +36,10 @@ use crate::coordinator::message::{Exchange, ExchangeReply};
 use crate::coordinator::node::{KeyStatus, Link, NodeStats};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
-use auth::{HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP, Rejection, Signed};
+use auth::{
+    HEADER_HEADERS_SIGNATURE, HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP,
+    Rejection, Signed,
+};
 use runtime::Event;
 
 /// What the coordinator thread last published (whether it leads is `Shared`'s token).
@@ -343,16 +346,23 @@ impl Federation {
             header(HEADER_TIMESTAMP).and_then(|t| t.parse::<i64>().ok()),
             header(HEADER_NONCE),
             header(HEADER_SIGNATURE),
+            header(HEADER_HEADERS_SIGNATURE),
         ) {
-            (Some(from), Some(ts), Some(nonce), Some(sig)) if nonce.len() <= 64 => Signed {
-                from: from.to_owned(),
-                timestamp_ms: ts,
-                nonce: nonce.to_owned(),
-                signature: sig.to_owned(),
-            },
+            (Some(from), Some(ts), Some(nonce), Some(sig), Some(hsig)) if nonce.len() <= 64 => {
+                Signed {
+                    from: from.to_owned(),
+                    timestamp_ms: ts,
+                    nonce: nonce.to_owned(),
+                    signature: sig.to_owned(),
+                    headers_signature: hsig.to_owned(),
+                }
+            }
             _ => return Err(Rejection::Unauthenticated),
         };
-        self.verifier.precheck(&signed, peers::wall_ms())?;
+        let len = header("content-length")
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or(Rejection::LengthRequired)?;
+        self.verifier.precheck(&signed, len, peers::wall_ms())?;
         let s = &self.shared.settings;
         let peer = s
             .peers
@@ -362,9 +372,6 @@ impl Federation {
         if !self.shared.is_leader() {
             return Err(Rejection::NotCoordinator);
         }
-        let len = header("content-length")
-            .and_then(|v| v.parse::<u64>().ok())
-            .ok_or(Rejection::LengthRequired)?;
         if len > s.max_exchange_bytes as u64 {
             return Err(Rejection::TooLarge);
         }

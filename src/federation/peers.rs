@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::Shared;
-use super::auth::{self, HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP};
+use super::auth::{self, HEADER_SIGNATURE};
 use super::runtime::Event;
 use crate::coordinator::RegionId;
 use crate::coordinator::message::{Exchange, ExchangeReply};
@@ -93,17 +93,14 @@ impl PeerClient {
         let url = format!("{}{EXCHANGE_PATH}", peer.urls[idx]);
         let signed = auth::sign_request(&peer.secret.0, me, &peer.region, wall_ms(), &body);
         self.shared.count_bytes(&peer.region, "sent", body.len());
-        let resp = self
+        let mut req = self
             .http
             .post(&url)
-            .header("content-type", "application/json")
-            .header(HEADER_REGION, me)
-            .header(HEADER_TIMESTAMP, signed.timestamp_ms.to_string())
-            .header(HEADER_NONCE, &signed.nonce)
-            .header(HEADER_SIGNATURE, &signed.signature)
-            .body(body.to_vec())
-            .send()
-            .await;
+            .header("content-type", "application/json");
+        for (name, value) in signed.headers() {
+            req = req.header(name, value);
+        }
+        let resp = req.body(body.to_vec()).send().await;
         let resp = match resp {
             Ok(r) if r.status().is_success() => r,
             Ok(r) => {

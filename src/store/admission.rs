@@ -40,6 +40,9 @@ pub enum Shed {
     QueueFull,
     #[error("no Redis capacity freed up within the queue timeout")]
     QueueTimeout,
+    /// The bodies being read already hold `server.max_body_memory` (see `api::body`).
+    #[error("request bodies being read hold all the memory allowed for them")]
+    BodyMemory,
 }
 
 impl Shed {
@@ -47,9 +50,11 @@ impl Shed {
         match self {
             Shed::QueueFull => "queue_full",
             Shed::QueueTimeout => "queue_timeout",
+            Shed::BodyMemory => "body_memory",
         }
     }
 
+    /// The reasons of Redis admission (`body_memory` is registered by the API).
     pub const REASONS: [&'static str; 2] = ["queue_full", "queue_timeout"];
 }
 

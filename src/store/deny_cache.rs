@@ -13,7 +13,9 @@
 //! between either consume capacity (admissions: still denied) or give it back (refunds
 //! and resets), and those invalidate the entry: locally at once, and in every other
 //! instance through a Redis channel each instance subscribes to; while that subscription
-//! is down nothing is answered from memory, and it starts from an empty cache. Time: the
+//! is down (or silent: every instance publishes a heartbeat on it each second) nothing is
+//! answered from memory, and it starts from an empty cache. A denial whose call was in
+//! flight while any invalidation arrived is not remembered (it may predate it). Time: the
 //! entry expires at the instant the call was *sent* plus `r`, shortened by the clock-rate
 //! bound ([`RATE_MARGIN`]), so it never outlives the store's own retry time.
 //!
@@ -25,7 +27,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::algorithm::Verdict;
@@ -51,6 +53,9 @@ pub struct DenyCache {
     max_per_shard: usize,
     /// The invalidation channel is subscribed: entries may be used.
     live: AtomicBool,
+    /// Invalidations seen so far (and subscription changes): a denial is remembered only
+    /// if none came while its call was in flight.
+    epoch: AtomicU64,
 }
 
 impl DenyCache {
@@ -60,7 +65,13 @@ impl DenyCache {
             hasher: RandomState::new(),
             max_per_shard: max_keys.div_ceil(SHARDS),
             live: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
         }
+    }
+
+    /// Read before a call is sent; hand it to [`DenyCache::remember`].
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
     }
 
     fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
@@ -88,8 +99,9 @@ impl DenyCache {
         })
     }
 
-    /// Remembers a denial the store gave for a call sent at `sent`.
-    pub fn remember(&self, key: &str, cost: u64, v: &Verdict, sent: Instant) {
+    /// Remembers a denial the store gave for a call sent at `sent`, when the cache's
+    /// epoch then was `epoch`.
+    pub fn remember(&self, key: &str, cost: u64, v: &Verdict, sent: Instant, epoch: u64) {
         if self.max_per_shard == 0 || v.allowed || !self.live.load(Ordering::Acquire) {
             return;
         }
@@ -104,6 +116,10 @@ impl DenyCache {
             reset_at: after(v.reset_after_us),
         };
         let mut shard = self.shard(key);
+        // (Checked under the shard's lock: an invalidation of this key takes it too.)
+        if self.epoch.load(Ordering::Acquire) != epoch {
+            return;
+        }
         // A key already there is replaced: its entry came from an earlier answer, and a
         // check reaches the store again only once that no longer covers it (expired, or a
         // smaller cost).
@@ -114,12 +130,15 @@ impl DenyCache {
 
     /// Someone gave capacity back to `key` (a refund, a reset).
     pub fn invalidate(&self, key: &str) {
-        self.shard(key).remove(key);
+        let mut shard = self.shard(key);
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+        shard.remove(key);
     }
 
     /// Whether entries may be used: only while invalidations from other instances arrive.
     /// Both turning on and off start from an empty cache.
     pub fn set_live(&self, live: bool) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         self.live.store(live, Ordering::Release);
         for s in &self.shards {
             s.lock().unwrap_or_else(|p| p.into_inner()).clear();
@@ -157,7 +176,7 @@ mod tests {
         let c = DenyCache::new(100);
         c.set_live(true);
         let t0 = Instant::now();
-        c.remember("k", 3, &denial(2, 1_000_000, 5_000_000), t0);
+        c.remember("k", 3, &denial(2, 1_000_000, 5_000_000), t0, c.epoch());
         let v = c.lookup("k", 3, t0 + Duration::from_millis(400)).unwrap();
         assert!(!v.allowed && v.remaining == 2);
         assert!((599_000..=600_000).contains(&v.retry_after_us), "{v:?}");
@@ -183,17 +202,36 @@ mod tests {
     }
 
     #[test]
+    fn a_denial_in_flight_while_an_invalidation_arrived_is_not_remembered() {
+        let c = DenyCache::new(100);
+        c.set_live(true);
+        let t0 = Instant::now();
+        let sent = c.epoch();
+        c.invalidate("other-or-same"); // a refund or reset lands while our call is out
+        c.remember("k", 1, &denial(0, 1_000_000, 1_000_000), t0, sent);
+        assert!(c.lookup("k", 1, t0).is_none());
+        c.remember("k", 1, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
+        assert!(c.lookup("k", 1, t0).is_some());
+    }
+
+    #[test]
     fn nothing_is_used_while_invalidations_cannot_arrive_and_the_bound_holds() {
         let c = DenyCache::new(SHARDS); // one per shard
         let t0 = Instant::now();
-        c.remember("k", 1, &denial(0, 1_000_000, 1_000_000), t0);
+        c.remember("k", 1, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
         assert!(
             c.lookup("k", 1, t0).is_none(),
             "not live: not even remembered"
         );
         c.set_live(true);
         for i in 0..1000 {
-            c.remember(&format!("k{i}"), 1, &denial(0, 1_000_000, 1_000_000), t0);
+            c.remember(
+                &format!("k{i}"),
+                1,
+                &denial(0, 1_000_000, 1_000_000),
+                t0,
+                c.epoch(),
+            );
         }
         assert!(c.sweep(t0) <= SHARDS);
         c.set_live(false);

@@ -77,6 +77,10 @@ pub struct RedisStore {
 }
 
 const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// How often each instance proves the invalidation channel alive.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+/// A payload no storage key can be (keys always carry the prefix).
+const HEARTBEAT_PAYLOAD: &str = "";
 
 impl RedisStore {
     /// Parses the URL; does not connect (the supervisor does). `key_prefix` names the
@@ -133,12 +137,16 @@ impl RedisStore {
     /// Forgets `key`'s remembered denial here and in every other instance.
     async fn gave_back(&self, key: &str) {
         self.deny.invalidate(key);
+        self.publish(key).await;
+    }
+
+    async fn publish(&self, payload: &str) {
         let channel = self.channel.as_str();
         let published = self
             .guarded(|mut conn| async move {
                 redis::cmd("PUBLISH")
                     .arg(channel)
-                    .arg(key)
+                    .arg(payload)
                     .query_async::<i64>(&mut conn)
                     .await
             })
@@ -165,21 +173,40 @@ impl RedisStore {
             };
             if let Ok(Ok(mut pubsub)) = attempt {
                 self.deny.set_live(true);
+                // A heartbeat of our own through the channel every second: a subscription
+                // that stops delivering (a silently dead connection) is noticed within
+                // a few, and nothing is answered from memory meanwhile.
+                let beat = {
+                    let me = self.clone();
+                    tokio::spawn(async move {
+                        loop {
+                            tokio::time::sleep(HEARTBEAT).await;
+                            me.publish(HEARTBEAT_PAYLOAD).await;
+                        }
+                    })
+                };
                 let mut messages = pubsub.on_message();
                 loop {
                     let msg = tokio::select! {
-                        _ = shutdown.cancelled() => return,
-                        m = messages.next() => m,
+                        _ = shutdown.cancelled() => { beat.abort(); return }
+                        m = tokio::time::timeout(HEARTBEAT * 4, messages.next()) => m,
                     };
                     match msg {
-                        Some(m) => {
-                            if let Ok(key) = m.get_payload::<String>() {
-                                self.deny.invalidate(&key);
-                            }
+                        Ok(Some(m)) => match m.get_payload::<String>() {
+                            Ok(key) if key == HEARTBEAT_PAYLOAD => {}
+                            Ok(key) => self.deny.invalidate(&key),
+                            Err(_) => {}
+                        },
+                        Ok(None) => break,
+                        Err(_) => {
+                            tracing::warn!(
+                                "invalidation channel silent: not answering denials from memory until it is back"
+                            );
+                            break;
                         }
-                        None => break,
                     }
                 }
+                beat.abort();
                 self.deny.set_live(false);
             }
             tokio::select! {
@@ -229,6 +256,7 @@ impl RedisStore {
         }
         let sha = self.scripts.sha(call.algorithm);
         let sent = Instant::now();
+        let epoch = self.deny.epoch();
         let reply: Vec<i64> = self
             .guarded(|mut conn| async move {
                 let (mode, cost) = match call.op {
@@ -256,7 +284,7 @@ impl RedisStore {
             .await?;
         let v = parse_verdict(&reply)?;
         match call.op {
-            Op::Check { cost } if !v.allowed => self.deny.remember(call.key, cost, &v, sent),
+            Op::Check { cost } if !v.allowed => self.deny.remember(call.key, cost, &v, sent, epoch),
             Op::Refund { .. } => self.gave_back(call.key).await,
             Op::Check { .. } => {}
         }
