@@ -497,18 +497,8 @@ impl<C: Clock> Node<C> {
             ps.default_durable = store.set_default_escrow(name, escrow_now);
             if sample {
                 let active = store.take_active(name);
-                let mut new: Vec<&str> = active
-                    .iter()
-                    .map(String::as_str)
-                    .filter(|k| !ps.keys.contains_key(*k))
-                    .collect();
-                new.sort_unstable();
-                new.dedup();
-                let books = store.read_books(name, &new);
-                for (key, book) in new.into_iter().zip(books) {
-                    let book = book.unwrap_or_else(|| LeaseBook::new(escrow_now));
-                    ps.keys.insert(key.to_owned(), KeyState::new(book, n));
-                }
+                let keys: Vec<&str> = active.iter().map(String::as_str).collect();
+                ps.track(store, name, &keys, escrow_now, n);
                 for key in &active {
                     if let Some(ks) = ps.keys.get_mut(key) {
                         ks.active_round = Some(round);
