@@ -194,8 +194,6 @@ pub struct RedisLeaseStore {
     replid_key: String,
     /// Redis time of the previous `take_active`, per policy.
     active_since: HashMap<String, i64>,
-    /// Counters read together with the active keys (one pipeline), for this round.
-    counters: HashMap<(String, String), Counters>,
     failure: Option<String>,
     /// A `WAIT` timed out since the last round (see [`RedisLeaseStore::durable`]).
     lagging: bool,
@@ -237,7 +235,6 @@ impl RedisLeaseStore {
             replicas: 0,
             wait_timeout,
             active_since: HashMap::new(),
-            counters: HashMap::new(),
             failure: None,
             lagging: false,
             fenced: false,
@@ -300,7 +297,6 @@ impl RedisLeaseStore {
         }
         if round {
             self.lagging = false;
-            self.counters.clear();
             self.replication()?;
         }
         Ok(())
@@ -684,23 +680,6 @@ impl LeaseStore for RedisLeaseStore {
         if keys.is_empty() {
             return keys;
         }
-        // Their counters, in one more pipeline (the node reads them right after).
-        let mut pipe = redis::pipe();
-        for k in &keys {
-            pipe.cmd("HMGET")
-                .arg(p.policy.storage_key(k))
-                .arg("a")
-                .arg("x");
-        }
-        match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
-            Ok(rows) => {
-                for (k, row) in keys.iter().zip(rows) {
-                    self.counters
-                        .insert((policy.to_owned(), k.clone()), counters_of(row));
-                }
-            }
-            Err(e) => self.fail(e),
-        }
         keys
     }
 
@@ -708,51 +687,33 @@ impl LeaseStore for RedisLeaseStore {
         self.counters_of(policy, &[key]).pop().unwrap_or_default()
     }
 
+    /// Every tracked key's two counters, in pipelines of [`BATCH`].
     fn counters_of(&mut self, policy: &str, keys: &[&str]) -> Vec<Counters> {
-        // Keys active this round were read with the active set; the quiet tracked ones
-        // (their two counters only) in pipelines here.
-        let missing: Vec<&str> = keys
-            .iter()
-            .copied()
-            .filter(|k| {
-                !self
-                    .counters
-                    .contains_key(&(policy.to_owned(), (*k).to_owned()))
-            })
-            .collect();
-        if !missing.is_empty() && self.failure.is_none() {
-            if let Some(p) = self.policies.get(policy) {
-                for chunk in missing.chunks(BATCH) {
-                    let mut pipe = redis::pipe();
-                    for k in chunk {
-                        pipe.cmd("HMGET")
-                            .arg(p.policy.storage_key(k))
-                            .arg("a")
-                            .arg("x");
-                    }
-                    match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
-                        Ok(rows) => {
-                            for (k, row) in chunk.iter().zip(rows) {
-                                self.counters
-                                    .insert((policy.to_owned(), (*k).to_owned()), counters_of(row));
-                            }
-                        }
-                        Err(e) => {
-                            self.fail(e);
-                            break;
-                        }
-                    }
+        let mut out = Vec::with_capacity(keys.len());
+        if self.failure.is_some() {
+            return vec![Counters::default(); keys.len()];
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return vec![Counters::default(); keys.len()];
+        };
+        for chunk in keys.chunks(BATCH) {
+            let mut pipe = redis::pipe();
+            for k in chunk {
+                pipe.cmd("HMGET")
+                    .arg(p.policy.storage_key(k))
+                    .arg("a")
+                    .arg("x");
+            }
+            match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
+                Ok(rows) => out.extend(rows.into_iter().map(counters_of)),
+                Err(e) => {
+                    self.fail(e);
+                    break;
                 }
             }
         }
-        keys.iter()
-            .map(|k| {
-                self.counters
-                    .get(&(policy.to_owned(), (*k).to_owned()))
-                    .copied()
-                    .unwrap_or_default()
-            })
-            .collect()
+        out.resize(keys.len(), Counters::default());
+        out
     }
 
     fn take_failover(&mut self) -> bool {
