@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Settings;
+use quotad_daemon::config::Settings;
 
 /// Regions in escrow order (weights 6 / 3 / 1).
 const REGIONS: [&str; 3] = ["us-east", "eu-west", "ap-south"];
@@ -313,7 +313,9 @@ async fn run_in(
         listener.set_nonblocking(true)?;
         let listener = TcpListener::from_std(listener)?;
         let token = background.child_token();
-        daemons.push(tokio::spawn(crate::app::serve(settings, listener, token)));
+        daemons.push(tokio::spawn(quotad_daemon::app::serve(
+            settings, listener, token,
+        )));
     }
     println!(
         "quotad demo: 3 regions ({}), global budget {RHO}/s, burst 200, escrow {}/{}/{} %",

@@ -1,13 +1,15 @@
 //! The `quotad` binary: parse the command line, set up logging, hand over to the library.
 
+mod demo;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use quotad::algorithm::Algorithm;
-use quotad::config::Settings;
+use quotad_core::algorithm::Algorithm;
+use quotad_daemon::config::Settings;
 
 /// Every request allocates a little (JSON, keys, headers): glibc's malloc was ~15% of the
 /// daemon's CPU under load in perf; mimalloc's thread-local free lists cost a fraction.
@@ -45,7 +47,7 @@ enum Command {
     /// Check a config file: exit 0 if valid, else print every error and exit 1.
     Validate { path: PathBuf },
     /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S14 of
-    /// the design note, invariant S checked after every event (exit 1 if it breaks).
+    /// docs/simulator.md, invariant S checked after every event (exit 1 if it breaks).
     Sim(SimArgs),
     /// Print the Lua script quotad sends to Redis for an algorithm (for redis-benchmark).
     Script {
@@ -75,7 +77,7 @@ struct SimArgs {
         default_value = "central,lease,static,independent,count_sharing,naive",
         value_parser = parse_mode
     )]
-    modes: Vec<quotad::sim::ModeKind>,
+    modes: Vec<quotad_sim::ModeKind>,
     /// Also write the rows as a JSON array to PATH.
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -87,14 +89,14 @@ struct SimArgs {
     threads: Option<usize>,
 }
 
-fn parse_mode(s: &str) -> Result<quotad::sim::ModeKind, String> {
-    quotad::sim::ModeKind::parse(s).ok_or_else(|| {
+fn parse_mode(s: &str) -> Result<quotad_sim::ModeKind, String> {
+    quotad_sim::ModeKind::parse(s).ok_or_else(|| {
         "expected central, lease, static, independent, count_sharing or naive".to_owned()
     })
 }
 
 fn sim(args: SimArgs) -> ExitCode {
-    use quotad::sim::{Scenario, SuiteOptions, report};
+    use quotad_sim::{Scenario, SuiteOptions, report};
     let scenarios = if args.all || args.scenario.is_empty() {
         Scenario::all()
     } else {
@@ -118,7 +120,7 @@ fn sim(args: SimArgs) -> ExitCode {
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let started = std::time::Instant::now();
-    let suite = quotad::sim::run_suite(&SuiteOptions {
+    let suite = quotad_sim::run_suite(&SuiteOptions {
         scenarios,
         modes: args.modes,
         first_seed: args.seed,
@@ -196,7 +198,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => sim(args),
         Command::Demo { embedded, duration } => demo(embedded, duration),
         Command::Script { algorithm } => {
-            print!("{}", quotad::store::scripts::source(algorithm));
+            print!("{}", quotad_daemon::store::scripts::source(algorithm));
             ExitCode::SUCCESS
         }
         Command::Serve { config } => {
@@ -220,7 +222,7 @@ fn demo(embedded: bool, duration: std::time::Duration) -> ExitCode {
     // The table is the output: daemons log warnings only (RUST_LOG overrides).
     init_tracing_at("warn");
     until_signal(|stop| async move {
-        quotad::demo::run(embedded, duration, stop)
+        demo::run(embedded, duration, stop)
             .await
             .map_err(|e| eprintln!("demo failed: {e}"))
     })
@@ -269,7 +271,7 @@ fn init_tracing_at(default: &str) {
 
 fn serve(settings: Settings) -> ExitCode {
     until_signal(|shutdown| async move {
-        quotad::app::run(settings, shutdown)
+        quotad_daemon::app::run(settings, shutdown)
             .await
             .map_err(|e| tracing::error!("{e}"))
     })

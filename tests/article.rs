@@ -1,6 +1,6 @@
-//! The article's sequences (../shared/seed), through the HTTP API against a real Redis.
+//! The sequences of the article quotad started from (see docs/api.md), through the HTTP API against a real Redis.
 
-mod common;
+use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -5,7 +5,7 @@
 //! The load comes from child processes: this test binary re-runs itself with the ignored
 //! test `child_load`, which does one process's share of the requests and prints a tally.
 
-mod common;
+use quotad_testkit as common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -1,7 +1,7 @@
 //! Bad input gets the right 4xx with a JSON error naming the problem, and writes nothing:
 //! DBSIZE on the real Redis is the same before and after.
 
-mod common;
+use quotad_testkit as common;
 
 use common::{Quotad, RedisServer, http};
 use serde_json::Value;

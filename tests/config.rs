@@ -2,7 +2,7 @@
 //! tests/fixtures/config/bad/ and an asserted message naming file, line and field; every
 //! shipped example validates.
 
-mod common;
+use quotad_testkit as common;
 
 use std::process::Command;
 

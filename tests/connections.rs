@@ -5,7 +5,7 @@
 //! request in progress, or is turned away when every connection is busy. Each closing is
 //! counted in `quotad_connections_closed_total{reason}`.
 
-mod common;
+use quotad_testkit as common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -8,21 +8,21 @@
 //! build: `QUOTAD_SCALE_KEYS=100000 cargo test --release --test coordinator_scale --
 //! --nocapture` prints the takeover and round times.
 
-mod common;
+use quotad_testkit as common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Quotad, RedisServer, wait_for};
-use quotad::clock::Clock;
-use quotad::config::Settings;
-use quotad::coordinator::RegionId;
-use quotad::coordinator::lease::{LeaseBook, Reservation};
-use quotad::coordinator::node::LeaseStore;
-use quotad::federation::lease_store::{RedisClock, RedisLeaseStore};
-use quotad::federation::lock::Lock;
-use quotad::federation::runtime::Coordinated;
-use quotad::store::global::lock_key;
+use quotad_core::clock::Clock;
+use quotad_core::coordinator::RegionId;
+use quotad_core::coordinator::lease::{LeaseBook, Reservation};
+use quotad_core::coordinator::node::LeaseStore;
+use quotad_daemon::config::Settings;
+use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
+use quotad_daemon::federation::lock::Lock;
+use quotad_daemon::federation::runtime::Coordinated;
+use quotad_daemon::store::global::lock_key;
 
 /// Regions sorted: eu = 0 (the daemon), us = 1 (a peer that never answers).
 fn config(redis: &RedisServer) -> String {

@@ -1,7 +1,7 @@
 //! The operational files stay in step with the code (no Redis needed):
 //!
 //! - every `quotad_*` metric used by a Grafana dashboard (dashboards/*.json) or by the
-//!   Prometheus rules (deploy/prometheus/*.yml) is defined in src/metrics.rs;
+//!   Prometheus rules (deploy/prometheus/*.yml) is defined in crates/daemon/src/metrics.rs;
 //! - the config embedded in the Kubernetes ConfigMap (deploy/kubernetes/quotad.yaml) passes
 //!   `quotad validate`, listens on every interface, and fits in the pod's grace period.
 
@@ -39,7 +39,7 @@ fn files(dir: &str, exts: &[&str]) -> Vec<PathBuf> {
     found
 }
 
-/// The constructors in src/metrics.rs whose first argument is a metric name, and whether
+/// The constructors in crates/daemon/src/metrics.rs whose first argument is a metric name, and whether
 /// the metric is a histogram.
 const CONSTRUCTORS: [(&str, bool); 4] = [
     ("Opts::new(", false),
@@ -52,7 +52,7 @@ fn is_ident(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_'
 }
 
-/// Every series name src/metrics.rs exports: the string literal passed to each constructor
+/// Every series name crates/daemon/src/metrics.rs exports: the string literal passed to each constructor
 /// in [`CONSTRUCTORS`]; a histogram also exports `_bucket`, `_sum` and `_count`.
 fn defined_metrics(src: &str) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
@@ -69,7 +69,7 @@ fn defined_metrics(src: &str) -> BTreeSet<String> {
                 .map(|(name, _)| name)
                 .unwrap_or_else(|| {
                     panic!(
-                        "src/metrics.rs: the first argument of {ctor}...) at byte {at} is not a \
+                        "crates/daemon/src/metrics.rs: the first argument of {ctor}...) at byte {at} is not a \
                          string literal; this test reads metric names from literals only"
                     )
                 });
@@ -105,7 +105,7 @@ fn used_metrics(text: &str) -> BTreeSet<String> {
     names
 }
 
-/// The names in `text` that src/metrics.rs does not define.
+/// The names in `text` that crates/daemon/src/metrics.rs does not define.
 fn unknown_metrics(text: &str, defined: &BTreeSet<String>) -> Vec<String> {
     used_metrics(text)
         .into_iter()
@@ -114,10 +114,10 @@ fn unknown_metrics(text: &str, defined: &BTreeSet<String>) -> Vec<String> {
 }
 
 fn catalogue() -> BTreeSet<String> {
-    let defined = defined_metrics(&read(&root().join("src/metrics.rs")));
+    let defined = defined_metrics(&read(&root().join("crates/daemon/src/metrics.rs")));
     assert!(
         defined.iter().any(|n| n.ends_with("_bucket")),
-        "no metric names (or no histogram) found in src/metrics.rs: {defined:?}"
+        "no metric names (or no histogram) found in crates/daemon/src/metrics.rs: {defined:?}"
     );
     defined
 }
@@ -180,7 +180,7 @@ fn dashboards_use_only_defined_metrics() {
     }
     assert!(
         failures.is_empty(),
-        "metrics not defined in src/metrics.rs:\n{}",
+        "metrics not defined in crates/daemon/src/metrics.rs:\n{}",
         Vec::from_iter(failures).join("\n")
     );
 }
@@ -213,7 +213,7 @@ fn prometheus_rules_use_only_defined_metrics() {
     }
     assert!(
         failures.is_empty(),
-        "metrics not defined in src/metrics.rs:\n{}",
+        "metrics not defined in crates/daemon/src/metrics.rs:\n{}",
         failures.join("\n")
     );
 }
@@ -290,7 +290,7 @@ fn kubernetes_configmap_config_validates() {
     );
 
     // The same file through the library, for the values the manifest depends on.
-    let settings = quotad::config::Settings::parse("quotad.toml", &config)
+    let settings = quotad_daemon::config::Settings::parse("quotad.toml", &config)
         .expect("valid, as quotad validate said");
     let listen = settings.server.listen;
     assert!(

@@ -2,7 +2,7 @@
 //! table every second, and Ctrl-C stops everything: the process exits 0 and every
 //! redis-server it started is gone.
 
-mod common;
+use quotad_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -2,7 +2,7 @@
 //! answered from memory until the retry time the store gave (no Redis call), with the
 //! same answer the store would give; a reset through any instance ends that at once.
 
-mod common;
+use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -1,4 +1,4 @@
-//! The Lua scripts against the Rust reference model ([`quotad::algorithm`]): random
+//! The Lua scripts against the Rust reference model ([`quotad_core::algorithm`]): random
 //! sequences of keys, costs, refunds, peeks and time steps go through both, and every
 //! verdict (allowed, remaining, reset_after, retry_after) must be identical.
 //!
@@ -8,15 +8,15 @@
 //! never changes a decision is checked on the model itself (`expiry_is_equivalent_to_absence`
 //! in src/algorithm).
 
-mod common;
+use quotad_testkit as common;
 
 use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::RedisServer;
-use quotad::algorithm::{self, Algorithm, Limits, Op, State, Verdict, Write};
-use quotad::store::memory::ttl_ms;
-use quotad::store::scripts;
+use quotad_core::algorithm::{self, Algorithm, Limits, Op, State, Verdict, Write};
+use quotad_daemon::store::memory::ttl_ms;
+use quotad_daemon::store::scripts;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

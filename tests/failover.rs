@@ -3,21 +3,21 @@
 //! written under another replication ID, even as a coordinator that only just connected
 //! (the ID is kept in Redis, replicated with the books).
 
-mod common;
+use quotad_testkit as common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::RedisServer;
-use quotad::clock::Clock;
-use quotad::config::Settings;
-use quotad::coordinator::RegionId;
-use quotad::coordinator::lease::{LeaseBook, Loan, Reservation};
-use quotad::coordinator::node::LeaseStore;
-use quotad::federation::lease_store::{RedisClock, RedisLeaseStore};
-use quotad::federation::lock::Lock;
-use quotad::federation::runtime::Coordinated;
-use quotad::store::global::lock_key;
+use quotad_core::clock::Clock;
+use quotad_core::coordinator::RegionId;
+use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
+use quotad_core::coordinator::node::LeaseStore;
+use quotad_daemon::config::Settings;
+use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
+use quotad_daemon::federation::lock::Lock;
+use quotad_daemon::federation::runtime::Coordinated;
+use quotad_daemon::store::global::lock_key;
 
 fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     let config = format!(

@@ -3,7 +3,7 @@
 //! small margin, the counts show in /metrics, and enforcement returns once Redis does, with
 //! no client-visible error.
 
-mod common;
+use quotad_testkit as common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -5,7 +5,7 @@
 //! shape, no request gets a 5xx, the daemon never panics, and after all the wrong ones
 //! Redis holds no key but the coordinator's own: a rejected request writes nothing.
 
-mod common;
+use quotad_testkit as common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -14,9 +14,9 @@ use std::time::Duration;
 use common::{Quotad, RedisServer, wait_for};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use quotad::coordinator::RegionId;
-use quotad::coordinator::message::{Exchange, KeyReport, PolicyReport};
-use quotad::federation::auth;
+use quotad_core::coordinator::RegionId;
+use quotad_core::coordinator::message::{Exchange, KeyReport, PolicyReport};
+use quotad_daemon::federation::auth;
 use serde_json::{Value, json};
 
 const SECRET: &str = "fuzz-test-secret-0123456789abcdef";

@@ -1,21 +1,21 @@
 //! The global policies' Lua scripts (`lua/global/`) against their reference model
-//! ([`quotad::coordinator::bucket::KeySlot`]): random sequences of checks, peeks, refunds,
+//! ([`quotad_core::coordinator::bucket::KeySlot`]): random sequences of checks, peeks, refunds,
 //! book writes (reservations, loans, stale epochs), failover drops, default changes and
 //! clock steps (forward and backward, beyond the step tolerance) go through both on a real
 //! redis-server with injected time, and after every step the verdict and the whole stored
 //! state (tokens to the last bit, book, epoch, high water, counters) must be identical.
 
-mod common;
+use quotad_testkit as common;
 
 use std::collections::HashMap;
 
 use common::RedisServer;
-use quotad::algorithm::{Op, Verdict};
-use quotad::coordinator::RegionId;
-use quotad::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
-use quotad::coordinator::lease::{LeaseBook, Loan, Reservation};
-use quotad::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
-use quotad::store::scripts::Global;
+use quotad_core::algorithm::{Op, Verdict};
+use quotad_core::coordinator::RegionId;
+use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
+use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
+use quotad_daemon::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
+use quotad_daemon::store::scripts::Global;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -130,7 +130,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 let inv =
                     global::check_invocation(&s.check, &key, user, &keys, &args, op, Some(now));
                 let reply: Vec<i64> = inv.invoke(conn).unwrap();
-                let got = quotad::store::parse_verdict(&reply).unwrap();
+                let got = quotad_daemon::store::parse_verdict(&reply).unwrap();
                 let want: Verdict = slot.decide(&d, &shape, now, op);
                 assert_eq!(
                     got,

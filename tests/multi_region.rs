@@ -3,14 +3,14 @@
 //! and an open-loop load generator that moves demand between regions. Shares are read
 //! from `/v1/status`; the admission bound is checked on every answer the generator got.
 
-mod common;
+use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 
 use common::load::{Answer, Load, admitted_between, max_admitted_in_window};
 use common::proxy::{Leg, LegHandle, Proxy};
 use common::{Quotad, RedisServer, wait_for};
-use quotad::coordinator::{GlobalPolicy, Mode, Params};
+use quotad_core::coordinator::{GlobalPolicy, Mode, Params};
 use serde_json::Value;
 
 /// Regions, sorted by name (their ids in the protocol).
@@ -389,14 +389,6 @@ fn three_regions_rebalance_fall_back_heal_and_keep_the_bound() {
     }
 }
 
-impl Quotad {
-    fn try_get(&self, path: &str) -> Option<(u16, String)> {
-        common::http(self.port, "GET", path, None, "")
-            .ok()
-            .map(|(s, _, t)| (s, t))
-    }
-}
-
 /// Two instances share us's Redis: one coordinates; killed, the other takes over within
 /// one lock period, peers find it through their URL lists, and the bound holds.
 #[test]
@@ -442,7 +434,7 @@ fn a_standby_instance_takes_over_within_one_lock_period() {
     assert_bound(&answers);
 }
 
-/// The README's comparison: the same demand step (S2 of the design note: ap rises from
+/// docs/simulator.md's comparison: the same demand step (S2: ap rises from
 /// 10% to 65% of the demand within 1 s while us drops, at 1.2x the budget) with the same
 /// WAN delays, lease and round, run by the simulator (10 seeds) and by real processes
 /// (one run). Prints η and τ5 side by side; asserts only that both stay within the
@@ -450,9 +442,9 @@ fn a_standby_instance_takes_over_within_one_lock_period() {
 #[test]
 #[ignore = "a benchmark of about 100 s: cargo test --release --test multi_region sim_and_real -- --ignored --nocapture"]
 fn sim_and_real_agree_on_a_demand_step() {
-    use quotad::sim::metrics::{central_decisions, tau5_ticks};
-    use quotad::sim::scenario::Load as SimLoad;
-    use quotad::sim::{ModeKind, Scenario, SuiteOptions, run_suite};
+    use quotad_sim::metrics::{central_decisions, tau5_ticks};
+    use quotad_sim::scenario::Load as SimLoad;
+    use quotad_sim::{ModeKind, Scenario, SuiteOptions, run_suite};
 
     const WARMUP: f64 = 30.0;
     const MEASURED: f64 = 60.0;

@@ -3,7 +3,7 @@
 //! nothing; every answered decision is still enforced by the store, and the circuit
 //! breaker stays closed because Redis is healthy.
 
-mod common;
+use quotad_testkit as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -4,14 +4,14 @@
 //! and counted by reason, and none changes the region's lease state; a valid request is
 //! answered with a signed grant (the positive control).
 
-mod common;
+use quotad_testkit as common;
 
 use std::time::Duration;
 
 use common::{Quotad, RedisServer, wait_for};
-use quotad::coordinator::RegionId;
-use quotad::coordinator::message::{Exchange, ExchangeReply, KeyReport, PolicyReport};
-use quotad::federation::auth::{self, HEADER_SIGNATURE, Signed};
+use quotad_core::coordinator::RegionId;
+use quotad_core::coordinator::message::{Exchange, ExchangeReply, KeyReport, PolicyReport};
+use quotad_daemon::federation::auth::{self, HEADER_SIGNATURE, Signed};
 use serde_json::Value;
 
 const SECRET: &[u8] = b"peer-auth-test-secret-0123456789";

@@ -1,7 +1,7 @@
 //! The Redis store end to end: NOSCRIPT recovery, batch refunds, reset, peek, shadow mode,
 //! SLOWLOG after a load, the policies endpoint and the metric catalogue.
 
-mod common;
+use quotad_testkit as common;
 
 use common::{Quotad, RedisServer};
 use serde_json::json;

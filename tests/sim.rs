@@ -1,5 +1,5 @@
 //! The simulator in the test suite: invariant S on random scenarios, on every scenario of
-//! the design note and on every scenario that ever broke it; the checker stopping a run
+//! docs/simulator.md and on every scenario that ever broke it; the checker stopping a run
 //! that breaks it; the baselines failing where the field fails; the CLI's outputs.
 //!
 //! Few seeds, so the suite stays fast: CI also runs the 30-seed gate over S1–S14 with the
@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use quotad::sim::{ModeKind, Scenario, SuiteOptions, run, run_suite};
+use quotad_sim::{ModeKind, Scenario, SuiteOptions, run, run_suite};
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
@@ -21,7 +21,7 @@ proptest! {
     /// mode, demand with quiet spells, RTTs, jitter, loss, duplication, reordering,
     /// one-way, symmetric and flapping cuts, crashes and restarts, backward clock steps
     /// within the margin, failovers that lose unacknowledged writes, overlapping re-splits.
-    /// (20,000 seeds passed in a release build: see the README.)
+    /// (20,000 seeds passed in a release build: see docs/simulator.md.)
     #[test]
     fn random_scenarios_keep_invariant_s(seed in any::<u64>()) {
         let sc = Scenario::random(&mut ChaCha8Rng::seed_from_u64(seed));

@@ -1,0 +1,16 @@
+//! quotad's pure core: what a decision and a global budget *are*, with no I/O.
+//!
+//! - [`algorithm`]: the five rate-limit algorithms as pure functions over a state and a
+//!   time. The daemon's embedded store runs them directly; the Lua scripts the daemon runs
+//!   inside Redis are tested against them (they are the reference model).
+//! - [`coordinator`]: global budgets: demand estimation, allocation, the lease book and the
+//!   node state machine that lends and borrows share between regions.
+//! - [`clock`]: time behind a trait, so everything above runs on a fake clock in tests and
+//!   on virtual clocks in the simulator.
+//!
+//! This crate depends on serde and nothing else at run time: no async runtime, network or
+//! Redis client. The daemon (`quotad-daemon`) and the simulator (`quotad-sim`) drive it.
+
+pub mod algorithm;
+pub mod clock;
+pub mod coordinator;

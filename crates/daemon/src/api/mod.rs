@@ -1,0 +1,281 @@
+//! The HTTP API (docs/api.md): routing, request parsing, response shaping.
+//! Handlers parse and validate, hand a [`Check`] to the [`Limiter`], and turn its decision
+//! into JSON and RateLimit headers. No business logic lives here.
+
+pub mod body;
+pub mod error;
+pub mod request;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::federation::Federation;
+use crate::limiter::{Decision, Limiter, ResetError};
+use crate::metrics::Metrics;
+use crate::policy::Policies;
+use crate::server::Drain;
+use crate::store::Store;
+use error::ApiError;
+use request::{Caps, CheckRequest};
+
+/// What the handlers share, read-only (the drain is the server's: readiness reads it).
+#[derive(Clone)]
+pub struct AppState {
+    pub policies: Arc<Policies>,
+    pub limiter: Arc<Limiter>,
+    pub store: Arc<Store>,
+    pub metrics: Arc<Metrics>,
+    pub caps: Caps,
+    pub drain: Drain,
+    /// `server.ready_requires_store`: readiness follows the store too.
+    pub ready_requires_store: bool,
+    /// `server.max_body_memory`: what request bodies being read may hold together.
+    pub body_budget: body::BodyBudget,
+    pub region: Arc<str>,
+    /// Present when a policy is global (the coordinator and the peer endpoint).
+    pub federation: Option<Arc<Federation>>,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/check", post(check))
+        .route("/v1/reset", post(reset))
+        .route("/v1/policies", get(policies))
+        .route("/v1/status", get(status))
+        .route(crate::federation::peers::EXCHANGE_PATH, post(peer_exchange))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .fallback(|| async { ApiError::NotFound })
+        .with_state(state)
+}
+
+/// Reads a JSON body: content type first, then the size cap, then the JSON itself.
+async fn json_body(state: &AppState, req: Request) -> Result<serde_json::Value, ApiError> {
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if !essence.eq_ignore_ascii_case("application/json") {
+        let got = if ct.is_empty() {
+            " (none given)".to_owned()
+        } else {
+            format!(", got \"{}\"", ct.chars().take(64).collect::<String>())
+        };
+        return Err(ApiError::UnsupportedMediaType(got));
+    }
+    let (parts, body) = req.into_parts();
+    // The body's share of the memory budget is held until it is parsed.
+    let (body, _room) = body::read(
+        &parts.headers,
+        body,
+        state.caps.max_body_bytes,
+        state.caps.body_timeout,
+        Some(&state.body_budget),
+    )
+    .await?;
+    request::parse_json(&body)
+}
+
+async fn check(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let body = json_body(&state, req).await?;
+    let parsed = CheckRequest::parse(&body, &state.policies, &state.caps)?;
+    let response = match parsed {
+        CheckRequest::Single(c) => {
+            let d = state.limiter.check(&c).await?;
+            with_headers(Json(&d).into_response(), std::slice::from_ref(&d))
+        }
+        CheckRequest::Batch(checks) => {
+            let ds = state.limiter.check_batch(&checks).await?;
+            let allowed = ds.iter().all(|d| d.allowed);
+            with_headers(
+                Json(json!({"allowed": allowed, "results": &ds})).into_response(),
+                &ds,
+            )
+        }
+    };
+    state
+        .metrics
+        .check_duration
+        .observe(started.elapsed().as_secs_f64());
+    Ok(response)
+}
+
+/// Adds the RateLimit headers of the most restrictive decision: a denied one first, else the
+/// enforced one with the least remaining. Unenforced decisions carry no quota to report.
+fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
+    let pick = ds
+        .iter()
+        .filter(|d| d.outcome.is_enforced())
+        .min_by_key(|d| (d.allowed, d.remaining));
+    let h = resp.headers_mut();
+    if let Some(d) = pick {
+        let reset_s = d.reset_after_ms.div_ceil(1000);
+        let w = d.window_secs.max(1);
+        set(
+            h,
+            "ratelimit-policy",
+            format!("\"{}\";q={};w={}", d.policy, d.limit, w),
+        );
+        set(
+            h,
+            "ratelimit",
+            format!("\"{}\";r={};t={}", d.policy, d.remaining, reset_s),
+        );
+        set(h, "ratelimit-limit", d.limit.to_string());
+        set(h, "ratelimit-remaining", d.remaining.to_string());
+        set(h, "ratelimit-reset", reset_s.to_string());
+    }
+    if let Some(d) = ds
+        .iter()
+        .filter(|d| !d.allowed)
+        .max_by_key(|d| d.retry_after_ms)
+    {
+        set(
+            h,
+            "retry-after",
+            d.retry_after_ms.div_ceil(1000).max(1).to_string(),
+        );
+    }
+    resp
+}
+
+fn set(h: &mut HeaderMap, name: &'static str, value: String) {
+    // Values are built from policy names ([A-Za-z0-9_.-]) and numbers: always valid.
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        h.insert(name, v);
+    }
+}
+
+async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
+    let body = json_body(&state, req).await?;
+    let (policy, key) = request::parse_reset(&body, &state.policies, &state.caps)?;
+    match state.limiter.reset(&policy, &key).await {
+        Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Err(ResetError::Shed(s)) => Err(s.into()),
+        Err(ResetError::Store(e)) => {
+            state.metrics.store_error(&e);
+            Err(ApiError::StoreUnavailable)
+        }
+    }
+}
+
+async fn policies(State(state): State<AppState>) -> Response {
+    let list: Vec<_> = state
+        .policies
+        .iter()
+        .map(|p| {
+            json!({
+                "name": p.name,
+                "algorithm": p.algorithm.name(),
+                "limit": p.limit.get(),
+                "window_ms": p.window.as_millis() as u64,
+                "burst": p.burst.get(),
+                "on_store_error": p.on_store_error.name(),
+                "shadow": p.shadow,
+                // The limit this region enforces (global shares arrive with multi-region).
+                "effective_limit": p.limit.get(),
+            })
+        })
+        .collect();
+    Json(json!({"store": state.store.describe(), "policies": list})).into_response()
+}
+
+/// Global budgets as this instance sees them: regions, peers (link, RTT), and per tracked
+/// key of each global policy its escrow, enforced rate, loans and demand.
+async fn status(State(state): State<AppState>) -> Response {
+    match &state.federation {
+        Some(f) => Json(f.status_json(&state.region)).into_response(),
+        None => Json(json!({
+            "region": &*state.region,
+            "regions": [&*state.region],
+            "coordinator": {"leader": false},
+            "peers": [],
+            "policies": [],
+        }))
+        .into_response(),
+    }
+}
+
+/// A peer region's exchange: what the headers settle is checked before a byte of the
+/// body is read (a stranger, a stale or replayed request, a body over what a round can
+/// carry, a peer with too much in flight); the body is then read within the body timeout
+/// and verified. Every refusal is counted and none reaches the coordinator.
+async fn peer_exchange(State(state): State<AppState>, req: Request) -> Response {
+    let Some(f) = &state.federation else {
+        return ApiError::NotFound.into_response();
+    };
+    let (parts, body) = req.into_parts();
+    let admitted = match f.admit(&parts.headers) {
+        Ok(a) => a,
+        Err(r) => return peer_response(f.reject(r)),
+    };
+    let max = admitted.max_bytes;
+    let body = match body::read(&parts.headers, body, max, state.caps.body_timeout, None).await {
+        Ok((b, _)) => b,
+        Err(e) => return e.into_response(),
+    };
+    peer_response(f.exchange(admitted, body).await)
+}
+
+fn peer_response(r: crate::federation::PeerResponse) -> Response {
+    let mut resp = (r.status, r.body).into_response();
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if let Some(sig) = r.signature
+        && let Ok(v) = HeaderValue::from_str(&sig)
+    {
+        h.insert(crate::federation::auth::HEADER_SIGNATURE, v);
+    }
+    resp
+}
+
+async fn healthz() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+/// Ready = this instance answers per its policies: it fails while draining. A store that
+/// is down does not fail it (each policy's `on_store_error` answers for it, and taking
+/// every replica out of a Service would deliver none of those answers), unless the
+/// operator opted in with `server.ready_requires_store`.
+async fn readyz(State(state): State<AppState>) -> Response {
+    let draining = state.drain.is_draining();
+    let store_ready = state.store.is_ready();
+    let ready = !draining && (store_ready || !state.ready_requires_store);
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({"ready": ready, "draining": draining, "store": state.store.describe(), "store_ready": store_ready})),
+    )
+        .into_response()
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        Body::from(state.metrics.render()),
+    )
+        .into_response()
+}

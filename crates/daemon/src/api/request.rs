@@ -1,0 +1,458 @@
+//! Request bodies: parsed by hand from a JSON value, so every error names its field
+//! (serde's derive messages say "invalid type" without saying where). Validation is complete
+//! before anything reaches a store: a rejected request changes nothing.
+
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+
+use crate::api::error::ApiError;
+use crate::limiter::Check;
+use crate::policy::{Policies, Policy};
+
+/// Caps from `[server]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Caps {
+    pub max_body_bytes: usize,
+    pub max_batch: usize,
+    pub max_key_bytes: usize,
+    pub body_timeout: std::time::Duration,
+}
+
+/// A parsed `POST /v1/check` body.
+#[derive(Debug)]
+pub enum CheckRequest {
+    Single(Check),
+    Batch(Vec<Check>),
+}
+
+/// Parses a body as JSON, refusing duplicate object keys: with serde_json's last-wins,
+/// `{"key":"A","key":"B","cost":1,"cost":0}` would be a peek on B, which is not what any
+/// client meant to send. The error names the duplicated field's path (`checks[1].key`).
+pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+    let duplicate = std::cell::RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let root = Strict {
+        at: Step::Root,
+        duplicate: &duplicate,
+    };
+    let parsed =
+        serde::de::DeserializeSeed::deserialize(root, &mut de).and_then(|v| de.end().map(|()| v));
+    match (parsed, duplicate.into_inner()) {
+        (_, Some(path)) => Err(ApiError::invalid(
+            path,
+            "appears more than once in its object; send each field once",
+        )),
+        (Ok(v), None) => Ok(v),
+        (Err(e), None) => Err(ApiError::InvalidJson(e.to_string())),
+    }
+}
+
+/// Where a value sits, as a chain back to the root: built for free on the way down, and
+/// written out only for a duplicate (formatting every path would cost time quadratic in a
+/// hostile body's size).
+#[derive(Clone, Copy)]
+enum Step<'p> {
+    Root,
+    Key(&'p Step<'p>, &'p str),
+    Index(&'p Step<'p>, usize),
+}
+
+impl Step<'_> {
+    fn path(&self) -> String {
+        match self {
+            Step::Root => String::new(),
+            Step::Key(parent, k) => match parent.path() {
+                p if p.is_empty() => (*k).to_owned(),
+                p => format!("{p}.{k}"),
+            },
+            Step::Index(parent, i) => format!("{}[{i}]", parent.path()),
+        }
+    }
+}
+
+/// A JSON value whose objects may not repeat a key; records the first repeated key's path.
+struct Strict<'p, 'd> {
+    at: Step<'p>,
+    duplicate: &'d std::cell::RefCell<Option<String>>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Strict<'_, '_> {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Strict<'_, '_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        loop {
+            let at = Step::Index(&self.at, out.len());
+            let next = seq.next_element_seed(Strict {
+                at,
+                duplicate: self.duplicate,
+            })?;
+            match next {
+                Some(v) => out.push(v),
+                None => return Ok(Value::Array(out)),
+            }
+        }
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let at = Step::Key(&self.at, &key);
+            if out.contains_key(&key) {
+                *self.duplicate.borrow_mut() = Some(at.path());
+                return Err(serde::de::Error::custom("duplicate field"));
+            }
+            let v = map.next_value_seed(Strict {
+                at,
+                duplicate: self.duplicate,
+            })?;
+            out.insert(key, v);
+        }
+        Ok(Value::Object(out))
+    }
+}
+
+fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>, ApiError> {
+    v.as_object()
+        .ok_or_else(|| ApiError::invalid(what, "must be a JSON object"))
+}
+
+fn no_unknown_fields(
+    obj: &Map<String, Value>,
+    allowed: &[&str],
+    prefix: &str,
+) -> Result<(), ApiError> {
+    match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid(
+            format!("{prefix}{k}"),
+            format!("unknown field; expected {}", allowed.join(", ")),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn string_field<'a>(
+    obj: &'a Map<String, Value>,
+    name: &str,
+    prefix: &str,
+) -> Result<&'a str, ApiError> {
+    match obj.get(name) {
+        None => Err(ApiError::invalid(
+            format!("{prefix}{name}"),
+            "missing field",
+        )),
+        Some(Value::String(s)) => Ok(s),
+        Some(_) => Err(ApiError::invalid(
+            format!("{prefix}{name}"),
+            "must be a string",
+        )),
+    }
+}
+
+fn policy<'a>(
+    policies: &'a Policies,
+    obj: &Map<String, Value>,
+    prefix: &str,
+) -> Result<&'a Arc<Policy>, ApiError> {
+    let name = string_field(obj, "policy", prefix)?;
+    policies.get(name).ok_or_else(|| ApiError::UnknownPolicy {
+        field: format!("{prefix}policy"),
+        name: name.chars().take(80).collect(),
+    })
+}
+
+fn key(obj: &Map<String, Value>, prefix: &str, caps: &Caps) -> Result<String, ApiError> {
+    let key = string_field(obj, "key", prefix)?;
+    if key.is_empty() {
+        return Err(ApiError::invalid(
+            format!("{prefix}key"),
+            "must not be empty",
+        ));
+    }
+    if key.len() > caps.max_key_bytes {
+        return Err(ApiError::invalid(
+            format!("{prefix}key"),
+            format!(
+                "is {} bytes; at most {} allowed",
+                key.len(),
+                caps.max_key_bytes
+            ),
+        ));
+    }
+    Ok(key.to_owned())
+}
+
+fn cost(obj: &Map<String, Value>, prefix: &str, policy: &Policy) -> Result<u64, ApiError> {
+    let field = format!("{prefix}cost");
+    let cost = match obj.get("cost") {
+        None => 1,
+        Some(Value::Number(n)) => match (n.as_u64(), n.as_f64()) {
+            (Some(c), _) => c,
+            (None, Some(f)) if f < 0.0 => {
+                return Err(ApiError::invalid(field, "must not be negative"));
+            }
+            (None, Some(f)) if f.fract() != 0.0 => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("must be a whole number (0 = peek), got {n}"),
+                ));
+            }
+            // Past u64 (2^64 and up parse as floats): a size problem, not a format one.
+            (None, _) => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!(
+                        "{n} is too large: at most the capacity {} of policy \"{}\"",
+                        policy.capacity(),
+                        policy.name
+                    ),
+                ));
+            }
+        },
+        Some(_) => return Err(ApiError::invalid(field, "must be an integer")),
+    };
+    let capacity = policy.capacity();
+    if cost > capacity {
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "{cost} exceeds the capacity {capacity} of policy \"{}\"; it could never pass",
+                policy.name
+            ),
+        ));
+    }
+    Ok(cost)
+}
+
+fn check(v: &Value, prefix: &str, policies: &Policies, caps: &Caps) -> Result<Check, ApiError> {
+    let what = if prefix.is_empty() {
+        "body"
+    } else {
+        prefix.trim_end_matches('.')
+    };
+    let obj = object(v, what)?;
+    no_unknown_fields(obj, &["policy", "key", "cost"], prefix)?;
+    let policy = policy(policies, obj, prefix)?;
+    let key = key(obj, prefix, caps)?;
+    let cost = cost(obj, prefix, policy)?;
+    Ok(Check {
+        policy: policy.clone(),
+        key,
+        cost,
+    })
+}
+
+impl CheckRequest {
+    pub fn parse(v: &Value, policies: &Policies, caps: &Caps) -> Result<CheckRequest, ApiError> {
+        let obj = object(v, "body")?;
+        let Some(checks) = obj.get("checks") else {
+            return check(v, "", policies, caps).map(CheckRequest::Single);
+        };
+        no_unknown_fields(obj, &["checks"], "")?;
+        let list = checks
+            .as_array()
+            .ok_or_else(|| ApiError::invalid("checks", "must be an array of checks"))?;
+        if list.is_empty() {
+            return Err(ApiError::invalid("checks", "must hold at least one check"));
+        }
+        if list.len() > caps.max_batch {
+            return Err(ApiError::BatchTooLarge {
+                max: caps.max_batch,
+                got: list.len(),
+            });
+        }
+        list.iter()
+            .enumerate()
+            .map(|(i, c)| check(c, &format!("checks[{i}]."), policies, caps))
+            .collect::<Result<Vec<_>, _>>()
+            .map(CheckRequest::Batch)
+    }
+}
+
+/// A parsed `POST /v1/reset` body.
+pub fn parse_reset(
+    v: &Value,
+    policies: &Policies,
+    caps: &Caps,
+) -> Result<(Arc<Policy>, String), ApiError> {
+    let obj = object(v, "body")?;
+    no_unknown_fields(obj, &["policy", "key"], "")?;
+    let policy = policy(policies, obj, "")?.clone();
+    let key = key(obj, "", caps)?;
+    Ok((policy, key))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{FailMode, PolicySpec};
+    use quotad_core::algorithm::Algorithm;
+    use serde_json::json;
+    use std::time::Duration;
+
+    fn setup() -> (Policies, Caps) {
+        let spec = PolicySpec {
+            name: "api",
+            algorithm: Algorithm::TokenBucket,
+            limit: 10,
+            window: Duration::from_secs(1),
+            burst: Some(20),
+            on_store_error: FailMode::Open,
+            shadow: false,
+            global: None,
+        };
+        let p = Policy::new("rl", spec).unwrap();
+        let caps = Caps {
+            max_body_bytes: 1024,
+            max_batch: 2,
+            max_key_bytes: 8,
+            body_timeout: Duration::from_secs(1),
+        };
+        (Policies::new([p]), caps)
+    }
+
+    fn err(v: Value) -> ApiError {
+        let (p, c) = setup();
+        CheckRequest::parse(&v, &p, &c).unwrap_err()
+    }
+
+    #[test]
+    fn every_bad_field_is_named() {
+        let field = |e: ApiError| match e {
+            ApiError::InvalidRequest { field, .. } | ApiError::UnknownPolicy { field, .. } => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(field(err(json!({"policy": "api"}))), "key");
+        assert_eq!(field(err(json!({"policy": "api", "key": ""}))), "key");
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "123456789"}))),
+            "key"
+        );
+        assert_eq!(field(err(json!({"policy": "nope", "key": "k"}))), "policy");
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "cost": -1}))),
+            "cost"
+        );
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "cost": 1.5}))),
+            "cost"
+        );
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "cost": 21}))),
+            "cost"
+        );
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "x": 1}))),
+            "x"
+        );
+        assert_eq!(
+            field(err(
+                json!({"checks": [{"policy": "api", "key": "k"}, {"policy": "api"}]})
+            )),
+            "checks[1].key"
+        );
+        assert!(matches!(
+            err(
+                json!({"checks": [{"policy": "api", "key": "k"}, {"policy": "api", "key": "k"}, {"policy": "api", "key": "k"}]})
+            ),
+            ApiError::BatchTooLarge { max: 2, got: 3 }
+        ));
+    }
+
+    #[test]
+    fn duplicate_fields_are_refused_with_their_path() {
+        let dup = |body: &str| match parse_json(body.as_bytes()) {
+            Err(ApiError::InvalidRequest { field, .. }) => field,
+            other => panic!("{body}: {other:?}"),
+        };
+        assert_eq!(dup(r#"{"key":"A","key":"B","cost":1,"cost":0}"#), "key");
+        assert_eq!(
+            dup(r#"{"checks":[{"policy":"a","key":"k"},{"policy":"a","key":"k","policy":"b"}]}"#),
+            "checks[1].policy"
+        );
+        // Equal keys in different objects are fine; so is every JSON type.
+        let v = parse_json(br#"{"a":{"x":1},"b":{"x":[true,null,1.5,-2,"s"]}}"#).unwrap();
+        assert_eq!(v["b"]["x"][2], json!(1.5));
+        assert!(matches!(
+            parse_json(b"{\"a\":1} x"),
+            Err(ApiError::InvalidJson(_))
+        ));
+        assert!(matches!(
+            parse_json(b"{\"a\":"),
+            Err(ApiError::InvalidJson(_))
+        ));
+    }
+
+    #[test]
+    fn cost_errors_name_the_real_problem() {
+        let msg = |cost: &str| {
+            let body = format!(r#"{{"policy":"api","key":"k","cost":{cost}}}"#);
+            let (p, c) = setup();
+            match CheckRequest::parse(&parse_json(body.as_bytes()).unwrap(), &p, &c) {
+                Err(ApiError::InvalidRequest { field, message }) => {
+                    assert_eq!(field, "cost");
+                    message
+                }
+                other => panic!("{cost}: {other:?}"),
+            }
+        };
+        assert!(msg("18446744073709551616").contains("too large"), "2^64");
+        assert!(msg("1e300").contains("too large"));
+        assert!(msg("-18446744073709551616").contains("negative"));
+        assert!(msg("-1").contains("negative"));
+        assert!(msg("2.5").contains("whole number"));
+        assert!(msg("21").contains("exceeds the capacity 20"));
+    }
+
+    #[test]
+    fn cost_within_burst_is_accepted_and_defaults_to_one() {
+        let (p, c) = setup();
+        let CheckRequest::Single(ch) =
+            CheckRequest::parse(&json!({"policy": "api", "key": "k"}), &p, &c).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(ch.cost, 1);
+        assert!(
+            CheckRequest::parse(&json!({"policy": "api", "key": "k", "cost": 20}), &p, &c).is_ok()
+        );
+    }
+}

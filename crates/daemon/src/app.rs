@@ -1,0 +1,260 @@
+//! The composition root: builds the store, the fallback store, the limiter and the router
+//! from validated settings, serves until the shutdown token fires, and owns shutdown order.
+//!
+//! Shutdown (SIGTERM/SIGINT cancel the token): `/readyz` turns 503 at once and every
+//! response carries `Connection: close`; after `server.shutdown_delay` (time for a load
+//! balancer to notice) the listener stops accepting; in-flight requests complete and idle
+//! connections close (see [`crate::server`]); the process exits once they are gone, and
+//! no later than `server.drain_timeout` after the signal, whatever is still open.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::api::{self, AppState, request::Caps};
+use crate::config::{Settings, StoreBackend};
+use crate::federation::{BackendChoice, Federation};
+use crate::limiter::Limiter;
+use crate::metrics::Metrics;
+use crate::policy::Policies;
+use crate::server::{self, Drain};
+use crate::store::Store;
+use crate::store::memory::MemoryStore;
+use crate::store::redis::{RedisStore, redacted};
+use quotad_core::clock::SystemClock;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("invalid Redis URL: {0}")]
+    RedisUrl(redis::RedisError),
+    #[error("server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// How often expired entries are dropped from in-process stores.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Connections the kernel may hold complete but not yet accepted. tokio's default (1024)
+/// overflows under a burst of connects, and an overflowing queue leaves clients believing
+/// they are connected to a socket nobody will read; the kernel caps it at somaxconn.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds the configured address and serves until `shutdown` is cancelled.
+pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
+    let addr = settings.server.listen;
+    let bind = || {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(LISTEN_BACKLOG)
+    };
+    let listener = bind().map_err(|source| AppError::Bind { addr, source })?;
+    serve(settings, listener, shutdown).await
+}
+
+/// Serves on an already-bound listener (tests bind port 0).
+pub async fn serve(
+    settings: Settings,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), AppError> {
+    let metrics = Arc::new(Metrics::new(
+        settings.policies.iter().map(|p| p.name.as_str()),
+    ));
+    let tasks = TaskTracker::new();
+    let background = CancellationToken::new();
+    let max_keys = settings.memory_max_keys;
+    let local = Arc::new(MemoryStore::new(Arc::new(SystemClock), max_keys));
+
+    let store = match &settings.store {
+        StoreBackend::Memory => {
+            metrics.store_up.set(1);
+            Arc::new(Store::Memory(Arc::new(MemoryStore::new(
+                Arc::new(SystemClock),
+                max_keys,
+            ))))
+        }
+        StoreBackend::Redis(rs) => {
+            let redis = Arc::new(
+                RedisStore::new(rs.clone(), &settings.key_prefix, metrics.clone())
+                    .map_err(AppError::RedisUrl)?,
+            );
+            // One bounded attempt before serving, so the first requests are enforced when
+            // Redis is up; if it is not, the supervisor keeps trying while we serve.
+            let first = tokio::select! {
+                r = redis.probe() => r,
+                _ = shutdown.cancelled() => return Ok(()),
+            };
+            match first {
+                Ok(()) => {
+                    tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded")
+                }
+                Err(e) => {
+                    tracing::warn!(url = %redacted(&rs.url), error = %e, "redis not reachable at start; serving with fallbacks")
+                }
+            }
+            tasks.spawn(redis.clone().supervise(background.clone()));
+            tasks.spawn(redis.clone().follow_invalidations(background.clone()));
+            {
+                let (redis, stop) = (redis.clone(), background.clone());
+                tasks.spawn(async move {
+                    loop {
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = tokio::time::sleep(SWEEP_INTERVAL) => redis.sweep(),
+                        }
+                    }
+                });
+            }
+            Arc::new(Store::Redis(redis))
+        }
+    };
+    let memories = [("local", Some(local.clone())), ("primary", store.memory())];
+    for (name, m) in memories {
+        let Some(m) = m else { continue };
+        let (stop, gauge) = (
+            background.clone(),
+            metrics.memory_store_keys.with_label_values(&[name]),
+        );
+        tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(SWEEP_INTERVAL) => {
+                        m.sweep();
+                        gauge.set(m.len() as i64);
+                    }
+                }
+            }
+        });
+    }
+
+    let policies = Arc::new(Policies::new(settings.policies.iter().cloned()));
+    let federation = match &settings.global {
+        Some(g) => {
+            // The coordinator keeps its state where decisions keep theirs.
+            let backend = match (store.memory(), &settings.store) {
+                (Some(m), _) => BackendChoice::Memory(m),
+                (None, StoreBackend::Redis(rs)) => BackendChoice::Redis {
+                    url: &rs.url,
+                    timeout: rs.timeout.max(Duration::from_millis(200)),
+                    key_prefix: &settings.key_prefix,
+                },
+                (None, StoreBackend::Memory) => {
+                    return Err(AppError::Serve(std::io::Error::other(
+                        "the embedded store is missing",
+                    )));
+                }
+            };
+            Some(
+                Federation::start(
+                    g.clone(),
+                    policies.iter().cloned().collect(),
+                    backend,
+                    metrics.clone(),
+                )
+                .map_err(AppError::RedisUrl)?,
+            )
+        }
+        None => None,
+    };
+    let drain = Drain::default();
+    let state = AppState {
+        policies,
+        limiter: Arc::new(Limiter::new(store.clone(), local, metrics.clone())),
+        store,
+        metrics: metrics.clone(),
+        caps: Caps {
+            max_body_bytes: settings.server.max_body_bytes,
+            max_batch: settings.server.max_batch,
+            max_key_bytes: settings.server.max_key_bytes,
+            body_timeout: settings.server.body_timeout,
+        },
+        drain: drain.clone(),
+        ready_requires_store: settings.server.ready_requires_store,
+        body_budget: api::body::BodyBudget::new(settings.server.max_body_memory, metrics.clone()),
+        region: settings.region.as_str().into(),
+        federation: federation.clone(),
+    };
+    let addr = listener.local_addr().map_err(AppError::Serve)?;
+    tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
+
+    let file_limit = server::raise_file_limit();
+    let limits = server::Limits {
+        max_connections: settings
+            .server
+            .max_connections
+            .unwrap_or_else(|| server::default_max_connections(file_limit)),
+        header_timeout: settings.server.header_timeout,
+        idle_timeout: settings.server.idle_timeout,
+        max_header_bytes: settings.server.max_header_bytes,
+    };
+    if let Some(n) = file_limit
+        && limits.max_connections as u64 + server::RESERVED_FILES > n
+    {
+        tracing::warn!(
+            max_connections = limits.max_connections,
+            open_files_limit = n,
+            "server.max_connections is above what the open-files limit leaves; accepts will fail first"
+        );
+    }
+    tracing::info!(
+        max_connections = limits.max_connections,
+        open_files_limit = file_limit,
+        "connection bounds"
+    );
+
+    let delay = settings.server.shutdown_delay;
+    let stop_accepting = {
+        let (shutdown, drain) = (shutdown.clone(), drain.clone());
+        async move {
+            shutdown.cancelled().await;
+            drain.begin();
+            tracing::info!(
+                ?delay,
+                "shutting down: readiness off, responses carry Connection: close; a second signal exits at once"
+            );
+            tokio::time::sleep(delay).await;
+            drain.stop_accepting();
+            tracing::info!("no longer accepting; draining connections");
+        }
+    };
+    let server = server::serve(
+        listener,
+        api::router(state),
+        limits,
+        metrics.clone(),
+        drain.clone(),
+    );
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(settings.server.drain_timeout).await;
+    };
+    tokio::select! {
+        _ = async { tokio::join!(server, stop_accepting) } => {}
+        _ = deadline => {
+            tracing::warn!(timeout = ?settings.server.drain_timeout, "drain timeout reached; exiting with requests in flight");
+        }
+    }
+    background.cancel();
+    if let Some(f) = &federation {
+        f.stop().await;
+    }
+    tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(1), tasks.wait()).await;
+    tracing::info!("stopped");
+    Ok(())
+}

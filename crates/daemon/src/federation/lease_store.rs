@@ -1,0 +1,776 @@
+//! The coordinator's view of the region's Redis: [`LeaseStore`] over `lua/global/`, and
+//! the coordinator's clock, which is Redis's.
+//!
+//! The coordinator thread owns one synchronous connection (its calls are sequential by
+//! nature: the node writes a book, then decides what to send). Every write is fenced by the
+//! lock's token, so an instance that lost the lock (paused, partitioned from Redis) changes
+//! nothing once another took over.
+//!
+//! Errors: the node's store interface cannot fail, so the first error of an event is
+//! remembered ([`RedisLeaseStore::failure`]), every later write of that event is skipped
+//! (reported not durable: no grant leaves, no release is announced), and reads return
+//! nothing. The runtime then drops the node and starts over with a new incarnation, the
+//! crash-and-restart path the simulator checks (S11): a half-applied event is a crash.
+//!
+//! Durability: with replicas attached, a write counts as durable once `WAIT` sees one
+//! acknowledge it; a Redis without replicas acknowledges by answering (run Redis with
+//! replicas or `appendfsync always` if a restart must not lose lease writes; see docs/global-budgets.md, Durability).
+//!
+//! Scale: books, counters and writes of many keys go in pipelines of [`BATCH`] commands
+//! (one `WAIT` after a batch of writes), so a takeover with 100,000 tracked keys costs a
+//! hundred round trips, not a hundred thousand, and stays well inside the lock period.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::Shared;
+use super::lock::Lock;
+use super::runtime::{Backend, Coordinated};
+use crate::config::GlobalSettings;
+use crate::policy::Policy;
+use crate::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
+use crate::store::scripts::Global;
+use quotad_core::clock::Clock;
+use quotad_core::coordinator::demand::Counters;
+use quotad_core::coordinator::lease::LeaseBook;
+use quotad_core::coordinator::node::{LeaseStore, Written};
+
+/// Commands per pipeline: large enough that round trips do not dominate, small enough
+/// that one pipeline's replies stay well inside the socket timeout.
+pub const BATCH: usize = 1000;
+
+/// Redis's clock as the coordinator reads it: the offset from a monotonic clock, re-read
+/// (`TIME`) at the start of every event, so the node's readings between two syncs move
+/// with the local monotonic clock and a step of Redis's clock shows at the next sync.
+#[derive(Debug, Clone)]
+pub struct RedisClock {
+    base: Instant,
+    offset_us: Arc<AtomicI64>,
+}
+
+impl RedisClock {
+    pub fn new() -> Self {
+        RedisClock {
+            base: Instant::now(),
+            offset_us: Arc::new(AtomicI64::new(0)),
+        }
+    }
+
+    fn mono_us(&self) -> i64 {
+        self.base.elapsed().as_micros() as i64
+    }
+}
+
+impl Default for RedisClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for RedisClock {
+    fn now_us(&self) -> i64 {
+        self.mono_us() + self.offset_us.load(Ordering::Acquire)
+    }
+}
+
+/// One global policy as a coordinator store needs it.
+pub struct PolicyEntry {
+    pub policy: Arc<Policy>,
+    pub keys: PolicyKeys,
+    pub shape: ScriptShape,
+}
+
+/// The global policies by name.
+pub fn global_policies(policies: &[Arc<Policy>]) -> HashMap<String, PolicyEntry> {
+    policies
+        .iter()
+        .filter_map(|p| {
+            let g = p.global.as_ref()?;
+            Some((
+                p.name.clone(),
+                PolicyEntry {
+                    policy: p.clone(),
+                    keys: g.keys.clone(),
+                    shape: g.shape,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Redis as the coordinator's backend: connects, takes the region's lock.
+pub struct RedisBackend {
+    pub client: redis::Client,
+    pub lock: Arc<Lock>,
+    pub timeout: Duration,
+    pub conn: Option<redis::Connection>,
+    /// An eviction-policy problem was logged (once).
+    pub warned: bool,
+}
+
+impl RedisBackend {
+    fn connect(&self) -> Option<redis::Connection> {
+        let conn = self
+            .client
+            .get_connection_with_timeout(self.timeout.max(Duration::from_millis(500)))
+            .ok()?;
+        // Twice the call bound: a `WAIT` that runs its full `timeout` (no replica
+        // acknowledged) must come back as "not durable", not as a dead connection that
+        // would restart the coordinator.
+        conn.set_read_timeout(Some(self.timeout * 2)).ok()?;
+        conn.set_write_timeout(Some(self.timeout * 2)).ok()?;
+        Some(conn)
+    }
+}
+
+impl Backend for RedisBackend {
+    type Clock = RedisClock;
+    type Store = RedisLeaseStore;
+
+    fn try_lead(&mut self, shared: &Shared) -> Option<(RedisLeaseStore, RedisClock, u64)> {
+        if self.conn.is_none() {
+            self.conn = self.connect();
+        }
+        // Lease books have TTLs: a Redis that evicts keys under memory pressure could drop
+        // a live reservation. Coordinate only on `noeviction` (Redis's default).
+        let policy: Result<Vec<String>, _> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query(self.conn.as_mut()?);
+        match policy.as_deref() {
+            Ok([_, p]) if p != "noeviction" => {
+                if !self.warned {
+                    tracing::error!(policy = %p, "redis maxmemory-policy evicts keys: not coordinating (global policies stay on their escrow); set maxmemory-policy noeviction");
+                    self.warned = true;
+                }
+                return None;
+            }
+            Ok(_) => {}
+            // CONFIG may be renamed or disabled (managed Redis): the operator's call.
+            Err(e) if !self.warned => {
+                tracing::warn!(error = %e, "cannot read redis maxmemory-policy; make sure it is noeviction");
+                self.warned = true;
+            }
+            Err(_) => {}
+        }
+        let token = match self.lock.try_acquire(self.conn.as_mut()?) {
+            Ok(Some(t)) => t,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "coordinator lock: redis unreachable");
+                self.conn = None;
+                return None;
+            }
+        };
+        let clock = RedisClock::new();
+        let store = RedisLeaseStore::new(
+            self.conn.take()?,
+            clock.clone(),
+            self.lock.clone(),
+            token,
+            &shared.policies,
+            self.timeout,
+            &shared.settings,
+        );
+        Some((store, clock, token))
+    }
+}
+
+pub struct RedisLeaseStore {
+    conn: redis::Connection,
+    clock: RedisClock,
+    lock: Arc<Lock>,
+    token: u64,
+    policies: HashMap<String, PolicyEntry>,
+    write: redis::Script,
+    drop: redis::Script,
+    default: redis::Script,
+    /// Replicas attached at the last sync (0: a write is durable when answered).
+    replicas: u32,
+    wait_timeout: Duration,
+    /// Where the replication ID the books were written under is kept.
+    replid_key: String,
+    /// Redis time of the previous `take_active`, per policy.
+    active_since: HashMap<String, i64>,
+    failure: Option<String>,
+    /// A `WAIT` timed out since the last round (see [`RedisLeaseStore::durable`]).
+    lagging: bool,
+    fenced: bool,
+    /// Regions in the config (ids in stored books must be below).
+    regions: usize,
+    /// Half the longest TIME round trip accepted for a clock sync.
+    max_sync_us: i64,
+    /// A failover was detected and the node has not been told yet.
+    failed_over: bool,
+    /// This store has written the replication-ID key (so its absence is news).
+    replid_written: bool,
+    /// When the lock was last extended; long batches extend it as they go.
+    renewed: Instant,
+}
+
+impl RedisLeaseStore {
+    pub fn new(
+        conn: redis::Connection,
+        clock: RedisClock,
+        lock: Arc<Lock>,
+        token: u64,
+        policies: &[Arc<Policy>],
+        wait_timeout: Duration,
+        settings: &GlobalSettings,
+    ) -> Self {
+        RedisLeaseStore {
+            regions: settings.regions.len(),
+            max_sync_us: (settings.params.margin_us / 4).max(1_000),
+            replid_key: crate::store::global::replid_key(lock.prefix()),
+            conn,
+            clock,
+            lock,
+            token,
+            policies: global_policies(policies),
+            write: Global::WriteBook.script(),
+            drop: Global::DropLoans.script(),
+            default: Global::SetDefault.script(),
+            replicas: 0,
+            wait_timeout,
+            active_since: HashMap::new(),
+            failure: None,
+            lagging: false,
+            fenced: false,
+            failed_over: false,
+            replid_written: false,
+            renewed: Instant::now(),
+        }
+    }
+
+    /// Extends the lock between the pipelines of a long batch, so that loading or writing
+    /// many books never outlasts it (the runtime renews between events, too).
+    fn keep_lock(&mut self) {
+        if self.failure.is_some() || self.renewed.elapsed() < self.lock.ttl() / 4 {
+            return;
+        }
+        match self.lock.renew(&mut self.conn) {
+            Ok(true) => self.renewed = Instant::now(),
+            Ok(false) => {
+                self.fenced = true;
+                self.fail("coordinator lock lost during a batch");
+            }
+            Err(e) => self.fail(e),
+        }
+    }
+
+    fn fail(&mut self, e: impl std::fmt::Display) {
+        if self.failure.is_none() {
+            let msg = e.to_string();
+            if msg.contains("FENCED") {
+                self.fenced = true;
+            }
+            self.failure = Some(msg);
+        }
+    }
+
+    /// Starts an event: reads Redis's clock (`TIME`, halfway through the round trip) and,
+    /// on a round, replication (replicas attached; a failover drops every loan).
+    fn begin_event(&mut self, round: bool) -> Result<(), String> {
+        self.failure = None;
+        let t0 = self.clock.mono_us();
+        let time: Result<(i64, i64), _> = redis::cmd("TIME").query(&mut self.conn);
+        let t1 = self.clock.mono_us();
+        match time {
+            // The reading is placed at the round trip's midpoint, so it is off by at most
+            // half the round trip: beyond a quarter of the margin (half of what the step
+            // tolerance leaves) the event is skipped and the previous offset kept.
+            Ok(_) if t1 - t0 > self.max_sync_us * 2 => {
+                return Err(format!("TIME took {} us: clock not synced", t1 - t0));
+            }
+            Ok((s, us)) => {
+                let redis_us = s * 1_000_000 + us;
+                self.clock
+                    .offset_us
+                    .store(redis_us - (t0 + t1) / 2, Ordering::Release);
+            }
+            Err(e) => {
+                self.fail(&e);
+                return Err(e.to_string());
+            }
+        }
+        if round {
+            self.lagging = false;
+            self.replication()?;
+        }
+        Ok(())
+    }
+
+    /// Reads the replicas attached, and detects a failover: the replication ID the region's
+    /// books were last written under is kept in Redis itself (a replicated key), so a
+    /// promoted replica, or a restart that reloaded its data, shows a different one, even
+    /// to a coordinator that only just connected. Then every loan is dropped.
+    fn replication(&mut self) -> Result<(), String> {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut self.conn)
+            .map_err(|e| e.to_string())?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(|v| v.trim().to_owned())
+        };
+        self.replicas = field("connected_slaves")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let Some(current) = field("master_replid") else {
+            return Ok(());
+        };
+        let stored: Option<String> = redis::cmd("GET")
+            .arg(&self.replid_key)
+            .query(&mut self.conn)
+            .map_err(|e| e.to_string())?;
+        // The key is written every round (with an hour's TTL): gone after this store wrote
+        // it means Redis lost its data (a restart without persistence); changed means a
+        // failover or a restart that reloaded older data. Either way writes it took may be
+        // lost.
+        let lost = stored.is_none() && self.replid_written;
+        if lost || stored.as_ref().is_some_and(|s| *s != current) {
+            tracing::warn!(
+                "redis replication ID changed or lost (failover or restart): dropping every loan"
+            );
+            self.failed_over = true;
+            self.drop_all_loans();
+            if let Some(e) = &self.failure {
+                return Err(e.clone());
+            }
+        }
+        // Refreshed every round: its TTL must not lapse while the region runs.
+        {
+            let keep_ms = self
+                .policies
+                .values()
+                .map(|p| p.shape.keep_ms)
+                .max()
+                .unwrap_or(3_600_000);
+            let _: () = redis::cmd("SET")
+                .arg(&self.replid_key)
+                .arg(&current)
+                .arg("PX")
+                .arg(keep_ms)
+                .query(&mut self.conn)
+                .map_err(|e| e.to_string())?;
+            self.replid_written = true;
+        }
+        Ok(())
+    }
+
+    fn drop_all_loans(&mut self) {
+        let names: Vec<String> = self.policies.keys().cloned().collect();
+        for name in names {
+            let keys: Vec<String> = self.books(&name).into_iter().map(|(k, _)| k).collect();
+            for chunk in keys.chunks(BATCH) {
+                self.keep_lock();
+                let p = &self.policies[&name];
+                let mut pipe = redis::pipe();
+                for key in chunk {
+                    let storage = p.policy.storage_key(key);
+                    let inv = global::drop_loans_invocation(
+                        &self.drop,
+                        &storage,
+                        &p.keys,
+                        self.lock.fence_key(),
+                        self.token,
+                        &p.shape,
+                        None,
+                    );
+                    pipe.invoke_script(&inv).ignore();
+                }
+                if let Err(e) = query_scripts::<()>(&mut self.conn, &pipe, &self.drop) {
+                    self.fail(e);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Whether writes so far are durable (see the module docs): acknowledged by every
+    /// replica connected at the last round.
+    ///
+    /// A `WAIT` that timed out marks the replicas lagging until the next round: writes
+    /// until then are reported not durable at once, and the round's first write probes
+    /// again. A stalled replica (stopped, or its link hung: Redis keeps it connected until
+    /// `repl-timeout`; or still waiting for its first sync) then costs one timeout per
+    /// round. Waiting per write would block the coordinator for the timeout and a tick of
+    /// Redis's clock (about 300 ms here: the 200 ms floor, at the default `hz`) on every
+    /// message and every re-asserted book: peers' requests would time out queued behind
+    /// it, and the lock could go stale. Not durable is always the safe answer: no grant
+    /// leaves, no release is announced, the book is rewritten at the next round.
+    fn durable(&mut self) -> bool {
+        if self.replicas == 0 {
+            return true;
+        }
+        if self.lagging {
+            return false;
+        }
+        // Every connected replica: a failover may promote any of them.
+        let acked: Result<i64, _> = redis::cmd("WAIT")
+            .arg(self.replicas)
+            .arg(self.wait_timeout.as_millis() as u64)
+            .query(&mut self.conn);
+        match acked {
+            Ok(n) => {
+                self.lagging = n < self.replicas as i64;
+                !self.lagging
+            }
+            Err(e) => {
+                self.fail(e);
+                false
+            }
+        }
+    }
+
+    /// The hashes of `keys`, pipelined; `None` for each when the event already failed
+    /// (or fails here).
+    fn read_slots(
+        &mut self,
+        policy: &str,
+        keys: &[&str],
+    ) -> Vec<Option<quotad_core::coordinator::bucket::KeySlot>> {
+        let none = || (0..keys.len()).map(|_| None).collect();
+        if self.failure.is_some() {
+            return none();
+        }
+        if !self.policies.contains_key(policy) {
+            return none();
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(BATCH) {
+            self.keep_lock();
+            let p = &self.policies[policy];
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                pipe.cmd("HMGET")
+                    .arg(p.policy.storage_key(key))
+                    .arg(&SLOT_FIELDS[..]);
+            }
+            let rows: Result<Vec<Vec<Option<String>>>, _> = pipe.query(&mut self.conn);
+            let rows = match rows {
+                Ok(r) => r,
+                Err(e) => {
+                    self.fail(e);
+                    return none();
+                }
+            };
+            for row in rows {
+                match global::decode_slot(&row) {
+                    Ok(mut slot) => {
+                        // A loan from a region this config does not have (the region set
+                        // changed) is dropped: dropping a loan is always safe. Reservations
+                        // are kept (they only lower the rate) and are matched by id, never
+                        // indexed.
+                        let n = self.regions;
+                        if let Some(b) = slot.book.as_mut() {
+                            b.borrowed.retain(|l| l.lender.index() < n);
+                        }
+                        out.push(Some(slot));
+                    }
+                    Err(e) => {
+                        self.fail(e);
+                        return none();
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Runs a pipeline of `script`'s invocations, loading the script once if Redis does not
+/// have it (a restart, SCRIPT FLUSH): a pipeline's EVALSHAs are not retried by the crate.
+/// Retrying the whole pipeline is safe: every script here sets state, so running one
+/// twice leaves what running it once does.
+fn query_scripts<T: redis::FromRedisValue>(
+    conn: &mut redis::Connection,
+    pipe: &redis::Pipeline,
+    script: &redis::Script,
+) -> redis::RedisResult<T> {
+    match pipe.query(conn) {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.prepare_invoke().load(conn)?;
+            pipe.query(conn)
+        }
+        r => r,
+    }
+}
+
+impl Coordinated for RedisLeaseStore {
+    fn begin(&mut self, round: bool) -> Result<(), String> {
+        self.begin_event(round)
+    }
+
+    fn failure(&self) -> Option<&str> {
+        self.failure.as_deref()
+    }
+
+    fn fenced(&self) -> bool {
+        self.fenced
+    }
+
+    fn renew(&mut self) -> Result<bool, String> {
+        let renewed = self.lock.renew(&mut self.conn).map_err(|e| e.to_string())?;
+        if renewed {
+            self.renewed = Instant::now();
+        }
+        Ok(renewed)
+    }
+
+    fn release(&mut self) {
+        let _ = self.lock.release(&mut self.conn);
+    }
+}
+
+impl LeaseStore for RedisLeaseStore {
+    fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written {
+        self.write_books(policy, &[(key, book)])
+            .pop()
+            .unwrap_or(Written {
+                durable: false,
+                epoch: book.epoch,
+            })
+    }
+
+    fn write_books(&mut self, policy: &str, books: &[(&str, &LeaseBook)]) -> Vec<Written> {
+        let not_written = || {
+            books
+                .iter()
+                .map(|(_, b)| Written {
+                    durable: false,
+                    epoch: b.epoch,
+                })
+                .collect()
+        };
+        if self.failure.is_some() || books.is_empty() {
+            return not_written();
+        }
+        if !self.policies.contains_key(policy) {
+            return not_written();
+        }
+        let mut epochs = Vec::with_capacity(books.len());
+        for chunk in books.chunks(BATCH) {
+            self.keep_lock();
+            if self.failure.is_some() {
+                return not_written();
+            }
+            let p = &self.policies[policy];
+            let mut pipe = redis::pipe();
+            for (key, book) in chunk {
+                let storage = p.policy.storage_key(key);
+                let inv = global::write_book_invocation(
+                    &self.write,
+                    &storage,
+                    key,
+                    &p.keys,
+                    self.lock.fence_key(),
+                    self.token,
+                    &p.shape,
+                    book,
+                    None,
+                );
+                pipe.invoke_script(&inv);
+            }
+            match query_scripts::<Vec<u64>>(&mut self.conn, &pipe, &self.write) {
+                Ok(e) => epochs.extend(e),
+                Err(e) => {
+                    self.fail(e);
+                    return not_written();
+                }
+            }
+        }
+        // One WAIT covers the whole batch: a replica acknowledges in order.
+        let durable = self.durable();
+        epochs
+            .into_iter()
+            .map(|epoch| Written { durable, epoch })
+            .collect()
+    }
+
+    fn read_book(&mut self, policy: &str, key: &str) -> Option<LeaseBook> {
+        self.read_books(policy, &[key]).pop().flatten()
+    }
+
+    fn read_books(&mut self, policy: &str, keys: &[&str]) -> Vec<Option<LeaseBook>> {
+        self.read_slots(policy, keys)
+            .into_iter()
+            .map(|s| s.and_then(|s| s.book))
+            .collect()
+    }
+
+    fn books(&mut self, policy: &str) -> Vec<(String, LeaseBook)> {
+        let Some(p) = self.policies.get(policy) else {
+            return Vec::new();
+        };
+        let set = p.keys.books.clone();
+        let members: Vec<String> = match redis::cmd("SMEMBERS").arg(&set).query(&mut self.conn) {
+            Ok(m) => m,
+            Err(e) => {
+                self.fail(e);
+                return Vec::new();
+            }
+        };
+        let keys: Vec<&str> = members.iter().map(String::as_str).collect();
+        let books = self.read_books(policy, &keys);
+        if self.failure.is_some() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut expired = Vec::new();
+        for (key, book) in members.iter().zip(books) {
+            match book {
+                Some(book) => out.push((key.clone(), book)),
+                // The key expired (idle for the keep time): nothing left to adopt.
+                None => expired.push(key.as_str()),
+            }
+        }
+        for chunk in expired.chunks(BATCH) {
+            let mut pipe = redis::pipe();
+            for key in chunk {
+                self.lock.fenced_srem_to(&mut pipe, self.token, &set, key);
+            }
+            // Best effort: a member left behind is pruned at the next adoption.
+            let _ = query_scripts::<()>(&mut self.conn, &pipe, self.lock.fenced_srem_script());
+        }
+        out
+    }
+
+    fn take_active(&mut self, policy: &str) -> Vec<String> {
+        if self.failure.is_some() {
+            return Vec::new();
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return Vec::new();
+        };
+        let now = self.clock.now_us();
+        let keep_us = p.shape.keep_ms * 1000;
+        let since = self
+            .active_since
+            .get(policy)
+            .copied()
+            .unwrap_or(now - keep_us);
+        // One pipeline: the keys active since the last call (with a little overlap: a key
+        // listed twice is harmless, one missed would be stale for a round), trimming what
+        // aged out of the keep window.
+        let active = p.keys.active.clone();
+        let keys: Result<Vec<String>, _> = redis::pipe()
+            .cmd("ZRANGEBYSCORE")
+            .arg(&active)
+            .arg(since - 100_000)
+            .arg("+inf")
+            .cmd("ZREMRANGEBYSCORE")
+            .arg(&active)
+            .arg("-inf")
+            .arg(format!("({}", now - keep_us))
+            .ignore()
+            .query::<(Vec<String>,)>(&mut self.conn)
+            .map(|(k,)| k);
+        let keys = match keys {
+            Ok(k) => k,
+            Err(e) => {
+                self.fail(e);
+                return Vec::new();
+            }
+        };
+        self.active_since.insert(policy.to_owned(), now);
+        if keys.is_empty() {
+            return keys;
+        }
+        keys
+    }
+
+    fn counters(&mut self, policy: &str, key: &str) -> Counters {
+        self.counters_of(policy, &[key]).pop().unwrap_or_default()
+    }
+
+    /// Every tracked key's two counters, in pipelines of [`BATCH`].
+    fn counters_of(&mut self, policy: &str, keys: &[&str]) -> Vec<Counters> {
+        let mut out = Vec::with_capacity(keys.len());
+        if self.failure.is_some() {
+            return vec![Counters::default(); keys.len()];
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return vec![Counters::default(); keys.len()];
+        };
+        for chunk in keys.chunks(BATCH) {
+            let mut pipe = redis::pipe();
+            for k in chunk {
+                pipe.cmd("HMGET")
+                    .arg(p.policy.storage_key(k))
+                    .arg("a")
+                    .arg("x");
+            }
+            match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
+                Ok(rows) => out.extend(rows.into_iter().map(counters_of)),
+                Err(e) => {
+                    self.fail(e);
+                    break;
+                }
+            }
+        }
+        out.resize(keys.len(), Counters::default());
+        out
+    }
+
+    fn take_failover(&mut self) -> bool {
+        std::mem::take(&mut self.failed_over)
+    }
+
+    fn default_escrow(&mut self, policy: &str) -> Option<f64> {
+        if self.failure.is_some() {
+            return None;
+        }
+        let meta = self.policies.get(policy)?.keys.meta.clone();
+        let v: Result<Vec<Option<String>>, _> = redis::cmd("HMGET")
+            .arg(&meta)
+            .arg(&["d", "dp", "dt"])
+            .query(&mut self.conn);
+        match v
+            .map_err(|e| e.to_string())
+            .and_then(|v| global::decode_default(&v))
+        {
+            Ok(d) => d.map(|d| d.escrow),
+            Err(e) => {
+                self.fail(e);
+                None
+            }
+        }
+    }
+
+    fn set_default_escrow(&mut self, policy: &str, escrow: f64) -> bool {
+        if self.failure.is_some() {
+            return false;
+        }
+        let Some(p) = self.policies.get(policy) else {
+            return false;
+        };
+        let inv = global::set_default_invocation(
+            &self.default,
+            &p.keys,
+            self.lock.fence_key(),
+            self.token,
+            escrow,
+            p.shape.keep_ms,
+            None,
+        );
+        match inv.invoke::<i64>(&mut self.conn) {
+            Ok(_) => self.durable(),
+            Err(e) => {
+                self.fail(e);
+                false
+            }
+        }
+    }
+}
+
+/// A key's `a` and `x` fields (absent: 0).
+fn counters_of((admitted, rejected): (Option<u64>, Option<u64>)) -> Counters {
+    Counters {
+        admitted: admitted.unwrap_or(0),
+        rejected: rejected.unwrap_or(0),
+    }
+}

@@ -1,0 +1,549 @@
+//! Global budgets between real processes: this region's coordinator and its links to the
+//! others. The protocol itself is [`quotad_core::coordinator`] (pure); this module runs it.
+//!
+//! - [`lock`]: which of the region's instances coordinates (a Redis lock with a fencing
+//!   token that every coordinator write checks).
+//! - [`lease_store`]: the node's store and clock, both Redis's (`lua/global/`).
+//! - [`runtime`]: the coordinator thread (rounds, incoming exchanges, replies, status).
+//! - [`auth`]: signed exchanges (HMAC-SHA256, timestamps, nonces).
+//! - [`peers`]: the HTTP client that sends exchanges and retries them.
+//!
+//! Data flow: a peer's POST → [`Federation::exchange`] (verify; refused requests never
+//! reach the node) → the runtime's channel → `Node::on_exchange` → reply back to the
+//! handler, signed. Rounds run on the thread; their exchanges go to [`peers`], whose
+//! verified replies come back through the same channel.
+
+pub mod auth;
+pub mod lease_store;
+pub mod lock;
+pub mod memory;
+pub mod peers;
+pub mod runtime;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::http::{HeaderMap, StatusCode};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::config::GlobalSettings;
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+use auth::{
+    HEADER_HEADERS_SIGNATURE, HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP,
+    Rejection, Signed,
+};
+use quotad_core::coordinator::RegionId;
+use quotad_core::coordinator::message::{Exchange, ExchangeReply};
+use quotad_core::coordinator::node::{KeyStatus, Link, NodeStats};
+use runtime::Event;
+
+/// What the coordinator thread last published (whether it leads is `Shared`'s token).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Status {
+    pub stats: NodeStats,
+    pub peers: Vec<PeerStatus>,
+    /// The [`STATUS_KEYS`] keys with the most demand here (all, when there are fewer).
+    pub keys: Vec<KeyStatus>,
+    /// Keys the coordinator tracks.
+    pub keys_total: usize,
+}
+
+/// Keys listed in `/v1/status` at most.
+pub const STATUS_KEYS: usize = 1000;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PeerStatus {
+    pub region: String,
+    pub link: Link,
+    pub rtt_ms: Option<f64>,
+}
+
+/// State shared by the HTTP handlers, the coordinator thread and the peer client.
+pub struct Shared {
+    pub settings: GlobalSettings,
+    pub policies: Vec<Arc<Policy>>,
+    pub metrics: Arc<Metrics>,
+    pub instance: String,
+    leader_token: AtomicU64,
+    stopping: AtomicBool,
+    status: RwLock<Status>,
+    /// Per region id: the last round trip (us; -1 unknown) and the peer URL in use.
+    rtt_us: Vec<AtomicI64>,
+    url: Vec<AtomicUsize>,
+}
+
+impl Shared {
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.leader_token.load(Ordering::Acquire) != 0
+    }
+
+    fn set_leader(&self, token: Option<u64>) {
+        let t = token.unwrap_or(0);
+        if self.leader_token.swap(t, Ordering::AcqRel) != t {
+            let region = &self.settings.regions[self.settings.me.index()];
+            self.metrics
+                .global
+                .leader
+                .with_label_values(&[region])
+                .set((t != 0) as i64);
+            if t == 0 {
+                *self.status.write().unwrap_or_else(|p| p.into_inner()) = Status::default();
+            }
+        }
+    }
+
+    /// `quotad_exchange_bytes_total{peer,direction}`.
+    fn count_bytes(&self, peer: &str, direction: &str, bytes: usize) {
+        self.metrics
+            .global
+            .exchange_bytes
+            .with_label_values(&[peer, direction])
+            .inc_by(bytes as u64);
+    }
+
+    fn set_status(&self, s: Status) {
+        *self.status.write().unwrap_or_else(|p| p.into_inner()) = s;
+    }
+
+    pub fn status(&self) -> Status {
+        self.status
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_rtt(&self, peer: RegionId, us: i64) {
+        if let Some(a) = self.rtt_us.get(peer.index()) {
+            a.store(us, Ordering::Relaxed);
+        }
+    }
+
+    fn rtt_us(&self, peer: RegionId) -> Option<i64> {
+        let v = self.rtt_us.get(peer.index())?.load(Ordering::Relaxed);
+        (v >= 0).then_some(v)
+    }
+
+    fn url_index(&self, peer: RegionId) -> usize {
+        self.url
+            .get(peer.index())
+            .map_or(0, |a| a.load(Ordering::Relaxed))
+    }
+
+    /// The URL at `idx` failed: move on, unless another attempt already did.
+    fn next_url(&self, peer: RegionId, idx: usize) {
+        if let Some(a) = self.url.get(peer.index()) {
+            let _ = a.compare_exchange(idx, idx + 1, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Where the region's coordinator keeps its state.
+pub enum BackendChoice<'a> {
+    /// The region's Redis: shared by its instances, one of which holds the lock.
+    Redis {
+        url: &'a str,
+        timeout: Duration,
+        key_prefix: &'a str,
+    },
+    /// The embedded store of this process (one instance per region).
+    Memory(Arc<crate::store::memory::MemoryStore>),
+}
+
+/// The handle the app and the API hold.
+pub struct Federation {
+    pub shared: Arc<Shared>,
+    events: std::sync::mpsc::Sender<Event>,
+    verifier: auth::Verifier,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Per peer (in `settings.peers` order): KiB of request bodies being read or handled.
+    /// Bounds what unauthenticated bodies can make quotad hold: the HMAC needs the whole
+    /// body, so until then anyone who names a peer and a fresh timestamp is a suspect.
+    budgets: Vec<Arc<tokio::sync::Semaphore>>,
+}
+
+/// A peer request that passed every check its headers allow, holding its share of that
+/// peer's body budget until it is answered.
+pub struct Admitted {
+    signed: Signed,
+    peer: usize,
+    /// Bytes its body may have (its declared length).
+    pub max_bytes: usize,
+    _budget: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// Requests from one peer in flight: twice the largest body (a round's exchange and an
+/// early one, with retries of small ones around them).
+const BUDGET_BODIES: usize = 2;
+
+/// An answer for the peer endpoint: status, body, and the reply signature header.
+pub struct PeerResponse {
+    pub status: StatusCode,
+    pub body: Vec<u8>,
+    pub signature: Option<String>,
+}
+
+fn spawn_runtime<B: runtime::Backend>(
+    shared: Arc<Shared>,
+    backend: B,
+    events: std::sync::mpsc::Receiver<Event>,
+    outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let runtime = runtime::Runtime {
+        shared,
+        backend,
+        events,
+        outbound,
+    };
+    std::thread::Builder::new()
+        .name("coordinator".into())
+        .spawn(move || runtime.run())
+}
+
+impl Federation {
+    /// Starts the coordinator thread and the peer client (on the current tokio runtime).
+    pub fn start(
+        settings: GlobalSettings,
+        policies: Vec<Arc<Policy>>,
+        backend: BackendChoice<'_>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Arc<Federation>, redis::RedisError> {
+        let instance = format!("{:016x}", rand::random::<u64>());
+        let n = settings.regions.len();
+        let me = settings.regions[settings.me.index()].clone();
+        let secrets: HashMap<String, Vec<u8>> = settings
+            .peers
+            .iter()
+            .map(|p| (p.region.clone(), p.secret.0.clone()))
+            .collect();
+        let verifier = auth::Verifier::new(&me, secrets, settings.max_skew.as_millis() as i64);
+        for r in Rejection::ALL {
+            metrics
+                .global
+                .exchange_rejected
+                .with_label_values(&[r.reason()]);
+        }
+        metrics.global.leader.with_label_values(&[&me]).set(0);
+        let lock_ttl = settings.lock.mul_f64(0.8);
+        let shared = Arc::new(Shared {
+            settings,
+            policies,
+            metrics,
+            instance: instance.clone(),
+            leader_token: AtomicU64::new(0),
+            stopping: AtomicBool::new(false),
+            status: RwLock::new(Status::default()),
+            rtt_us: (0..n).map(|_| AtomicI64::new(-1)).collect(),
+            url: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+        });
+        let (events_tx, events_rx) = std::sync::mpsc::channel();
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let spawned = match backend {
+            BackendChoice::Redis {
+                url,
+                timeout,
+                key_prefix,
+            } => {
+                let lock = lock::Lock::new(
+                    key_prefix,
+                    shared.instance.clone(),
+                    // Renewed every fifth of the period; a dead holder's lock lapses within
+                    // 0.8 of it and the others poll every tenth: a takeover within one period.
+                    lock_ttl,
+                );
+                let backend = lease_store::RedisBackend {
+                    client: redis::Client::open(url)?,
+                    lock: Arc::new(lock),
+                    timeout,
+                    conn: None,
+                    warned: false,
+                };
+                spawn_runtime(shared.clone(), backend, events_rx, out_tx)
+            }
+            BackendChoice::Memory(store) => {
+                let backend = memory::MemoryBackend {
+                    store,
+                    started: false,
+                };
+                spawn_runtime(shared.clone(), backend, events_rx, out_tx)
+            }
+        };
+        let thread = spawned.map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
+        let round = Duration::from_micros(shared.settings.params.round_us as u64);
+        let http = reqwest::Client::builder()
+            .timeout(round * 3)
+            .connect_timeout(round)
+            .build()
+            .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
+        let client = Arc::new(peers::PeerClient {
+            shared: shared.clone(),
+            http,
+            events: events_tx.clone(),
+        });
+        tokio::spawn(client.run(out_rx));
+        let kib = (shared.settings.max_exchange_bytes.div_ceil(1024) * BUDGET_BODIES).max(1);
+        let budgets = shared
+            .settings
+            .peers
+            .iter()
+            .map(|_| Arc::new(tokio::sync::Semaphore::new(kib)))
+            .collect();
+        Ok(Arc::new(Federation {
+            shared,
+            events: events_tx,
+            verifier,
+            thread: Mutex::new(Some(thread)),
+            budgets,
+        }))
+    }
+
+    /// Stops the coordinator thread (releasing the lock) and waits for it, bounded.
+    pub async fn stop(&self) {
+        self.shared.stopping.store(true, Ordering::Release);
+        let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = tokio::task::spawn_blocking(move || h.join()).await;
+        }
+    }
+
+    pub fn reject(&self, r: Rejection) -> PeerResponse {
+        self.shared
+            .metrics
+            .global
+            .exchange_rejected
+            .with_label_values(&[r.reason()])
+            .inc();
+        let status = match r {
+            Rejection::Malformed | Rejection::Invalid => StatusCode::BAD_REQUEST,
+            Rejection::NotCoordinator | Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            Rejection::LengthRequired => StatusCode::LENGTH_REQUIRED,
+            Rejection::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::UNAUTHORIZED,
+        };
+        let body = serde_json::json!({"error": {"code": r.reason(), "message": r.to_string()}});
+        PeerResponse {
+            status,
+            body: serde_json::to_vec(&body).unwrap_or_default(),
+            signature: None,
+        }
+    }
+
+    /// `POST /v1/peer/exchange`, before its body is read: everything the headers settle
+    /// (signed form, known peer, fresh, not replayed, this instance coordinates, a length
+    /// within what a round can carry), then a share of that peer's body budget.
+    pub fn admit(&self, headers: &HeaderMap) -> Result<Admitted, Rejection> {
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+        let signed = match (
+            header(HEADER_REGION),
+            header(HEADER_TIMESTAMP).and_then(|t| t.parse::<i64>().ok()),
+            header(HEADER_NONCE),
+            header(HEADER_SIGNATURE),
+            header(HEADER_HEADERS_SIGNATURE),
+        ) {
+            (Some(from), Some(ts), Some(nonce), Some(sig), Some(hsig)) if nonce.len() <= 64 => {
+                Signed {
+                    from: from.to_owned(),
+                    timestamp_ms: ts,
+                    nonce: nonce.to_owned(),
+                    signature: sig.to_owned(),
+                    headers_signature: hsig.to_owned(),
+                }
+            }
+            _ => return Err(Rejection::Unauthenticated),
+        };
+        let len = header("content-length")
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or(Rejection::LengthRequired)?;
+        self.verifier.precheck(&signed, len, peers::wall_ms())?;
+        let s = &self.shared.settings;
+        let peer = s
+            .peers
+            .iter()
+            .position(|p| p.region == signed.from)
+            .ok_or(Rejection::UnknownPeer)?;
+        if !self.shared.is_leader() {
+            return Err(Rejection::NotCoordinator);
+        }
+        if len > s.max_exchange_bytes as u64 {
+            return Err(Rejection::TooLarge);
+        }
+        let kib = (len as usize).div_ceil(1024).max(1) as u32;
+        let budget = self.budgets[peer]
+            .clone()
+            .try_acquire_many_owned(kib)
+            .map_err(|_| Rejection::Busy)?;
+        Ok(Admitted {
+            signed,
+            peer,
+            max_bytes: len as usize,
+            _budget: budget,
+        })
+    }
+
+    /// The rest of `POST /v1/peer/exchange`: verify the body's signature, check its values,
+    /// hand it to the coordinator, sign its reply.
+    pub async fn exchange(&self, admitted: Admitted, body: Bytes) -> PeerResponse {
+        let signed = &admitted.signed;
+        if let Err(r) = self.verifier.verify(signed, &body, peers::wall_ms()) {
+            return self.reject(r);
+        }
+        let s = &self.shared.settings;
+        let peer = &s.peers[admitted.peer];
+        self.shared
+            .count_bytes(&peer.region, "received", body.len());
+        let msg: Exchange = match serde_json::from_slice::<Exchange>(&body) {
+            // The body must speak for the region that signed it.
+            Ok(m) if m.from == peer.id => m,
+            _ => return self.reject(Rejection::Malformed),
+        };
+        let me = self.shared.leader_token.load(Ordering::Acquire);
+        if let Err(why) = validate_exchange(&msg, signed.timestamp_ms, me, s) {
+            tracing::warn!(peer = %peer.region, why, "peer exchange refused: a value is out of bounds");
+            return self.reject(Rejection::Invalid);
+        }
+        if !self.shared.is_leader() {
+            return self.reject(Rejection::NotCoordinator);
+        }
+        let (tx, rx) = oneshot::channel();
+        if self
+            .events
+            .send(Event::Exchange { msg, reply: tx })
+            .is_err()
+        {
+            return self.reject(Rejection::NotCoordinator);
+        }
+        let round = Duration::from_micros(s.params.round_us as u64);
+        let reply = match tokio::time::timeout(round, rx).await {
+            Ok(Ok(Some(r))) => r,
+            _ => return self.reject(Rejection::NotCoordinator),
+        };
+        let body = serde_json::to_vec(&reply).unwrap_or_default();
+        self.shared.count_bytes(&peer.region, "sent", body.len());
+        let signature = auth::sign_reply(&peer.secret.0, &signed.nonce, &body);
+        PeerResponse {
+            status: StatusCode::OK,
+            body,
+            signature: Some(signature),
+        }
+    }
+
+    /// `GET /v1/status`.
+    pub fn status_json(&self, region: &str) -> serde_json::Value {
+        let s = &self.shared.settings;
+        let st = self.shared.status();
+        let policies: Vec<_> = self
+            .shared
+            .policies
+            .iter()
+            .filter_map(|p| p.global_policy())
+            .map(|g| {
+                let keys: Vec<&KeyStatus> = st.keys.iter().filter(|k| k.policy == g.name).collect();
+                serde_json::json!({
+                    "name": g.name,
+                    "version": g.version,
+                    "rho": g.rho,
+                    "burst": g.burst,
+                    "escrow": s.regions.iter().zip(&g.escrow).map(|(r, e)| (r.clone(), serde_json::json!(e))).collect::<serde_json::Map<String, serde_json::Value>>(),
+                    "keys": keys.iter().map(|k| serde_json::json!({
+                        "key": k.key,
+                        "escrow": k.escrow,
+                        "enforced": k.enforced,
+                        "lent": k.lent,
+                        "borrowed": k.borrowed,
+                        "demand": k.demand,
+                        "target": k.target,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "region": region,
+            "regions": s.regions,
+            "instance": self.shared.instance,
+            "coordinator": {
+                "leader": self.shared.is_leader(),
+                "token": self.shared.leader_token.load(Ordering::Acquire),
+                "rounds": st.stats.rounds,
+                "stats": st.stats,
+                "keys_tracked": st.keys_total,
+                "keys_listed_max": STATUS_KEYS,
+            },
+            "peers": st.peers,
+            "policies": policies,
+        })
+    }
+}
+
+/// The bounds a signed exchange must keep before its coordinator sees it: at most
+/// `max_exchange_keys` keys, none longer than a client's key may be, an incarnation no
+/// later than the message's own (verified) timestamp plus the allowed skew (incarnations
+/// are the sender's store clock in ms at its takeover), and ours as it names it no later
+/// than ours. A message past them is refused whole and changes nothing, so a bad value
+/// cannot wedge the "newer than" checks that every later message of that peer must pass.
+pub fn validate_exchange(
+    msg: &Exchange,
+    signed_ms: i64,
+    my_incarnation: u64,
+    s: &GlobalSettings,
+) -> Result<(), &'static str> {
+    let keys: usize = msg.policies.iter().map(|p| p.keys.len()).sum();
+    if keys > s.params.max_exchange_keys || msg.policies.len() > s.params.max_exchange_keys {
+        return Err("more keys than a round allows");
+    }
+    let latest = signed_ms.max(0) as u64 + s.max_skew.as_millis() as u64;
+    if msg.incarnation > latest || msg.incarnation > quotad_core::coordinator::MAX_SEQ {
+        return Err("incarnation from the future");
+    }
+    if msg.to_incarnation > my_incarnation {
+        return Err("names an incarnation of ours that does not exist yet");
+    }
+    let bad_key = msg
+        .policies
+        .iter()
+        .flat_map(|p| &p.keys)
+        .any(|k| k.key.is_empty() || k.key.len() > s.max_key_bytes);
+    if bad_key {
+        return Err("an empty or over-long key");
+    }
+    let bad_seq = msg.policies.iter().flat_map(|p| &p.keys).any(|k| {
+        k.release
+            .is_some_and(|r| r > quotad_core::coordinator::MAX_SEQ)
+    });
+    if bad_seq {
+        return Err("a release seq past 2^53");
+    }
+    Ok(())
+}
+
+/// The same bounds for a reply to one of our exchanges (its incarnation judged by our own
+/// wall clock: a reply carries no timestamp of its own).
+pub fn validate_reply(
+    reply: &ExchangeReply,
+    now_ms: i64,
+    s: &GlobalSettings,
+) -> Result<(), &'static str> {
+    let keys: usize = reply.policies.iter().map(|p| p.keys.len()).sum();
+    if keys > s.params.max_exchange_keys || reply.policies.len() > s.params.max_exchange_keys {
+        return Err("more keys than a round allows");
+    }
+    let latest = now_ms.max(0) as u64 + s.max_skew.as_millis() as u64;
+    if reply.incarnation > latest || reply.incarnation > quotad_core::coordinator::MAX_SEQ {
+        return Err("incarnation from the future");
+    }
+    let bad_seq = reply.policies.iter().flat_map(|p| &p.keys).any(|k| {
+        k.grant
+            .is_some_and(|g| g.seq > quotad_core::coordinator::MAX_SEQ)
+    });
+    if bad_seq {
+        return Err("a grant seq past 2^53");
+    }
+    Ok(())
+}

@@ -1,0 +1,378 @@
+//! The coordinator thread: holds (or waits for) the region's lock, runs the node's rounds
+//! on Redis's clock, feeds it the peers' exchanges and replies, and publishes what it
+//! knows for `/v1/status` and the metrics.
+//!
+//! A plain thread with a synchronous Redis connection, not a task: the node is a
+//! sequential state machine whose store calls must complete in order (a grant leaves only
+//! after its reservation is durable), and a blocking call here never stalls the request
+//! path. Everything reaches it through one channel, so the node never runs concurrently
+//! with itself.
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::{Shared, Status};
+use quotad_core::clock::Clock;
+use quotad_core::coordinator::message::{Exchange, ExchangeReply};
+use quotad_core::coordinator::node::{LeaseStore, Link, Node};
+use quotad_core::coordinator::{GlobalPolicy, RegionId};
+
+/// The coordinator's store as the runtime drives it: a [`LeaseStore`] with events that
+/// can fail as a whole, and the region's lock.
+pub trait Coordinated: LeaseStore + Send {
+    /// Starts an event (reads the store's clock; on a round, checks replication).
+    fn begin(&mut self, round: bool) -> Result<(), String>;
+    /// The first error since [`Coordinated::begin`]: the event is abandoned.
+    fn failure(&self) -> Option<&str>;
+    /// A write was refused because another instance holds the lock now.
+    fn fenced(&self) -> bool;
+    /// Extends the lock; `Ok(false)` if another instance holds it.
+    fn renew(&mut self) -> Result<bool, String>;
+    /// Gives the lock up.
+    fn release(&mut self);
+}
+
+/// Where the coordinator's state lives: Redis (shared by the region's instances, one of
+/// which holds the lock) or the embedded store (one instance per region).
+pub trait Backend: Send + 'static {
+    type Clock: Clock + Clone;
+    type Store: Coordinated;
+    /// Tries to become the region's coordinator: a store fenced by the returned token
+    /// (the node's incarnation, above every earlier one) and the store's clock.
+    fn try_lead(&mut self, shared: &Shared) -> Option<(Self::Store, Self::Clock, u64)>;
+}
+
+pub enum Event {
+    /// A peer's exchange, authenticated; the reply goes back on `reply` (None: not now).
+    Exchange {
+        msg: Exchange,
+        reply: oneshot::Sender<Option<ExchangeReply>>,
+    },
+    /// A peer's reply to one of our exchanges, authenticated.
+    Reply(ExchangeReply),
+}
+
+pub struct Runtime<B: Backend> {
+    pub shared: Arc<Shared>,
+    pub backend: B,
+    pub events: Receiver<Event>,
+    pub outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
+}
+
+/// What one step of the loop leaves.
+enum Step<B: Backend> {
+    Go(Option<Box<Leading<B>>>),
+    /// The channel is closed: the daemon is gone.
+    Closed,
+}
+
+/// What the lock holder runs.
+struct Leading<B: Backend> {
+    node: Node<B::Clock>,
+    store: B::Store,
+    token: u64,
+    next_round: Instant,
+    next_renew: Instant,
+    /// When `/v1/status` and the metrics were last published, and whether a message has
+    /// changed what they would show since (published at most every tenth of a round, so
+    /// that a grant shows within that, not at the next round, at a bounded cost).
+    published: Instant,
+    unpublished: bool,
+    /// When a loan or reservation ends next: published then too (nothing else wakes the
+    /// thread of a cut-off region whose loans run out between rounds).
+    next_change: Option<Instant>,
+}
+
+impl<B: Backend> Runtime<B> {
+    pub fn run(mut self) {
+        let mut leading: Option<Box<Leading<B>>> = None;
+        let mut closed = false;
+        while !self.shared.stopping() && !closed {
+            // A panic (a bug, or data no config expects) must not leave the region with a
+            // dead coordinator that still reports itself leader: step down, pause, go on.
+            let step =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match leading.take() {
+                    Some(l) => self.lead(l),
+                    None => self.follow(),
+                }));
+            leading = match step {
+                Ok(Step::Go(l)) => l,
+                Ok(Step::Closed) => {
+                    closed = true;
+                    None
+                }
+                Err(_) => {
+                    tracing::error!("coordinator panicked; stepping down");
+                    self.shared.set_leader(None);
+                    std::thread::sleep(self.shared.settings.lock);
+                    None
+                }
+            };
+            self.shared.set_leader(leading.as_ref().map(|l| l.token));
+        }
+        if let Some(mut l) = leading
+            && !l.store.fenced()
+        {
+            l.store.release();
+        }
+    }
+
+    /// Not the holder: answer nothing, try the lock every tenth of its period.
+    fn follow(&mut self) -> Step<B> {
+        let poll = self.shared.settings.lock / 10;
+        let deadline = Instant::now() + poll;
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.events.recv_timeout(left) {
+                Ok(Event::Exchange { reply, .. }) => {
+                    let _ = reply.send(None);
+                }
+                Ok(Event::Reply(_)) => {}
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => return Step::Closed,
+            }
+        }
+        Step::Go(
+            self.backend
+                .try_lead(&self.shared)
+                .and_then(|(store, clock, token)| self.start(store, clock, token))
+                .map(Box::new),
+        )
+    }
+
+    fn start(&mut self, mut store: B::Store, clock: B::Clock, token: u64) -> Option<Leading<B>> {
+        let s = &self.shared.settings;
+        let taken = Instant::now();
+        if store.begin(true).is_err() {
+            store.release();
+            return None;
+        }
+        let policies: Vec<GlobalPolicy> = self
+            .shared
+            .policies
+            .iter()
+            .filter_map(|p| p.global_policy())
+            .collect();
+        let node = Node::start(
+            s.me,
+            s.regions.len(),
+            s.params,
+            clock,
+            token,
+            policies,
+            &mut store,
+        );
+        if let Some(e) = store.failure() {
+            tracing::warn!(error = %e, "coordinator start failed; retrying");
+            store.release();
+            return None;
+        }
+        // Taking over many books takes time out of the lock's period: extend it now, so
+        // the first round starts with a whole period ahead of it.
+        match store.renew() {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!("coordinator lock lost while taking over; retrying");
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "coordinator lock renewal failed while taking over; retrying");
+                store.release();
+                return None;
+            }
+        }
+        tracing::info!(
+            token,
+            keys = node.tracked_keys(),
+            took_ms = taken.elapsed().as_millis() as u64,
+            "coordinator lock taken: this instance coordinates the region"
+        );
+        let now = Instant::now();
+        Some(Leading {
+            node,
+            store,
+            token,
+            next_round: now,
+            next_renew: now + s.lock / 5,
+            published: now,
+            unpublished: false,
+            next_change: None,
+        })
+    }
+
+    /// The holder: one event (a message, or nothing until the next deadline), then the
+    /// renewal and the round if they are due: checked after every message too, so a steady
+    /// stream of them cannot starve either. `None` when it lost the lock or its store
+    /// failed mid-event (the node is dropped: a restart with a new token).
+    fn lead(&mut self, mut l: Box<Leading<B>>) -> Step<B> {
+        let settings = &self.shared.settings;
+        let publish_gap = Duration::from_micros(settings.params.round_us.max(0) as u64 / 10);
+        let mut wake = l.next_round.min(l.next_renew);
+        if l.unpublished {
+            wake = wake.min(l.published + publish_gap);
+        }
+        if let Some(t) = l.next_change {
+            wake = wake.min(t);
+        }
+        let left = wake.saturating_duration_since(Instant::now());
+        match self.events.recv_timeout(left) {
+            // The handler already gave up on this one (it answered 503): the peer retries.
+            Ok(Event::Exchange { reply, .. }) if reply.is_closed() => {}
+            Ok(Event::Exchange { msg, reply }) => {
+                if l.store.begin(false).is_ok() {
+                    let r = l.node.on_exchange(&msg, &mut l.store);
+                    let ok = l.store.failure().is_none();
+                    let _ = reply.send(if ok { r } else { None });
+                    self.send(l.node.early_exchanges(&mut l.store));
+                    l.unpublished = true;
+                } else {
+                    let _ = reply.send(None);
+                }
+            }
+            Ok(Event::Reply(r)) => {
+                if l.store.begin(false).is_ok() {
+                    l.node.on_reply(&r, &mut l.store);
+                    self.send(l.node.early_exchanges(&mut l.store));
+                    l.unpublished = true;
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return Step::Closed,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        let now = Instant::now();
+        if now >= l.next_renew && l.store.failure().is_none() {
+            match l.store.renew() {
+                Ok(true) => l.next_renew = now + settings.lock / 5,
+                Ok(false) => {
+                    tracing::warn!("coordinator lock lost to another instance");
+                    return Step::Go(None);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "coordinator lock renewal failed; stepping down");
+                    return Step::Go(None);
+                }
+            }
+        }
+        if now >= l.next_round && l.store.failure().is_none() {
+            if l.store.begin(true).is_ok() {
+                let started = Instant::now();
+                let msgs = l.node.round(&mut l.store);
+                if l.store.failure().is_none() {
+                    self.send(msgs);
+                }
+                self.shared.metrics.global.rounds.inc();
+                let took = started.elapsed();
+                self.shared
+                    .metrics
+                    .global
+                    .round_duration
+                    .observe(took.as_secs_f64());
+                if took > settings.lock / 4 {
+                    tracing::warn!(
+                        took_ms = took.as_millis() as u64,
+                        keys = l.node.tracked_keys(),
+                        "a coordinator round took over a quarter of the lock period"
+                    );
+                }
+                self.publish(&mut l);
+            }
+            l.next_round = now + jittered(settings.params.round_us);
+        }
+        let changed = l.next_change.is_some_and(|t| now >= t);
+        if (changed || l.unpublished && now >= l.published + publish_gap)
+            && l.store.failure().is_none()
+        {
+            self.publish(&mut l);
+        }
+        if let Some(e) = l.store.failure() {
+            tracing::warn!(error = %e, fenced = l.store.fenced(), "coordinator store failed mid-event; restarting the coordinator");
+            if !l.store.fenced() {
+                l.store.release();
+            }
+            return Step::Go(None);
+        }
+        Step::Go(Some(l))
+    }
+
+    fn send(&self, msgs: Vec<(RegionId, Exchange)>) {
+        for m in msgs {
+            let _ = self.outbound.send(m);
+        }
+    }
+
+    fn publish(&self, l: &mut Leading<B>) {
+        l.published = Instant::now();
+        l.unpublished = false;
+        // A millisecond past the end, so that the republished rate no longer counts it.
+        l.next_change = l.node.next_change_in().and_then(|us| {
+            let wait = Duration::from_micros(us.max(0) as u64) + Duration::from_millis(1);
+            l.published.checked_add(wait)
+        });
+        let s = &self.shared.settings;
+        let node = &l.node;
+        let mut status = Status {
+            stats: node.stats(),
+            peers: Vec::new(),
+            keys: node.key_status(),
+            keys_total: 0,
+        };
+        let m = &self.shared.metrics.global;
+        for p in &s.peers {
+            let link = node.link(p.id);
+            let rtt = node.rtt_us(p.id);
+            m.peer_up
+                .with_label_values(&[&p.region])
+                .set((link == Link::Connected) as i64);
+            if let Some(rtt) = rtt {
+                m.peer_rtt_seconds
+                    .with_label_values(&[&p.region])
+                    .set(rtt as f64 / 1e6);
+                self.shared.set_rtt(p.id, rtt);
+            }
+            status.peers.push(super::PeerStatus {
+                region: p.region.clone(),
+                link,
+                rtt_ms: rtt.map(|r| r as f64 / 1000.0),
+            });
+        }
+        for policy in self.shared.policies.iter().filter(|p| p.global.is_some()) {
+            let keys = status.keys.iter().filter(|k| k.policy == policy.name);
+            let (mut share, mut lent, mut borrowed, mut demand, mut n) = (0.0, 0.0, 0.0, 0.0, 0);
+            for k in keys {
+                share += k.enforced;
+                lent += k.lent;
+                borrowed += k.borrowed;
+                demand += k.demand;
+                n += 1;
+            }
+            let name = policy.name.as_str();
+            m.share_rate
+                .with_label_values(&[name, &s.regions[s.me.index()]])
+                .set(share);
+            m.lent_rate.with_label_values(&[name]).set(lent);
+            m.borrowed_rate.with_label_values(&[name]).set(borrowed);
+            m.demand_rate.with_label_values(&[name]).set(demand);
+            m.hot_keys.with_label_values(&[name]).set(n);
+        }
+        // `/v1/status` lists the busiest keys only: with 100,000 tracked keys the whole list
+        // is megabytes per request (the metrics above sum over all of them).
+        status.keys_total = status.keys.len();
+        if status.keys.len() > super::STATUS_KEYS {
+            status.keys.sort_by(|a, b| {
+                b.demand
+                    .total_cmp(&a.demand)
+                    .then_with(|| a.key.cmp(&b.key))
+            });
+            status.keys.truncate(super::STATUS_KEYS);
+        }
+        self.shared.set_status(status);
+    }
+}
+
+/// A round interval with ±10% jitter, so regions started together do not stay in step.
+fn jittered(round_us: i64) -> Duration {
+    let j = rand::random_range(-0.1..0.1);
+    Duration::from_micros((round_us as f64 * (1.0 + j)) as u64)
+}

@@ -1,0 +1,34 @@
+//! quotad: a quota coordinator daemon. One runs in each region next to the services; a
+//! service asks it over local HTTP "may key K spend N units of policy P?" and quotad answers
+//! from a Lua limiter that runs atomically inside that region's Redis, on Redis's own clock.
+//!
+//! # Request flow (one way)
+//!
+//! HTTP request → [`api`] (parse + validate, no business logic) → [`policy`] (the compiled
+//! policy; the storage key built in one function) → [`limiter`] (shadow and fail modes;
+//! returns a `Decision` value) → [`store`] (Redis: one Lua script call | memory: the same
+//! algorithm in Rust, from [`quotad_core::algorithm`]) → decision → [`metrics`] → HTTP response with
+//! RateLimit headers.
+//!
+//! # Layout
+//!
+//! - [`store`]: the storage boundary: Redis (scripts, timeouts, circuit breaker) and memory.
+//! - [`policy`]: policy types that cannot be invalid; storage-key building.
+//! - [`limiter`]: one check or a batch → decisions; fail modes, shadow mode, batch refunds.
+//! - [`api`]: the axum router, request parsing, the error type.
+//! - [`server`]: connections: their bound, per-phase timeouts, eviction and the drain.
+//! - [`config`]: TOML → validated settings, errors naming file, line and field.
+//! - [`metrics`]: the metric catalogue.
+//! - [`federation`]: runs the coordinator between real processes: the region's lock,
+//!   Redis as the node's store and clock, signed HTTP exchanges with the peers.
+//! - [`app`]: the composition root and shutdown order.
+
+pub mod api;
+pub mod app;
+pub mod config;
+pub mod federation;
+pub mod limiter;
+pub mod metrics;
+pub mod policy;
+pub mod server;
+pub mod store;

@@ -1,0 +1,382 @@
+//! The decision: one check (or a batch) against a policy, through the store, with the
+//! policy's shadow mode and store-failure mode applied. Returns [`Decision`] values: a
+//! store failure becomes `fail_open`, `fail_closed` or a `local` decision, and every one is
+//! counted. The one refusal is [`Shed`]: quotad itself is at capacity (see
+//! [`crate::store::admission`]); that is not a decision, and nothing was charged.
+//!
+//! The limiter owns no state of its own beyond a request-id counter; it holds the store, the
+//! in-process fallback store and the metrics handles it was given.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use crate::metrics::Metrics;
+use crate::policy::{FailMode, Policy};
+use crate::store::admission::Shed;
+use crate::store::memory::MemoryStore;
+use crate::store::{GlobalCall, Store, StoreCall, StoreError};
+use quotad_core::algorithm::{Algorithm, Op, Verdict};
+
+/// How a decision was reached: the API's `outcome` and the metrics' label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Allowed,
+    Denied,
+    Shadow,
+    FailOpen,
+    FailClosed,
+    Local,
+}
+
+impl Outcome {
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Allowed => "allowed",
+            Outcome::Denied => "denied",
+            Outcome::Shadow => "shadow",
+            Outcome::FailOpen => "fail_open",
+            Outcome::FailClosed => "fail_closed",
+            Outcome::Local => "local",
+        }
+    }
+
+    /// Whether a store decided (and counted) this request.
+    pub fn is_enforced(self) -> bool {
+        matches!(
+            self,
+            Outcome::Allowed | Outcome::Denied | Outcome::Shadow | Outcome::Local
+        )
+    }
+}
+
+/// One check, validated by the API: the policy exists, the key is within limits, the cost
+/// fits the policy's capacity.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub policy: Arc<Policy>,
+    pub key: String,
+    pub cost: u64,
+}
+
+/// The answer to one check.
+#[derive(Debug, Clone, Serialize)]
+pub struct Decision {
+    pub allowed: bool,
+    pub policy: String,
+    pub key: String,
+    pub outcome: Outcome,
+    pub limit: u64,
+    pub remaining: u64,
+    pub reset_after_ms: u64,
+    pub retry_after_ms: u64,
+    /// In a denied batch: this check had been admitted and its units were given back.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub refunded: bool,
+    #[serde(skip)]
+    pub window_secs: u64,
+    /// Which store charged this check (to refund it there).
+    #[serde(skip)]
+    charged: Option<Charged>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Charged {
+    Primary,
+    Local,
+}
+
+/// Why a reset changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum ResetError {
+    #[error(transparent)]
+    Shed(#[from] Shed),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// How long a `fail_closed` answer tells clients to wait: about the time the store's
+/// supervisor needs to notice a recovered Redis (probe interval plus reconnect).
+const FAIL_CLOSED_RETRY_MS: u64 = 1000;
+
+pub struct Limiter {
+    store: Arc<Store>,
+    /// The embedded store for `on_store_error = "local"` (unused when `store` is memory).
+    local: Arc<MemoryStore>,
+    metrics: Arc<Metrics>,
+    /// Unique request ids for sliding-log entries: a random per-process prefix and a counter,
+    /// so ids from several daemons sharing a Redis never collide.
+    id_prefix: String,
+    next_id: AtomicU64,
+    /// Command/reply errors seen, to log them with backoff.
+    script_errors: AtomicU64,
+}
+
+fn ms_ceil(us: i64) -> u64 {
+    if us <= 0 {
+        0
+    } else {
+        (us as u64).div_ceil(1000)
+    }
+}
+
+impl Limiter {
+    pub fn new(store: Arc<Store>, local: Arc<MemoryStore>, metrics: Arc<Metrics>) -> Self {
+        Limiter {
+            store,
+            local,
+            metrics,
+            id_prefix: format!("{:016x}", rand::random::<u64>()),
+            next_id: AtomicU64::new(0),
+            script_errors: AtomicU64::new(0),
+        }
+    }
+
+    fn member(&self, algorithm: Algorithm) -> String {
+        if algorithm == Algorithm::SlidingLog {
+            format!(
+                "{}.{}",
+                self.id_prefix,
+                self.next_id.fetch_add(1, Ordering::Relaxed)
+            )
+        } else {
+            String::new()
+        }
+    }
+
+    /// Decides one check.
+    pub async fn check(&self, check: &Check) -> Result<Decision, Shed> {
+        let key = check.policy.storage_key(&check.key);
+        let d = match self.remembered(check, &key) {
+            Some(d) => d,
+            None => {
+                let _admitted = self.store.admit(1).await?;
+                self.decide(check, &key, &self.member(check.policy.algorithm))
+                    .await
+            }
+        };
+        self.count(&d);
+        Ok(d)
+    }
+
+    /// A denial the store gave this key and that still holds (no Redis call, no permit;
+    /// see [`crate::store::deny_cache`]); counted.
+    fn remembered(&self, check: &Check, key: &str) -> Option<Decision> {
+        let call = store_call(check, key, Op::Check { cost: check.cost }, "");
+        let v = self.store.cached_denial(&call)?;
+        self.metrics
+            .deny_cache_hits
+            .with_label_values(&[check.policy.name.as_str()])
+            .inc();
+        Some(decision(check, &v, Outcome::Denied, None))
+    }
+
+    /// Decides a batch: all checks run concurrently; if any is denied, the others that were
+    /// charged are refunded, so a denied batch costs nothing (envoyproxy/ratelimit#1060).
+    /// Checks whose denial is remembered are answered from memory; the others still go to
+    /// the store (their answers are part of the response).
+    pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
+        let keys: Vec<String> = checks
+            .iter()
+            .map(|c| c.policy.storage_key(&c.key))
+            .collect();
+        let remembered: Vec<Option<Decision>> = checks
+            .iter()
+            .zip(&keys)
+            .map(|(c, k)| self.remembered(c, k))
+            .collect();
+        let asked = remembered.iter().filter(|d| d.is_none()).count();
+        // One permit per check asked; the refunds reuse them.
+        let _admitted = match asked {
+            0 => None,
+            n => self.store.admit(n).await?,
+        };
+        let members: Vec<String> = checks
+            .iter()
+            .map(|c| self.member(c.policy.algorithm))
+            .collect();
+        let mut decisions = futures_util::future::join_all(
+            checks.iter().zip(&keys).zip(&members).zip(remembered).map(
+                |(((c, k), m), known)| async move {
+                    match known {
+                        Some(d) => d,
+                        None => self.decide(c, k, m).await,
+                    }
+                },
+            ),
+        )
+        .await;
+        if decisions.iter().any(|d| !d.allowed) {
+            let refunds = checks
+                .iter()
+                .zip(&keys)
+                .zip(&members)
+                .zip(decisions.iter_mut())
+                .filter(|(_, d)| d.charged.is_some())
+                .map(|(((c, k), m), d)| async move {
+                    if self.refund(c, k, m, d.charged).await {
+                        d.refunded = true;
+                    }
+                });
+            futures_util::future::join_all(refunds).await;
+        }
+        for d in &decisions {
+            self.count(d);
+        }
+        Ok(decisions)
+    }
+
+    /// Forgets a key's state in this region's store and in the local fallback.
+    pub async fn reset(&self, policy: &Policy, key: &str) -> Result<(), ResetError> {
+        let storage_key = policy.storage_key(key);
+        let _admitted = self.store.admit(1).await?;
+        // The store first: when it fails the caller is told nothing changed, so the local
+        // fallback's state must not have changed either.
+        self.store.delete(&storage_key).await?;
+        self.local.delete(&storage_key);
+        Ok(())
+    }
+
+    fn count(&self, d: &Decision) {
+        self.metrics
+            .decisions
+            .with_label_values(&[d.policy.as_str(), d.outcome.name()])
+            .inc();
+    }
+
+    /// `key` is the check's storage key (built once per check by the caller).
+    async fn decide(&self, check: &Check, key: &str, member: &str) -> Decision {
+        let policy = &check.policy;
+        let call = store_call(check, key, Op::Check { cost: check.cost }, member);
+        let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
+        match self.store.apply(&call).await {
+            Ok(v) => {
+                let outcome = if v.allowed {
+                    Outcome::Allowed
+                } else {
+                    Outcome::Denied
+                };
+                decision(check, &v, outcome, charged(&v, Charged::Primary))
+            }
+            Err(e) => {
+                self.metrics.store_error(&e);
+                match e {
+                    // Redis answered with an error or a malformed reply: a bug or a broken
+                    // server, not an outage. Loud, but not once per request: the 1st, 2nd,
+                    // 4th, 8th... occurrence.
+                    StoreError::Command(_) | StoreError::Reply(_) => {
+                        let n = self.script_errors.fetch_add(1, Ordering::Relaxed) + 1;
+                        if n.is_power_of_two() {
+                            tracing::warn!(policy = %policy.name, error = %e, occurrences = n, "limiter script failed");
+                        }
+                    }
+                    StoreError::CircuitOpen => {}
+                    _ => tracing::debug!(policy = %policy.name, error = %e, "store call failed"),
+                }
+                match policy.on_store_error {
+                    FailMode::Open => unenforced(check, true),
+                    FailMode::Closed => unenforced(check, false),
+                    FailMode::Local => match self.local.apply(&call) {
+                        Ok(v) => decision(check, &v, Outcome::Local, charged(&v, Charged::Local)),
+                        // The in-process store is at its bound too: nothing can enforce
+                        // this check, and `local` leans to availability.
+                        Err(full) => {
+                            self.metrics.store_error(&StoreError::Full(full.0));
+                            unenforced(check, true)
+                        }
+                    },
+                }
+            }
+        }
+    }
+
+    async fn refund(
+        &self,
+        check: &Check,
+        key: &str,
+        member: &str,
+        charged: Option<Charged>,
+    ) -> bool {
+        let policy = &check.policy;
+        let call = store_call(check, key, Op::Refund { cost: check.cost }, member);
+        match charged {
+            Some(Charged::Primary) => match self.store.apply(&call).await {
+                Ok(_) => true,
+                Err(e) => {
+                    self.metrics.store_error(&e);
+                    self.metrics.refund_errors.inc();
+                    tracing::debug!(policy = %policy.name, error = %e, "refund failed");
+                    false
+                }
+            },
+            // A refund only lowers a key the store holds: never refused for room.
+            Some(Charged::Local) => self.local.apply(&call).is_ok(),
+            None => false,
+        }
+    }
+}
+
+fn store_call<'a>(check: &'a Check, key: &'a str, op: Op, member: &'a str) -> StoreCall<'a> {
+    StoreCall {
+        algorithm: check.policy.algorithm,
+        limits: check.policy.limits(),
+        key,
+        op,
+        member,
+        global: check.policy.global.as_ref().map(|g| GlobalCall {
+            user_key: &check.key,
+            keys: &g.keys,
+            shape: g.shape,
+        }),
+    }
+}
+
+fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charged>) -> Decision {
+    let policy = &check.policy;
+    let (allowed, outcome) = match (v.allowed, policy.shadow) {
+        (false, true) => (true, Outcome::Shadow),
+        (a, _) => (a, outcome),
+    };
+    Decision {
+        allowed,
+        policy: policy.name.clone(),
+        key: check.key.clone(),
+        outcome,
+        limit: policy.limit.get(),
+        remaining: v.remaining,
+        reset_after_ms: ms_ceil(v.reset_after_us),
+        retry_after_ms: if v.allowed {
+            0
+        } else {
+            ms_ceil(v.retry_after_us)
+        },
+        refunded: false,
+        window_secs: policy.window.as_secs_f64().ceil() as u64,
+        charged,
+    }
+}
+
+/// A decision the store did not make: allowed unenforced (`fail_open`) or denied
+/// (`fail_closed`). `remaining` is 0: nothing is known about the key.
+fn unenforced(check: &Check, open: bool) -> Decision {
+    let policy = &check.policy;
+    Decision {
+        allowed: open,
+        policy: policy.name.clone(),
+        key: check.key.clone(),
+        outcome: if open {
+            Outcome::FailOpen
+        } else {
+            Outcome::FailClosed
+        },
+        limit: policy.limit.get(),
+        remaining: 0,
+        reset_after_ms: 0,
+        retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
+        refunded: false,
+        window_secs: policy.window.as_secs_f64().ceil() as u64,
+        charged: None,
+    }
+}

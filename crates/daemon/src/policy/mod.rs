@@ -1,0 +1,338 @@
+//! Compiled policies: what the limiter enforces, in types that cannot be built invalid, and
+//! the one function that turns a user key into a storage key.
+//!
+//! Policies are built only by [`crate::config`] after validation ([`Policy::new`] re-checks
+//! the invariants it relies on), then shared read-only as a [`Policies`] snapshot.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroU64;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::global::{PolicyKeys, ScriptShape};
+use quotad_core::algorithm::{Algorithm, Limits};
+use quotad_core::coordinator::{GlobalPolicy, Mode};
+
+/// What a policy does when its store cannot answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    /// Allow, unenforced (outcome `fail_open`): availability over strictness.
+    Open,
+    /// Deny (outcome `fail_closed`): for login attempts and expensive operations.
+    Closed,
+    /// Decide with the embedded in-process limiter (outcome `local`): enforced per daemon.
+    Local,
+}
+
+impl FailMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            FailMode::Open => "open",
+            FailMode::Closed => "closed",
+            FailMode::Local => "local",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    pub name: String,
+    pub algorithm: Algorithm,
+    pub limit: NonZeroU64,
+    pub window: Duration,
+    pub burst: NonZeroU64,
+    pub on_store_error: FailMode,
+    pub shadow: bool,
+    /// A global budget: `limit` per `window` is the rate ρ for all regions together.
+    pub global: Option<GlobalSpec>,
+    /// Storage-key prefix up to the user key: `<key_prefix>:<policy>:<algorithm tag>:`.
+    key_stem: String,
+}
+
+/// How a global policy splits its budget (validated by the config layer).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalSpec {
+    /// Bumped by the operator on every re-split; see `coordinator::node`.
+    pub version: u64,
+    /// Escrow weights, by region index (regions sorted by name).
+    pub weights: Vec<f64>,
+    pub mode: Mode,
+    /// Where the policy's shared state lives in the region's Redis.
+    pub keys: PolicyKeys,
+    /// What the scripts need besides the key (this region's escrow as the fallback).
+    pub shape: ScriptShape,
+}
+
+/// Smallest window: the scripts' clock resolution is 1 us, but windows below 1 ms make no
+/// sense for a network service and would make TTLs round to nothing.
+pub const MIN_WINDOW: Duration = Duration::from_millis(1);
+/// Largest window: keeps every microsecond product far inside a double's exact range.
+pub const MAX_WINDOW: Duration = Duration::from_secs(31_557_600); // humantime's "1year"
+pub const MAX_LIMIT: u64 = 1_000_000_000;
+/// See `config::MAX_SLIDING_LOG_LIMIT`.
+pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
+
+/// The limits on rates that keep the scripts' double arithmetic exact (microsecond
+/// timestamps are about 2^51, so a double resolves about 0.25 us there):
+/// - GCRA's emission interval `window / limit` must be at least 1 us, or the theoretical
+///   arrival time cannot advance and the limit never bites (rates above 1,000,000/s);
+/// - for token_bucket and gcra, refilling the whole burst (`burst * window / limit`) must
+///   take at most [`MAX_WINDOW`], so every TTL stays far inside the exact range;
+/// - a sliding log holds at most [`MAX_SLIDING_LOG_LIMIT`] entries.
+pub fn check_rates(
+    algorithm: Algorithm,
+    limit: u64,
+    window: Duration,
+    burst: u64,
+) -> Result<(), String> {
+    let window_us = window.as_micros();
+    match algorithm {
+        Algorithm::Gcra if window_us < limit as u128 => {
+            return Err(format!(
+                "gcra needs window / limit of at least 1us (at most 1000000 per second); {limit} per {} is faster",
+                humantime::format_duration(window)
+            ));
+        }
+        Algorithm::SlidingLog if limit > MAX_SLIDING_LOG_LIMIT => {
+            return Err(format!(
+                "sliding_log allows at most {MAX_SLIDING_LOG_LIMIT} per window"
+            ));
+        }
+        _ => {}
+    }
+    if algorithm.has_burst() && burst as u128 * window_us / limit as u128 > MAX_WINDOW.as_micros() {
+        return Err(format!(
+            "refilling burst {burst} at {limit} per {} takes longer than a year",
+            humantime::format_duration(window)
+        ));
+    }
+    Ok(())
+}
+
+/// What a config entry asks for; [`Policy::new`] checks it.
+#[derive(Debug, Clone)]
+pub struct PolicySpec<'a> {
+    pub name: &'a str,
+    pub algorithm: Algorithm,
+    pub limit: u64,
+    pub window: Duration,
+    /// Capacity for token_bucket / gcra; `None` means `limit`.
+    pub burst: Option<u64>,
+    pub on_store_error: FailMode,
+    pub shadow: bool,
+    pub global: Option<GlobalSpec>,
+}
+
+impl Policy {
+    /// Builds a policy; `None` if an invariant fails (config validation reports why first).
+    pub fn new(key_prefix: &str, spec: PolicySpec<'_>) -> Option<Policy> {
+        let PolicySpec {
+            name,
+            algorithm,
+            limit,
+            window,
+            burst,
+            on_store_error,
+            shadow,
+            global,
+        } = spec;
+        let limit = NonZeroU64::new(limit).filter(|l| l.get() <= MAX_LIMIT)?;
+        let burst = match (algorithm.has_burst(), burst) {
+            (true, Some(b)) => NonZeroU64::new(b).filter(|b| b.get() <= MAX_LIMIT)?,
+            (_, None) => limit,
+            (false, Some(_)) => return None,
+        };
+        if !(MIN_WINDOW..=MAX_WINDOW).contains(&window)
+            || !valid_name(name)
+            || !valid_prefix(key_prefix)
+            || check_rates(algorithm, limit.get(), window, burst.get()).is_err()
+        {
+            return None;
+        }
+        Some(Policy {
+            name: name.to_owned(),
+            algorithm,
+            limit,
+            window,
+            burst,
+            on_store_error,
+            shadow,
+            // Global keys hold a bucket, a lease book and counters: their own shape.
+            key_stem: match global {
+                Some(_) => format!("{key_prefix}:{name}:g:"),
+                None => format!("{key_prefix}:{name}:{}:", algorithm.key_tag()),
+            },
+            global,
+        })
+    }
+
+    /// The rate as units per second (a global policy's ρ).
+    pub fn rate_per_second(&self) -> f64 {
+        self.limit.get() as f64 / self.window.as_secs_f64()
+    }
+
+    /// The coordinator's view of a global policy.
+    pub fn global_policy(&self) -> Option<GlobalPolicy> {
+        let g = self.global.as_ref()?;
+        Some(GlobalPolicy::from_weights(
+            &self.name,
+            g.version,
+            self.rate_per_second(),
+            self.burst.get() as f64,
+            &g.weights,
+            g.mode,
+        ))
+    }
+
+    pub fn limits(&self) -> Limits {
+        Limits {
+            limit: self.limit.get(),
+            window_us: self.window.as_micros() as i64,
+            burst: self.burst.get(),
+        }
+    }
+
+    /// The largest cost a single request may ask for.
+    pub fn capacity(&self) -> u64 {
+        self.limits().capacity(self.algorithm)
+    }
+
+    /// The storage key for a user key: `<prefix>:<policy>:<alg>:{<escaped key>}`.
+    ///
+    /// This is the only place storage keys are built. The user key sits inside a Redis
+    /// Cluster hash tag, escaped so it contains no `{` or `}`: no key can move another key's
+    /// slot or end the tag early. The escaping (`%` `{` `}` to `%25` `%7B` `%7D`) is
+    /// injective and policy names contain no `:`, so distinct (policy, key) pairs never share
+    /// a storage key.
+    pub fn storage_key(&self, key: &str) -> String {
+        let mut out = String::with_capacity(self.key_stem.len() + key.len() + 2);
+        out.push_str(&self.key_stem);
+        out.push('{');
+        for c in key.chars() {
+            match c {
+                '%' => out.push_str("%25"),
+                '{' => out.push_str("%7B"),
+                '}' => out.push_str("%7D"),
+                c => out.push(c),
+            }
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// Policy names: 1-64 of `[A-Za-z0-9_.-]` (they appear in keys, metrics labels and URLs).
+pub fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// Key prefixes follow the same rule as names.
+pub fn valid_prefix(prefix: &str) -> bool {
+    valid_name(prefix)
+}
+
+/// The loaded policies, by name. Shared read-only; a reload would swap the whole snapshot.
+#[derive(Debug, Clone, Default)]
+pub struct Policies {
+    by_name: BTreeMap<String, Arc<Policy>>,
+}
+
+impl Policies {
+    pub fn new(policies: impl IntoIterator<Item = Policy>) -> Self {
+        Policies {
+            by_name: policies
+                .into_iter()
+                .map(|p| (p.name.clone(), Arc::new(p)))
+                .collect(),
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Arc<Policy>> {
+        self.by_name.get(name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Policy>> {
+        self.by_name.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(
+        name: &str,
+        algorithm: Algorithm,
+        limit: u64,
+        window: Duration,
+        burst: Option<u64>,
+    ) -> PolicySpec<'_> {
+        PolicySpec {
+            name,
+            algorithm,
+            limit,
+            window,
+            burst,
+            on_store_error: FailMode::Open,
+            shadow: false,
+            global: None,
+        }
+    }
+
+    fn policy(name: &str) -> Policy {
+        Policy::new(
+            "rl",
+            spec(
+                name,
+                Algorithm::TokenBucket,
+                10,
+                Duration::from_secs(1),
+                None,
+            ),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn storage_keys_cannot_escape_their_hash_tag_or_collide() {
+        let p = policy("api");
+        assert_eq!(p.storage_key("alice"), "rl:api:tb:{alice}");
+        assert_eq!(p.storage_key("a}b{c"), "rl:api:tb:{a%7Db%7Bc}");
+        assert_ne!(p.storage_key("%7B"), p.storage_key("{"));
+        assert_ne!(policy("a").storage_key("x"), policy("b").storage_key("x"));
+        let k = p.storage_key("x}y");
+        let tag_start = k.find('{').unwrap();
+        let tag_end = k[tag_start..].find('}').unwrap() + tag_start;
+        assert_eq!(tag_end, k.len() - 1, "the tag spans the whole user key");
+    }
+
+    #[test]
+    fn invalid_policies_cannot_be_built() {
+        let mk =
+            |limit, window, burst, alg| Policy::new("rl", spec("p", alg, limit, window, burst));
+        let s = Duration::from_secs(1);
+        assert!(mk(0, s, None, Algorithm::FixedWindow).is_none());
+        assert!(mk(1, Duration::ZERO, None, Algorithm::FixedWindow).is_none());
+        assert!(mk(1, s, Some(5), Algorithm::FixedWindow).is_none());
+        assert!(mk(1, s, Some(0), Algorithm::TokenBucket).is_none());
+        assert!(Policy::new("rl", spec("a:b", Algorithm::Gcra, 1, s, None)).is_none());
+        // GCRA faster than 1 unit per microsecond; a burst that takes over a year to refill;
+        // a sliding log over its cap.
+        assert!(mk(10_000, Duration::from_millis(1), Some(1), Algorithm::Gcra).is_none());
+        assert!(mk(1_000, Duration::from_millis(1), Some(1), Algorithm::Gcra).is_some());
+        assert!(mk(1, MAX_WINDOW, Some(2), Algorithm::TokenBucket).is_none());
+        assert!(mk(10_001, s, None, Algorithm::SlidingLog).is_none());
+        assert_eq!(
+            mk(2, s, Some(5), Algorithm::TokenBucket)
+                .unwrap()
+                .capacity(),
+            5
+        );
+    }
+}

@@ -1,0 +1,364 @@
+//! Global policies in a region's Redis: where their state lives, how the scripts in
+//! `lua/global/` are called, and how a key's hash reads back as a
+//! [`KeySlot`] (the model the scripts are tested against).
+//!
+//! Per user key, one hash holds the bucket, the lease book and the counters (see
+//! `lua/global/common.lua`). Per policy: a meta hash with the default escrow, a sorted set
+//! of recently active keys (score: Redis time of the last check), and the set of keys with
+//! a book (recovery after a coordinator restart). Per region: the coordinator lock and its
+//! fencing counter. The per-policy and per-region keys are outside the user key's hash
+//! slot, so this layout needs one Redis (or a cluster's rework; see docs/global-budgets.md).
+
+use redis::{Script, ScriptInvocation};
+
+use quotad_core::algorithm::{Op, State};
+use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot};
+use quotad_core::coordinator::demand::Counters;
+use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
+use quotad_core::coordinator::{LocalUs, RegionId};
+
+/// The per-policy keys of a global policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyKeys {
+    pub meta: String,
+    pub active: String,
+    pub books: String,
+}
+
+impl PolicyKeys {
+    /// `<prefix>:<policy>:g:meta` and so on: user keys of the policy are
+    /// `<prefix>:<policy>:g:{...}`, always with a brace, so none can collide with these.
+    pub fn new(key_prefix: &str, policy: &str) -> Self {
+        let stem = format!("{key_prefix}:{policy}:g:");
+        PolicyKeys {
+            meta: format!("{stem}meta"),
+            active: format!("{stem}active"),
+            books: format!("{stem}books"),
+        }
+    }
+}
+
+/// The region's coordinator lock (value: the holder's instance id) and its fencing counter
+/// (value: the holder's token; every coordinator write checks it).
+pub fn lock_key(key_prefix: &str) -> String {
+    format!("{key_prefix}:coordinator:lock")
+}
+
+pub fn fence_key(key_prefix: &str) -> String {
+    format!("{key_prefix}:coordinator:fence")
+}
+
+/// The replication ID the region's books were last written under (failover detection).
+pub fn replid_key(key_prefix: &str) -> String {
+    format!("{key_prefix}:coordinator:replid")
+}
+
+/// What every script of a policy needs besides the key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScriptShape {
+    pub rho: f64,
+    pub burst: f64,
+    pub step_tolerance_us: i64,
+    /// The escrow of this region in the running config: applied to keys without a book
+    /// while the coordinator has never written a default (a first start).
+    pub fallback_escrow: f64,
+    /// Lifetime of every key of the policy after its last touch, longer than any lease.
+    pub keep_ms: i64,
+}
+
+impl ScriptShape {
+    /// The five numbers, in the order `shape_args` in `lua/global/common.lua` reads them.
+    fn push(&self, inv: &mut ScriptInvocation<'_>) {
+        inv.arg(self.rho)
+            .arg(self.burst)
+            .arg(self.step_tolerance_us)
+            .arg(self.fallback_escrow)
+            .arg(self.keep_ms);
+    }
+}
+
+/// The optional last argument of every script: the time, in tests only.
+fn push_now(inv: &mut ScriptInvocation<'_>, now_us: Option<i64>) {
+    if let Some(now) = now_us {
+        inv.arg(now);
+    }
+}
+
+/// The decision script's call for one operation; `now_us` only in tests.
+pub fn check_invocation<'a>(
+    script: &'a Script,
+    storage_key: &str,
+    user_key: &str,
+    keys: &PolicyKeys,
+    shape: &ScriptShape,
+    op: Op,
+    now_us: Option<i64>,
+) -> ScriptInvocation<'a> {
+    let (mode, cost) = match op {
+        Op::Check { cost } => ("check", cost),
+        Op::Refund { cost } => ("refund", cost),
+    };
+    let mut inv = script.prepare_invoke();
+    inv.key(storage_key)
+        .key(&keys.meta)
+        .key(&keys.active)
+        .arg(mode)
+        .arg(cost);
+    shape.push(&mut inv);
+    inv.arg(user_key);
+    push_now(&mut inv, now_us);
+    inv
+}
+
+/// The book-write script's call: fenced by `token`.
+#[allow(clippy::too_many_arguments)]
+pub fn write_book_invocation<'a>(
+    script: &'a Script,
+    storage_key: &str,
+    user_key: &str,
+    keys: &PolicyKeys,
+    fence_key: &str,
+    token: u64,
+    shape: &ScriptShape,
+    book: &LeaseBook,
+    now_us: Option<i64>,
+) -> ScriptInvocation<'a> {
+    let mut inv = script.prepare_invoke();
+    inv.key(storage_key)
+        .key(&keys.meta)
+        .key(fence_key)
+        .key(&keys.books)
+        .arg(token);
+    shape.push(&mut inv);
+    inv.arg(user_key)
+        .arg(book.escrow)
+        .arg(reservations_arg(&book.reserved))
+        .arg(loans_arg(&book.borrowed))
+        .arg(if book.high_water == LocalUs::MIN {
+            String::new()
+        } else {
+            book.high_water.to_string()
+        })
+        .arg(book.epoch);
+    push_now(&mut inv, now_us);
+    inv
+}
+
+/// The failover script's call: drops the key's loans, fenced by `token`.
+pub fn drop_loans_invocation<'a>(
+    script: &'a Script,
+    storage_key: &str,
+    keys: &PolicyKeys,
+    fence_key: &str,
+    token: u64,
+    shape: &ScriptShape,
+    now_us: Option<i64>,
+) -> ScriptInvocation<'a> {
+    let mut inv = script.prepare_invoke();
+    inv.key(storage_key)
+        .key(&keys.meta)
+        .key(fence_key)
+        .arg(token);
+    shape.push(&mut inv);
+    push_now(&mut inv, now_us);
+    inv
+}
+
+/// The default-escrow script's call, fenced by `token`.
+pub fn set_default_invocation<'a>(
+    script: &'a Script,
+    keys: &PolicyKeys,
+    fence_key: &str,
+    token: u64,
+    escrow: f64,
+    keep_ms: i64,
+    now_us: Option<i64>,
+) -> ScriptInvocation<'a> {
+    let mut inv = script.prepare_invoke();
+    inv.key(&keys.meta)
+        .key(fence_key)
+        .arg(token)
+        .arg(escrow)
+        .arg(keep_ms);
+    push_now(&mut inv, now_us);
+    inv
+}
+
+pub fn reservations_arg(reserved: &[Reservation]) -> String {
+    words(
+        reserved
+            .iter()
+            .map(|r| format!("{} {} {} {}", r.borrower.0, r.seq, r.amount, r.until)),
+    )
+}
+
+pub fn loans_arg(loans: &[Loan]) -> String {
+    words(loans.iter().map(|l| {
+        format!(
+            "{} {} {} {} {}",
+            l.lender.0, l.lender_incarnation, l.seq, l.amount, l.until
+        )
+    }))
+}
+
+fn words(groups: impl Iterator<Item = String>) -> String {
+    groups.collect::<Vec<_>>().join(" ")
+}
+
+/// The hash fields [`decode_slot`] reads, in its order.
+pub const SLOT_FIELDS: [&str; 9] = ["t", "ts", "e", "r", "l", "hw", "ep", "a", "x"];
+
+/// A key's hash (the values of [`SLOT_FIELDS`]) as the model's [`KeySlot`].
+pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, String> {
+    if v.len() != SLOT_FIELDS.len() {
+        return Err(format!("expected {} fields", SLOT_FIELDS.len()));
+    }
+    let field = |i: usize| v[i].as_deref();
+    let bucket = match (field(0), field(1)) {
+        (Some(t), Some(ts)) => Some(State::Bucket {
+            tokens: parse(t, "t")?,
+            ts: parse_int(ts, "ts")?,
+        }),
+        _ => None,
+    };
+    let book = match field(2) {
+        None => None,
+        Some(e) => Some(LeaseBook {
+            escrow: parse(e, "e")?,
+            reserved: groups(field(3).unwrap_or(""), 4, "r")?
+                .into_iter()
+                .map(|g| {
+                    Ok(Reservation {
+                        borrower: RegionId(parse_int(g[0], "r")?),
+                        seq: parse_int(g[1], "r")?,
+                        amount: parse(g[2], "r")?,
+                        until: parse_int(g[3], "r")?,
+                    })
+                })
+                .collect::<Result<_, String>>()?,
+            borrowed: groups(field(4).unwrap_or(""), 5, "l")?
+                .into_iter()
+                .map(|g| {
+                    Ok(Loan {
+                        lender: RegionId(parse_int(g[0], "l")?),
+                        lender_incarnation: parse_int(g[1], "l")?,
+                        seq: parse_int(g[2], "l")?,
+                        amount: parse(g[3], "l")?,
+                        until: parse_int(g[4], "l")?,
+                    })
+                })
+                .collect::<Result<_, String>>()?,
+            high_water: match field(5) {
+                Some(hw) => parse_int(hw, "hw")?,
+                None => LocalUs::MIN,
+            },
+            epoch: field(6).map_or(Ok(0), |e| parse_int(e, "ep"))?,
+        }),
+    };
+    let counters = Counters {
+        admitted: field(7).map_or(Ok(0), |a| parse_int(a, "a"))?,
+        rejected: field(8).map_or(Ok(0), |x| parse_int(x, "x"))?,
+    };
+    Ok(KeySlot {
+        book,
+        bucket,
+        counters,
+    })
+}
+
+/// The meta hash's `d`, `dp`, `dt`; `None` when no default was ever written.
+pub fn decode_default(v: &[Option<String>]) -> Result<Option<DefaultEscrow>, String> {
+    let Some(d) = v.first().and_then(|d| d.as_deref()) else {
+        return Ok(None);
+    };
+    let escrow = parse(d, "d")?;
+    Ok(Some(DefaultEscrow {
+        escrow,
+        before: match v.get(1).and_then(|x| x.as_deref()) {
+            Some(dp) => parse(dp, "dp")?,
+            None => escrow,
+        },
+        since: match v.get(2).and_then(|x| x.as_deref()) {
+            Some(dt) => parse_int(dt, "dt")?,
+            None => LocalUs::MIN,
+        },
+    }))
+}
+
+fn groups<'s>(s: &'s str, width: usize, field: &str) -> Result<Vec<Vec<&'s str>>, String> {
+    let words: Vec<&str> = s.split_ascii_whitespace().collect();
+    if words.len() % width != 0 {
+        return Err(format!(
+            "{field}: {} words, not groups of {width}",
+            words.len()
+        ));
+    }
+    Ok(words.chunks(width).map(|c| c.to_vec()).collect())
+}
+
+fn parse(s: &str, field: &str) -> Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|x| x.is_finite())
+        .ok_or_else(|| format!("{field}: not a number: {s:?}"))
+}
+
+/// Integers the scripts wrote with `%d` (or a double that holds an integer).
+fn parse_int<T: TryFrom<i64>>(s: &str, field: &str) -> Result<T, String> {
+    let n = match s.parse::<i64>() {
+        Ok(n) => n,
+        Err(_) => {
+            let x = parse(s, field)?;
+            if x.fract() != 0.0 || x.abs() > 9.0e15 {
+                return Err(format!("{field}: not an integer: {s:?}"));
+            }
+            x as i64
+        }
+    };
+    T::try_from(n).map_err(|_| format!("{field}: out of range: {s:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_book_round_trips_through_the_hash_encoding() {
+        let book = LeaseBook {
+            escrow: 333.3333333333333,
+            reserved: vec![Reservation {
+                borrower: RegionId(2),
+                seq: 7,
+                amount: 0.1 + 0.2,
+                until: 1_764_000_000_123_456,
+            }],
+            borrowed: vec![Loan {
+                lender: RegionId(0),
+                lender_incarnation: 12,
+                seq: 3,
+                amount: 1e-7,
+                until: 1_764_000_000_999_999,
+            }],
+            high_water: 1_764_000_000_000_001,
+            epoch: 4,
+        };
+        let v = vec![
+            Some("1.5".to_owned()),
+            Some("1764000000000000".to_owned()),
+            Some(book.escrow.to_string()),
+            Some(reservations_arg(&book.reserved)),
+            Some(loans_arg(&book.borrowed)),
+            Some(book.high_water.to_string()),
+            Some("4".to_owned()),
+            Some("10".to_owned()),
+            None,
+        ];
+        let slot = decode_slot(&v).unwrap();
+        assert_eq!(slot.book, Some(book));
+        assert_eq!(slot.counters.admitted, 10);
+        assert!(decode_slot(&[const { None }; 8]).is_err());
+        let mut bad = v.clone();
+        bad[3] = Some("1 2 3".to_owned());
+        assert!(decode_slot(&bad).is_err());
+    }
+}

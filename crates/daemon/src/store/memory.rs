@@ -1,0 +1,386 @@
+//! The embedded store: the five algorithms of [`quotad_core::algorithm`] over an in-process map.
+//!
+//! It serves three purposes with one implementation: zero-setup mode (`redis = "memory"`,
+//! and `quotad serve` without a config), the `local` fallback when Redis is unreachable,
+//! and the reference model that the Lua scripts are tested against.
+//!
+//! State is sharded over several mutexes so concurrent requests for different keys rarely
+//! contend; a critical section is one hash lookup and one pure function call, with no
+//! await inside, so a std mutex is the right primitive. Expired entries are dropped when
+//! touched and by [`MemoryStore::sweep`], which the app runs periodically.
+//!
+//! Bounded: at most `max_keys` keys (plain and global together). At the bound a check that
+//! would create a key fails with [`Full`] and changes nothing: the limiter treats it like a
+//! store that cannot answer, so the policy's `on_store_error` decides (for the `local`
+//! fallback, which is this store already: `fail_open`), and it is counted as a store error
+//! of kind `full`. Keys already held keep working; expired ones free their room at the
+//! next sweep. Evicting instead would silently reset some other key's limit.
+
+use std::collections::{BTreeSet, HashMap};
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::config::GLOBAL_KEEP_MS;
+use crate::store::global::{PolicyKeys, ScriptShape};
+use crate::store::{GlobalCall, StoreCall};
+use quotad_core::algorithm::{self, Op, State, Verdict, Write};
+use quotad_core::clock::Clock;
+use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
+
+const SHARDS: usize = 32;
+
+struct Entry {
+    state: State,
+    expires_at_us: i64,
+}
+
+/// The store holds its maximum number of keys: a new one is refused, nothing changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the embedded store holds its maximum of {0} keys")]
+pub struct Full(pub usize);
+
+pub struct MemoryStore {
+    shards: Vec<Mutex<HashMap<String, Entry>>>,
+    /// Keys held (plain and global), and the bound on them.
+    keys: AtomicUsize,
+    max_keys: usize,
+    hasher: RandomState,
+    clock: Arc<dyn Clock>,
+    /// Keys of global policies (zero-setup multi-region, `quotad demo` without Redis).
+    global: Mutex<GlobalState>,
+}
+
+/// Global policies in the embedded store: what `lua/global/` keeps in Redis, under the same
+/// key names, run through the same model ([`KeySlot`]). One mutex: global keys are the hot
+/// few the coordinator trades, not the long tail.
+#[derive(Default)]
+pub struct GlobalState {
+    pub slots: HashMap<String, KeySlot>,
+    /// By meta key: the default escrow of keys without a book.
+    pub defaults: HashMap<String, DefaultEscrow>,
+    /// By active key: user key → store time of its last check.
+    pub active: HashMap<String, HashMap<String, i64>>,
+    /// By books key: keys with a book.
+    pub books: HashMap<String, BTreeSet<String>>,
+}
+
+impl GlobalState {
+    pub fn default_for(&self, keys: &PolicyKeys, shape: &ScriptShape) -> DefaultEscrow {
+        self.defaults
+            .get(&keys.meta)
+            .copied()
+            .unwrap_or(DefaultEscrow::new(shape.fallback_escrow))
+    }
+}
+
+/// The model's numbers from a policy's script shape.
+pub fn shape_of(s: &ScriptShape) -> Shape {
+    Shape {
+        rho: s.rho,
+        burst: s.burst,
+        step_tolerance: s.step_tolerance_us,
+    }
+}
+
+/// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/prelude.lua).
+pub const TTL_GRACE_MS: i64 = 1000;
+
+/// The TTL the Lua scripts set for a state that is equivalent to absent after `us`:
+/// whole milliseconds rounded up, plus [`TTL_GRACE_MS`] (see `ttl_ms` in lua/prelude.lua).
+pub fn ttl_ms(us: i64) -> i64 {
+    ((us.max(0) as u64).div_ceil(1000) as i64).saturating_add(TTL_GRACE_MS)
+}
+
+impl MemoryStore {
+    pub fn new(clock: Arc<dyn Clock>, max_keys: usize) -> Self {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            keys: AtomicUsize::new(0),
+            max_keys,
+            hasher: RandomState::new(),
+            clock,
+            global: Mutex::new(GlobalState::default()),
+        }
+    }
+
+    pub fn now_us(&self) -> i64 {
+        self.clock.now_us()
+    }
+
+    /// The global keys, for the coordinator's store ([`crate::federation`]).
+    pub fn global(&self) -> MutexGuard<'_, GlobalState> {
+        self.global.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes room for one more key, or refuses at the bound (the coordinator's book
+    /// writes on the embedded store call it for a key without a slot).
+    pub fn reserve(&self) -> Result<(), Full> {
+        let n = self.keys.fetch_add(1, Ordering::AcqRel);
+        if n >= self.max_keys {
+            self.keys.fetch_sub(1, Ordering::AcqRel);
+            return Err(Full(self.max_keys));
+        }
+        Ok(())
+    }
+
+    fn released(&self, n: usize) {
+        if n > 0 {
+            self.keys.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// One decision on a key of a global policy (what `lua/global/check.lua` does).
+    pub fn apply_global(&self, call: &StoreCall<'_>, g: &GlobalCall<'_>) -> Result<Verdict, Full> {
+        let now = self.clock.now_us();
+        let mut st = self.global();
+        let d = st.default_for(g.keys, &g.shape);
+        if !st.slots.contains_key(call.key) {
+            self.reserve()?;
+        }
+        let slot = st.slots.entry(call.key.to_owned()).or_default();
+        let v = slot.decide(&d, &shape_of(&g.shape), now, call.op);
+        if let Op::Check { cost: 1.. } = call.op {
+            st.active
+                .entry(g.keys.active.clone())
+                .or_default()
+                .insert(g.user_key.to_owned(), now);
+        }
+        Ok(v)
+    }
+
+    fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Entry>> {
+        let i = (self.hasher.hash_one(key) as usize) % SHARDS;
+        // A poisoned shard only means another thread panicked mid-update of a plain map;
+        // the map itself is still consistent (updates are single inserts/removes).
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, Full> {
+        let now = self.clock.now_us();
+        let mut map = self.shard(call.key);
+        let held = map.contains_key(call.key);
+        let state = match map.get(call.key) {
+            Some(e) if e.expires_at_us > now => Some(&e.state),
+            _ => None,
+        };
+        let out = algorithm::apply(
+            call.algorithm,
+            &call.limits,
+            state,
+            now,
+            call.op,
+            call.member,
+        );
+        match out.write {
+            Write::Keep => {}
+            Write::Put { state, ttl_us } => {
+                if !held {
+                    self.reserve()?;
+                }
+                let expires_at_us = now.saturating_add(ttl_ms(ttl_us).saturating_mul(1000));
+                map.insert(
+                    call.key.to_owned(),
+                    Entry {
+                        state,
+                        expires_at_us,
+                    },
+                );
+            }
+            Write::Delete => {
+                if map.remove(call.key).is_some() {
+                    self.released(1);
+                }
+            }
+        }
+        Ok(out.verdict)
+    }
+
+    pub fn delete(&self, key: &str) {
+        if self.shard(key).remove(key).is_some() {
+            self.released(1);
+        }
+    }
+
+    /// Drops every expired entry. O(keys); run it from a background task.
+    pub fn sweep(&self) -> usize {
+        let now = self.clock.now_us();
+        let mut dropped = self.sweep_global(now);
+        for shard in &self.shards {
+            let mut map = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let before = map.len();
+            map.retain(|_, e| e.expires_at_us > now);
+            dropped += before - map.len();
+        }
+        self.released(dropped);
+        dropped
+    }
+
+    /// Global keys idle for [`GLOBAL_KEEP_MS`] go, as their Redis keys expire: the last
+    /// write of the bucket and the book's high-water mark are both that old, so no lease
+    /// in the book still counts (leases are far shorter).
+    fn sweep_global(&self, now: i64) -> usize {
+        let horizon = now - GLOBAL_KEEP_MS * 1000;
+        let mut st = self.global();
+        let before = st.slots.len();
+        st.slots.retain(|_, slot| {
+            let written = match slot.bucket {
+                Some(State::Bucket { ts, .. }) => ts,
+                _ => i64::MIN,
+            };
+            let seen = slot.book.as_ref().map_or(i64::MIN, |b| b.high_water);
+            written.max(seen) > horizon
+        });
+        for active in st.active.values_mut() {
+            active.retain(|_, t| *t > horizon);
+        }
+        // (The books index may keep names of swept keys: readers skip keys without a slot.)
+        before - st.slots.len()
+    }
+
+    /// Keys held, plain and global (expired ones until the next sweep).
+    pub fn len(&self) -> usize {
+        self.keys.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quotad_core::algorithm::{Algorithm, Limits, Op};
+    use quotad_core::clock::ManualClock;
+
+    #[test]
+    fn expired_state_reads_as_absent_and_sweeps() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone(), 1000);
+        let call = StoreCall {
+            algorithm: Algorithm::FixedWindow,
+            limits: Limits {
+                limit: 1,
+                window_us: 1_000_000,
+                burst: 1,
+            },
+            key: "k",
+            op: Op::Check { cost: 1 },
+            member: "m",
+            global: None,
+        };
+        assert!(store.apply(&call).unwrap().allowed);
+        assert!(!store.apply(&call).unwrap().allowed);
+        assert_eq!(store.len(), 1);
+        clock.advance(1_000_000 + TTL_GRACE_MS * 1000 + 1000);
+        assert_eq!(store.sweep(), 1);
+        assert_eq!(store.len(), 0);
+        assert!(store.apply(&call).unwrap().allowed);
+    }
+
+    #[test]
+    fn at_the_bound_a_new_key_is_refused_and_held_keys_keep_working() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone(), 3);
+        let call = |key: &'static str, op: Op| StoreCall {
+            algorithm: Algorithm::SlidingLog,
+            limits: Limits {
+                limit: 2,
+                window_us: 1_000_000,
+                burst: 2,
+            },
+            key,
+            op,
+            member: "m",
+            global: None,
+        };
+        for k in ["a", "b", "c"] {
+            assert!(
+                store
+                    .apply(&call(k, Op::Check { cost: 1 }))
+                    .unwrap()
+                    .allowed
+            );
+        }
+        assert_eq!(store.apply(&call("d", Op::Check { cost: 1 })), Err(Full(3)));
+        // A peek on a new key writes nothing, so it is answered.
+        assert!(
+            store
+                .apply(&call("d", Op::Check { cost: 0 }))
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            store
+                .apply(&call("a", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            !store
+                .apply(&call("a", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
+        assert_eq!(store.len(), 3);
+        store.delete("b");
+        assert!(
+            store
+                .apply(&call("d", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
+        assert_eq!(store.apply(&call("e", Op::Check { cost: 1 })), Err(Full(3)));
+        clock.advance(3_000_000);
+        assert_eq!(store.sweep(), 3);
+        assert!(
+            store
+                .apply(&call("e", Op::Check { cost: 1 }))
+                .unwrap()
+                .allowed
+        );
+    }
+
+    #[test]
+    fn idle_global_keys_are_swept_like_their_redis_keys_expire() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone(), 1000);
+        let keys = PolicyKeys::new("rl", "g");
+        let global = GlobalCall {
+            user_key: "k",
+            keys: &keys,
+            shape: ScriptShape {
+                rho: 10.0,
+                burst: 10.0,
+                step_tolerance_us: 50_000,
+                fallback_escrow: 5.0,
+                keep_ms: GLOBAL_KEEP_MS,
+            },
+        };
+        let call = StoreCall {
+            algorithm: Algorithm::TokenBucket,
+            limits: Limits {
+                limit: 10,
+                window_us: 1_000_000,
+                burst: 10,
+            },
+            key: "rl:g:g:{k}",
+            op: Op::Check { cost: 5 },
+            member: "",
+            global: Some(global),
+        };
+        assert!(
+            store.apply_global(&call, &global).unwrap().allowed,
+            "5 of the escrow's 5"
+        );
+        assert!(!store.apply_global(&call, &global).unwrap().allowed);
+        clock.advance(GLOBAL_KEEP_MS * 1000 - 1);
+        assert_eq!(store.sweep(), 0, "not idle for the keep time yet");
+        assert_eq!(store.global().slots.len(), 1);
+        clock.advance(2);
+        assert_eq!(store.sweep(), 1);
+        assert!(store.global().slots.is_empty());
+        assert!(store.global().active.values().all(|a| a.is_empty()));
+    }
+}

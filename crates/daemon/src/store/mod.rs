@@ -1,0 +1,178 @@
+//! Where limiter state lives: a Redis server (one Lua script per decision) or the embedded
+//! in-process map (the same algorithms in Rust).
+//!
+//! This module owns the storage boundary: the call shape, the error enum, and dispatch to
+//! a backend. It knows nothing of policies, fail modes or HTTP; the limiter decides what an
+//! error means for a request.
+
+pub mod admission;
+pub mod breaker;
+pub mod deny_cache;
+pub mod global;
+pub mod memory;
+pub mod redis;
+pub mod scripts;
+
+use quotad_core::algorithm::{Algorithm, Limits, Op, Verdict};
+
+/// One operation on one key.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreCall<'a> {
+    pub algorithm: Algorithm,
+    pub limits: Limits,
+    /// The storage key, built by [`crate::policy::storage_key`] and nowhere else.
+    pub key: &'a str,
+    pub op: Op,
+    /// Unique id of the request (sliding-log entries).
+    pub member: &'a str,
+    /// A key of a global policy: the regional bucket script instead of `algorithm`'s.
+    pub global: Option<GlobalCall<'a>>,
+}
+
+/// What a decision on a global policy's key needs beyond [`StoreCall`].
+#[derive(Debug, Clone, Copy)]
+pub struct GlobalCall<'a> {
+    /// The key as the client sent it: the coordinator's name for it.
+    pub user_key: &'a str,
+    pub keys: &'a global::PolicyKeys,
+    pub shape: global::ScriptShape,
+}
+
+/// Why a store could not answer. Every variant means "no decision was made"; none is a
+/// denial. The `kind` is the `quotad_store_errors_total` label.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store call timed out after {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("store unreachable: {0}")]
+    Connection(String),
+    #[error("circuit open: store recently failed, not tried")]
+    CircuitOpen,
+    #[error("store answered with an error: {0}")]
+    Command(String),
+    #[error("unexpected reply from the limiter script: {0}")]
+    Reply(String),
+    /// The embedded store holds its maximum of keys and this check would add one.
+    #[error("the embedded store is full ({0} keys)")]
+    Full(usize),
+}
+
+impl StoreError {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Connection(_) => "connection",
+            StoreError::CircuitOpen => "circuit_open",
+            StoreError::Command(_) => "command",
+            StoreError::Reply(_) => "reply",
+            StoreError::Full(_) => "full",
+        }
+    }
+
+    /// The label values of `kind`, for pre-registering metric series.
+    pub const KINDS: [&'static str; 6] = [
+        "timeout",
+        "connection",
+        "circuit_open",
+        "command",
+        "reply",
+        "full",
+    ];
+}
+
+/// A script's reply past 2^53 microseconds means "never" (a global key at a zero rate).
+pub const NEVER_US: i64 = 1 << 53;
+
+/// Every limiter script replies `{allowed, remaining, reset_after_us, retry_after_us}`.
+pub fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
+    let wait = |v: i64| if v >= NEVER_US { i64::MAX } else { v };
+    match reply {
+        [allowed, remaining, reset, retry]
+            if (*allowed == 0 || *allowed == 1) && *remaining >= 0 =>
+        {
+            Ok(Verdict {
+                allowed: *allowed == 1,
+                remaining: *remaining as u64,
+                reset_after_us: wait(*reset),
+                retry_after_us: wait(*retry),
+            })
+        }
+        other => Err(StoreError::Reply(format!("{other:?}"))),
+    }
+}
+
+/// The configured backend. An enum rather than a trait object: there are exactly two, and
+/// static dispatch keeps the request path free of boxing.
+pub enum Store {
+    Redis(std::sync::Arc<redis::RedisStore>),
+    Memory(std::sync::Arc<memory::MemoryStore>),
+}
+
+impl Store {
+    /// Admission for a request that will make `calls` store calls: Redis permits (see
+    /// [`admission`]), or nothing to wait for in memory. Hold the result until the calls,
+    /// refunds included, are done.
+    pub async fn admit(
+        &self,
+        calls: usize,
+    ) -> Result<Option<admission::Admitted<'_>>, admission::Shed> {
+        match self {
+            Store::Redis(r) => r.admit(calls).await,
+            Store::Memory(_) => Ok(None),
+        }
+    }
+
+    /// A denial of this call remembered from the store and still in force: answering it
+    /// costs no Redis call (see [`deny_cache`]). Never for the embedded store.
+    pub fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
+        match self {
+            Store::Redis(r) => r.cached_denial(call),
+            Store::Memory(_) => None,
+        }
+    }
+
+    pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Redis(r) => r.apply(call).await,
+            Store::Memory(m) => match &call.global {
+                Some(g) => m.apply_global(call, g),
+                None => m.apply(call),
+            }
+            .map_err(|e| StoreError::Full(e.0)),
+        }
+    }
+
+    /// Forgets a key's state.
+    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        match self {
+            Store::Redis(r) => r.delete(key).await,
+            Store::Memory(m) => {
+                m.delete(key);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether the store can take decisions now (readiness).
+    pub fn is_ready(&self) -> bool {
+        match self {
+            Store::Redis(r) => r.is_ready(),
+            Store::Memory(_) => true,
+        }
+    }
+
+    /// The embedded store, when that is the backend.
+    pub fn memory(&self) -> Option<std::sync::Arc<memory::MemoryStore>> {
+        match self {
+            Store::Memory(m) => Some(m.clone()),
+            Store::Redis(_) => None,
+        }
+    }
+
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Store::Redis(_) => "redis",
+            Store::Memory(_) => "memory",
+        }
+    }
+}

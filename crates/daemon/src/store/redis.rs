@@ -1,0 +1,525 @@
+//! The Redis backend: one `EVALSHA` of the algorithm's Lua script per operation.
+//!
+//! Owns the connection, the per-call timeout, the circuit breaker and script loading.
+//!
+//! - One multiplexed connection carries every in-flight call, so concurrent requests reach
+//!   Redis pipelined (Redis then spends about half the CPU per script it spends on
+//!   one-request-per-round-trip clients; see docs/benchmarks.md).
+//! - At most `max_in_flight` calls are in flight ([`Admission`]); a request waits for its
+//!   permits in a bounded queue with its own deadline, or is shed. Every call is then
+//!   bounded by `timeout`, timed from when it is sent, so the timeout judges Redis and not
+//!   quotad's own queue.
+//! - Failures feed the [`Breaker`]: a dropped or refused connection opens it at once;
+//!   `breaker_threshold` timeouts in a row make the supervisor PING Redis, and only an
+//!   unanswered PING opens it. While it is open, calls fail in microseconds.
+//! - [`RedisStore::supervise`] is the only place that connects: it probes (connect, PING,
+//!   SCRIPT LOAD) every `probe_interval` while the breaker is open and closes it on success,
+//!   so enforcement returns within one probe interval of Redis coming back. While closed it
+//!   PINGs once a second to keep `quotad_store_up` and readiness honest.
+//! - NOSCRIPT (after `SCRIPT FLUSH` or a restart that the connection survived) is answered
+//!   with `SCRIPT LOAD` and one retry inside the same call: clients never see it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use redis::io::tcp::TcpSettings;
+use redis::{AsyncConnectionConfig, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind};
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
+use crate::store::breaker::Breaker;
+use crate::store::deny_cache::DenyCache;
+use crate::store::scripts::{self, Scripts};
+use crate::store::{StoreCall, StoreError, global, parse_verdict};
+use quotad_core::algorithm::{Op, Verdict};
+
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    pub url: String,
+    /// Bound on every call (script or probe), connection set-up excluded.
+    pub timeout: Duration,
+    pub connect_timeout: Duration,
+    pub breaker_threshold: u32,
+    pub probe_interval: Duration,
+    pub admission: AdmissionSettings,
+    /// Denials remembered at most (0: none; see [`DenyCache`]).
+    pub deny_cache_keys: usize,
+}
+
+pub struct RedisStore {
+    client: redis::Client,
+    /// The live connection with its generation; `None` until the supervisor connects, and
+    /// after it is lost. The generation lets a late error from a request on an old
+    /// connection leave a newer one alone. A std RwLock: held only to clone the handle out,
+    /// never across an await.
+    conn: RwLock<Option<(u64, MultiplexedConnection)>>,
+    generation: std::sync::atomic::AtomicU64,
+    scripts: Scripts,
+    /// The decision script of global policies (EVALSHA, loaded on NOSCRIPT by the crate).
+    global_check: redis::Script,
+    settings: RedisSettings,
+    breaker: Breaker,
+    /// Set once the current connection has loaded every script.
+    loaded: AtomicBool,
+    /// Wakes the supervisor the moment the breaker opens or Redis becomes suspect, so
+    /// probing or verifying starts at once rather than after its health-check sleep.
+    tripped: tokio::sync::Notify,
+    admission: Admission,
+    /// Denials answered from memory until their retry time.
+    deny: DenyCache,
+    /// The channel on which every instance announces the keys it gave capacity back to
+    /// (refunds, resets), so that none answers an outdated denial from memory.
+    channel: String,
+    metrics: Arc<Metrics>,
+}
+
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// How often each instance proves the invalidation channel alive.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+/// A payload no storage key can be (keys always carry the prefix).
+const HEARTBEAT_PAYLOAD: &str = "";
+
+impl RedisStore {
+    /// Parses the URL; does not connect (the supervisor does). `key_prefix` names the
+    /// invalidation channel (`<prefix>:invalidate`).
+    pub fn new(
+        settings: RedisSettings,
+        key_prefix: &str,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, RedisError> {
+        // TCP_NODELAY: the multiplexed connection writes many small commands; with Nagle's
+        // algorithm on (the crate's default) a write can wait for the previous ACK.
+        let info = settings
+            .url
+            .as_str()
+            .into_connection_info()?
+            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+        let client = redis::Client::open(info)?;
+        let breaker = Breaker::new(settings.breaker_threshold);
+        // Not connected yet: fail fast until the first probe succeeds.
+        breaker.trip();
+        metrics.store_up.set(0);
+        let admission = Admission::new(settings.admission, metrics.clone());
+        Ok(RedisStore {
+            client,
+            conn: RwLock::new(None),
+            generation: std::sync::atomic::AtomicU64::new(0),
+            scripts: Scripts::default(),
+            global_check: scripts::Global::Check.script(),
+            breaker,
+            loaded: AtomicBool::new(false),
+            tripped: tokio::sync::Notify::new(),
+            admission,
+            deny: DenyCache::new(settings.deny_cache_keys),
+            channel: format!("{key_prefix}:invalidate"),
+            metrics,
+            settings,
+        })
+    }
+
+    /// A denial of this call's check remembered and still in force (see [`DenyCache`]).
+    pub fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
+        match (call.op, &call.global) {
+            (Op::Check { cost }, None) => self.deny.lookup(call.key, cost, Instant::now()),
+            _ => None,
+        }
+    }
+
+    /// Drops expired remembered denials (the app's sweep).
+    pub fn sweep(&self) {
+        let n = self.deny.sweep(Instant::now());
+        self.metrics.deny_cache_keys.set(n as i64);
+    }
+
+    /// Forgets `key`'s remembered denial here and in every other instance.
+    async fn gave_back(&self, key: &str) {
+        self.deny.invalidate(key);
+        self.publish(key).await;
+    }
+
+    async fn publish(&self, payload: &str) {
+        let channel = self.channel.as_str();
+        let published = self
+            .guarded(|mut conn| async move {
+                redis::cmd("PUBLISH")
+                    .arg(channel)
+                    .arg(payload)
+                    .query_async::<i64>(&mut conn)
+                    .await
+            })
+            .await;
+        if let Err(e) = published {
+            tracing::debug!(error = %e, "invalidation not published");
+        }
+    }
+
+    /// Follows the invalidation channel until `shutdown`: remembered denials are used only
+    /// while subscribed (from an empty cache at each subscription), so no instance answers
+    /// a denial that another's refund or reset has made stale.
+    pub async fn follow_invalidations(self: Arc<Self>, shutdown: CancellationToken) {
+        use futures_util::StreamExt;
+        loop {
+            let subscribed = async {
+                let mut pubsub = self.client.get_async_pubsub().await?;
+                pubsub.subscribe(&self.channel).await?;
+                Ok::<_, RedisError>(pubsub)
+            };
+            let attempt = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = tokio::time::timeout(self.settings.connect_timeout, subscribed) => r,
+            };
+            if let Ok(Ok(mut pubsub)) = attempt {
+                self.deny.set_live(true);
+                // A heartbeat of our own through the channel every second: a subscription
+                // that stops delivering (a silently dead connection) is noticed within
+                // a few, and nothing is answered from memory meanwhile.
+                let beat = {
+                    let me = self.clone();
+                    tokio::spawn(async move {
+                        loop {
+                            tokio::time::sleep(HEARTBEAT).await;
+                            me.publish(HEARTBEAT_PAYLOAD).await;
+                        }
+                    })
+                };
+                let mut messages = pubsub.on_message();
+                loop {
+                    let msg = tokio::select! {
+                        _ = shutdown.cancelled() => { beat.abort(); return }
+                        m = tokio::time::timeout(HEARTBEAT * 4, messages.next()) => m,
+                    };
+                    match msg {
+                        Ok(Some(m)) => match m.get_payload::<String>() {
+                            Ok(key) if key == HEARTBEAT_PAYLOAD => {}
+                            Ok(key) => self.deny.invalidate(&key),
+                            Err(_) => {}
+                        },
+                        Ok(None) => break,
+                        Err(_) => {
+                            tracing::warn!(
+                                "invalidation channel silent: not answering denials from memory until it is back"
+                            );
+                            break;
+                        }
+                    }
+                }
+                beat.abort();
+                self.deny.set_live(false);
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(self.settings.probe_interval) => {}
+            }
+        }
+    }
+
+    /// Permits for `calls` calls of one request; none needed while the breaker is open
+    /// (those calls fail in microseconds without reaching Redis).
+    pub async fn admit(&self, calls: usize) -> Result<Option<Admitted<'_>>, Shed> {
+        if self.breaker.is_open() {
+            return Ok(None);
+        }
+        self.admission.admit(calls).await.map(Some)
+    }
+
+    pub fn is_ready(&self) -> bool {
+        !self.breaker.is_open() && self.loaded.load(Ordering::Acquire)
+    }
+
+    fn conn(&self) -> Option<(u64, MultiplexedConnection)> {
+        self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn install(&self, conn: MultiplexedConnection) {
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        *self.conn.write().unwrap_or_else(|p| p.into_inner()) = Some((generation, conn));
+    }
+
+    pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
+        if let Some(g) = &call.global {
+            let inv = global::check_invocation(
+                &self.global_check,
+                call.key,
+                g.user_key,
+                g.keys,
+                &g.shape,
+                call.op,
+                None,
+            );
+            let reply: Vec<i64> = self
+                .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
+                .await?;
+            return parse_verdict(&reply);
+        }
+        let sha = self.scripts.sha(call.algorithm);
+        let sent = Instant::now();
+        let epoch = self.deny.epoch();
+        let reply: Vec<i64> = self
+            .guarded(|mut conn| async move {
+                let (mode, cost) = match call.op {
+                    Op::Check { cost } => ("check", cost),
+                    Op::Refund { cost } => ("refund", cost),
+                };
+                let mut cmd = redis::cmd("EVALSHA");
+                cmd.arg(sha)
+                    .arg(1)
+                    .arg(call.key)
+                    .arg(mode)
+                    .arg(call.limits.limit)
+                    .arg(call.limits.window_us)
+                    .arg(call.limits.burst)
+                    .arg(cost)
+                    .arg(call.member);
+                match cmd.query_async(&mut conn).await {
+                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        self.load(&mut conn, call.algorithm).await?;
+                        cmd.query_async(&mut conn).await
+                    }
+                    r => r,
+                }
+            })
+            .await?;
+        let v = parse_verdict(&reply)?;
+        match call.op {
+            Op::Check { cost } if !v.allowed => self.deny.remember(call.key, cost, &v, sent, epoch),
+            Op::Refund { .. } => self.gave_back(call.key).await,
+            Op::Check { .. } => {}
+        }
+        Ok(v)
+    }
+
+    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.guarded(|mut conn| async move {
+            redis::cmd("DEL")
+                .arg(key)
+                .query_async::<i64>(&mut conn)
+                .await
+        })
+        .await?;
+        self.gave_back(key).await;
+        Ok(())
+    }
+
+    async fn load(
+        &self,
+        conn: &mut MultiplexedConnection,
+        algorithm: quotad_core::algorithm::Algorithm,
+    ) -> redis::RedisResult<()> {
+        self.metrics.script_loads.inc();
+        let _: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(scripts::source(algorithm))
+            .query_async(conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Runs `f` on the live connection under the timeout, and turns the result into the
+    /// breaker's bookkeeping and a [`StoreError`].
+    async fn guarded<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        if self.breaker.is_open() {
+            return Err(StoreError::CircuitOpen);
+        }
+        let Some((generation, conn)) = self.conn() else {
+            return Err(StoreError::CircuitOpen);
+        };
+        let result = match tokio::time::timeout(self.settings.timeout, f(conn)).await {
+            Err(_) => Err(StoreError::Timeout(self.settings.timeout)),
+            Ok(Ok(v)) => {
+                self.breaker.record_success();
+                return Ok(v);
+            }
+            Ok(Err(e)) if is_connection_error(&e) => {
+                self.lose_connection(generation, "redis connection lost");
+                Err(StoreError::Connection(e.to_string()))
+            }
+            // The server answered: the connection is fine, the command was not.
+            Ok(Err(e)) => return Err(StoreError::Command(e.to_string())),
+        };
+        if self.breaker.record_failure() {
+            tracing::info!(
+                threshold = self.settings.breaker_threshold,
+                "redis calls timing out: verifying that redis answers"
+            );
+            self.tripped.notify_one();
+        }
+        result
+    }
+
+    /// Opens the breaker (counted once per opening).
+    fn trip(&self, why: &str) {
+        if self.breaker.trip() {
+            tracing::warn!("{why}: circuit opened");
+            self.metrics.breaker_opens.inc();
+            self.tripped.notify_one();
+        }
+        self.metrics.store_up.set(0);
+    }
+
+    /// Redis is suspect (timeouts in a row): a PING on the live connection, with a longer
+    /// deadline than a call's, decides. Unanswered, the connection is dropped and the
+    /// breaker opens (the probe reconnects); answered, the timeouts were not Redis's doing.
+    async fn verify(&self) {
+        let deadline = (self.settings.timeout * 4)
+            .max(Duration::from_millis(100))
+            .min(self.settings.connect_timeout.max(self.settings.timeout));
+        let Some((generation, mut conn)) = self.conn() else {
+            self.trip("redis connection gone");
+            return;
+        };
+        let cmd = redis::cmd("PING");
+        match tokio::time::timeout(deadline, cmd.query_async::<String>(&mut conn)).await {
+            Ok(Ok(_)) => {
+                tracing::info!("redis answered the verification PING; circuit stays closed");
+                self.breaker.cleared();
+            }
+            Ok(Err(e)) if !is_connection_error(&e) => self.breaker.cleared(),
+            failed => {
+                let why = match failed {
+                    Err(_) => format!("redis did not answer PING within {deadline:?}"),
+                    Ok(Err(e)) => format!("redis PING failed: {e}"),
+                    Ok(Ok(_)) => unreachable!("handled above"),
+                };
+                self.lose_connection(generation, &why);
+            }
+        }
+    }
+
+    fn lose_connection(&self, generation: u64, why: &str) {
+        {
+            let mut conn = self.conn.write().unwrap_or_else(|p| p.into_inner());
+            match conn.as_ref() {
+                Some((g, _)) if *g == generation => *conn = None,
+                // Already replaced by a newer connection: this error is old news.
+                _ => return,
+            }
+        }
+        self.loaded.store(false, Ordering::Release);
+        self.trip(why);
+    }
+
+    /// One probe: connect, PING, load every script. On success installs the connection and
+    /// closes the breaker.
+    pub async fn probe(&self) -> Result<(), StoreError> {
+        let t = self.settings.timeout;
+        let cfg = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.settings.connect_timeout))
+            .set_response_timeout(Some(self.settings.connect_timeout.max(t)));
+        let attempt = async {
+            let mut conn = self
+                .client
+                .get_multiplexed_async_connection_with_config(&cfg)
+                .await?;
+            let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+            for a in quotad_core::algorithm::Algorithm::ALL {
+                self.load(&mut conn, a).await?;
+            }
+            Ok::<_, RedisError>(conn)
+        };
+        match tokio::time::timeout(self.settings.connect_timeout + t * 7, attempt).await {
+            Ok(Ok(conn)) => {
+                self.install(conn);
+                self.loaded.store(true, Ordering::Release);
+                self.breaker.close();
+                self.metrics.store_up.set(1);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(StoreError::Connection(e.to_string())),
+            Err(_) => Err(StoreError::Timeout(self.settings.connect_timeout)),
+        }
+    }
+
+    /// Keeps the connection alive until `shutdown`: probes while the breaker is open, checks
+    /// health once a second while it is closed.
+    pub async fn supervise(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut logged_down = false;
+        loop {
+            let wait = if self.breaker.is_open() {
+                match self.probe().await {
+                    Ok(()) => {
+                        tracing::info!(url = %redacted(&self.settings.url), "redis connected, scripts loaded");
+                        logged_down = false;
+                        HEALTH_INTERVAL
+                    }
+                    Err(e) => {
+                        if !logged_down {
+                            tracing::warn!(error = %e, "redis unreachable; policies use their on_store_error fallback");
+                            logged_down = true;
+                        }
+                        self.settings.probe_interval
+                    }
+                }
+            } else if self.breaker.is_suspect() {
+                self.verify().await;
+                if self.breaker.is_open() {
+                    self.settings.probe_interval
+                } else {
+                    HEALTH_INTERVAL
+                }
+            } else {
+                let ping = self
+                    .guarded(|mut conn| async move {
+                        redis::cmd("PING").query_async::<String>(&mut conn).await
+                    })
+                    .await;
+                if let Err(e) = ping {
+                    tracing::warn!(error = %e, "redis health check failed");
+                }
+                if self.breaker.is_open() {
+                    self.settings.probe_interval
+                } else {
+                    HEALTH_INTERVAL
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.tripped.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+}
+
+fn is_connection_error(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_unrecoverable_error()
+}
+
+/// The URL without its password, for logs.
+pub fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_credentials() {
+        assert_eq!(
+            redacted("redis://:secret@host:6379/0"),
+            "redis://***@host:6379/0"
+        );
+        assert_eq!(redacted("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    }
+
+    #[test]
+    fn rejects_malformed_replies() {
+        assert!(parse_verdict(&[1, 2, 3]).is_err());
+        assert!(parse_verdict(&[2, 0, 0, 0]).is_err());
+        assert!(parse_verdict(&[1, -1, 0, 0]).is_err());
+        assert!(parse_verdict(&[0, 3, 10, 5]).is_ok());
+    }
+}

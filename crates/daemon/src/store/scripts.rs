@@ -1,0 +1,89 @@
+//! The Lua limiter scripts: one file per algorithm in `lua/`, each prefixed at build time
+//! with `lua/prelude.lua` (argument parsing and the clock, kept in one place).
+//!
+//! The SHA1 of each script is computed here, so quotad can `EVALSHA` straight away and
+//! `SCRIPT LOAD` only when Redis says NOSCRIPT (first use, `SCRIPT FLUSH`, a restart).
+
+use quotad_core::algorithm::Algorithm;
+
+macro_rules! script {
+    ($file:literal) => {
+        concat!(
+            include_str!("../../lua/prelude.lua"),
+            include_str!(concat!("../../lua/", $file))
+        )
+    };
+}
+
+/// The full source sent to Redis for `algorithm`.
+pub fn source(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::FixedWindow => script!("fixed_window.lua"),
+        Algorithm::SlidingLog => script!("sliding_log.lua"),
+        Algorithm::SlidingWindow => script!("sliding_window.lua"),
+        Algorithm::TokenBucket => script!("token_bucket.lua"),
+        Algorithm::Gcra => script!("gcra.lua"),
+    }
+}
+
+macro_rules! global_script {
+    ($file:literal) => {
+        concat!(
+            include_str!("../../lua/global/common.lua"),
+            include_str!(concat!("../../lua/global/", $file))
+        )
+    };
+}
+
+/// The scripts of global policies (`lua/global/`), each prefixed with `common.lua`: the
+/// decision, and the coordinator's writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Global {
+    Check,
+    WriteBook,
+    DropLoans,
+    SetDefault,
+}
+
+impl Global {
+    pub const ALL: [Global; 4] = [
+        Global::Check,
+        Global::WriteBook,
+        Global::DropLoans,
+        Global::SetDefault,
+    ];
+
+    pub fn source(self) -> &'static str {
+        match self {
+            Global::Check => global_script!("check.lua"),
+            Global::WriteBook => global_script!("write_book.lua"),
+            Global::DropLoans => global_script!("drop_loans.lua"),
+            Global::SetDefault => global_script!("set_default.lua"),
+        }
+    }
+
+    pub fn script(self) -> redis::Script {
+        redis::Script::new(self.source())
+    }
+}
+
+/// Every script with its SHA1, built once at start-up.
+#[derive(Debug)]
+pub struct Scripts {
+    /// Indexed like [`Algorithm::ALL`].
+    scripts: [redis::Script; 5],
+}
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Scripts {
+            scripts: Algorithm::ALL.map(|a| redis::Script::new(source(a))),
+        }
+    }
+}
+
+impl Scripts {
+    pub fn sha(&self, algorithm: Algorithm) -> &str {
+        self.scripts[algorithm.index()].get_hash()
+    }
+}

@@ -1,0 +1,524 @@
+//! Test harness: real `redis-server` and `quotad` processes on free loopback ports, stopped
+//! when their handles drop. No mocks: every test talks to the real thing.
+
+pub mod load;
+pub mod proxy;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// SIGKILL and reap.
+fn kill(child: &mut Option<Child>) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// A port that was free a moment ago (bind :0, read, close).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind 127.0.0.1:0")
+}
+
+/// Polls `f` every 10 ms until it returns Some, or panics after `timeout` naming `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if start.elapsed() > timeout {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn redis_server_binary() -> PathBuf {
+    let path = std::env::var_os("REDIS_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "redis-server".into());
+    if Command::new(&path).arg("--version").output().is_err() {
+        panic!(
+            "redis-server not found: the tests need a real Redis. Install it with \
+             `apt-get install -y redis-server` (or run `bash .ci/run`, which does), \
+             or set REDIS_SERVER=/path/to/redis-server"
+        );
+    }
+    path
+}
+
+/// A redis-server process on a free port, with no persistence, killed on drop.
+pub struct RedisServer {
+    pub port: u16,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    /// AOF with fsync on every write: a restart comes back with the data (a new
+    /// replication ID, as after a failover).
+    persistent: bool,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        Self::start_with(false)
+    }
+
+    /// With an append-only file, fsynced on every write.
+    pub fn start_persistent() -> RedisServer {
+        Self::start_with(true)
+    }
+
+    fn start_with(persistent: bool) -> RedisServer {
+        let mut last = String::new();
+        for _ in 0..5 {
+            let mut s = RedisServer {
+                port: free_port(),
+                child: None,
+                dir: tempfile::tempdir().expect("tempdir"),
+                persistent,
+            };
+            match s.spawn() {
+                Ok(()) => return s,
+                Err(e) => last = e, // port taken meanwhile: try another
+            }
+        }
+        panic!("could not start redis-server: {last}");
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let child = Command::new(redis_server_binary())
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(if self.persistent {
+                ["--appendonly", "yes", "--appendfsync", "always"]
+            } else {
+                ["--appendonly", "no", "--appendfsync", "everysec"]
+            })
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    return Err(format!("redis-server exited: {status}"));
+                }
+            }
+            if let Ok(mut conn) = self.try_conn() {
+                if redis::cmd("PING").query::<String>(&mut conn).is_ok() {
+                    return Ok(());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Err("redis-server did not answer PING in 10 s".into())
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn try_conn(&self) -> redis::RedisResult<redis::Connection> {
+        redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(1))
+    }
+
+    pub fn conn(&self) -> redis::Connection {
+        self.try_conn().expect("connect to test redis")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        kill(&mut self.child);
+    }
+
+    /// Starts a fresh process on the same port (empty data, empty script cache).
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.spawn() {
+                Ok(()) => return,
+                Err(e) if Instant::now() > deadline => {
+                    panic!("restart redis on {}: {e}", self.port)
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill {sig} failed");
+    }
+
+    pub fn dbsize(&self) -> i64 {
+        redis::cmd("DBSIZE")
+            .query(&mut self.conn())
+            .expect("DBSIZE")
+    }
+
+    /// Every key in the database, by SCAN (never KEYS).
+    pub fn keys(&self) -> Vec<String> {
+        let mut conn = self.conn();
+        let mut cursor: u64 = 0;
+        let mut out = Vec::new();
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1000)
+                .query(&mut conn)
+                .expect("SCAN");
+            out.extend(batch);
+            if next == 0 {
+                return out;
+            }
+            cursor = next;
+        }
+    }
+
+    /// The test-suite invariant: no key written by a script is left without a TTL.
+    pub fn assert_every_key_has_ttl(&self) {
+        let mut conn = self.conn();
+        for k in self.keys() {
+            let pttl: i64 = redis::cmd("PTTL").arg(&k).query(&mut conn).expect("PTTL");
+            // -2: expired between SCAN and PTTL, fine. -1: no TTL, a bug, except for the
+            // coordinator's fencing counter: it is the region's incarnation and must only
+            // grow (one small key per region).
+            assert!(
+                pttl != -1 || k.ends_with(":coordinator:fence"),
+                "key {k} has no TTL"
+            );
+        }
+    }
+
+    /// Entries in SLOWLOG that ran a script.
+    pub fn slow_scripts(&self) -> Vec<String> {
+        let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+            .arg("GET")
+            .arg(1000)
+            .query(&mut self.conn())
+            .expect("SLOWLOG");
+        entries
+            .iter()
+            .map(|e| format!("{e:?}"))
+            .filter(|e| e.to_ascii_lowercase().contains("eval"))
+            .collect()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A quotad process started from the built binary with a config, killed on drop.
+pub struct Quotad {
+    pub port: u16,
+    child: Option<Child>,
+    pub dir: tempfile::TempDir,
+}
+
+/// The `quotad` binary under test: `$QUOTAD_BIN`, or the one cargo built next to the
+/// running test (`target/<profile>/quotad`; integration tests of the `quotad` package
+/// get it built before they run).
+pub fn quotad_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("QUOTAD_BIN") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test>-<hash> → target/<profile>/quotad
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test runs from target/<profile>/deps");
+    let bin = profile_dir.join("quotad");
+    assert!(
+        bin.exists(),
+        "{} not found: build it with `cargo build` (or set QUOTAD_BIN)",
+        bin.display()
+    );
+    bin
+}
+
+impl Quotad {
+    /// Starts quotad with `config` (TOML without a `[server] listen`; the harness adds it
+    /// with a free port, plus any extra `[server]` lines in `server_extra`).
+    pub fn start(config: &str) -> Quotad {
+        Self::start_with(config, "")
+    }
+
+    pub fn start_with(config: &str, server_extra: &str) -> Quotad {
+        for _ in 0..5 {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let port = free_port();
+            // Top-level keys (region = ...) must come before the first table.
+            let split = config
+                .lines()
+                .position(|l| l.trim_start().starts_with('['))
+                .unwrap_or(config.lines().count());
+            let top: Vec<&str> = config.lines().take(split).collect();
+            let rest: Vec<&str> = config.lines().skip(split).collect();
+            let text = format!(
+                "{}\n[server]\nlisten = \"127.0.0.1:{port}\"\n{server_extra}\n{}",
+                top.join("\n"),
+                rest.join("\n")
+            );
+            let path = dir.path().join("quotad.toml");
+            std::fs::write(&path, text).expect("write config");
+            let log = std::fs::File::create(dir.path().join("quotad.log")).expect("log file");
+            let child = Command::new(quotad_binary())
+                .args(["serve", "--config"])
+                .arg(&path)
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("spawn quotad");
+            let mut q = Quotad {
+                port,
+                child: Some(child),
+                dir,
+            };
+            if q.wait_healthy(Duration::from_secs(15)) {
+                return q;
+            }
+            let log = q.log();
+            if !log.contains("Address already in use") {
+                panic!("quotad did not become healthy; log:\n{log}");
+            }
+        }
+        panic!("could not start quotad on a free port");
+    }
+
+    fn wait_healthy(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return false;
+                }
+            }
+            if let Ok((200, _, _)) = http(self.port, "GET", "/healthz", None, "") {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("quotad.log")).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn child(&mut self) -> &mut Child {
+        self.child.as_mut().expect("running")
+    }
+
+    /// POST /v1/check with a JSON body; returns (status, body).
+    pub fn check(&self, body: &Value) -> (u16, Value) {
+        let (status, _, body) = self.post("/v1/check", body);
+        (status, body)
+    }
+
+    /// `{"policy": p, "key": k}` through /v1/check; panics unless 200.
+    pub fn check1(&self, policy: &str, key: &str) -> Value {
+        let (status, body) = self.check(&serde_json::json!({"policy": policy, "key": key}));
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Vec<(String, String)>, Value) {
+        let (status, headers, text) = http(
+            self.port,
+            "POST",
+            path,
+            Some("application/json"),
+            &body.to_string(),
+        )
+        .expect("http");
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        (status, headers, json)
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        let (status, _, text) = http(self.port, "GET", path, None, "").expect("http");
+        (status, text)
+    }
+
+    /// GET, or None when the daemon does not answer (stopped, or being killed).
+    pub fn try_get(&self, path: &str) -> Option<(u16, String)> {
+        http(self.port, "GET", path, None, "")
+            .ok()
+            .map(|(s, _, t)| (s, t))
+    }
+
+    /// SIGKILL: no shutdown path runs (the lock is not released, nothing is flushed).
+    pub fn kill(&mut self) {
+        kill(&mut self.child);
+    }
+
+    /// Starts the daemon again on the same port with the same config.
+    pub fn restart(&mut self) {
+        self.kill();
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.path().join("quotad.log"))
+            .expect("log file");
+        let child = Command::new(quotad_binary())
+            .args(["serve", "--config"])
+            .arg(self.dir.path().join("quotad.toml"))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn quotad");
+        self.child = Some(child);
+        assert!(
+            self.wait_healthy(Duration::from_secs(15)),
+            "quotad did not come back; log:\n{}",
+            self.log()
+        );
+    }
+
+    /// GET a JSON document.
+    pub fn json(&self, path: &str) -> Value {
+        let (status, text) = self.get(path);
+        assert_eq!(status, 200, "GET {path}: {text}");
+        serde_json::from_str(&text).expect("JSON")
+    }
+
+    /// The value of a metric series in /metrics (`name{labels}` exactly as exposed), or 0.
+    pub fn metric(&self, series: &str) -> f64 {
+        let (_, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(series)
+                    .and_then(|rest| rest.strip_prefix(' '))
+            })
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+impl Drop for Quotad {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A minimal blocking HTTP/1.1 exchange (one request per connection): enough for the tests,
+/// and it lets a test send exactly the bytes it wants (bad content types, huge bodies).
+pub fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: &str,
+) -> std::io::Result<Response> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    if let Some(ct) = content_type {
+        req.push_str(&format!("content-type: {ct}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes())?;
+    // A body over the server's cap may be refused before it is all sent: ignore write errors.
+    let _ = s.write_all(body.as_bytes());
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    parse_response(&raw).ok_or_else(|| {
+        std::io::Error::other(format!("bad response: {:?}", String::from_utf8_lossy(&raw)))
+    })
+}
+
+/// (status, lower-cased headers, body)
+pub type Response = (u16, Vec<(String, String)>, String);
+
+fn parse_response(raw: &[u8]) -> Option<Response> {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let mut lines = head.lines();
+    let status: u16 = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect::<Vec<_>>();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    Some((status, headers, body))
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// A file of the repository, by its path from the workspace root.
+pub fn fixture(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path)
+}
