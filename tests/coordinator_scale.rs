@@ -19,10 +19,11 @@ use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::lease::{LeaseBook, Reservation};
 use quotad_core::coordinator::node::LeaseStore;
 use quotad_daemon::config::Settings;
+use quotad_daemon::federation::lease_store::global_policies;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad_daemon::federation::lock::Lock;
 use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::store::global::lock_key;
+use quotad_daemon::store::layout::Layout;
 
 /// Regions sorted: eu = 0 (the daemon), us = 1 (a peer that never answers).
 fn config(redis: &RedisServer) -> String {
@@ -40,8 +41,13 @@ fn config(redis: &RedisServer) -> String {
 fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
     let settings = Settings::parse("scale.toml", &config(redis)).unwrap();
     let global = settings.global.clone().expect("a global policy");
+    let layouts = quotad_daemon::app::layouts(&settings);
     let policies: Vec<Arc<_>> = settings.policies.into_iter().map(Arc::new).collect();
-    let lock = Arc::new(Lock::new("rl", "previous".into(), Duration::from_secs(30)));
+    let lock = Arc::new(Lock::new(
+        &Layout::new("rl"),
+        "previous".into(),
+        Duration::from_secs(30),
+    ));
     let mut conn = redis.conn();
     let token = lock.try_acquire(&mut conn).unwrap().expect("the lock");
     let clock = RedisClock::new();
@@ -50,7 +56,7 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
         clock.clone(),
         lock,
         token,
-        &policies,
+        global_policies(&policies, &layouts),
         Duration::from_millis(500),
         &global,
     );
@@ -71,7 +77,7 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
     assert!(written.iter().all(|w| w.durable), "{:?}", store.failure());
     eprintln!("wrote {n} books in {:?}", started.elapsed());
     let _: () = redis::cmd("DEL")
-        .arg(lock_key("rl"))
+        .arg(Layout::new("rl").lock_key())
         .query(&mut redis.conn())
         .unwrap();
 }

@@ -14,10 +14,11 @@ use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
 use quotad_core::coordinator::node::LeaseStore;
 use quotad_daemon::config::Settings;
+use quotad_daemon::federation::lease_store::global_policies;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad_daemon::federation::lock::Lock;
 use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::store::global::lock_key;
+use quotad_daemon::store::layout::Layout;
 
 fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     let config = format!(
@@ -28,16 +29,17 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     );
     let settings = Settings::parse("failover.toml", &config).unwrap();
     let global = settings.global.clone().expect("a global policy");
+    let layouts = quotad_daemon::app::layouts(&settings);
     let policies: Vec<Arc<_>> = settings.policies.into_iter().map(Arc::new).collect();
     let lock = Arc::new(Lock::new(
-        "rl",
+        &Layout::new("rl"),
         format!("test-{}", rand::random::<u32>()),
         Duration::from_secs(30),
     ));
     let mut conn = redis.conn();
     // A new holder each time (the previous one's lock is gone with the restart, or released).
     let _: () = redis::cmd("DEL")
-        .arg(lock_key("rl"))
+        .arg(Layout::new("rl").lock_key())
         .query(&mut conn)
         .unwrap();
     let token = lock.try_acquire(&mut conn).unwrap().expect("the lock");
@@ -47,7 +49,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         clock.clone(),
         lock,
         token,
-        &policies,
+        global_policies(&policies, &layouts),
         Duration::from_millis(500),
         &global,
     );

@@ -14,7 +14,8 @@ use quotad_core::algorithm::{Op, Verdict};
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
-use quotad_daemon::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
+use quotad_daemon::store::global::{self, SLOT_FIELDS};
+use quotad_daemon::store::layout::{PolicyKeys, ScriptShape};
 use quotad_daemon::store::scripts::Global;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -84,7 +85,11 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
         fallback_escrow: fallback,
         keep_ms: 3_600_000,
     };
-    let keys = PolicyKeys::new("t", &format!("p{seed}"));
+    let keys = PolicyKeys {
+        meta: format!("t:p{seed}:g:meta"),
+        active: format!("t:p{seed}:g:active"),
+        books: format!("t:p{seed}:g:books"),
+    };
     let users = ["alice", "bob", "carol"];
     let storage = |u: &str| format!("t:p{seed}:g:{{{u}}}");
     let mut model: HashMap<&str, KeySlot> = HashMap::new();

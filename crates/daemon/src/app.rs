@@ -22,9 +22,10 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::server::{self, Drain};
-use crate::store::Store;
+use crate::store::layout::{Layout, Layouts, RegionPlace};
 use crate::store::memory::MemoryStore;
 use crate::store::redis::{RedisStore, redacted};
+use crate::store::{Store, StoreError};
 use quotad_core::clock::SystemClock;
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +48,20 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 /// overflows under a burst of connects, and an overflowing queue leaves clients believing
 /// they are connected to a socket nobody will read; the kernel caps it at somaxconn.
 const LISTEN_BACKLOG: u32 = 4096;
+
+/// Where the policies' state lives in the store: the key layout under the configured
+/// prefix, with this region's place among its peers for global policies.
+pub fn layouts(settings: &Settings) -> Layouts {
+    let region = settings.global.as_ref().map(|g| RegionPlace {
+        me: g.me,
+        step_tolerance_us: g.params.step_tolerance_us(),
+    });
+    Layouts::new(
+        Layout::new(&settings.key_prefix),
+        &settings.policies,
+        region.as_ref(),
+    )
+}
 
 /// Binds the configured address and serves until `shutdown` is cancelled.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
@@ -73,7 +88,9 @@ pub async fn serve(
 ) -> Result<(), AppError> {
     let metrics = Arc::new(Metrics::new(
         settings.policies.iter().map(|p| p.name.as_str()),
+        &StoreError::KINDS,
     ));
+    let layouts = Arc::new(layouts(&settings));
     let tasks = TaskTracker::new();
     let background = CancellationToken::new();
     let max_keys = settings.memory_max_keys;
@@ -89,7 +106,7 @@ pub async fn serve(
         }
         StoreBackend::Redis(rs) => {
             let redis = Arc::new(
-                RedisStore::new(rs.clone(), &settings.key_prefix, metrics.clone())
+                RedisStore::new(rs.clone(), layouts.layout(), metrics.clone())
                     .map_err(AppError::RedisUrl)?,
             );
             // One bounded attempt before serving, so the first requests are enforced when
@@ -151,7 +168,6 @@ pub async fn serve(
                 (None, StoreBackend::Redis(rs)) => BackendChoice::Redis {
                     url: &rs.url,
                     timeout: rs.timeout.max(Duration::from_millis(200)),
-                    key_prefix: &settings.key_prefix,
                 },
                 (None, StoreBackend::Memory) => {
                     return Err(AppError::Serve(std::io::Error::other(
@@ -163,6 +179,7 @@ pub async fn serve(
                 Federation::start(
                     g.clone(),
                     policies.iter().cloned().collect(),
+                    layouts.clone(),
                     backend,
                     metrics.clone(),
                 )
@@ -174,7 +191,12 @@ pub async fn serve(
     let drain = Drain::default();
     let state = AppState {
         policies,
-        limiter: Arc::new(Limiter::new(store.clone(), local, metrics.clone())),
+        limiter: Arc::new(Limiter::new(
+            store.clone(),
+            local,
+            layouts.clone(),
+            metrics.clone(),
+        )),
         store,
         metrics: metrics.clone(),
         caps: Caps {

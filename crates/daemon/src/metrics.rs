@@ -10,8 +10,6 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
-use crate::store::StoreError;
-
 pub struct Metrics {
     registry: Registry,
     /// `quotad_decisions_total{policy,outcome}`: every decision, by outcome
@@ -200,9 +198,14 @@ pub const OUTCOMES: [&str; 6] = [
 ];
 
 impl Metrics {
-    /// Builds the catalogue and pre-registers a zero series for every policy and outcome, so
-    /// rates and alerts work before the first event of each kind.
-    pub fn new<'a>(policies: impl IntoIterator<Item = &'a str>) -> Self {
+    /// Builds the catalogue and pre-registers a zero series for every policy and outcome
+    /// and every store error kind, so rates and alerts work before the first event of each
+    /// kind. The kinds come from the store (`StoreError::KINDS`), which owns them: this
+    /// module depends on nothing else in the daemon.
+    pub fn new<'a>(
+        policies: impl IntoIterator<Item = &'a str>,
+        store_error_kinds: &[&str],
+    ) -> Self {
         let registry = Registry::new();
         let decisions = IntCounterVec::new(
             Opts::new("quotad_decisions_total", "Decisions by policy and outcome."),
@@ -328,7 +331,7 @@ impl Metrics {
             }
             deny_cache_hits.with_label_values(&[p]);
         }
-        for k in StoreError::KINDS {
+        for k in store_error_kinds {
             store_errors.with_label_values(&[k]);
         }
 
@@ -359,8 +362,9 @@ impl Metrics {
         }
     }
 
-    pub fn store_error(&self, e: &StoreError) {
-        self.store_errors.with_label_values(&[e.kind()]).inc();
+    /// Counts a store call that produced no decision; `kind` is `StoreError::kind`.
+    pub fn store_error(&self, kind: &str) {
+        self.store_errors.with_label_values(&[kind]).inc();
     }
 
     /// The Prometheus text exposition.

@@ -15,9 +15,10 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::json;
+use serde_json::{Value, json};
 
-use crate::federation::Federation;
+use crate::federation::auth::{HEADER_SIGNATURE, Rejection, Signed};
+use crate::federation::{Federation, STATUS_KEYS, StatusReport};
 use crate::limiter::{Decision, Limiter, ResetError};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -166,7 +167,7 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
         Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
         Err(ResetError::Shed(s)) => Err(s.into()),
         Err(ResetError::Store(e)) => {
-            state.metrics.store_error(&e);
+            state.metrics.store_error(e.kind());
             Err(ApiError::StoreUnavailable)
         }
     }
@@ -197,7 +198,7 @@ async fn policies(State(state): State<AppState>) -> Response {
 /// key of each global policy its escrow, enforced rate, loans and demand.
 async fn status(State(state): State<AppState>) -> Response {
     match &state.federation {
-        Some(f) => Json(f.status_json(&state.region)).into_response(),
+        Some(f) => Json(status_json(&state.region, f.report())).into_response(),
         None => Json(json!({
             "region": &*state.region,
             "regions": [&*state.region],
@@ -218,31 +219,99 @@ async fn peer_exchange(State(state): State<AppState>, req: Request) -> Response 
         return ApiError::NotFound.into_response();
     };
     let (parts, body) = req.into_parts();
-    let admitted = match f.admit(&parts.headers) {
+    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    let declared = header("content-length").and_then(|v| v.parse::<u64>().ok());
+    let admitted = match Signed::from_headers(header).and_then(|s| f.admit(s, declared)) {
         Ok(a) => a,
-        Err(r) => return peer_response(f.reject(r)),
+        Err(r) => return rejection(f, r),
     };
     let max = admitted.max_bytes;
     let body = match body::read(&parts.headers, body, max, state.caps.body_timeout, None).await {
         Ok((b, _)) => b,
         Err(e) => return e.into_response(),
     };
-    peer_response(f.exchange(admitted, body).await)
+    match f.exchange(admitted, &body).await {
+        Ok(reply) => peer_json(StatusCode::OK, reply.body, Some(&reply.signature)),
+        Err(r) => rejection(f, r),
+    }
 }
 
-fn peer_response(r: crate::federation::PeerResponse) -> Response {
-    let mut resp = (r.status, r.body).into_response();
+/// A refused peer request: counted, and answered with its reason.
+fn rejection(f: &Federation, r: Rejection) -> Response {
+    f.count_rejection(r);
+    let status = match r {
+        Rejection::Malformed | Rejection::Invalid => StatusCode::BAD_REQUEST,
+        Rejection::NotCoordinator | Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
+        Rejection::LengthRequired => StatusCode::LENGTH_REQUIRED,
+        Rejection::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::UNAUTHORIZED,
+    };
+    let body = json!({"error": {"code": r.reason(), "message": r.to_string()}});
+    peer_json(status, serde_json::to_vec(&body).unwrap_or_default(), None)
+}
+
+fn peer_json(status: StatusCode, body: Vec<u8>, signature: Option<&str>) -> Response {
+    let mut resp = (status, body).into_response();
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    if let Some(sig) = r.signature
-        && let Ok(v) = HeaderValue::from_str(&sig)
+    if let Some(sig) = signature
+        && let Ok(v) = HeaderValue::from_str(sig)
     {
-        h.insert(crate::federation::auth::HEADER_SIGNATURE, v);
+        h.insert(HEADER_SIGNATURE, v);
     }
     resp
+}
+
+/// `/v1/status` of an instance with global policies.
+fn status_json(region: &str, r: StatusReport) -> Value {
+    let st = &r.status;
+    let policies: Vec<Value> = r
+        .policies
+        .iter()
+        .map(|g| {
+            let keys = st.keys.iter().filter(|k| k.policy == g.name);
+            let escrow: serde_json::Map<String, Value> = r
+                .regions
+                .iter()
+                .zip(&g.escrow)
+                .map(|(r, e)| (r.clone(), json!(e)))
+                .collect();
+            json!({
+                "name": g.name,
+                "version": g.version,
+                "rho": g.rho,
+                "burst": g.burst,
+                "escrow": escrow,
+                "keys": keys.map(|k| json!({
+                    "key": k.key,
+                    "escrow": k.escrow,
+                    "enforced": k.enforced,
+                    "lent": k.lent,
+                    "borrowed": k.borrowed,
+                    "demand": k.demand,
+                    "target": k.target,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({
+        "region": region,
+        "regions": r.regions,
+        "instance": r.instance,
+        "coordinator": {
+            "leader": r.leader,
+            "token": r.token,
+            "rounds": st.stats.rounds,
+            "stats": st.stats,
+            "keys_tracked": st.keys_total,
+            "keys_listed_max": STATUS_KEYS,
+        },
+        "peers": st.peers,
+        "policies": policies,
+    })
 }
 
 async fn healthz() -> Response {

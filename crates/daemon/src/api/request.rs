@@ -339,7 +339,7 @@ mod tests {
             shadow: false,
             global: None,
         };
-        let p = Policy::new("rl", spec).unwrap();
+        let p = Policy::new(spec).unwrap();
         let caps = Caps {
             max_body_bytes: 1024,
             max_batch: 2,

@@ -18,7 +18,7 @@ use toml::Spanned;
 
 use crate::policy::{self, FailMode, GlobalSpec, Policy, PolicySpec};
 use crate::store::admission::AdmissionSettings;
-use crate::store::global::{PolicyKeys, ScriptShape};
+use crate::store::layout::GLOBAL_KEEP_MS;
 use crate::store::redis::RedisSettings;
 use quotad_core::algorithm::Algorithm;
 use quotad_core::coordinator::{Mode, Params, RegionId};
@@ -222,9 +222,9 @@ pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
 /// Leases longer than this would outlive the keep time of global keys in Redis.
 pub const MAX_LEASE: Duration = Duration::from_secs(600);
 pub const MIN_SECRET_BYTES: usize = 16;
-/// Every Redis key of a global policy lives this long after its last touch: far longer
-/// than any lease ([`MAX_LEASE`]), so a book never expires while it still counts.
-pub const GLOBAL_KEEP_MS: i64 = 3_600_000;
+// Every Redis key of a global policy lives `GLOBAL_KEEP_MS` after its last touch: a lease
+// must end well before, so a book never expires while it still counts.
+const _: () = assert!(MAX_LEASE.as_millis() * 2 < GLOBAL_KEEP_MS as u128);
 /// A sliding log stores one entry per admission (about 100 KB per key at limit 1,000, and a
 /// cost-N check writes N entries inside one script): above this, the sliding_window counter
 /// is the right tool.
@@ -234,19 +234,16 @@ impl Settings {
     /// `quotad serve` without `--config`: the embedded store on loopback, with one policy
     /// (`default`, token bucket, 100 per minute) so a first request works with zero setup.
     pub fn builtin() -> Settings {
-        let policy = Policy::new(
-            DEFAULT_KEY_PREFIX,
-            PolicySpec {
-                name: "default",
-                algorithm: Algorithm::TokenBucket,
-                limit: 100,
-                window: Duration::from_secs(60),
-                burst: None,
-                on_store_error: FailMode::Open,
-                shadow: false,
-                global: None,
-            },
-        )
+        let policy = Policy::new(PolicySpec {
+            name: "default",
+            algorithm: Algorithm::TokenBucket,
+            limit: 100,
+            window: Duration::from_secs(60),
+            burst: None,
+            on_store_error: FailMode::Open,
+            shadow: false,
+            global: None,
+        })
         .expect("the built-in policy is valid");
         Settings {
             region: "local".into(),
@@ -429,7 +426,7 @@ impl Validator<'_> {
             let global = p.global.as_ref().and_then(|g| {
                 self.global_policy(i, p, g, &regions, !raw.peer.is_empty(), &mut timing)
             });
-            if let Some(policy) = self.policy(i, p, &key_prefix, global) {
+            if let Some(policy) = self.policy(i, p, global) {
                 if !names.insert(policy.name.clone()) {
                     self.error(
                         &p.name,
@@ -444,22 +441,6 @@ impl Validator<'_> {
         let global = timing.map(|(lease, round, _)| {
             let mut settings = self.coordinator(&coordinator, lease, round);
             settings.me = RegionId(regions.iter().position(|r| *r == region).unwrap_or(0) as u16);
-            for p in &mut policies {
-                let escrow = p
-                    .global_policy()
-                    .map_or(0.0, |g| g.escrow[settings.me.index()]);
-                let (rho, burst) = (p.rate_per_second(), p.burst.get() as f64);
-                if let Some(g) = &mut p.global {
-                    g.keys = PolicyKeys::new(&key_prefix, &p.name);
-                    g.shape = ScriptShape {
-                        rho,
-                        burst,
-                        step_tolerance_us: settings.params.step_tolerance_us(),
-                        fallback_escrow: escrow,
-                        keep_ms: GLOBAL_KEEP_MS,
-                    };
-                }
-            }
             // JSON escapes a control character in a key as six bytes (\u00XX).
             settings.max_exchange_bytes = settings.params.max_exchange_keys
                 * (6 * server.max_key_bytes + EXCHANGE_BYTES_PER_KEY)
@@ -703,19 +684,10 @@ impl Validator<'_> {
             },
         };
         let version = self.integer(g.version.as_ref(), &f("version"), 1, 1, i64::MAX) as u64;
-        // Keys and script numbers are filled in once the whole file is read.
-        (self.errors.len() == before).then(|| GlobalSpec {
+        (self.errors.len() == before).then_some(GlobalSpec {
             version,
             weights,
             mode,
-            keys: PolicyKeys::new("", ""),
-            shape: ScriptShape {
-                rho: 0.0,
-                burst: 0.0,
-                step_tolerance_us: 0,
-                fallback_escrow: 0.0,
-                keep_ms: GLOBAL_KEEP_MS,
-            },
         })
     }
 
@@ -1003,13 +975,7 @@ impl Validator<'_> {
         (backend, key_prefix)
     }
 
-    fn policy(
-        &mut self,
-        i: usize,
-        p: &raw::Policy,
-        key_prefix: &str,
-        global: Option<GlobalSpec>,
-    ) -> Option<Policy> {
+    fn policy(&mut self, i: usize, p: &raw::Policy, global: Option<GlobalSpec>) -> Option<Policy> {
         let f = |name: &str| format!("policy[{i}].{name}");
         let errors_before = self.errors.len();
         let name = p.name.get_ref();
@@ -1094,19 +1060,16 @@ impl Validator<'_> {
         if self.errors.len() > errors_before {
             return None;
         }
-        let policy = Policy::new(
-            key_prefix,
-            PolicySpec {
-                name,
-                algorithm: algorithm?,
-                limit: limit as u64,
-                window,
-                burst,
-                on_store_error,
-                shadow: p.shadow.unwrap_or(false),
-                global,
-            },
-        );
+        let policy = Policy::new(PolicySpec {
+            name,
+            algorithm: algorithm?,
+            limit: limit as u64,
+            window,
+            burst,
+            on_store_error,
+            shadow: p.shadow.unwrap_or(false),
+            global,
+        });
         if policy.is_none() {
             self.error(&p.name, &f("name"), "policy is invalid");
         }
@@ -1169,11 +1132,7 @@ mod tests {
         for (got, w) in p.escrow.iter().zip([1.0, 3.0, 6.0]) {
             assert!((got - rho * w / 10.0).abs() < 1e-9, "{:?}", p.escrow);
         }
-        assert!(
-            s.policies[0]
-                .storage_key("k")
-                .starts_with("rl:api-global:g:{")
-        );
+        assert_eq!(s.key_prefix, "rl");
         assert!(format!("{:?}", g.peers[0].secret).contains("***"));
     }
 

@@ -99,6 +99,29 @@ pub struct Signed {
 }
 
 impl Signed {
+    /// The signed form of a request, from its headers (`header` looks one up by name);
+    /// `Unauthenticated` when any is missing or malformed.
+    pub fn from_headers<'a>(header: impl Fn(&str) -> Option<&'a str>) -> Result<Signed, Rejection> {
+        match (
+            header(HEADER_REGION),
+            header(HEADER_TIMESTAMP).and_then(|t| t.parse::<i64>().ok()),
+            header(HEADER_NONCE),
+            header(HEADER_SIGNATURE),
+            header(HEADER_HEADERS_SIGNATURE),
+        ) {
+            (Some(from), Some(ts), Some(nonce), Some(sig), Some(hsig)) if nonce.len() <= 64 => {
+                Ok(Signed {
+                    from: from.to_owned(),
+                    timestamp_ms: ts,
+                    nonce: nonce.to_owned(),
+                    signature: sig.to_owned(),
+                    headers_signature: hsig.to_owned(),
+                })
+            }
+            _ => Err(Rejection::Unauthenticated),
+        }
+    }
+
     /// The request headers that carry this signature.
     pub fn headers(&self) -> [(&'static str, String); 5] {
         [

@@ -30,7 +30,8 @@ use super::lock::Lock;
 use super::runtime::{Backend, Coordinated};
 use crate::config::GlobalSettings;
 use crate::policy::Policy;
-use crate::store::global::{self, PolicyKeys, SLOT_FIELDS, ScriptShape};
+use crate::store::global::{self, SLOT_FIELDS};
+use crate::store::layout::{Layouts, PolicyKeys, PolicyLayout, ScriptShape};
 use crate::store::scripts::Global;
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::demand::Counters;
@@ -75,23 +76,27 @@ impl Clock for RedisClock {
     }
 }
 
-/// One global policy as a coordinator store needs it.
+/// One global policy as a coordinator store needs it: where its keys live.
 pub struct PolicyEntry {
-    pub policy: Arc<Policy>,
+    pub layout: PolicyLayout,
     pub keys: PolicyKeys,
     pub shape: ScriptShape,
 }
 
-/// The global policies by name.
-pub fn global_policies(policies: &[Arc<Policy>]) -> HashMap<String, PolicyEntry> {
+/// The global policies by name, laid out by `layouts`.
+pub fn global_policies(
+    policies: &[Arc<Policy>],
+    layouts: &Layouts,
+) -> HashMap<String, PolicyEntry> {
     policies
         .iter()
         .filter_map(|p| {
-            let g = p.global.as_ref()?;
+            let layout = layouts.of(p).into_owned();
+            let g = layout.global.clone()?;
             Some((
                 p.name.clone(),
                 PolicyEntry {
-                    policy: p.clone(),
+                    layout,
                     keys: g.keys.clone(),
                     shape: g.shape,
                 },
@@ -170,7 +175,7 @@ impl Backend for RedisBackend {
             clock.clone(),
             self.lock.clone(),
             token,
-            &shared.policies,
+            global_policies(&shared.policies, &shared.layouts),
             self.timeout,
             &shared.settings,
         );
@@ -216,19 +221,19 @@ impl RedisLeaseStore {
         clock: RedisClock,
         lock: Arc<Lock>,
         token: u64,
-        policies: &[Arc<Policy>],
+        policies: HashMap<String, PolicyEntry>,
         wait_timeout: Duration,
         settings: &GlobalSettings,
     ) -> Self {
         RedisLeaseStore {
             regions: settings.regions.len(),
             max_sync_us: (settings.params.margin_us / 4).max(1_000),
-            replid_key: crate::store::global::replid_key(lock.prefix()),
+            replid_key: lock.replid_key().to_owned(),
             conn,
             clock,
             lock,
             token,
-            policies: global_policies(policies),
+            policies,
             write: Global::WriteBook.script(),
             drop: Global::DropLoans.script(),
             default: Global::SetDefault.script(),
@@ -370,7 +375,7 @@ impl RedisLeaseStore {
                 let p = &self.policies[&name];
                 let mut pipe = redis::pipe();
                 for key in chunk {
-                    let storage = p.policy.storage_key(key);
+                    let storage = p.layout.storage_key(key);
                     let inv = global::drop_loans_invocation(
                         &self.drop,
                         &storage,
@@ -447,7 +452,7 @@ impl RedisLeaseStore {
             let mut pipe = redis::pipe();
             for key in chunk {
                 pipe.cmd("HMGET")
-                    .arg(p.policy.storage_key(key))
+                    .arg(p.layout.storage_key(key))
                     .arg(&SLOT_FIELDS[..]);
             }
             let rows: Result<Vec<Vec<Option<String>>>, _> = pipe.query(&mut self.conn);
@@ -561,7 +566,7 @@ impl LeaseStore for RedisLeaseStore {
             let p = &self.policies[policy];
             let mut pipe = redis::pipe();
             for (key, book) in chunk {
-                let storage = p.policy.storage_key(key);
+                let storage = p.layout.storage_key(key);
                 let inv = global::write_book_invocation(
                     &self.write,
                     &storage,
@@ -700,7 +705,7 @@ impl LeaseStore for RedisLeaseStore {
             let mut pipe = redis::pipe();
             for k in chunk {
                 pipe.cmd("HMGET")
-                    .arg(p.policy.storage_key(k))
+                    .arg(p.layout.storage_key(k))
                     .arg("a")
                     .arg("x");
             }

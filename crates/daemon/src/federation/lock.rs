@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use redis::{Connection, RedisResult, Script};
 
-use crate::store::global::{fence_key, lock_key};
+use crate::store::layout::Layout;
 
 pub struct Lock {
-    prefix: String,
     key: String,
+    replid_key: String,
     fence_key: String,
     id: String,
     ttl: Duration,
@@ -27,12 +27,12 @@ pub struct Lock {
 }
 
 impl Lock {
-    /// The lock of the region whose keys start with `key_prefix`.
-    pub fn new(key_prefix: &str, id: String, ttl: Duration) -> Self {
+    /// The lock of the region whose keys `layout` names.
+    pub fn new(layout: &Layout, id: String, ttl: Duration) -> Self {
         Lock {
-            prefix: key_prefix.to_owned(),
-            key: lock_key(key_prefix),
-            fence_key: fence_key(key_prefix),
+            key: layout.lock_key(),
+            replid_key: layout.replid_key(),
+            fence_key: layout.fence_key(),
             id,
             ttl,
             renew: Script::new(
@@ -69,9 +69,9 @@ impl Lock {
         &self.fence_key
     }
 
-    /// The key prefix of the region's keys.
-    pub fn prefix(&self) -> &str {
-        &self.prefix
+    /// The replication ID the books were last written under, next to the lock.
+    pub fn replid_key(&self) -> &str {
+        &self.replid_key
     }
 
     /// Takes the lock if it is free; returns the fencing token.

@@ -40,7 +40,7 @@ impl Backend for MemoryBackend {
         let token = (SystemClock.now_us() / 1000).max(1) as u64;
         let store = MemoryLeaseStore {
             store: self.store.clone(),
-            policies: global_policies(&shared.policies),
+            policies: global_policies(&shared.policies, &shared.layouts),
             active_since: HashMap::new(),
         };
         Some((store, SystemClock, token))
@@ -80,7 +80,7 @@ impl LeaseStore for MemoryLeaseStore {
         let now = self.store.now_us();
         let mut st = self.store.global();
         let d = st.default_for(&p.keys, &p.shape);
-        let storage = p.policy.storage_key(key);
+        let storage = p.layout.storage_key(key);
         // At the store's bound a new key's book is not written: reported not durable, so
         // no grant leaves for it (the safe answer).
         if !st.slots.contains_key(&storage) && self.store.reserve().is_err() {
@@ -107,7 +107,7 @@ impl LeaseStore for MemoryLeaseStore {
     fn read_book(&mut self, policy: &str, key: &str) -> Option<LeaseBook> {
         let p = self.policies.get(policy)?;
         let st = self.store.global();
-        st.slots.get(&p.policy.storage_key(key))?.book.clone()
+        st.slots.get(&p.layout.storage_key(key))?.book.clone()
     }
 
     fn books(&mut self, policy: &str) -> Vec<(String, LeaseBook)> {
@@ -120,7 +120,7 @@ impl LeaseStore for MemoryLeaseStore {
         };
         keys.iter()
             .filter_map(|k| {
-                let book = st.slots.get(&p.policy.storage_key(k))?.book.clone()?;
+                let book = st.slots.get(&p.layout.storage_key(k))?.book.clone()?;
                 Some((k.clone(), book))
             })
             .collect()
@@ -154,7 +154,7 @@ impl LeaseStore for MemoryLeaseStore {
         };
         let st = self.store.global();
         st.slots
-            .get(&p.policy.storage_key(key))
+            .get(&p.layout.storage_key(key))
             .map(|s: &KeySlot| s.counters)
             .unwrap_or_default()
     }

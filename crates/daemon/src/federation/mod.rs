@@ -25,21 +25,17 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::http::{HeaderMap, StatusCode};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::config::GlobalSettings;
 use crate::metrics::Metrics;
 use crate::policy::Policy;
-use auth::{
-    HEADER_HEADERS_SIGNATURE, HEADER_NONCE, HEADER_REGION, HEADER_SIGNATURE, HEADER_TIMESTAMP,
-    Rejection, Signed,
-};
-use quotad_core::coordinator::RegionId;
+use crate::store::layout::Layouts;
+use auth::{Rejection, Signed};
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::node::{KeyStatus, Link, NodeStats};
+use quotad_core::coordinator::{GlobalPolicy, RegionId};
 use runtime::Event;
 
 /// What the coordinator thread last published (whether it leads is `Shared`'s token).
@@ -67,6 +63,8 @@ pub struct PeerStatus {
 pub struct Shared {
     pub settings: GlobalSettings,
     pub policies: Vec<Arc<Policy>>,
+    /// Where the policies' keys live (the store's layout).
+    pub layouts: Arc<Layouts>,
     pub metrics: Arc<Metrics>,
     pub instance: String,
     leader_token: AtomicU64,
@@ -149,11 +147,7 @@ impl Shared {
 /// Where the region's coordinator keeps its state.
 pub enum BackendChoice<'a> {
     /// The region's Redis: shared by its instances, one of which holds the lock.
-    Redis {
-        url: &'a str,
-        timeout: Duration,
-        key_prefix: &'a str,
-    },
+    Redis { url: &'a str, timeout: Duration },
     /// The embedded store of this process (one instance per region).
     Memory(Arc<crate::store::memory::MemoryStore>),
 }
@@ -184,11 +178,10 @@ pub struct Admitted {
 /// early one, with retries of small ones around them).
 const BUDGET_BODIES: usize = 2;
 
-/// An answer for the peer endpoint: status, body, and the reply signature header.
-pub struct PeerResponse {
-    pub status: StatusCode,
+/// The coordinator's answer to a peer's exchange, and its signature for the peer.
+pub struct SignedReply {
     pub body: Vec<u8>,
-    pub signature: Option<String>,
+    pub signature: String,
 }
 
 fn spawn_runtime<B: runtime::Backend>(
@@ -213,6 +206,7 @@ impl Federation {
     pub fn start(
         settings: GlobalSettings,
         policies: Vec<Arc<Policy>>,
+        layouts: Arc<Layouts>,
         backend: BackendChoice<'_>,
         metrics: Arc<Metrics>,
     ) -> Result<Arc<Federation>, redis::RedisError> {
@@ -236,6 +230,7 @@ impl Federation {
         let shared = Arc::new(Shared {
             settings,
             policies,
+            layouts: layouts.clone(),
             metrics,
             instance: instance.clone(),
             leader_token: AtomicU64::new(0),
@@ -247,13 +242,9 @@ impl Federation {
         let (events_tx, events_rx) = std::sync::mpsc::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let spawned = match backend {
-            BackendChoice::Redis {
-                url,
-                timeout,
-                key_prefix,
-            } => {
+            BackendChoice::Redis { url, timeout } => {
                 let lock = lock::Lock::new(
-                    key_prefix,
+                    layouts.layout(),
                     shared.instance.clone(),
                     // Renewed every fifth of the period; a dead holder's lock lapses within
                     // 0.8 of it and the others poll every tenth: a takeover within one period.
@@ -314,54 +305,22 @@ impl Federation {
         }
     }
 
-    pub fn reject(&self, r: Rejection) -> PeerResponse {
+    /// Counts a refused peer request (`quotad_exchange_rejected_total{reason}`).
+    pub fn count_rejection(&self, r: Rejection) {
         self.shared
             .metrics
             .global
             .exchange_rejected
             .with_label_values(&[r.reason()])
             .inc();
-        let status = match r {
-            Rejection::Malformed | Rejection::Invalid => StatusCode::BAD_REQUEST,
-            Rejection::NotCoordinator | Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
-            Rejection::LengthRequired => StatusCode::LENGTH_REQUIRED,
-            Rejection::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            _ => StatusCode::UNAUTHORIZED,
-        };
-        let body = serde_json::json!({"error": {"code": r.reason(), "message": r.to_string()}});
-        PeerResponse {
-            status,
-            body: serde_json::to_vec(&body).unwrap_or_default(),
-            signature: None,
-        }
     }
 
     /// `POST /v1/peer/exchange`, before its body is read: everything the headers settle
     /// (signed form, known peer, fresh, not replayed, this instance coordinates, a length
     /// within what a round can carry), then a share of that peer's body budget.
-    pub fn admit(&self, headers: &HeaderMap) -> Result<Admitted, Rejection> {
-        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-        let signed = match (
-            header(HEADER_REGION),
-            header(HEADER_TIMESTAMP).and_then(|t| t.parse::<i64>().ok()),
-            header(HEADER_NONCE),
-            header(HEADER_SIGNATURE),
-            header(HEADER_HEADERS_SIGNATURE),
-        ) {
-            (Some(from), Some(ts), Some(nonce), Some(sig), Some(hsig)) if nonce.len() <= 64 => {
-                Signed {
-                    from: from.to_owned(),
-                    timestamp_ms: ts,
-                    nonce: nonce.to_owned(),
-                    signature: sig.to_owned(),
-                    headers_signature: hsig.to_owned(),
-                }
-            }
-            _ => return Err(Rejection::Unauthenticated),
-        };
-        let len = header("content-length")
-            .and_then(|v| v.parse::<u64>().ok())
-            .ok_or(Rejection::LengthRequired)?;
+    /// `declared_len` is the request's Content-Length.
+    pub fn admit(&self, signed: Signed, declared_len: Option<u64>) -> Result<Admitted, Rejection> {
+        let len = declared_len.ok_or(Rejection::LengthRequired)?;
         self.verifier.precheck(&signed, len, peers::wall_ms())?;
         let s = &self.shared.settings;
         let peer = s
@@ -388,29 +347,45 @@ impl Federation {
         })
     }
 
-    /// The rest of `POST /v1/peer/exchange`: verify the body's signature, check its values,
-    /// hand it to the coordinator, sign its reply.
-    pub async fn exchange(&self, admitted: Admitted, body: Bytes) -> PeerResponse {
+    /// The rest of `POST /v1/peer/exchange`: verify the body's signature, check its
+    /// values, hand it to the coordinator, sign its reply.
+    pub async fn exchange(
+        &self,
+        admitted: Admitted,
+        body: &[u8],
+    ) -> Result<SignedReply, Rejection> {
         let signed = &admitted.signed;
-        if let Err(r) = self.verifier.verify(signed, &body, peers::wall_ms()) {
-            return self.reject(r);
-        }
+        self.verifier.verify(signed, body, peers::wall_ms())?;
         let s = &self.shared.settings;
         let peer = &s.peers[admitted.peer];
         self.shared
             .count_bytes(&peer.region, "received", body.len());
-        let msg: Exchange = match serde_json::from_slice::<Exchange>(&body) {
-            // The body must speak for the region that signed it.
-            Ok(m) if m.from == peer.id => m,
-            _ => return self.reject(Rejection::Malformed),
-        };
+        let msg = Self::decode_from(body, peer.id)?;
         let me = self.shared.leader_token.load(Ordering::Acquire);
         if let Err(why) = validate_exchange(&msg, signed.timestamp_ms, me, s) {
             tracing::warn!(peer = %peer.region, why, "peer exchange refused: a value is out of bounds");
-            return self.reject(Rejection::Invalid);
+            return Err(Rejection::Invalid);
         }
+        let reply = self.ask_coordinator(msg).await?;
+        let body = serde_json::to_vec(&reply).unwrap_or_default();
+        self.shared.count_bytes(&peer.region, "sent", body.len());
+        let signature = auth::sign_reply(&peer.secret.0, &signed.nonce, &body);
+        Ok(SignedReply { body, signature })
+    }
+
+    /// The exchange in a body, which must speak for the region that signed it.
+    fn decode_from(body: &[u8], peer: RegionId) -> Result<Exchange, Rejection> {
+        match serde_json::from_slice::<Exchange>(body) {
+            Ok(m) if m.from == peer => Ok(m),
+            _ => Err(Rejection::Malformed),
+        }
+    }
+
+    /// Hands an exchange to the coordinator thread and waits at most one round for its
+    /// reply; an instance that does not (or no longer) coordinate answers nothing.
+    async fn ask_coordinator(&self, msg: Exchange) -> Result<ExchangeReply, Rejection> {
         if !self.shared.is_leader() {
-            return self.reject(Rejection::NotCoordinator);
+            return Err(Rejection::NotCoordinator);
         }
         let (tx, rx) = oneshot::channel();
         if self
@@ -418,68 +393,43 @@ impl Federation {
             .send(Event::Exchange { msg, reply: tx })
             .is_err()
         {
-            return self.reject(Rejection::NotCoordinator);
+            return Err(Rejection::NotCoordinator);
         }
-        let round = Duration::from_micros(s.params.round_us as u64);
-        let reply = match tokio::time::timeout(round, rx).await {
-            Ok(Ok(Some(r))) => r,
-            _ => return self.reject(Rejection::NotCoordinator),
-        };
-        let body = serde_json::to_vec(&reply).unwrap_or_default();
-        self.shared.count_bytes(&peer.region, "sent", body.len());
-        let signature = auth::sign_reply(&peer.secret.0, &signed.nonce, &body);
-        PeerResponse {
-            status: StatusCode::OK,
-            body,
-            signature: Some(signature),
+        let round = Duration::from_micros(self.shared.settings.params.round_us as u64);
+        match tokio::time::timeout(round, rx).await {
+            Ok(Ok(Some(r))) => Ok(r),
+            _ => Err(Rejection::NotCoordinator),
         }
     }
 
-    /// `GET /v1/status`.
-    pub fn status_json(&self, region: &str) -> serde_json::Value {
+    /// What `GET /v1/status` shows of global budgets, as of the last round.
+    pub fn report(&self) -> StatusReport {
         let s = &self.shared.settings;
-        let st = self.shared.status();
-        let policies: Vec<_> = self
-            .shared
-            .policies
-            .iter()
-            .filter_map(|p| p.global_policy())
-            .map(|g| {
-                let keys: Vec<&KeyStatus> = st.keys.iter().filter(|k| k.policy == g.name).collect();
-                serde_json::json!({
-                    "name": g.name,
-                    "version": g.version,
-                    "rho": g.rho,
-                    "burst": g.burst,
-                    "escrow": s.regions.iter().zip(&g.escrow).map(|(r, e)| (r.clone(), serde_json::json!(e))).collect::<serde_json::Map<String, serde_json::Value>>(),
-                    "keys": keys.iter().map(|k| serde_json::json!({
-                        "key": k.key,
-                        "escrow": k.escrow,
-                        "enforced": k.enforced,
-                        "lent": k.lent,
-                        "borrowed": k.borrowed,
-                        "demand": k.demand,
-                        "target": k.target,
-                    })).collect::<Vec<_>>(),
-                })
-            })
-            .collect();
-        serde_json::json!({
-            "region": region,
-            "regions": s.regions,
-            "instance": self.shared.instance,
-            "coordinator": {
-                "leader": self.shared.is_leader(),
-                "token": self.shared.leader_token.load(Ordering::Acquire),
-                "rounds": st.stats.rounds,
-                "stats": st.stats,
-                "keys_tracked": st.keys_total,
-                "keys_listed_max": STATUS_KEYS,
-            },
-            "peers": st.peers,
-            "policies": policies,
-        })
+        StatusReport {
+            regions: s.regions.clone(),
+            instance: self.shared.instance.clone(),
+            leader: self.shared.is_leader(),
+            token: self.shared.leader_token.load(Ordering::Acquire),
+            status: self.shared.status(),
+            policies: self
+                .shared
+                .policies
+                .iter()
+                .filter_map(|p| p.global_policy())
+                .collect(),
+        }
     }
+}
+
+/// A snapshot of global budgets in this instance: what `/v1/status` shows.
+pub struct StatusReport {
+    pub regions: Vec<String>,
+    pub instance: String,
+    pub leader: bool,
+    /// The fencing token while this instance coordinates; 0 otherwise.
+    pub token: u64,
+    pub status: Status,
+    pub policies: Vec<GlobalPolicy>,
 }
 
 /// The bounds a signed exchange must keep before its coordinator sees it: at most

@@ -15,6 +15,7 @@ use serde::Serialize;
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
+use crate::store::layout::{GlobalLayout, Layouts};
 use crate::store::memory::MemoryStore;
 use crate::store::{GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
@@ -105,6 +106,8 @@ pub struct Limiter {
     store: Arc<Store>,
     /// The embedded store for `on_store_error = "local"` (unused when `store` is memory).
     local: Arc<MemoryStore>,
+    /// Where each policy's keys live (the store's layout).
+    layouts: Arc<Layouts>,
     metrics: Arc<Metrics>,
     /// Unique request ids for sliding-log entries: a random per-process prefix and a counter,
     /// so ids from several daemons sharing a Redis never collide.
@@ -123,9 +126,15 @@ fn ms_ceil(us: i64) -> u64 {
 }
 
 impl Limiter {
-    pub fn new(store: Arc<Store>, local: Arc<MemoryStore>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        store: Arc<Store>,
+        local: Arc<MemoryStore>,
+        layouts: Arc<Layouts>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Limiter {
             store,
+            layouts,
             local,
             metrics,
             id_prefix: format!("{:016x}", rand::random::<u64>()),
@@ -146,9 +155,18 @@ impl Limiter {
         }
     }
 
+    /// Where a check's state lives.
+    fn target(&self, check: &Check) -> Target {
+        let layout = self.layouts.of(&check.policy);
+        Target {
+            key: layout.storage_key(&check.key),
+            global: layout.global.clone(),
+        }
+    }
+
     /// Decides one check.
     pub async fn check(&self, check: &Check) -> Result<Decision, Shed> {
-        let key = check.policy.storage_key(&check.key);
+        let key = self.target(check);
         let d = match self.remembered(check, &key) {
             Some(d) => d,
             None => {
@@ -163,7 +181,7 @@ impl Limiter {
 
     /// A denial the store gave this key and that still holds (no Redis call, no permit;
     /// see [`crate::store::deny_cache`]); counted.
-    fn remembered(&self, check: &Check, key: &str) -> Option<Decision> {
+    fn remembered(&self, check: &Check, key: &Target) -> Option<Decision> {
         let call = store_call(check, key, Op::Check { cost: check.cost }, "");
         let v = self.store.cached_denial(&call)?;
         self.metrics
@@ -178,10 +196,7 @@ impl Limiter {
     /// Checks whose denial is remembered are answered from memory; the others still go to
     /// the store (their answers are part of the response).
     pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
-        let keys: Vec<String> = checks
-            .iter()
-            .map(|c| c.policy.storage_key(&c.key))
-            .collect();
+        let keys: Vec<Target> = checks.iter().map(|c| self.target(c)).collect();
         let remembered: Vec<Option<Decision>> = checks
             .iter()
             .zip(&keys)
@@ -230,7 +245,7 @@ impl Limiter {
 
     /// Forgets a key's state in this region's store and in the local fallback.
     pub async fn reset(&self, policy: &Policy, key: &str) -> Result<(), ResetError> {
-        let storage_key = policy.storage_key(key);
+        let storage_key = self.layouts.of(policy).storage_key(key);
         let _admitted = self.store.admit(1).await?;
         // The store first: when it fails the caller is told nothing changed, so the local
         // fallback's state must not have changed either.
@@ -246,8 +261,8 @@ impl Limiter {
             .inc();
     }
 
-    /// `key` is the check's storage key (built once per check by the caller).
-    async fn decide(&self, check: &Check, key: &str, member: &str) -> Decision {
+    /// `key` is the check's target (built once per check by the caller).
+    async fn decide(&self, check: &Check, key: &Target, member: &str) -> Decision {
         let policy = &check.policy;
         let call = store_call(check, key, Op::Check { cost: check.cost }, member);
         let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
@@ -261,7 +276,7 @@ impl Limiter {
                 decision(check, &v, outcome, charged(&v, Charged::Primary))
             }
             Err(e) => {
-                self.metrics.store_error(&e);
+                self.metrics.store_error(e.kind());
                 match e {
                     // Redis answered with an error or a malformed reply: a bug or a broken
                     // server, not an outage. Loud, but not once per request: the 1st, 2nd,
@@ -283,7 +298,7 @@ impl Limiter {
                         // The in-process store is at its bound too: nothing can enforce
                         // this check, and `local` leans to availability.
                         Err(full) => {
-                            self.metrics.store_error(&StoreError::Full(full.0));
+                            self.metrics.store_error(StoreError::Full(full.0).kind());
                             unenforced(check, true)
                         }
                     },
@@ -295,7 +310,7 @@ impl Limiter {
     async fn refund(
         &self,
         check: &Check,
-        key: &str,
+        key: &Target,
         member: &str,
         charged: Option<Charged>,
     ) -> bool {
@@ -305,7 +320,7 @@ impl Limiter {
             Some(Charged::Primary) => match self.store.apply(&call).await {
                 Ok(_) => true,
                 Err(e) => {
-                    self.metrics.store_error(&e);
+                    self.metrics.store_error(e.kind());
                     self.metrics.refund_errors.inc();
                     tracing::debug!(policy = %policy.name, error = %e, "refund failed");
                     false
@@ -318,14 +333,21 @@ impl Limiter {
     }
 }
 
-fn store_call<'a>(check: &'a Check, key: &'a str, op: Op, member: &'a str) -> StoreCall<'a> {
+/// A check's storage key, and for a global policy its per-policy keys and script numbers:
+/// what [`Layouts`] says about it.
+struct Target {
+    key: String,
+    global: Option<Arc<GlobalLayout>>,
+}
+
+fn store_call<'a>(check: &'a Check, key: &'a Target, op: Op, member: &'a str) -> StoreCall<'a> {
     StoreCall {
         algorithm: check.policy.algorithm,
         limits: check.policy.limits(),
-        key,
+        key: &key.key,
         op,
         member,
-        global: check.policy.global.as_ref().map(|g| GlobalCall {
+        global: key.global.as_deref().map(|g| GlobalCall {
             user_key: &check.key,
             keys: &g.keys,
             shape: g.shape,

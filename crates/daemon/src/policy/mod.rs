@@ -1,8 +1,9 @@
-//! Compiled policies: what the limiter enforces, in types that cannot be built invalid, and
-//! the one function that turns a user key into a storage key.
+//! Compiled policies: what the limiter enforces, in types that cannot be built invalid.
 //!
 //! Policies are built only by [`crate::config`] after validation ([`Policy::new`] re-checks
-//! the invariants it relies on), then shared read-only as a [`Policies`] snapshot.
+//! the invariants it relies on), then shared read-only as a [`Policies`] snapshot. They
+//! are domain values: where their state lives in Redis is the store's business
+//! ([`crate::store::layout`]).
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU64;
@@ -11,7 +12,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::store::global::{PolicyKeys, ScriptShape};
 use quotad_core::algorithm::{Algorithm, Limits};
 use quotad_core::coordinator::{GlobalPolicy, Mode};
 
@@ -48,8 +48,6 @@ pub struct Policy {
     pub shadow: bool,
     /// A global budget: `limit` per `window` is the rate ρ for all regions together.
     pub global: Option<GlobalSpec>,
-    /// Storage-key prefix up to the user key: `<key_prefix>:<policy>:<algorithm tag>:`.
-    key_stem: String,
 }
 
 /// How a global policy splits its budget (validated by the config layer).
@@ -60,10 +58,6 @@ pub struct GlobalSpec {
     /// Escrow weights, by region index (regions sorted by name).
     pub weights: Vec<f64>,
     pub mode: Mode,
-    /// Where the policy's shared state lives in the region's Redis.
-    pub keys: PolicyKeys,
-    /// What the scripts need besides the key (this region's escrow as the fallback).
-    pub shape: ScriptShape,
 }
 
 /// Smallest window: the scripts' clock resolution is 1 us, but windows below 1 ms make no
@@ -128,7 +122,7 @@ pub struct PolicySpec<'a> {
 
 impl Policy {
     /// Builds a policy; `None` if an invariant fails (config validation reports why first).
-    pub fn new(key_prefix: &str, spec: PolicySpec<'_>) -> Option<Policy> {
+    pub fn new(spec: PolicySpec<'_>) -> Option<Policy> {
         let PolicySpec {
             name,
             algorithm,
@@ -147,7 +141,6 @@ impl Policy {
         };
         if !(MIN_WINDOW..=MAX_WINDOW).contains(&window)
             || !valid_name(name)
-            || !valid_prefix(key_prefix)
             || check_rates(algorithm, limit.get(), window, burst.get()).is_err()
         {
             return None;
@@ -160,11 +153,6 @@ impl Policy {
             burst,
             on_store_error,
             shadow,
-            // Global keys hold a bucket, a lease book and counters: their own shape.
-            key_stem: match global {
-                Some(_) => format!("{key_prefix}:{name}:g:"),
-                None => format!("{key_prefix}:{name}:{}:", algorithm.key_tag()),
-            },
             global,
         })
     }
@@ -198,29 +186,6 @@ impl Policy {
     /// The largest cost a single request may ask for.
     pub fn capacity(&self) -> u64 {
         self.limits().capacity(self.algorithm)
-    }
-
-    /// The storage key for a user key: `<prefix>:<policy>:<alg>:{<escaped key>}`.
-    ///
-    /// This is the only place storage keys are built. The user key sits inside a Redis
-    /// Cluster hash tag, escaped so it contains no `{` or `}`: no key can move another key's
-    /// slot or end the tag early. The escaping (`%` `{` `}` to `%25` `%7B` `%7D`) is
-    /// injective and policy names contain no `:`, so distinct (policy, key) pairs never share
-    /// a storage key.
-    pub fn storage_key(&self, key: &str) -> String {
-        let mut out = String::with_capacity(self.key_stem.len() + key.len() + 2);
-        out.push_str(&self.key_stem);
-        out.push('{');
-        for c in key.chars() {
-            match c {
-                '%' => out.push_str("%25"),
-                '{' => out.push_str("%7B"),
-                '}' => out.push_str("%7D"),
-                c => out.push(c),
-            }
-        }
-        out.push('}');
-        out
     }
 }
 
@@ -285,43 +250,15 @@ mod tests {
         }
     }
 
-    fn policy(name: &str) -> Policy {
-        Policy::new(
-            "rl",
-            spec(
-                name,
-                Algorithm::TokenBucket,
-                10,
-                Duration::from_secs(1),
-                None,
-            ),
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn storage_keys_cannot_escape_their_hash_tag_or_collide() {
-        let p = policy("api");
-        assert_eq!(p.storage_key("alice"), "rl:api:tb:{alice}");
-        assert_eq!(p.storage_key("a}b{c"), "rl:api:tb:{a%7Db%7Bc}");
-        assert_ne!(p.storage_key("%7B"), p.storage_key("{"));
-        assert_ne!(policy("a").storage_key("x"), policy("b").storage_key("x"));
-        let k = p.storage_key("x}y");
-        let tag_start = k.find('{').unwrap();
-        let tag_end = k[tag_start..].find('}').unwrap() + tag_start;
-        assert_eq!(tag_end, k.len() - 1, "the tag spans the whole user key");
-    }
-
     #[test]
     fn invalid_policies_cannot_be_built() {
-        let mk =
-            |limit, window, burst, alg| Policy::new("rl", spec("p", alg, limit, window, burst));
+        let mk = |limit, window, burst, alg| Policy::new(spec("p", alg, limit, window, burst));
         let s = Duration::from_secs(1);
         assert!(mk(0, s, None, Algorithm::FixedWindow).is_none());
         assert!(mk(1, Duration::ZERO, None, Algorithm::FixedWindow).is_none());
         assert!(mk(1, s, Some(5), Algorithm::FixedWindow).is_none());
         assert!(mk(1, s, Some(0), Algorithm::TokenBucket).is_none());
-        assert!(Policy::new("rl", spec("a:b", Algorithm::Gcra, 1, s, None)).is_none());
+        assert!(Policy::new(spec("a:b", Algorithm::Gcra, 1, s, None)).is_none());
         // GCRA faster than 1 unit per microsecond; a burst that takes over a year to refill;
         // a sliding log over its cap.
         assert!(mk(10_000, Duration::from_millis(1), Some(1), Algorithm::Gcra).is_none());

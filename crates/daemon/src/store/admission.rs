@@ -161,7 +161,7 @@ mod tests {
                 max_queued,
                 queue_timeout: Duration::from_millis(ms),
             },
-            Arc::new(Metrics::new(["p"])),
+            Arc::new(Metrics::new(["p"], &[])),
         )
     }
 

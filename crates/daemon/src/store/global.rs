@@ -1,70 +1,23 @@
-//! Global policies in a region's Redis: where their state lives, how the scripts in
-//! `lua/global/` are called, and how a key's hash reads back as a
-//! [`KeySlot`] (the model the scripts are tested against).
+//! Global policies in a region's Redis: how the scripts in `lua/global/` are called, and
+//! how a key's hash reads back as a [`KeySlot`] (the model the scripts are tested against).
 //!
 //! Per user key, one hash holds the bucket, the lease book and the counters (see
 //! `lua/global/common.lua`). Per policy: a meta hash with the default escrow, a sorted set
 //! of recently active keys (score: Redis time of the last check), and the set of keys with
 //! a book (recovery after a coordinator restart). Per region: the coordinator lock and its
-//! fencing counter. The per-policy and per-region keys are outside the user key's hash
-//! slot, so this layout needs one Redis (or a cluster's rework; see docs/global-budgets.md).
+//! fencing counter. Their names are [`super::layout`]'s. The per-policy and per-region keys
+//! are outside the user key's hash slot, so this layout needs one Redis (or a cluster's
+//! rework; see docs/global-budgets.md).
 
 use redis::{Script, ScriptInvocation};
+
+use super::layout::{PolicyKeys, ScriptShape};
 
 use quotad_core::algorithm::{Op, State};
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot};
 use quotad_core::coordinator::demand::Counters;
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
 use quotad_core::coordinator::{LocalUs, RegionId};
-
-/// The per-policy keys of a global policy.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PolicyKeys {
-    pub meta: String,
-    pub active: String,
-    pub books: String,
-}
-
-impl PolicyKeys {
-    /// `<prefix>:<policy>:g:meta` and so on: user keys of the policy are
-    /// `<prefix>:<policy>:g:{...}`, always with a brace, so none can collide with these.
-    pub fn new(key_prefix: &str, policy: &str) -> Self {
-        let stem = format!("{key_prefix}:{policy}:g:");
-        PolicyKeys {
-            meta: format!("{stem}meta"),
-            active: format!("{stem}active"),
-            books: format!("{stem}books"),
-        }
-    }
-}
-
-/// The region's coordinator lock (value: the holder's instance id) and its fencing counter
-/// (value: the holder's token; every coordinator write checks it).
-pub fn lock_key(key_prefix: &str) -> String {
-    format!("{key_prefix}:coordinator:lock")
-}
-
-pub fn fence_key(key_prefix: &str) -> String {
-    format!("{key_prefix}:coordinator:fence")
-}
-
-/// The replication ID the region's books were last written under (failover detection).
-pub fn replid_key(key_prefix: &str) -> String {
-    format!("{key_prefix}:coordinator:replid")
-}
-
-/// What every script of a policy needs besides the key.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScriptShape {
-    pub rho: f64,
-    pub burst: f64,
-    pub step_tolerance_us: i64,
-    /// The escrow of this region in the running config: applied to keys without a book
-    /// while the coordinator has never written a default (a first start).
-    pub fallback_escrow: f64,
-    /// Lifetime of every key of the policy after its last touch, longer than any lease.
-    pub keep_ms: i64,
-}
 
 impl ScriptShape {
     /// The five numbers, in the order `shape_args` in `lua/global/common.lua` reads them.

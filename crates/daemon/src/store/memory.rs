@@ -21,8 +21,8 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::config::GLOBAL_KEEP_MS;
-use crate::store::global::{PolicyKeys, ScriptShape};
+use crate::store::layout::GLOBAL_KEEP_MS;
+use crate::store::layout::{PolicyKeys, ScriptShape};
 use crate::store::{GlobalCall, StoreCall};
 use quotad_core::algorithm::{self, Op, State, Verdict, Write};
 use quotad_core::clock::Clock;
@@ -346,7 +346,11 @@ mod tests {
     fn idle_global_keys_are_swept_like_their_redis_keys_expire() {
         let clock = Arc::new(ManualClock::new(1_000_000_000));
         let store = MemoryStore::new(clock.clone(), 1000);
-        let keys = PolicyKeys::new("rl", "g");
+        let keys = PolicyKeys {
+            meta: "rl:g:g:meta".into(),
+            active: "rl:g:g:active".into(),
+            books: "rl:g:g:books".into(),
+        };
         let global = GlobalCall {
             user_key: "k",
             keys: &keys,

@@ -9,6 +9,7 @@ pub mod admission;
 pub mod breaker;
 pub mod deny_cache;
 pub mod global;
+pub mod layout;
 pub mod memory;
 pub mod redis;
 pub mod scripts;
@@ -20,7 +21,7 @@ use quotad_core::algorithm::{Algorithm, Limits, Op, Verdict};
 pub struct StoreCall<'a> {
     pub algorithm: Algorithm,
     pub limits: Limits,
-    /// The storage key, built by [`crate::policy::storage_key`] and nowhere else.
+    /// The storage key, built by [`layout::PolicyLayout::storage_key`] and nowhere else.
     pub key: &'a str,
     pub op: Op,
     /// Unique id of the request (sliding-log entries).
@@ -34,8 +35,8 @@ pub struct StoreCall<'a> {
 pub struct GlobalCall<'a> {
     /// The key as the client sent it: the coordinator's name for it.
     pub user_key: &'a str,
-    pub keys: &'a global::PolicyKeys,
-    pub shape: global::ScriptShape,
+    pub keys: &'a layout::PolicyKeys,
+    pub shape: layout::ScriptShape,
 }
 
 /// Why a store could not answer. Every variant means "no decision was made"; none is a

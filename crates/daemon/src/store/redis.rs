@@ -32,6 +32,7 @@ use crate::metrics::Metrics;
 use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
 use crate::store::deny_cache::DenyCache;
+use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{StoreCall, StoreError, global, parse_verdict};
 use quotad_core::algorithm::{Op, Verdict};
@@ -83,11 +84,11 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 const HEARTBEAT_PAYLOAD: &str = "";
 
 impl RedisStore {
-    /// Parses the URL; does not connect (the supervisor does). `key_prefix` names the
-    /// invalidation channel (`<prefix>:invalidate`).
+    /// Parses the URL; does not connect (the supervisor does). `layout` names the
+    /// invalidation channel.
     pub fn new(
         settings: RedisSettings,
-        key_prefix: &str,
+        layout: &Layout,
         metrics: Arc<Metrics>,
     ) -> Result<Self, RedisError> {
         // TCP_NODELAY: the multiplexed connection writes many small commands; with Nagle's
@@ -114,7 +115,7 @@ impl RedisStore {
             tripped: tokio::sync::Notify::new(),
             admission,
             deny: DenyCache::new(settings.deny_cache_keys),
-            channel: format!("{key_prefix}:invalidate"),
+            channel: layout.invalidate_channel(),
             metrics,
             settings,
         })
