@@ -2,28 +2,26 @@
 //! generator that moves demand between them, a cut and a heal of one region, and a live
 //! table of what each region is offered, enforces and admits.
 //!
-//! Each region gets a real `redis-server` when one is on PATH (else the embedded store)
-//! and a quotad daemon in this process (the same `app::serve` as `quotad serve`, with its
-//! own coordinator thread). Peers reach each other through in-process TCP relays, which
-//! is how a region is cut off and healed. Ctrl-C (or the end of the script) stops the
-//! load, the daemons and the redis-servers, and removes the temporary directory.
+//! It is built from the test kit, the same parts the multi-region tests use: a real
+//! `redis-server` per region when one is on PATH (else the embedded store), a daemon per
+//! region served in this process (the same `app::serve` as `quotad serve`, each with its
+//! coordinator), the fault proxy between every two regions (how a region is cut off and
+//! healed), and the open-loop load generator. Ctrl-C (or the end of the script) stops the
+//! load, the daemons and the redis-servers.
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-use quotad_daemon::config::Settings;
+use quotad_testkit::load::{Load, admitted_between};
+use quotad_testkit::proxy::{Leg, LegHandle, Proxy};
+use quotad_testkit::{Config, Global, Peer, Policy, Quotad, RedisServer, redis_available};
 
 /// Regions in escrow order (weights 6 / 3 / 1).
 const REGIONS: [&str; 3] = ["us-east", "eu-west", "ap-south"];
 const WEIGHTS: [u32; 3] = [6, 3, 1];
-const RHO: u32 = 1000;
+const RHO: u64 = 1000;
 const COST: u64 = 5;
 
 /// One step of the script: from `at` seconds, offered units per second per region.
@@ -41,27 +39,12 @@ enum Event {
 }
 
 fn script() -> Vec<Step> {
+    let step = |at, offered, event| Step { at, offered, event };
     vec![
-        Step {
-            at: 0,
-            offered: [900.0, 250.0, 50.0],
-            event: Event::None,
-        },
-        Step {
-            at: 25,
-            offered: [100.0, 250.0, 900.0],
-            event: Event::None,
-        },
-        Step {
-            at: 45,
-            offered: [100.0, 250.0, 900.0],
-            event: Event::Cut(2),
-        },
-        Step {
-            at: 65,
-            offered: [100.0, 250.0, 900.0],
-            event: Event::Heal(2),
-        },
+        step(0, [900.0, 250.0, 50.0], Event::None),
+        step(25, [100.0, 250.0, 900.0], Event::None),
+        step(45, [100.0, 250.0, 900.0], Event::Cut(2)),
+        step(65, [100.0, 250.0, 900.0], Event::Heal(2)),
     ]
 }
 
@@ -69,170 +52,108 @@ fn script() -> Vec<Step> {
 pub enum DemoError {
     #[error("cannot start redis-server: {0}")]
     Redis(String),
-    #[error("invalid demo config: {0}")]
-    Config(String),
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
+    #[error("a daemon stopped")]
+    DaemonStopped,
 }
 
-/// A redis-server child, killed on drop.
-struct RedisChild {
-    child: Child,
-    port: u16,
+/// The three regions: their stores, daemons, and the proxies between them.
+struct Regions {
+    /// `legs[a][b]`: the direction a → b (requests of a to b, answers of a to b's).
+    legs: Vec<Vec<LegHandle>>,
+    daemons: Vec<Quotad>,
+    _proxies: Vec<Proxy>,
+    _redis: Vec<RedisServer>,
 }
 
-impl Drop for RedisChild {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn redis_on_path() -> bool {
-    Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-async fn start_redis(dir: &std::path::Path) -> Result<RedisChild, DemoError> {
-    let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let port = probe.local_addr()?.port();
-    drop(probe);
-    let child = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .arg("--dir")
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| DemoError::Redis(e.to_string()))?;
-    let r = RedisChild { child, port };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return Ok(r);
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Err(DemoError::Redis(format!("no answer on port {port}")))
-}
-
-/// A TCP relay to one daemon that drops every connection while its region is cut off.
-async fn relay(
-    listener: TcpListener,
-    target: SocketAddr,
-    cut: [Arc<AtomicBool>; 2],
-    stop: CancellationToken,
-) {
-    let is_cut = move || cut.iter().any(|c| c.load(Ordering::Relaxed));
-    loop {
-        let conn = tokio::select! {
-            _ = stop.cancelled() => return,
-            c = listener.accept() => c,
+impl Regions {
+    fn start(use_redis: bool) -> Result<Regions, DemoError> {
+        let redis: Vec<RedisServer> = if use_redis {
+            (0..3)
+                .map(|_| RedisServer::try_start().map_err(DemoError::Redis))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
         };
-        let Ok((mut inbound, _)) = conn else { continue };
-        if is_cut() {
-            continue;
-        }
-        let is_cut = is_cut.clone();
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let Ok(mut outbound) = TcpStream::connect(target).await else {
-                return;
-            };
-            let watch = async {
-                while !is_cut() {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            };
-            tokio::select! {
-                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                _ = watch => {}
-                _ = stop.cancelled() => {}
+        let legs: Vec<Vec<LegHandle>> = (0..3)
+            .map(|_| {
+                (0..3)
+                    .map(|_| Arc::new(Mutex::new(Leg::default())))
+                    .collect()
+            })
+            .collect();
+        // proxies[a][b]: how region a reaches region b; started before the daemons, whose
+        // configs name them.
+        let mut proxies: Vec<Vec<Option<Proxy>>> = (0..3).map(|_| vec![None, None, None]).collect();
+        for (a, row) in proxies.iter_mut().enumerate() {
+            for (b, slot) in row.iter_mut().enumerate().filter(|(b, _)| *b != a) {
+                *slot = Some(Proxy::start(legs[a][b].clone(), legs[b][a].clone()));
             }
-        });
-    }
-}
-
-fn region_config(me: usize, store: &str, peer_urls: &[String; 3]) -> String {
-    let mut c = format!(
-        "region = \"{}\"\n[store]\nredis = \"{store}\"\n[coordinator]\nsecret = \"demo-secret-not-for-production\"\n",
-        REGIONS[me]
-    );
-    for (j, url) in peer_urls.iter().enumerate() {
-        if j != me {
-            c += &format!("[[peer]]\nregion = \"{}\"\nurl = \"{url}\"\n", REGIONS[j]);
         }
-    }
-    c += &format!(
-        "[[policy]]\nname = \"api\"\nalgorithm = \"token_bucket\"\nlimit = {RHO}\nwindow = \"1s\"\nburst = 200\non_store_error = \"closed\"\n\
-         [policy.global]\nescrow = {{ {} = {}, {} = {}, {} = {} }}\n",
-        REGIONS[0], WEIGHTS[0], REGIONS[1], WEIGHTS[1], REGIONS[2], WEIGHTS[2]
-    );
-    c
-}
-
-/// The demo's load: per region an offered rate and the units admitted since last read.
-struct Load {
-    offered: [AtomicU64; 3],
-    admitted: [AtomicU64; 3],
-}
-
-async fn generate(load: Arc<Load>, region: usize, url: String, stop: CancellationToken) {
-    let client = reqwest::Client::new();
-    let body = serde_json::json!({"policy": "api", "key": "customer-42", "cost": COST}).to_string();
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
-    let mut owed = 0.0;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        owed += f64::from_bits(load.offered[region].load(Ordering::Relaxed)) * 0.01 / COST as f64;
-        while owed >= 1.0 {
-            owed -= 1.0;
-            let (client, body, url, load) =
-                (client.clone(), body.clone(), url.clone(), load.clone());
-            tokio::spawn(async move {
-                let r = client
-                    .post(format!("{url}/v1/check"))
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await;
-                if let Ok(resp) = r {
-                    let v: serde_json::Value = resp.json().await.unwrap_or_default();
-                    if v["allowed"] == true {
-                        load.admitted[region].fetch_add(COST, Ordering::Relaxed);
-                    }
+        let daemons: Vec<Quotad> = (0..3)
+            .map(|me| {
+                let store = redis.get(me).map_or("memory".to_owned(), |r| r.url());
+                let urls: Vec<String> = proxies[me]
+                    .iter()
+                    .map(|p| p.as_ref().map_or(String::new(), Proxy::url))
+                    .collect();
+                Quotad::serve(&region_config(me, &store, &urls))
+            })
+            .collect();
+        for (a, row) in proxies.iter().enumerate() {
+            for (b, p) in row.iter().enumerate() {
+                if let Some(p) = p {
+                    debug_assert_ne!(a, b);
+                    p.set_target(daemons[b].port);
                 }
-            });
+            }
+        }
+        Ok(Regions {
+            legs,
+            daemons,
+            _proxies: proxies.into_iter().flatten().flatten().collect(),
+            _redis: redis,
+        })
+    }
+
+    /// Cuts region `r` off from both peers (both directions), or heals it.
+    fn set_cut(&self, r: usize, cut: bool) {
+        for other in (0..3).filter(|&o| o != r) {
+            for (a, b) in [(r, other), (other, r)] {
+                self.legs[a][b]
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .cut = cut;
+            }
         }
     }
+
+    fn urls(&self) -> Vec<Vec<String>> {
+        self.daemons.iter().map(|d| vec![d.url()]).collect()
+    }
+}
+
+fn region_config(me: usize, store: &str, peer_urls: &[String]) -> String {
+    let mut config = Config::redis(store)
+        .region(REGIONS[me])
+        .coordinator("secret", "demo-secret-not-for-production");
+    for (j, url) in peer_urls.iter().enumerate().filter(|(j, _)| *j != me) {
+        config = config.peer(Peer::new(REGIONS[j], url));
+    }
+    let escrow: Vec<(&str, u32)> = REGIONS.iter().copied().zip(WEIGHTS).collect();
+    config
+        .policy(
+            Policy::new("api", "token_bucket", RHO, "1s")
+                .burst(200)
+                .on_store_error("closed")
+                .global(Global::escrow(&escrow)),
+        )
+        .to_toml()
 }
 
 /// The region's enforced rate for the demo key, from its `/v1/status`.
-async fn share(client: &reqwest::Client, url: &str, region: usize) -> Option<f64> {
-    let v: serde_json::Value = client
-        .get(format!("{url}/v1/status"))
-        .send()
-        .await
-        .ok()?
-        .json()
-        .await
-        .ok()?;
+fn share(daemon: &Quotad, region: usize) -> Option<f64> {
+    let (_, text) = daemon.try_get("/v1/status")?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     let p = &v["policies"][0];
     let key = p["keys"]
         .as_array()?
@@ -244,79 +165,7 @@ async fn share(client: &reqwest::Client, url: &str, region: usize) -> Option<f64
     }
 }
 
-/// Runs the demo until the script ends or `stop` is cancelled (Ctrl-C).
-pub async fn run(
-    embedded: bool,
-    duration: Duration,
-    stop: CancellationToken,
-) -> Result<(), DemoError> {
-    let dir: PathBuf = std::env::temp_dir().join(format!("quotad-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let result = run_in(&dir, embedded, duration, stop).await;
-    let _ = std::fs::remove_dir_all(&dir);
-    result
-}
-
-async fn run_in(
-    dir: &std::path::Path,
-    embedded: bool,
-    duration: Duration,
-    stop: CancellationToken,
-) -> Result<(), DemoError> {
-    let use_redis = !embedded && redis_on_path();
-    let mut redis = Vec::new();
-    if use_redis {
-        for i in 0..3 {
-            let d = dir.join(format!("redis-{i}"));
-            std::fs::create_dir_all(&d)?;
-            redis.push(start_redis(&d).await?);
-        }
-    }
-    let cut: [Arc<AtomicBool>; 3] = std::array::from_fn(|_| Arc::new(AtomicBool::new(false)));
-    let background = CancellationToken::new();
-    // Daemons listen first, so the relays (and the peers' configs) know where they are.
-    let mut listeners = Vec::new();
-    for _ in 0..3 {
-        listeners.push(std::net::TcpListener::bind("127.0.0.1:0")?);
-    }
-    let addrs: Vec<SocketAddr> = listeners
-        .iter()
-        .map(|l| l.local_addr())
-        .collect::<Result<_, _>>()?;
-    // urls[a][b]: how region a reaches region b.
-    let mut urls: Vec<[String; 3]> = Vec::new();
-    for a in 0..3 {
-        let mut row: [String; 3] = Default::default();
-        for b in (0..3).filter(|&b| b != a) {
-            let l = TcpListener::bind("127.0.0.1:0").await?;
-            row[b] = format!("http://{}", l.local_addr()?);
-            tokio::spawn(relay(
-                l,
-                addrs[b],
-                [cut[a].clone(), cut[b].clone()],
-                background.clone(),
-            ));
-        }
-        urls.push(row);
-    }
-    let mut daemons = Vec::new();
-    for (me, listener) in listeners.into_iter().enumerate() {
-        let store = match redis.get(me) {
-            Some(r) => format!("redis://127.0.0.1:{}", r.port),
-            None => "memory".to_owned(),
-        };
-        let text = region_config(me, &store, &urls[me]);
-        let mut settings = Settings::parse(&format!("demo:{}", REGIONS[me]), &text)
-            .map_err(|e| DemoError::Config(e.to_string()))?;
-        // No load balancer to tell: Ctrl-C stops the daemons at once.
-        settings.server.shutdown_delay = std::time::Duration::ZERO;
-        listener.set_nonblocking(true)?;
-        let listener = TcpListener::from_std(listener)?;
-        let token = background.child_token();
-        daemons.push(tokio::spawn(quotad_daemon::app::serve(
-            settings, listener, token,
-        )));
-    }
+fn print_header(use_redis: bool, daemons: &[Quotad]) {
     println!(
         "quotad demo: 3 regions ({}), global budget {RHO}/s, burst 200, escrow {}/{}/{} %",
         if use_redis {
@@ -328,7 +177,8 @@ async fn run_in(
         WEIGHTS[1] * 10,
         WEIGHTS[2] * 10
     );
-    for (i, a) in addrs.iter().enumerate() {
+    for (i, d) in daemons.iter().enumerate() {
+        let a = format!("127.0.0.1:{}", d.port);
         println!(
             "  {:<9} http://{a}  (try: curl http://{a}/v1/status)",
             REGIONS[i]
@@ -350,78 +200,87 @@ async fn run_in(
         "offered enforced admitted",
         "/s"
     );
+}
 
-    let load = Arc::new(Load {
-        offered: Default::default(),
-        admitted: Default::default(),
-    });
-    for (r, a) in addrs.iter().enumerate() {
-        tokio::spawn(generate(
-            load.clone(),
-            r,
-            format!("http://{a}"),
-            background.clone(),
-        ));
+/// Applies the script's steps that start at second `t`.
+fn play(steps: &[Step], t: u64, load: &Load, offered: &mut [f64; 3], regions: &Regions) {
+    for s in steps.iter().filter(|s| s.at == t) {
+        *offered = s.offered;
+        for (r, x) in s.offered.iter().enumerate() {
+            load.set_rate(r, *x);
+        }
+        match s.event {
+            Event::Cut(r) => {
+                regions.set_cut(r, true);
+                println!(
+                    "---- {} cut off from both peers: falls back to its escrow within lease(1+e)+margin ----",
+                    REGIONS[r]
+                );
+            }
+            Event::Heal(r) => {
+                regions.set_cut(r, false);
+                println!("---- {} reconnected ----", REGIONS[r]);
+            }
+            Event::None if t > 0 => println!("---- demand moves ----"),
+            Event::None => {}
+        }
     }
-    let client = reqwest::Client::new();
+}
+
+/// One row: second `t`, per region offered, enforced and admitted (units sent in the
+/// last second and allowed), and the total admitted.
+fn row(t: u64, offered: &[f64; 3], load: &Load, regions: &Regions) -> String {
+    let answers = load.answers();
+    let (from, to) = (load.elapsed() - 1.0, load.elapsed());
+    let mut row = format!("{t:>4}  ");
+    let mut total = 0;
+    for (r, d) in regions.daemons.iter().enumerate() {
+        let admitted = admitted_between(&answers, r, from, to);
+        total += admitted;
+        let enforced = match share(d, r) {
+            Some(s) => format!("{s:8.0}"),
+            None => format!("{:>8}", "-"),
+        };
+        row += &format!("{:7.0} {enforced} {admitted:8}  ", offered[r]);
+    }
+    format!("{row}{total:>5}")
+}
+
+/// Runs the demo until the script ends or `stop` is cancelled (Ctrl-C). Blocking: the
+/// daemons and the load generator run on runtimes of their own.
+pub fn run(embedded: bool, duration: Duration, stop: CancellationToken) -> Result<(), DemoError> {
+    let use_redis = !embedded && redis_available();
+    let regions = Regions::start(use_redis)?;
+    print_header(use_redis, &regions.daemons);
+    let load = Load::start(regions.urls(), "api", "customer-42", COST);
     let steps = script();
     let started = Instant::now();
-    let mut second = tokio::time::interval(Duration::from_secs(1));
-    second.tick().await;
-    let mut t = 0u64;
+    let mut offered = [0.0; 3];
     let mut outcome = Ok(());
-    loop {
-        for s in steps.iter().filter(|s| s.at == t) {
-            for (r, x) in s.offered.iter().enumerate() {
-                load.offered[r].store(x.to_bits(), Ordering::Relaxed);
-            }
-            match s.event {
-                Event::Cut(r) => {
-                    cut[r].store(true, Ordering::Relaxed);
-                    println!(
-                        "---- {} cut off from both peers: falls back to its escrow within lease(1+e)+margin ----",
-                        REGIONS[r]
-                    );
-                }
-                Event::Heal(r) => {
-                    cut[r].store(false, Ordering::Relaxed);
-                    println!("---- {} reconnected ----", REGIONS[r]);
-                }
-                Event::None if t > 0 => println!("---- demand moves ----"),
-                Event::None => {}
-            }
+    for t in 0.. {
+        play(&steps, t, &load, &mut offered, &regions);
+        let next = started + Duration::from_secs(t + 1);
+        while Instant::now() < next && !stop.is_cancelled() {
+            std::thread::sleep(Duration::from_millis(20).min(next - Instant::now()));
         }
-        tokio::select! {
-            _ = stop.cancelled() => break,
-            _ = second.tick() => {}
+        if stop.is_cancelled() {
+            break;
         }
-        t += 1;
-        let mut row = format!("{t:>4}  ");
-        let mut total = 0;
-        for (r, a) in addrs.iter().enumerate() {
-            let offered = f64::from_bits(load.offered[r].load(Ordering::Relaxed));
-            let admitted = load.admitted[r].swap(0, Ordering::Relaxed);
-            total += admitted;
-            let enforced = match share(&client, &format!("http://{a}"), r).await {
-                Some(s) => format!("{s:8.0}"),
-                None => format!("{:>8}", "-"),
-            };
-            row += &format!("{offered:7.0} {enforced} {admitted:8}  ");
-        }
-        println!("{row}{total:>5}");
+        println!("{}", row(t + 1, &offered, &load, &regions));
         if started.elapsed() >= duration {
             break;
         }
-        if daemons.iter().any(|d| d.is_finished()) {
-            outcome = Err(DemoError::Io(std::io::Error::other("a daemon stopped")));
+        if regions
+            .daemons
+            .iter()
+            .any(|d| d.try_get("/healthz").is_none())
+        {
+            outcome = Err(DemoError::DaemonStopped);
             break;
         }
     }
-    background.cancel();
-    for d in daemons {
-        let _ = tokio::time::timeout(Duration::from_secs(5), d).await;
-    }
-    drop(redis);
+    load.finish();
+    drop(regions);
     println!("\nstopped: daemons shut down, redis-servers stopped.");
     outcome
 }

@@ -222,8 +222,9 @@ fn demo(embedded: bool, duration: std::time::Duration) -> ExitCode {
     // The table is the output: daemons log warnings only (RUST_LOG overrides).
     init_tracing_at("warn");
     until_signal(|stop| async move {
-        demo::run(embedded, duration, stop)
+        tokio::task::spawn_blocking(move || demo::run(embedded, duration, stop))
             .await
+            .map_err(|e| eprintln!("demo failed: {e}"))?
             .map_err(|e| eprintln!("demo failed: {e}"))
     })
 }

@@ -1,8 +1,20 @@
-//! Test harness: real `redis-server` and `quotad` processes on free loopback ports, stopped
-//! when their handles drop. No mocks: every test talks to the real thing.
+//! The test kit: real `redis-server` processes and quotad daemons on free loopback ports,
+//! stopped when their handles drop, a fault proxy for peer links, an open-loop load
+//! generator, and a typed builder for config files. No mocks: every test talks to the real
+//! thing. `quotad demo` runs on the same parts.
+//!
+//! Daemons come in two tiers. [`Quotad::serve`] runs `app::serve` inside the test process
+//! (a port-0 listener, a runtime thread, a shutdown token): it starts in milliseconds and
+//! is what API, header, config and bad-input tests use. [`Quotad::start`] spawns the built
+//! binary: for what needs an OS process (signals, SIGKILL and restart, several processes
+//! racing on one key, regions that fail independently).
 
+pub mod config;
+mod inproc;
 pub mod load;
 pub mod proxy;
+
+pub use config::{Config, Global, Peer, Policy};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -42,11 +54,24 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
     }
 }
 
-fn redis_server_binary() -> PathBuf {
-    let path = std::env::var_os("REDIS_SERVER")
+/// `$REDIS_SERVER`, or `redis-server` from PATH.
+fn redis_server_path() -> PathBuf {
+    std::env::var_os("REDIS_SERVER")
         .map(PathBuf::from)
-        .unwrap_or_else(|| "redis-server".into());
-    if Command::new(&path).arg("--version").output().is_err() {
+        .unwrap_or_else(|| "redis-server".into())
+}
+
+/// Whether a redis-server can be started here.
+pub fn redis_available() -> bool {
+    Command::new(redis_server_path())
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn redis_server_binary() -> PathBuf {
+    let path = redis_server_path();
+    if !redis_available() {
         panic!(
             "redis-server not found: the tests need a real Redis. Install it with \
              `apt-get install -y redis-server` (or run `bash .ci/run`, which does), \
@@ -77,24 +102,35 @@ impl RedisServer {
     }
 
     fn start_with(persistent: bool) -> RedisServer {
+        let _ = redis_server_binary(); // a clear message when there is none
+        Self::try_start_with(persistent)
+            .unwrap_or_else(|e| panic!("could not start redis-server: {e}"))
+    }
+
+    /// Starts one without persistence, or says why it could not.
+    pub fn try_start() -> Result<RedisServer, String> {
+        Self::try_start_with(false)
+    }
+
+    fn try_start_with(persistent: bool) -> Result<RedisServer, String> {
         let mut last = String::new();
         for _ in 0..5 {
             let mut s = RedisServer {
                 port: free_port(),
                 child: None,
-                dir: tempfile::tempdir().expect("tempdir"),
+                dir: tempfile::tempdir().map_err(|e| e.to_string())?,
                 persistent,
             };
             match s.spawn() {
-                Ok(()) => return s,
+                Ok(()) => return Ok(s),
                 Err(e) => last = e, // port taken meanwhile: try another
             }
         }
-        panic!("could not start redis-server: {last}");
+        Err(last)
     }
 
     fn spawn(&mut self) -> Result<(), String> {
-        let child = Command::new(redis_server_binary())
+        let child = Command::new(redis_server_path())
             .args([
                 "--port",
                 &self.port.to_string(),
@@ -238,11 +274,30 @@ impl Drop for RedisServer {
     }
 }
 
-/// A quotad process started from the built binary with a config, killed on drop.
+/// A quotad daemon: a process started from the built binary (killed on drop), or one
+/// served inside this process (shut down on drop).
 pub struct Quotad {
     pub port: u16,
     child: Option<Child>,
+    inproc: Option<inproc::InProcess>,
     pub dir: tempfile::TempDir,
+}
+
+/// The config text a daemon runs: `config` with `[server] listen` on `port` and the extra
+/// `[server]` lines in `server_extra` (top-level keys such as `region` must come before
+/// the first table, so the server table goes after them).
+fn with_listen(config: &str, server_extra: &str, port: u16) -> String {
+    let split = config
+        .lines()
+        .position(|l| l.trim_start().starts_with('['))
+        .unwrap_or(config.lines().count());
+    let top: Vec<&str> = config.lines().take(split).collect();
+    let rest: Vec<&str> = config.lines().skip(split).collect();
+    format!(
+        "{}\n[server]\nlisten = \"127.0.0.1:{port}\"\n{server_extra}\n{}",
+        top.join("\n"),
+        rest.join("\n")
+    )
 }
 
 /// The `quotad` binary under test: `$QUOTAD_BIN`, or the one cargo built next to the
@@ -268,28 +323,46 @@ pub fn quotad_binary() -> PathBuf {
 }
 
 impl Quotad {
-    /// Starts quotad with `config` (TOML without a `[server] listen`; the harness adds it
-    /// with a free port, plus any extra `[server]` lines in `server_extra`).
+    /// Serves `config` inside this process (TOML without a `[server] listen`): the same
+    /// `app::serve` as `quotad serve`, on a listener bound to a free port first, so no
+    /// other process can take the port in between. `log()` reports panics only.
+    pub fn serve(config: &str) -> Quotad {
+        Self::serve_with(config, "")
+    }
+
+    /// [`Quotad::serve`] with extra `[server]` lines.
+    pub fn serve_with(config: &str, server_extra: &str) -> Quotad {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        let port = listener.local_addr().expect("local addr").port();
+        let text = with_listen(config, server_extra, port);
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join("quotad.toml"), &text).expect("write config");
+        let daemon = inproc::InProcess::start(&text, listener);
+        let mut q = Quotad {
+            port,
+            child: None,
+            inproc: Some(daemon),
+            dir,
+        };
+        assert!(
+            q.wait_healthy(Duration::from_secs(15)),
+            "the in-process daemon did not become healthy"
+        );
+        q
+    }
+
+    /// Starts quotad as a process with `config` (TOML without a `[server] listen`; the
+    /// harness adds it with a free port).
     pub fn start(config: &str) -> Quotad {
         Self::start_with(config, "")
     }
 
+    /// [`Quotad::start`] with extra `[server]` lines.
     pub fn start_with(config: &str, server_extra: &str) -> Quotad {
         for _ in 0..5 {
             let dir = tempfile::tempdir().expect("tempdir");
             let port = free_port();
-            // Top-level keys (region = ...) must come before the first table.
-            let split = config
-                .lines()
-                .position(|l| l.trim_start().starts_with('['))
-                .unwrap_or(config.lines().count());
-            let top: Vec<&str> = config.lines().take(split).collect();
-            let rest: Vec<&str> = config.lines().skip(split).collect();
-            let text = format!(
-                "{}\n[server]\nlisten = \"127.0.0.1:{port}\"\n{server_extra}\n{}",
-                top.join("\n"),
-                rest.join("\n")
-            );
+            let text = with_listen(config, server_extra, port);
             let path = dir.path().join("quotad.toml");
             std::fs::write(&path, text).expect("write config");
             let log = std::fs::File::create(dir.path().join("quotad.log")).expect("log file");
@@ -304,6 +377,7 @@ impl Quotad {
             let mut q = Quotad {
                 port,
                 child: Some(child),
+                inproc: None,
                 dir,
             };
             if q.wait_healthy(Duration::from_secs(15)) {
@@ -337,7 +411,11 @@ impl Quotad {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// The daemon's log; for an in-process daemon, the panics this process has seen.
     pub fn log(&self) -> String {
+        if self.inproc.is_some() {
+            return inproc::panics();
+        }
         std::fs::read_to_string(self.dir.path().join("quotad.log")).unwrap_or_default()
     }
 
@@ -437,9 +515,9 @@ impl Quotad {
 
 impl Drop for Quotad {
     fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        kill(&mut self.child);
+        if let Some(d) = self.inproc.take() {
+            d.stop();
         }
     }
 }

@@ -1,0 +1,222 @@
+//! A typed builder for quotad config files, so tests and the demo say what they configure
+//! instead of formatting TOML by hand. It writes the documented format (`docs/api.md`);
+//! tests of the format itself (errors naming file, line and field) keep their literal
+//! TOML, since the text is what they test.
+//!
+//! ```
+//! use quotad_testkit::{Config, Policy};
+//! let toml = Config::redis("redis://127.0.0.1:6379")
+//!     .policy(Policy::new("api", "token_bucket", 100, "1s").burst(20))
+//!     .to_toml();
+//! assert!(toml.contains("burst = 20"));
+//! ```
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// A whole config file. `[server] listen` is the kit's to add (a free port).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Config {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    region: Option<String>,
+    store: BTreeMap<String, toml::Value>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    coordinator: BTreeMap<String, toml::Value>,
+    #[serde(rename = "peer", skip_serializing_if = "Vec::is_empty")]
+    peers: Vec<Peer>,
+    #[serde(rename = "policy")]
+    policies: Vec<Policy>,
+}
+
+impl Config {
+    /// A config on the Redis at `url` (`redis://…`), or `"memory"` for the embedded store.
+    pub fn redis(url: &str) -> Self {
+        let mut c = Config::default();
+        c.store.insert("redis".into(), url.into());
+        c
+    }
+
+    /// This region's name (global policies).
+    pub fn region(mut self, name: &str) -> Self {
+        self.region = Some(name.into());
+        self
+    }
+
+    /// Any other `[store]` setting, e.g. `.store("timeout", "50ms")`.
+    pub fn store(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        self.store.insert(key.into(), value.into());
+        self
+    }
+
+    /// A `[coordinator]` setting, e.g. `.coordinator("secret", "…")`.
+    pub fn coordinator(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        self.coordinator.insert(key.into(), value.into());
+        self
+    }
+
+    pub fn peer(mut self, peer: Peer) -> Self {
+        self.peers.push(peer);
+        self
+    }
+
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policies.push(policy);
+        self
+    }
+
+    /// The TOML text.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a config serializes")
+    }
+}
+
+/// A `[[peer]]` entry: another region and how to reach it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Peer {
+    region: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    url: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    urls: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    secret: Option<String>,
+}
+
+impl Peer {
+    /// A peer reached at one URL.
+    pub fn new(region: &str, url: &str) -> Self {
+        Peer {
+            region: region.into(),
+            url: Some(url.into()),
+            urls: Vec::new(),
+            secret: None,
+        }
+    }
+
+    /// A peer region with several instances, tried in order.
+    pub fn with_urls(region: &str, urls: &[String]) -> Self {
+        Peer {
+            region: region.into(),
+            url: None,
+            urls: urls.to_vec(),
+            secret: None,
+        }
+    }
+
+    /// The secret shared with this peer (else `[coordinator] secret`).
+    pub fn secret(mut self, secret: &str) -> Self {
+        self.secret = Some(secret.into());
+        self
+    }
+}
+
+/// A `[[policy]]` entry.
+#[derive(Debug, Clone, Serialize)]
+pub struct Policy {
+    name: String,
+    algorithm: String,
+    limit: u64,
+    window: String,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty", flatten)]
+    extra: BTreeMap<String, toml::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    global: Option<Global>,
+}
+
+impl Policy {
+    /// `limit` per `window` (a humantime duration such as `"1s"` or `"15m"`).
+    pub fn new(name: &str, algorithm: &str, limit: u64, window: &str) -> Self {
+        Policy {
+            name: name.into(),
+            algorithm: algorithm.into(),
+            limit,
+            window: window.into(),
+            extra: BTreeMap::new(),
+            global: None,
+        }
+    }
+
+    pub fn burst(self, burst: u64) -> Self {
+        self.set("burst", burst as i64)
+    }
+
+    /// `on_store_error`: `"open"`, `"closed"` or `"local"`.
+    pub fn on_store_error(self, mode: &str) -> Self {
+        self.set("on_store_error", mode)
+    }
+
+    pub fn shadow(self) -> Self {
+        self.set("shadow", true)
+    }
+
+    /// Any other policy setting.
+    pub fn set(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        self.extra.insert(key.into(), value.into());
+        self
+    }
+
+    /// Makes it a global policy.
+    pub fn global(mut self, global: Global) -> Self {
+        self.global = Some(global);
+        self
+    }
+}
+
+/// `[policy.global]`: the escrow weights by region, and any other setting.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Global {
+    escrow: BTreeMap<String, toml::Value>,
+    #[serde(flatten)]
+    extra: BTreeMap<String, toml::Value>,
+}
+
+impl Global {
+    /// Escrow weights, e.g. `&[("us", 6), ("eu", 3), ("ap", 1)]`.
+    pub fn escrow(weights: &[(&str, u32)]) -> Self {
+        Global {
+            escrow: weights
+                .iter()
+                .map(|(r, w)| (r.to_string(), i64::from(*w).into()))
+                .collect(),
+            extra: BTreeMap::new(),
+        }
+    }
+
+    /// Any other setting, e.g. `.set("lease", "4s")`.
+    pub fn set(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        self.extra.insert(key.into(), value.into());
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_built_config_is_one_the_daemon_accepts() {
+        let text = Config::redis("redis://127.0.0.1:1")
+            .region("eu")
+            .coordinator("secret", "0123456789abcdef0123")
+            .peer(Peer::new("us", "http://127.0.0.1:2"))
+            .policy(
+                Policy::new("a", "gcra", 10, "1s")
+                    .burst(5)
+                    .on_store_error("closed"),
+            )
+            .policy(
+                Policy::new("g", "token_bucket", 100, "1s")
+                    .global(Global::escrow(&[("eu", 1), ("us", 3)]).set("version", 2)),
+            )
+            .to_toml();
+        let s = quotad_daemon::config::Settings::parse("built.toml", &text)
+            .unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert_eq!(s.region, "eu");
+        assert_eq!(s.policies.len(), 2);
+        assert_eq!(s.policies[0].burst.get(), 5);
+        let g = s.global.expect("a global policy");
+        assert_eq!(g.regions, ["eu", "us"]);
+        assert_eq!(s.policies[1].global.as_ref().unwrap().version, 2);
+    }
+}
