@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# quotad beside the peer HTTP limiters (../shared/peers: Node rate-limiter-flexible,
+# quotad beside the peer HTTP limiters (the peer services in PEER_DIR: Node rate-limiter-flexible,
 # Python limits) and the Redis EVALSHA ceiling, in ONE alternating run of the peers'
-# own harness (../shared/peers/bench.sh), so every target is measured against the same
-# ceiling runs. Results and method: bench/PEERS.md.
+# own harness (PEER_DIR/bench.sh), so every target is measured against the same
+# ceiling runs. Results: bench/PEERS.md; method: docs/benchmarks.md.
 #
 #   bench/peers.sh                                  # 3 rounds x 10 s, quotad + all six peers
 #   PEERS="rlf-1 limits-moving-2" bench/peers.sh    # fewer peers
 #
-# Steps: cargo build --release --locked; ../shared/peers/setup.sh (Node and Python peers
+# Steps: cargo build --release --locked; PEER_DIR/setup.sh (Node and Python peers
 # under /tmp/peerhttp); one redis-server (port 6392 if free, else a free port); quotad on a
 # free port with one policy "bench" = fixed_window, 100 per 60 s, on that Redis (the peers
 # run fixed/moving windows; token_bucket would be a different algorithm); the peers as
-# ../shared/peers/run-local.sh starts them; then
+# PEER_DIR/run-local.sh starts them; then
 #   bench.sh REDISPORT quotad=URL rlf-1=URL ...
 # bench.sh FLUSHALLs that Redis before every run (quotad reloads its scripts on NOSCRIPT).
 # Everything listens on 127.0.0.1; every load is bounded in time (wrk -d, redis-benchmark
@@ -21,7 +21,8 @@
 # Environment (defaults): PEERS ("rlf-1 rlf-2 limits-moving-1 limits-moving-2
 #   limits-fixed-1 limits-fixed-2"; any of these names), MAX_MINUTES (12: if the estimated
 #   run is longer, PEERS is cut to "rlf-1 limits-moving-2"; the rounds are never reduced),
-#   OUT (/tmp/quotad-peers-<timestamp>), PEER_DIR (../shared/peers), PEER_PREFIX
+#   OUT (/tmp/quotad-peers-<timestamp>), PEER_DIR (the peer services, not part of this
+#   repository; the default is set below), PEER_PREFIX
 #   (/tmp/peerhttp), QUOTAD_LOG (RUST_LOG for quotad, "info"), and bench.sh's own:
 #   ROUNDS (3), DURATION (10s), CONNS, THREADS, WARMUP, CEIL_*, NKEYS.
 # Output in OUT: everything bench.sh writes (results.tsv, summary.md, raw/, meta.txt),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # quotad load benchmark beside the Redis EVALSHA ceiling, in one alternating run
-# (../shared/design/measuring.md: the ratio measured in the same run is the figure).
+# (docs/benchmarks.md: the ratio measured in the same run is the figure).
 #
 #   bench/run.sh            # 3 rounds, 10 s per quotad run
 #   ROUNDS=1 bench/run.sh   # quick
