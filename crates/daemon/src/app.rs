@@ -91,103 +91,22 @@ pub async fn serve(
         &StoreError::KINDS,
     ));
     let layouts = Arc::new(layouts(&settings));
-    let tasks = TaskTracker::new();
-    let background = CancellationToken::new();
-    let max_keys = settings.memory_max_keys;
-    let local = Arc::new(MemoryStore::new(Arc::new(SystemClock), max_keys));
-
-    let store = match &settings.store {
-        StoreBackend::Memory => {
-            metrics.store_up.set(1);
-            Arc::new(Store::Memory(Arc::new(MemoryStore::new(
-                Arc::new(SystemClock),
-                max_keys,
-            ))))
-        }
-        StoreBackend::Redis(rs) => {
-            let redis = Arc::new(
-                RedisStore::new(rs.clone(), layouts.layout(), metrics.clone())
-                    .map_err(AppError::RedisUrl)?,
-            );
-            // One bounded attempt before serving, so the first requests are enforced when
-            // Redis is up; if it is not, the supervisor keeps trying while we serve.
-            let first = tokio::select! {
-                r = redis.probe() => r,
-                _ = shutdown.cancelled() => return Ok(()),
-            };
-            match first {
-                Ok(()) => {
-                    tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded")
-                }
-                Err(e) => {
-                    tracing::warn!(url = %redacted(&rs.url), error = %e, "redis not reachable at start; serving with fallbacks")
-                }
-            }
-            tasks.spawn(redis.clone().supervise(background.clone()));
-            tasks.spawn(redis.clone().follow_invalidations(background.clone()));
-            {
-                let (redis, stop) = (redis.clone(), background.clone());
-                tasks.spawn(async move {
-                    loop {
-                        tokio::select! {
-                            _ = stop.cancelled() => return,
-                            _ = tokio::time::sleep(SWEEP_INTERVAL) => redis.sweep(),
-                        }
-                    }
-                });
-            }
-            Arc::new(Store::Redis(redis))
-        }
+    let background = Background::default();
+    let local = Arc::new(MemoryStore::new(
+        Arc::new(SystemClock),
+        settings.memory_max_keys,
+    ));
+    let Some(store) = open_store(&settings, &layouts, &metrics, &background, &shutdown).await?
+    else {
+        return Ok(()); // shut down before the store answered
     };
-    let memories = [("local", Some(local.clone())), ("primary", store.memory())];
-    for (name, m) in memories {
-        let Some(m) = m else { continue };
-        let (stop, gauge) = (
-            background.clone(),
-            metrics.memory_store_keys.with_label_values(&[name]),
-        );
-        tasks.spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(SWEEP_INTERVAL) => {
-                        m.sweep();
-                        gauge.set(m.len() as i64);
-                    }
-                }
-            }
-        });
-    }
-
+    count_memory_keys(
+        &background,
+        &metrics,
+        [("local", Some(local.clone())), ("primary", store.memory())],
+    );
     let policies = Arc::new(Policies::new(settings.policies.iter().cloned()));
-    let federation = match &settings.global {
-        Some(g) => {
-            // The coordinator keeps its state where decisions keep theirs.
-            let backend = match (store.memory(), &settings.store) {
-                (Some(m), _) => BackendChoice::Memory(m),
-                (None, StoreBackend::Redis(rs)) => BackendChoice::Redis {
-                    url: &rs.url,
-                    timeout: rs.timeout.max(Duration::from_millis(200)),
-                },
-                (None, StoreBackend::Memory) => {
-                    return Err(AppError::Serve(std::io::Error::other(
-                        "the embedded store is missing",
-                    )));
-                }
-            };
-            Some(
-                Federation::start(
-                    g.clone(),
-                    policies.iter().cloned().collect(),
-                    layouts.clone(),
-                    backend,
-                    metrics.clone(),
-                )
-                .map_err(AppError::RedisUrl)?,
-            )
-        }
-        None => None,
-    };
+    let federation = start_federation(&settings, &policies, &layouts, &store, &metrics)?;
     let drain = Drain::default();
     let state = AppState {
         policies,
@@ -213,7 +132,143 @@ pub async fn serve(
     };
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
+    let limits = connection_limits(&settings);
+    let server = server::serve(listener, api::router(state), limits, metrics, drain.clone());
+    until_drained(&settings, server, drain, &shutdown).await;
+    background.stop.cancel();
+    if let Some(f) = &federation {
+        f.stop().await;
+    }
+    background.tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(1), background.tasks.wait()).await;
+    tracing::info!("stopped");
+    Ok(())
+}
 
+/// The tasks that live as long as the daemon serves, and what stops them (after the
+/// drain, so they keep working for the requests still being answered).
+#[derive(Default)]
+struct Background {
+    tasks: TaskTracker,
+    stop: CancellationToken,
+}
+
+impl Background {
+    /// Runs `tick` every `interval` until the daemon stops.
+    fn every(&self, interval: Duration, tick: impl Fn() + Send + 'static) {
+        let stop = self.stop.clone();
+        self.tasks.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(interval) => tick(),
+                }
+            }
+        });
+    }
+}
+
+/// The store decisions go to: the embedded one, or Redis with its supervisor (reconnects,
+/// script loads), its invalidation follower (deny cache) and its sweep. `None` when the
+/// daemon was told to stop before Redis answered its first probe.
+async fn open_store(
+    settings: &Settings,
+    layouts: &Layouts,
+    metrics: &Arc<Metrics>,
+    background: &Background,
+    shutdown: &CancellationToken,
+) -> Result<Option<Arc<Store>>, AppError> {
+    let rs = match &settings.store {
+        StoreBackend::Memory => {
+            metrics.store_up.set(1);
+            let memory = MemoryStore::new(Arc::new(SystemClock), settings.memory_max_keys);
+            return Ok(Some(Arc::new(Store::Memory(Arc::new(memory)))));
+        }
+        StoreBackend::Redis(rs) => rs,
+    };
+    let redis = Arc::new(
+        RedisStore::new(rs.clone(), layouts.layout(), metrics.clone())
+            .map_err(AppError::RedisUrl)?,
+    );
+    // One bounded attempt before serving, so the first requests are enforced when Redis
+    // is up; if it is not, the supervisor keeps trying while we serve.
+    let first = tokio::select! {
+        r = redis.probe() => r,
+        _ = shutdown.cancelled() => return Ok(None),
+    };
+    match first {
+        Ok(()) => tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded"),
+        Err(e) => {
+            tracing::warn!(url = %redacted(&rs.url), error = %e, "redis not reachable at start; serving with fallbacks")
+        }
+    }
+    let stop = &background.stop;
+    background
+        .tasks
+        .spawn(redis.clone().supervise(stop.clone()));
+    background
+        .tasks
+        .spawn(redis.clone().follow_invalidations(stop.clone()));
+    let swept = redis.clone();
+    background.every(SWEEP_INTERVAL, move || swept.sweep());
+    Ok(Some(Arc::new(Store::Redis(redis))))
+}
+
+/// Sweeps expired entries from the in-process stores and exports their sizes
+/// (`quotad_memory_store_keys{store}`).
+fn count_memory_keys<const N: usize>(
+    background: &Background,
+    metrics: &Metrics,
+    memories: [(&str, Option<Arc<MemoryStore>>); N],
+) {
+    for (name, m) in memories {
+        let Some(m) = m else { continue };
+        let gauge = metrics.memory_store_keys.with_label_values(&[name]);
+        background.every(SWEEP_INTERVAL, move || {
+            m.sweep();
+            gauge.set(m.len() as i64);
+        });
+    }
+}
+
+/// The coordinator of global policies, when there are any: it keeps its state where
+/// decisions keep theirs.
+fn start_federation(
+    settings: &Settings,
+    policies: &Policies,
+    layouts: &Arc<Layouts>,
+    store: &Store,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<Arc<Federation>>, AppError> {
+    let Some(g) = &settings.global else {
+        return Ok(None);
+    };
+    let backend = match (store.memory(), &settings.store) {
+        (Some(m), _) => BackendChoice::Memory(m),
+        (None, StoreBackend::Redis(rs)) => BackendChoice::Redis {
+            url: &rs.url,
+            timeout: rs.timeout.max(Duration::from_millis(200)),
+        },
+        (None, StoreBackend::Memory) => {
+            return Err(AppError::Serve(std::io::Error::other(
+                "the embedded store is missing",
+            )));
+        }
+    };
+    Federation::start(
+        g.clone(),
+        policies.iter().cloned().collect(),
+        layouts.clone(),
+        backend,
+        metrics.clone(),
+    )
+    .map(Some)
+    .map_err(AppError::RedisUrl)
+}
+
+/// The connection bounds, after raising the open-files limit as far as allowed; warns
+/// when the configured bound is above what that limit leaves.
+fn connection_limits(settings: &Settings) -> server::Limits {
     let file_limit = server::raise_file_limit();
     let limits = server::Limits {
         max_connections: settings
@@ -238,29 +293,30 @@ pub async fn serve(
         open_files_limit = file_limit,
         "connection bounds"
     );
+    limits
+}
 
+/// Serves until shutdown, then drains in order: readiness off and `Connection: close` at
+/// once, no new connections after `shutdown_delay`, and an exit with requests in flight
+/// only after `drain_timeout`.
+async fn until_drained(
+    settings: &Settings,
+    server: impl std::future::Future<Output = ()>,
+    drain: Drain,
+    shutdown: &CancellationToken,
+) {
     let delay = settings.server.shutdown_delay;
-    let stop_accepting = {
-        let (shutdown, drain) = (shutdown.clone(), drain.clone());
-        async move {
-            shutdown.cancelled().await;
-            drain.begin();
-            tracing::info!(
-                ?delay,
-                "shutting down: readiness off, responses carry Connection: close; a second signal exits at once"
-            );
-            tokio::time::sleep(delay).await;
-            drain.stop_accepting();
-            tracing::info!("no longer accepting; draining connections");
-        }
+    let stop_accepting = async {
+        shutdown.cancelled().await;
+        drain.begin();
+        tracing::info!(
+            ?delay,
+            "shutting down: readiness off, responses carry Connection: close; a second signal exits at once"
+        );
+        tokio::time::sleep(delay).await;
+        drain.stop_accepting();
+        tracing::info!("no longer accepting; draining connections");
     };
-    let server = server::serve(
-        listener,
-        api::router(state),
-        limits,
-        metrics.clone(),
-        drain.clone(),
-    );
     let deadline = async {
         shutdown.cancelled().await;
         tokio::time::sleep(settings.server.drain_timeout).await;
@@ -271,12 +327,4 @@ pub async fn serve(
             tracing::warn!(timeout = ?settings.server.drain_timeout, "drain timeout reached; exiting with requests in flight");
         }
     }
-    background.cancel();
-    if let Some(f) = &federation {
-        f.stop().await;
-    }
-    tasks.close();
-    let _ = tokio::time::timeout(Duration::from_secs(1), tasks.wait()).await;
-    tracing::info!("stopped");
-    Ok(())
 }

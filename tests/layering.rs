@@ -1,0 +1,176 @@
+//! The layering the code is built on, checked: the pure core crate depends on no runtime,
+//! network or Redis crate, the simulator only on the core, and inside every crate the
+//! top-level modules import each other without a cycle (the data flows one way). Run with
+//! `--no-capture` to see each crate's module graph.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+/// The names in a manifest's `[dependencies]` table (not dev- or build-dependencies).
+fn dependencies(manifest: &Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(manifest).expect("read Cargo.toml");
+    let mut deps = BTreeSet::new();
+    let mut inside = false;
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            inside = line == "[dependencies]";
+            continue;
+        }
+        if inside && !line.is_empty() && !line.starts_with('#') {
+            let name = line.split(['=', '.', ' ']).next().unwrap_or("");
+            deps.insert(name.trim().to_owned());
+        }
+    }
+    deps
+}
+
+#[test]
+fn the_core_crate_depends_on_no_runtime_network_or_redis_crate() {
+    let deps = dependencies(&root().join("crates/core/Cargo.toml"));
+    assert!(deps.contains("serde"), "the manifest was not read: {deps:?}");
+    for banned in [
+        "tokio",
+        "tokio-util",
+        "hyper",
+        "hyper-util",
+        "axum",
+        "redis",
+        "reqwest",
+        "quotad-daemon",
+        "quotad-sim",
+        "quotad-testkit",
+    ] {
+        assert!(!deps.contains(banned), "quotad-core depends on {banned}");
+    }
+}
+
+#[test]
+fn the_simulator_drives_the_core_and_nothing_of_the_daemon() {
+    let deps = dependencies(&root().join("crates/sim/Cargo.toml"));
+    assert!(deps.contains("quotad-core"), "{deps:?}");
+    for banned in ["quotad-daemon", "quotad-testkit", "tokio", "redis", "reqwest"] {
+        assert!(!deps.contains(banned), "quotad-sim depends on {banned}");
+    }
+}
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).expect("read dir").flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The top-level module a file belongs to (`store/redis.rs` → `store`); None for the
+/// crate root.
+fn module_of(src: &Path, file: &Path) -> Option<String> {
+    let rel = file.strip_prefix(src).ok()?;
+    let first = rel.components().next()?.as_os_str().to_string_lossy();
+    let name = first.trim_end_matches(".rs");
+    (name != "lib" && name != "main").then(|| name.to_owned())
+}
+
+/// Edges `module → module it names through crate::…`, comments left out (a doc link
+/// is not an import).
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in sources(src) {
+        let Some(from) = module_of(src, &file) else {
+            continue;
+        };
+        let text = std::fs::read_to_string(&file).expect("read source");
+        let targets = graph.entry(from.clone()).or_default();
+        for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
+            for (at, _) in line.match_indices("crate::") {
+                // `quotad_core::…` and friends contain `crate::` too: skip them.
+                if line[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+                    continue;
+                }
+                let rest = &line[at + "crate::".len()..];
+                let to: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_')
+                    .collect();
+                if !to.is_empty() && to != from {
+                    targets.insert(to);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle in `graph`, if there is one (depth-first search, white/grey/black).
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        done: &mut BTreeSet<String>,
+        path: &mut Vec<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(i) = path.iter().position(|p| p == node) {
+            let mut cycle = path[i..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(c) = visit(next, graph, done, path) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|n| visit(n, graph, &mut done, &mut Vec::new()))
+}
+
+#[test]
+fn no_module_imports_a_module_that_imports_it_back() {
+    for krate in ["crates/core", "crates/daemon", "crates/sim", "crates/testkit"] {
+        let graph = module_graph(&root().join(krate).join("src"));
+        assert!(graph.len() >= 2, "{krate}: no modules found");
+        println!("{krate}:");
+        for (from, to) in &graph {
+            let to: Vec<&str> = to.iter().map(String::as_str).collect();
+            println!("  {from} -> {}", to.join(", "));
+        }
+        if let Some(cycle) = find_cycle(&graph) {
+            panic!("{krate}: import cycle {}", cycle.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn the_cycle_finder_finds_a_cycle() {
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    g.entry("a".into()).or_default().insert("b".into());
+    g.entry("b".into()).or_default().insert("c".into());
+    assert_eq!(find_cycle(&g), None);
+    g.entry("c".into()).or_default().insert("a".into());
+    assert_eq!(
+        find_cycle(&g),
+        Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
+    );
+}
