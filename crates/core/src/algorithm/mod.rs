@@ -366,8 +366,19 @@ fn is_member_of(m: &str, member: &str, cost: u64) -> bool {
 
 // ---------------------------------------------------------------------------- sliding window
 
-fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let w = l.window_us;
+/// A sliding-window state as it stands at `now`: the window counted in, the time into it,
+/// the two counts, and the slot the state was stored under (`None`: no state).
+struct SlidingAt {
+    slot: i64,
+    elapsed: i64,
+    stored: Option<i64>,
+    current: u64,
+    previous: u64,
+}
+
+/// Brings the stored sliding-window state to `now`: one window on, this window's count
+/// becomes the previous one; further on, or from another window length, both are zero.
+fn sliding_at(w: i64, state: Option<&State>, now: i64) -> SlidingAt {
     let mut slot = now.div_euclid(w);
     let (stored, mut current, mut previous) = match state {
         Some(State::Sliding {
@@ -395,6 +406,41 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
             current = 0;
         }
     }
+    SlidingAt {
+        slot,
+        elapsed,
+        stored,
+        current,
+        previous,
+    }
+}
+
+/// How long until a request of `cost`, denied now, would fit (the same arithmetic as the
+/// Lua script's).
+fn sliding_retry(l: &Limits, cost: u64, current: u64, previous: u64, elapsed: i64) -> i64 {
+    let w = l.window_us;
+    let wf = w as f64;
+    // Room left for carried-over weight once this request is in.
+    let need = l.limit.saturating_sub(cost) as f64;
+    if current as f64 <= need {
+        // Wait inside this window for the previous window's weight to decay enough.
+        ceil(wf - (need - current as f64) * wf / previous as f64 - elapsed as f64)
+    } else {
+        // Wait for the next window, where this window's count becomes the decaying one.
+        let more = ceil(wf - need * wf / current as f64);
+        (w - elapsed) + more.max(0)
+    }
+}
+
+fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
+    let w = l.window_us;
+    let SlidingAt {
+        slot,
+        elapsed,
+        stored,
+        current,
+        previous,
+    } = sliding_at(w, state, now);
     let wf = w as f64;
     let weight = (wf - elapsed as f64) / wf;
     let estimate = |current: u64, previous: u64| previous as f64 * weight + current as f64;
@@ -442,16 +488,7 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
             keep(current, previous)
         }
     } else {
-        // Room left for carried-over weight once this request is in.
-        let need = l.limit.saturating_sub(cost) as f64;
-        let retry = if current as f64 <= need {
-            // Wait inside this window for the previous window's weight to decay enough.
-            ceil(wf - (need - current as f64) * wf / previous as f64 - elapsed as f64)
-        } else {
-            // Wait for the next window, where this window's count becomes the decaying one.
-            let more = ceil(wf - need * wf / current as f64);
-            (w - elapsed) + more.max(0)
-        };
+        let retry = sliding_retry(l, cost, current, previous, elapsed);
         Outcome {
             verdict: denied(
                 remaining_of(current, previous),

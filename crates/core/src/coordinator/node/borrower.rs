@@ -1,0 +1,257 @@
+//! The borrower side: building the exchange for a peer (what this region asks of it and
+//! announces to it), and taking in its reply.
+//!
+//! Why apart: this is where the safety rule's steps 1 and 3 live: the request carries
+//! `t_req` read before it was built, a grant counts only until `t_req + D(1−ε)` and only
+//! if newer than every grant accepted from that lender incarnation, and a release
+//! watermark is announced only for a lease the durable book holds.
+
+use std::collections::{HashMap, HashSet};
+
+use super::state::{GrantId, KeyState, Reported};
+use super::{LeaseStore, Node, peer_demand, sanitize};
+use crate::clock::Clock;
+use crate::coordinator::lease::Loan;
+use crate::coordinator::message::{
+    Exchange, ExchangeReply, Grant, KeyReport, PolicyReply, PolicyReport,
+};
+use crate::coordinator::{LocalUs, Params, RegionId};
+
+/// The keys to send when more qualify than one exchange may carry: by policy name.
+type Chosen = HashMap<String, HashSet<String>>;
+
+/// A key that qualifies for an exchange, with how pressing it is.
+struct Candidate<'a> {
+    /// `(urgency, −demand)`: lower first (see [`KeyState::urgency`]), then the hottest.
+    rank: (u8, f64),
+    policy: &'a str,
+    key: &'a str,
+}
+
+/// A peer's reply as this region takes it in.
+struct Response<'a> {
+    reply: &'a ExchangeReply,
+    /// The sender's index.
+    j: usize,
+    /// Until when (our clock) a grant in the reply counts: `t_req + D(1−ε)`.
+    until: LocalUs,
+    now: LocalUs,
+}
+
+impl<C: Clock> Node<C> {
+    /// The exchange for peer `j`: every key hot here, leased with it, or mentioned by it;
+    /// with `news_only`, only the keys with news for it (see [`Self::early_exchanges`]).
+    /// At most `max_exchange_keys` keys: beyond, the most pressing ones (see
+    /// [`KeyState::urgency`]); the others keep their flags for the next exchange.
+    pub(super) fn exchange_for(&mut self, j: usize, now: LocalUs, news_only: bool) -> Exchange {
+        self.peers[j].news = false;
+        let round = self.round;
+        let me = self.me.index();
+        let p = self.params;
+        let peer_inc = self.peers[j].incarnation;
+        let chosen = self.over_cap(j, now, news_only);
+        let mut policies = Vec::new();
+        for (name, ps) in &mut self.policies {
+            let mut keys = Vec::new();
+            for (key, ks) in &mut ps.keys {
+                if ks.urgency(j, round, &p, now, news_only).is_none() {
+                    continue;
+                }
+                if let Some(chosen) = &chosen
+                    && !chosen
+                        .get(name)
+                        .is_some_and(|keys| keys.contains(key.as_str()))
+                {
+                    self.stats.keys_deferred += 1;
+                    continue;
+                }
+                keys.push(ks.report_for(key, j, peer_inc, &p, now));
+            }
+            self.stats.key_reports += keys.len() as u64;
+            policies.push(PolicyReport {
+                name: name.clone(),
+                applied: ps.applied_version(me),
+                keys,
+            });
+        }
+        Exchange {
+            from: self.me,
+            incarnation: self.incarnation,
+            to_incarnation: peer_inc,
+            t_req: now,
+            policies,
+        }
+    }
+
+    /// When more keys qualify for peer `j` than one exchange may carry: the ones to send.
+    fn over_cap(&self, j: usize, now: LocalUs, news_only: bool) -> Option<Chosen> {
+        let (round, p) = (self.round, &self.params);
+        let count = self
+            .policies
+            .values()
+            .flat_map(|ps| ps.keys.values())
+            .filter(|ks| ks.urgency(j, round, p, now, news_only).is_some())
+            .count();
+        if count <= p.max_exchange_keys {
+            return None;
+        }
+        let mut ranked: Vec<Candidate> = self
+            .policies
+            .iter()
+            .flat_map(|(name, ps)| ps.keys.iter().map(move |(k, ks)| (name, k, ks)))
+            .filter_map(|(name, key, ks)| {
+                let u = ks.urgency(j, round, p, now, news_only)?;
+                Some(Candidate {
+                    rank: (u, -ks.demand.value()),
+                    policy: name.as_str(),
+                    key: key.as_str(),
+                })
+            })
+            .collect();
+        ranked.sort_by(|a, b| {
+            a.rank
+                .partial_cmp(&b.rank)
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+        ranked.truncate(p.max_exchange_keys);
+        let mut chosen: Chosen = HashMap::new();
+        for c in ranked {
+            chosen
+                .entry(c.policy.to_owned())
+                .or_default()
+                .insert(c.key.to_owned());
+        }
+        Some(chosen)
+    }
+
+    /// Borrower side: take a peer's reply (grants and demand).
+    pub fn on_reply(&mut self, reply: &ExchangeReply, store: &mut dyn LeaseStore) {
+        let now = self.observe_clock(store);
+        // An answer to a previous life of ours, or from a previous life of theirs: dropped.
+        if reply.to_incarnation != self.incarnation {
+            return;
+        }
+        let Some(j) = self.accept(reply.from, reply.incarnation, now) else {
+            return;
+        };
+        self.round_trip(j, reply.t_req, now);
+        let p = self.params;
+        let lease = reply.lease_us.min(p.lease_us).max(0);
+        let until = reply.t_req + p.borrower_valid_us(lease);
+        let response = Response {
+            reply,
+            j,
+            until,
+            now,
+        };
+        for block in &reply.policies {
+            self.take_policy_reply(&response, block, store);
+        }
+    }
+
+    /// One policy of a reply: the version the peer applied, each key's demand there, and
+    /// its grants (see [`Self::accept_grant`]); the books of the loans accepted are written
+    /// in one batch, and once durable their leases may be announced.
+    fn take_policy_reply(
+        &mut self,
+        response: &Response,
+        block: &PolicyReply,
+        store: &mut dyn LeaseStore,
+    ) {
+        let Some(mut ps) = self.policies.remove(&block.name) else {
+            return;
+        };
+        let (j, p, round) = (response.j, self.params, self.round);
+        ps.peer_applies(j, block.applied);
+        let mut accepted = Vec::new();
+        for kr in &block.keys {
+            let Some(ks) = ps.keys.get_mut(&kr.key) else {
+                continue; // we stopped tracking it; a grant for it is simply not used
+            };
+            ks.peers[j].demand = Some(Reported {
+                demand: peer_demand(kr.demand, &ps.policy, &p),
+                round,
+            });
+            let Some(g) = kr.grant else { continue };
+            if self.accept_grant(ks, response, g) {
+                accepted.push(kr.key.clone());
+            }
+        }
+        ps.write_and_announce(store, &block.name, &accepted, round);
+        self.policies.insert(block.name.clone(), ps);
+    }
+
+    /// One grant: it counts only if newer than every grant accepted from that lender
+    /// incarnation (hence never below a watermark this region announced), still valid, and
+    /// not from before a backward clock step; it replaces the lender's previous loan.
+    /// Returns whether it was accepted (a stale grant otherwise).
+    fn accept_grant(&mut self, ks: &mut KeyState, response: &Response, g: Grant) -> bool {
+        let Response {
+            reply,
+            j,
+            until,
+            now,
+        } = *response;
+        let tol = self.params.step_tolerance_us();
+        let last = ks.peers[j].lender.accepted;
+        let newer = reply.incarnation > last.incarnation
+            || (reply.incarnation == last.incarnation && g.seq > last.seq);
+        if !newer || until <= now || now + tol < ks.book.high_water {
+            self.stats.stale_grants += 1;
+            return false;
+        }
+        ks.book.borrowed.retain(|l| l.lender != reply.from);
+        let amount = sanitize(g.amount);
+        if amount > 0.0 {
+            ks.book.borrowed.push(Loan {
+                lender: reply.from,
+                lender_incarnation: reply.incarnation,
+                seq: g.seq,
+                amount,
+                until,
+            });
+        }
+        ks.peers[j].lender.accepted = GrantId {
+            incarnation: reply.incarnation,
+            seq: g.seq,
+        };
+        ks.peers[j].lender.granted = amount;
+        ks.book.high_water = ks.book.high_water.max(now);
+        self.stats.loans_accepted += 1;
+        true
+    }
+}
+
+impl KeyState {
+    /// This key's report in the exchange for peer `j` (incarnation `peer_inc`): its demand
+    /// here, the loan to ask `j` for (also a zero while a loan from `j` is held, so that
+    /// `j` can free it), and, for `j`'s current life, the release watermark and what the
+    /// durable book holds of that lease. Taking the key's news flags for `j` with it.
+    fn report_for(
+        &mut self,
+        key: &str,
+        j: usize,
+        peer_inc: u64,
+        p: &Params,
+        now: LocalUs,
+    ) -> KeyReport {
+        self.peers[j].early = false;
+        let freed = std::mem::take(&mut self.peers[j].freed);
+        let holds = self.book.loan_from(RegionId(j as u16), now).is_some();
+        let from = &self.peers[j].lender;
+        let want = (from.want > 0.0 || holds).then_some(from.want);
+        if want.is_some() {
+            let until = now + p.borrower_valid_us(p.lease_us);
+            self.asked_until = self.asked_until.max(until);
+        }
+        let mine = from.release.incarnation == peer_inc && peer_inc != 0;
+        KeyReport {
+            key: key.to_owned(),
+            demand: self.demand.value() as f32,
+            want,
+            release: mine.then_some(from.release.seq),
+            held: from.held.filter(|_| mine),
+            freed,
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! One region's coordinator: the round, link states, and the lender and borrower rules.
+//!
+//! The safety rule (decrease before increase), in the order the code applies it:
+//! 1. The borrower reads its clock (`t_req`) *before* it builds the request.
+//! 2. The lender appends a reservation held until `now + D(1+ε) + m` by its clock, writes
+//!    the book, and grants only if the store says the write is durable.
+//! 3. The borrower counts the grant until `t_req + D(1−ε)` by its clock, accepts only a
+//!    seq above every seq it accepted from that lender incarnation (hence never below a
+//!    watermark it announced), keeps only the newest lease per lender, and announces
+//!    `release = seq` only once the book holding that lease is durable.
+//!
+//! Everything here is deterministic: time comes from the node's [`Clock`], the store and
+//! the network belong to the caller ([`LeaseStore`]; messages are returned, not sent), and
+//! every map is ordered.
+//!
+//! The node is split by what each part owns:
+//! - `links`: per-peer link state (heard from, round trips, [`Link`]) and what is pending
+//!   for a peer between rounds;
+//! - `state`: the per-policy and per-key state (`PolicyState`, `KeyState`, and per key the
+//!   state for each peer in one `KeyPeer`), and how books are read and written;
+//! - `planning`: the refresh of every engaged key (in a round and after a heal), the plan
+//!   of one key, the end of a re-split, and which keys matter (urgency, relevance);
+//! - `lender`: answering a peer's exchange, and lending;
+//! - `borrower`: building exchanges and taking replies.
+//!
+//! This file keeps the [`Node`] itself, its public API, the store it writes through
+//! ([`LeaseStore`], [`Written`]), and the round that drives the parts.
+
+mod borrower;
+mod lender;
+mod links;
+mod planning;
+mod state;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::demand::Counters;
+use super::lease::LeaseBook;
+use super::message::Exchange;
+use super::{GlobalPolicy, LocalUs, Params, RegionId};
+use crate::clock::Clock;
+
+pub use links::Link;
+use links::Peer;
+use state::PolicyState;
+
+/// The region's store as the coordinator uses it (Redis in the daemon, a map in the
+/// simulator). Writes settle the key's bucket at the old rate before the book changes.
+pub trait LeaseStore {
+    /// Replaces the key's book, settling its bucket at the old rate first. A book whose
+    /// `epoch` is below the stored one loses its loans on the way in (they predate a
+    /// backward step the store detected, see [`LeaseBook::observe_time`]).
+    fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written;
+    fn read_book(&mut self, policy: &str, key: &str) -> Option<LeaseBook>;
+    /// Every key of the policy that has a book (recovery after a restart).
+    fn books(&mut self, policy: &str) -> Vec<(String, LeaseBook)>;
+    /// Keys of the policy with traffic since the previous call.
+    fn take_active(&mut self, policy: &str) -> Vec<String>;
+    fn counters(&mut self, policy: &str, key: &str) -> Counters;
+    /// The escrow the store applies to keys of the policy that have no book; `None` if
+    /// never set (a first start).
+    fn default_escrow(&mut self, policy: &str) -> Option<f64>;
+    fn set_default_escrow(&mut self, policy: &str, escrow: f64) -> bool;
+
+    /// Several books at once, in order. The node reads and writes through these, so that
+    /// a store with round trips (Redis) can pipeline them: with 100,000 keys, one round
+    /// trip each would outlast the coordinator lock. The defaults go one by one.
+    fn read_books(&mut self, policy: &str, keys: &[&str]) -> Vec<Option<LeaseBook>> {
+        keys.iter().map(|k| self.read_book(policy, k)).collect()
+    }
+    /// Writes several books, in order; one [`Written`] each.
+    fn write_books(&mut self, policy: &str, books: &[(&str, &LeaseBook)]) -> Vec<Written> {
+        books
+            .iter()
+            .map(|(k, b)| self.write_book(policy, k, b))
+            .collect()
+    }
+    /// Counters of several keys, in order.
+    fn counters_of(&mut self, policy: &str, keys: &[&str]) -> Vec<Counters> {
+        keys.iter().map(|k| self.counters(policy, k)).collect()
+    }
+    /// Whether the store failed over since the last call (a write it took durably may be
+    /// gone): the next round re-asserts every book, not only the changed ones.
+    fn take_failover(&mut self) -> bool {
+        false
+    }
+}
+
+/// An engaged book that did not change since its last durable write, and carries no
+/// loans, is re-asserted every this many rounds rather than every round: with 100,000
+/// leased keys, a write of each per round would cost Redis seconds per round. A book
+/// with loans is still written every round (it keeps the stored high-water mark, against
+/// which the store detects a backward clock step, fresh), and so is every book in the
+/// round after a failover.
+pub const REASSERT_ROUNDS: u64 = 5;
+
+/// What the store did with a book write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    /// Acknowledged by a replica where there is one: a lender must not grant, and a
+    /// borrower must not release, on a write a failover could lose.
+    pub durable: bool,
+    /// The key's step epoch in the store after the write. Above the book's, the store had
+    /// dropped the loans that book carries and kept them out: the writer drops them too.
+    pub epoch: u64,
+}
+
+/// Counters for the report and for `/v1/status`.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct NodeStats {
+    pub rounds: u64,
+    pub grants: u64,
+    pub grants_withheld: u64,
+    pub loans_accepted: u64,
+    pub stale_grants: u64,
+    pub backward_steps: u64,
+    /// Σ over rounds of the keys exchanged with each peer (for bytes per key).
+    pub key_reports: u64,
+    /// Keys left out of an exchange because more qualified than one may carry.
+    pub keys_deferred: u64,
+}
+
+/// One key as the coordinator sees it, for status pages and tests.
+#[derive(Debug, Clone, Serialize)]
+pub struct KeyStatus {
+    pub policy: String,
+    pub key: String,
+    pub escrow: f64,
+    pub enforced: f64,
+    pub lent: f64,
+    pub borrowed: f64,
+    pub demand: f64,
+    pub target: f64,
+}
+
+pub struct Node<C: Clock> {
+    me: RegionId,
+    params: Params,
+    clock: C,
+    incarnation: u64,
+    /// A (re)started node lends nothing until every reservation of its previous life has
+    /// expired: it cannot know which of them borrowers still count (Doorman's learning mode).
+    learning_until: LocalUs,
+    next_seq: u64,
+    round: u64,
+    started: LocalUs,
+    high_water: LocalUs,
+    /// Per peer (this region's own entry unused): its incarnation, its link, and what is
+    /// pending for it between rounds.
+    peers: Vec<Peer>,
+    policies: BTreeMap<String, PolicyState>,
+    stats: NodeStats,
+}
+
+impl<C: Clock> Node<C> {
+    /// Starts (or restarts) region `me`'s coordinator. `incarnation` must exceed every
+    /// incarnation this region used before (the daemon keeps a counter in its store).
+    /// Books already in the store are taken over.
+    pub fn start(
+        me: RegionId,
+        regions: usize,
+        params: Params,
+        clock: C,
+        incarnation: u64,
+        policies: Vec<GlobalPolicy>,
+        store: &mut dyn LeaseStore,
+    ) -> Self {
+        let now = clock.now_us();
+        let mut node = Node {
+            me,
+            params,
+            clock,
+            incarnation,
+            learning_until: now + params.lender_hold_us(),
+            next_seq: 1,
+            round: 0,
+            started: now,
+            high_water: now,
+            peers: vec![Peer::default(); regions],
+            policies: BTreeMap::new(),
+            stats: NodeStats::default(),
+        };
+        for p in policies {
+            node.install(p, store);
+        }
+        node
+    }
+
+    /// Installs a new version of a policy (config reload). Decreases apply at once;
+    /// increases wait until every peer has applied this version. A version older than or
+    /// equal to the one running is ignored (a delayed push of an old config).
+    pub fn set_policy(&mut self, policy: GlobalPolicy, store: &mut dyn LeaseStore) {
+        if self
+            .policies
+            .get(&policy.name)
+            .is_some_and(|ps| policy.version <= ps.policy.version)
+        {
+            return;
+        }
+        self.install(policy, store);
+    }
+
+    fn install(&mut self, policy: GlobalPolicy, store: &mut dyn LeaseStore) {
+        let n = self.peers.len();
+        let me = self.me.index();
+        let name = policy.name.clone();
+        let running = self.policies.remove(&name);
+        let old = match &running {
+            Some(ps) => Some(ps.escrow_in_force(me)),
+            None => store.default_escrow(&name),
+        };
+        let new = policy.escrow[me];
+        let previous_escrow = old.filter(|o| (o - new).abs() > 1e-12);
+        // The newest version this region vouches for. A (re)start vouches for none until
+        // its books show it (a stored default may already be lowered while books still
+        // cover reservations of the old split); a transition keeps the last one complete.
+        let applied = match &running {
+            Some(ps) => ps.applied_version(me),
+            None => 0,
+        };
+        let mut ps = PolicyState {
+            policy,
+            previous_escrow,
+            applied,
+            peer_applied: vec![0; n],
+            default_durable: false,
+            keys: running.map(|ps| ps.keys).unwrap_or_default(),
+        };
+        // Every book in the store is re-asserted at the escrow now in force, also those of
+        // keys this node had forgotten: a book keeps the escrow it was written with.
+        ps.adopt_books(store, n);
+        let escrow = ps.escrow_in_force(me);
+        ps.default_durable = store.set_default_escrow(&name, escrow);
+        self.policies.insert(name, ps);
+    }
+
+    fn escrow_in_force(&self, ps: &PolicyState) -> f64 {
+        ps.escrow_in_force(self.me.index())
+    }
+
+    pub fn region(&self) -> RegionId {
+        self.me
+    }
+
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    pub fn stats(&self) -> NodeStats {
+        self.stats
+    }
+
+    /// Keys in the exchange (hot here, leased, or mentioned by a peer lately).
+    pub fn tracked_keys(&self) -> usize {
+        self.policies.values().map(|p| p.keys.len()).sum()
+    }
+
+    pub fn key_status(&self) -> Vec<KeyStatus> {
+        let now = self.clock.now_us();
+        let tol = self.params.step_tolerance_us();
+        let mut out = Vec::new();
+        for (name, ps) in &self.policies {
+            for (key, ks) in &ps.keys {
+                out.push(KeyStatus {
+                    policy: name.clone(),
+                    key: key.clone(),
+                    escrow: ks.book.escrow,
+                    enforced: ks.book.rate(now, tol),
+                    // `+ 0.0`: an empty f64 sum is -0.0, which status pages print as such.
+                    lent: ks.book.reserved_total(now) + 0.0,
+                    borrowed: ks.book.borrowed_total(now, tol) + 0.0,
+                    demand: ks.demand.value(),
+                    target: ks.target_self,
+                });
+            }
+        }
+        out
+    }
+
+    /// Microseconds (node clock) until the next instant some tracked key's enforced rate
+    /// changes by itself (a loan or reservation ends), if any: a status page shows the
+    /// change then, not at the next event.
+    pub fn next_change_in(&self) -> Option<i64> {
+        let now = self.clock.now_us();
+        self.policies
+            .values()
+            .flat_map(|ps| ps.keys.values())
+            .filter_map(|ks| ks.book.next_expiry(now))
+            .min()
+            .map(|t| t - now)
+    }
+
+    /// A daemon-side backward-step check: drop every loan (the store does the same on its
+    /// own clock, per key, on the next touch).
+    fn observe_clock(&mut self, store: &mut dyn LeaseStore) -> LocalUs {
+        let now = self.clock.now_us();
+        if now + self.params.step_tolerance_us() < self.high_water {
+            self.stats.backward_steps += 1;
+            for (name, ps) in self.policies.iter_mut() {
+                let mut stepped = Vec::new();
+                for (key, ks) in ps.keys.iter_mut() {
+                    if !ks.book.borrowed.is_empty() {
+                        ks.book.borrowed.clear();
+                        ks.book.epoch += 1;
+                        stepped.push(key.clone());
+                    }
+                }
+                ps.write(store, name, &stepped, self.round);
+            }
+        }
+        self.high_water = self.high_water.max(now);
+        now
+    }
+
+    /// One round: read demand, plan, re-assert every book, and build one exchange per peer.
+    pub fn round(&mut self, store: &mut dyn LeaseStore) -> Vec<(RegionId, Exchange)> {
+        let now = self.observe_clock(store);
+        self.round += 1;
+        self.stats.rounds += 1;
+        self.clear_link_up();
+        self.refresh(store, now, true);
+        let me = self.me.index();
+        (0..self.peers.len())
+            .filter(|&j| j != me)
+            .map(|j| (RegionId(j as u16), self.exchange_for(j, now, false)))
+            .collect()
+    }
+
+    /// What should not wait for the next round; call after delivering a message (usually
+    /// empty):
+    /// - a whole exchange for each peer heard from again since the last round (a heal, a
+    ///   restart), planned with it connected, so that loans resume a round earlier;
+    /// - an exchange of just the keys with news for a peer: a give-back this region made
+    ///   as a borrower (the lender lowers its reservation a round earlier), capacity it
+    ///   freed as a lender for a borrower it granted short, and the re-ask of a borrower
+    ///   so told. After a heal, capacity moves from one borrower to another in a few
+    ///   one-way delays instead of a round of each region in turn. At most one per peer
+    ///   per round.
+    pub fn early_exchanges(&mut self, store: &mut dyn LeaseStore) -> Vec<(RegionId, Exchange)> {
+        let me = self.me.index();
+        let round = self.round;
+        let news: Vec<usize> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter(|&(j, peer)| j != me && !peer.link_up && peer.early_round != round && peer.news)
+            .map(|(j, _)| j)
+            .collect();
+        let up: Vec<usize> = self
+            .peers
+            .iter()
+            .enumerate()
+            .filter(|(_, peer)| peer.link_up)
+            .map(|(j, _)| j)
+            .collect();
+        if up.is_empty() && news.is_empty() {
+            return Vec::new();
+        }
+        let now = self.observe_clock(store);
+        let mut out = Vec::new();
+        if !up.is_empty() {
+            self.refresh(store, now, false);
+            self.clear_link_up();
+            for j in up {
+                out.push((RegionId(j as u16), self.exchange_for(j, now, false)));
+            }
+        }
+        for j in news {
+            if self.link_at(j, now) == Link::Connected {
+                self.peers[j].early_round = self.round;
+                out.push((RegionId(j as u16), self.exchange_for(j, now, true)));
+            }
+        }
+        out
+    }
+}
+
+fn floor_milli(x: f64) -> f64 {
+    (x * 1000.0).floor() / 1000.0
+}
+
+/// A peer's reported demand, as planning may use it: finite, not negative, and clamped
+/// like our own estimate (a retry storm, or a bogus report, must not swamp the split).
+fn peer_demand(d: f32, policy: &GlobalPolicy, p: &Params) -> f64 {
+    sanitize(d as f64).min(p.demand_clamp * policy.rho)
+}
+
+fn sanitize(x: f64) -> f64 {
+    if x.is_finite() && x > 0.0 { x } else { 0.0 }
+}

@@ -1,0 +1,434 @@
+//! The node's tests: two and three regions on map stores and one manual clock, every
+//! message delivered at once. They drive the node only through its API, so they sit
+//! beside the parts rather than in one of them.
+
+use super::*;
+use crate::clock::ManualClock;
+use crate::coordinator::Mode;
+use crate::coordinator::lease::Reservation;
+use crate::coordinator::message::{ExchangeReply, KeyReport, PolicyReport};
+use std::sync::Arc;
+
+/// A store that keeps books in a map; every write durable.
+#[derive(Default)]
+struct MapStore {
+    books: BTreeMap<String, LeaseBook>,
+    counters: Counters,
+    escrow: Option<f64>,
+    /// (policy, key) of every book write, in order.
+    writes: Vec<(String, String)>,
+    failover: bool,
+}
+
+impl LeaseStore for MapStore {
+    fn take_failover(&mut self) -> bool {
+        std::mem::take(&mut self.failover)
+    }
+    fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written {
+        self.writes.push((policy.to_owned(), key.to_owned()));
+        self.books.insert(key.to_owned(), book.clone());
+        Written {
+            durable: true,
+            epoch: book.epoch,
+        }
+    }
+    fn read_book(&mut self, _: &str, key: &str) -> Option<LeaseBook> {
+        self.books.get(key).cloned()
+    }
+    fn books(&mut self, _: &str) -> Vec<(String, LeaseBook)> {
+        self.books
+            .iter()
+            .map(|(k, b)| (k.clone(), b.clone()))
+            .collect()
+    }
+    fn take_active(&mut self, _: &str) -> Vec<String> {
+        vec!["k".to_owned()]
+    }
+    fn counters(&mut self, _: &str, _: &str) -> Counters {
+        self.counters
+    }
+    fn default_escrow(&mut self, _: &str) -> Option<f64> {
+        self.escrow
+    }
+    fn set_default_escrow(&mut self, _: &str, escrow: f64) -> bool {
+        self.escrow = Some(escrow);
+        true
+    }
+}
+
+impl Clock for Arc<ManualClock> {
+    fn now_us(&self) -> i64 {
+        self.as_ref().now_us()
+    }
+}
+
+type Pair = (Arc<ManualClock>, [MapStore; 2], Vec<Node<Arc<ManualClock>>>);
+
+/// Two regions 50/50 of ρ = 100 over map stores, on one manual clock at 0.
+fn pair() -> Pair {
+    let p = Params::default();
+    let policy = GlobalPolicy::from_weights("g", 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional);
+    let clock = Arc::new(ManualClock::new(0));
+    let mut stores = [MapStore::default(), MapStore::default()];
+    let nodes = (0..2)
+        .map(|i| {
+            Node::start(
+                RegionId(i as u16),
+                2,
+                p,
+                clock.clone(),
+                1,
+                vec![policy.clone()],
+                &mut stores[i],
+            )
+        })
+        .collect();
+    (clock, stores, nodes)
+}
+
+/// One round of both regions with every message delivered at once; region 1 offers
+/// `offered` units in the round.
+fn round_trip(pair: &mut Pair, offered: u64) {
+    let (_, stores, nodes) = pair;
+    stores[1].counters.rejected += offered;
+    for i in 0..2 {
+        let out = nodes[i].round(&mut stores[i]);
+        for (to, ex) in out {
+            let j = to.index();
+            let reply = nodes[j].on_exchange(&ex, &mut stores[j]).expect("reply");
+            nodes[i].on_reply(&reply, &mut stores[i]);
+        }
+    }
+}
+
+fn rate(store: &MapStore, now: LocalUs) -> f64 {
+    let tol = Params::default().step_tolerance_us();
+    store.books.get("k").map_or(50.0, |b| b.rate(now, tol))
+}
+
+/// A book at escrow 50 that reserves 5 for region 1 (seq 1) until `until`.
+fn leased_book(until: LocalUs) -> LeaseBook {
+    let mut leased = LeaseBook::new(50.0);
+    leased.reserved.push(Reservation {
+        borrower: RegionId(1),
+        seq: 1,
+        amount: 5.0,
+        until,
+    });
+    leased
+}
+
+/// Unchanged loan-free books are re-asserted every REASSERT_ROUNDS rounds, each in its
+/// key's round; after a failover, every book of every policy in the next round.
+#[test]
+fn unchanged_books_are_reasserted_in_turn_and_all_after_a_failover() {
+    let policies: Vec<GlobalPolicy> = ["a", "b"]
+        .map(|n| GlobalPolicy::from_weights(n, 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional))
+        .to_vec();
+    let clock = Arc::new(ManualClock::new(0));
+    let mut store = MapStore::default();
+    let leased = leased_book(600_000_000);
+    for i in 0..20 {
+        store.books.insert(format!("a{i}"), leased.clone());
+    }
+    let mut node = Node::start(
+        RegionId(0),
+        2,
+        Params::default(),
+        clock.clone(),
+        1,
+        policies,
+        &mut store,
+    );
+    let mut per_round = Vec::new();
+    for _ in 0..(1 + 2 * REASSERT_ROUNDS) {
+        clock.advance(1_000_000);
+        store.writes.clear();
+        node.round(&mut store);
+        per_round.push(
+            store
+                .writes
+                .iter()
+                .filter(|(_, k)| k.starts_with('a'))
+                .count(),
+        );
+    }
+    // The first round writes every adopted book (of both policies: the map store
+    // lists them for each); later rounds only the keys whose turn it is.
+    assert!(per_round[0] >= 20, "{per_round:?}");
+    let later: usize = per_round[1..=REASSERT_ROUNDS as usize].iter().sum();
+    assert!(
+        (20..=2 * 20).contains(&later),
+        "each book about once per cycle: {per_round:?}"
+    );
+    assert!(per_round[1..].iter().all(|&n| n < 20 * 2), "{per_round:?}");
+    store.failover = true;
+    clock.advance(1_000_000);
+    store.writes.clear();
+    node.round(&mut store);
+    let policies_written: std::collections::BTreeSet<&str> =
+        store.writes.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(
+        policies_written.len(),
+        2,
+        "every policy re-asserted: {:?}",
+        store.writes
+    );
+    assert!(store.writes.len() >= 40, "{}", store.writes.len());
+}
+
+/// More keys qualify for an exchange than it may carry: the lease goes first, then
+/// what the peer asked about; the rest are counted as deferred, not dropped silently.
+#[test]
+fn an_exchange_carries_at_most_the_cap_leases_first() {
+    let p = Params {
+        max_exchange_keys: 3,
+        ..Params::default()
+    };
+    let policy = GlobalPolicy::from_weights("g", 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional);
+    let clock = Arc::new(ManualClock::new(0));
+    let mut store = MapStore::default();
+    let leased = leased_book(60_000_000);
+    store.books.insert("z-leased".into(), leased);
+    let mut node = Node::start(
+        RegionId(0),
+        2,
+        p,
+        clock.clone(),
+        1,
+        vec![policy],
+        &mut store,
+    );
+    // The peer asks about five keys (no loan wanted): each is "mentioned".
+    let report = |key: &str| KeyReport {
+        key: key.into(),
+        demand: 1.0,
+        want: None,
+        release: None,
+        held: None,
+        freed: false,
+    };
+    let ex = Exchange {
+        from: RegionId(1),
+        incarnation: 1,
+        to_incarnation: 0,
+        t_req: 0,
+        policies: vec![PolicyReport {
+            name: "g".into(),
+            applied: 1,
+            keys: ["a", "b", "c", "d", "e"].map(report).to_vec(),
+        }],
+    };
+    node.on_exchange(&ex, &mut store).expect("a reply");
+    let out = node.round(&mut store);
+    let keys: Vec<&str> = out[0].1.policies[0]
+        .keys
+        .iter()
+        .map(|k| k.key.as_str())
+        .collect();
+    assert_eq!(keys, ["a", "b", "z-leased"]);
+    assert_eq!(node.stats().keys_deferred, 3);
+}
+
+/// Region 1 offers 90/s, region 0 nothing. After the learning period and a few rounds,
+/// region 1 enforces more than its escrow, region 0 less, and the two never sum above ρ.
+#[test]
+fn a_hot_region_borrows_and_the_sum_stays_within_rho() {
+    let mut pair = pair();
+    let mut max_sum: f64 = 0.0;
+    let mut borrowed_seen = false;
+    for r in 1..=20i64 {
+        pair.0.set(r * 1_000_000);
+        round_trip(&mut pair, 90);
+        let now = pair.0.now_us();
+        let rates = [rate(&pair.1[0], now), rate(&pair.1[1], now)];
+        max_sum = max_sum.max(rates[0] + rates[1]);
+        borrowed_seen |= rates[1] > 50.0 + 1.0 && rates[0] < 50.0 - 1.0;
+    }
+    assert!(max_sum <= 100.0 + 1e-9, "sum of enforced rates {max_sum}");
+    assert!(borrowed_seen, "the hot region never borrowed");
+}
+
+/// Three regions on map stores and one manual clock. Every message is delivered at
+/// once, in order, together with the early exchanges each delivery causes; the grants
+/// are logged as (lender, borrower, amount).
+struct Trio {
+    clock: Arc<ManualClock>,
+    stores: Vec<MapStore>,
+    nodes: Vec<Node<Arc<ManualClock>>>,
+    grants: Vec<(usize, usize, f64)>,
+    /// The largest Σ of the three books' net rates after any delivery.
+    max_sum: f64,
+}
+
+impl Trio {
+    fn new(weights: &[f64; 3], rho: f64) -> Trio {
+        let policy = GlobalPolicy::from_weights("g", 1, rho, rho, weights, Mode::Proportional);
+        let clock = Arc::new(ManualClock::new(0));
+        let mut stores: Vec<MapStore> = (0..3).map(|_| MapStore::default()).collect();
+        let nodes = (0..3)
+            .map(|i| {
+                let (c, p) = (clock.clone(), Params::default());
+                Node::start(
+                    RegionId(i),
+                    3,
+                    p,
+                    c,
+                    1,
+                    vec![policy.clone()],
+                    &mut stores[i as usize],
+                )
+            })
+            .collect();
+        Trio {
+            clock,
+            stores,
+            nodes,
+            grants: Vec::new(),
+            max_sum: 0.0,
+        }
+    }
+
+    fn deliver(&mut self, from: usize, out: Vec<(RegionId, Exchange)>) {
+        let mut queue: std::collections::VecDeque<(usize, RegionId, Exchange)> =
+            out.into_iter().map(|(to, ex)| (from, to, ex)).collect();
+        while let Some((from, to, ex)) = queue.pop_front() {
+            let j = to.index();
+            let reply = self.nodes[j]
+                .on_exchange(&ex, &mut self.stores[j])
+                .expect("reply");
+            for k in reply.policies.iter().flat_map(|p| &p.keys) {
+                if let Some(g) = k.grant {
+                    self.grants.push((j, from, g.amount));
+                }
+            }
+            let early = self.nodes[j].early_exchanges(&mut self.stores[j]);
+            queue.extend(early.into_iter().map(|(t, e)| (j, t, e)));
+            self.nodes[from].on_reply(&reply, &mut self.stores[from]);
+            let early = self.nodes[from].early_exchanges(&mut self.stores[from]);
+            queue.extend(early.into_iter().map(|(t, e)| (from, t, e)));
+            let (now, tol) = (self.clock.now_us(), Params::default().step_tolerance_us());
+            let sum: f64 = self
+                .stores
+                .iter()
+                .map(|s| {
+                    let book = s.books.get("k");
+                    book.map_or(s.escrow.unwrap_or(0.0), |b| b.net_rate(now, tol))
+                })
+                .sum();
+            self.max_sum = self.max_sum.max(sum);
+        }
+    }
+
+    /// A round of region `r` at `t` seconds, offering it `offered` more units.
+    fn round(&mut self, r: usize, t: i64, offered: u64) {
+        self.clock.set(t * 1_000_000);
+        self.stores[r].counters.rejected += offered;
+        let out = self.nodes[r].round(&mut self.stores[r]);
+        self.deliver(r, out);
+    }
+
+    fn loan(&self, borrower: usize, lender: u16) -> f64 {
+        let now = self.clock.now_us();
+        let book = self.stores[borrower].books.get("k");
+        book.and_then(|b| b.loan_from(RegionId(lender), now))
+            .map_or(0.0, |l| l.amount)
+    }
+}
+
+/// Capacity moves from one borrower to another between rounds: region 1 borrows all of
+/// region 0's spare; then region 2 gets hot and asks region 0, which can grant little
+/// (it is reserved for region 1). Region 1 gives back at once when it hears of region
+/// 2's demand, region 0 tells region 2 the capacity is free, and region 2 asks again:
+/// within region 2's one round, not a round of each region in turn.
+#[test]
+fn freed_capacity_reaches_the_next_borrower_within_one_round() {
+    let mut trio = Trio::new(&[8.0, 1.0, 1.0], 1000.0);
+    // Region 1 hot (1000/s offered), the others idle, past the learning period.
+    for t in 1..=14 {
+        for r in 0..3 {
+            trio.round(r, t, if r == 1 { 1000 } else { 0 });
+        }
+    }
+    let before = trio.loan(1, 0);
+    assert!(before > 500.0, "region 1 borrowed {before} from region 0");
+    // Region 2 gets as hot: one round of its own.
+    trio.grants.clear();
+    trio.round(2, 15, 1000);
+    let to_2: Vec<f64> = trio
+        .grants
+        .iter()
+        .filter(|g| g.0 == 0 && g.1 == 2)
+        .map(|g| g.2)
+        .collect();
+    assert!(to_2.len() >= 2, "one grant only: {to_2:?}");
+    let (first, last) = (to_2[0], trio.loan(2, 0));
+    assert!(
+        last > first + 100.0,
+        "region 2 asked again for nothing: {to_2:?}"
+    );
+    assert!(
+        trio.loan(1, 0) < before - 100.0,
+        "region 1 gave nothing back"
+    );
+    assert!(
+        trio.max_sum <= 1000.0 + 1e-9,
+        "Σ R reached {}",
+        trio.max_sum
+    );
+}
+
+/// The bug a toy simulation of this protocol once found (docs/global-budgets.md, the safety rule):
+/// a borrower that took an older grant after announcing a newer release watermark
+/// counted a loan whose reservation the lender had already dropped (Σ R reached
+/// 1.0006 ρ). Here the older grant is also the larger one, so taking it would show.
+#[test]
+fn a_grant_older_than_the_announced_watermark_is_refused() {
+    let mut pair = pair();
+    for r in 1..=15i64 {
+        pair.0.set(r * 1_000_000);
+        round_trip(&mut pair, 90);
+    }
+    let (clock, stores, nodes) = &mut pair;
+    let to_lender = |out: Vec<(RegionId, Exchange)>| {
+        out.into_iter()
+            .find(|(to, _)| *to == RegionId(0))
+            .expect("an exchange for region 0")
+            .1
+    };
+    let grant = |r: &ExchangeReply| r.policies[0].keys[0].grant.expect("a grant");
+    // Two requests in a row: the first while region 1 is hot, the second once it has
+    // cooled down (it wants much less). Their replies come back in the wrong order.
+    clock.set(16_000_000);
+    stores[1].counters.rejected += 90;
+    let ex_a = to_lender(nodes[1].round(&mut stores[1]));
+    let reply_a = nodes[0].on_exchange(&ex_a, &mut stores[0]).expect("reply");
+    clock.set(17_000_000);
+    stores[1].counters.rejected += 5;
+    let ex_b = to_lender(nodes[1].round(&mut stores[1]));
+    let reply_b = nodes[0].on_exchange(&ex_b, &mut stores[0]).expect("reply");
+    let (ga, gb) = (grant(&reply_a), grant(&reply_b));
+    assert!(gb.seq > ga.seq && ga.amount > gb.amount, "{ga:?} {gb:?}");
+    nodes[1].on_reply(&reply_b, &mut stores[1]);
+    // The borrower announces the newer lease as its watermark; the lender drops the
+    // older, larger reservation.
+    clock.set(18_000_000);
+    let ex_c = to_lender(nodes[1].round(&mut stores[1]));
+    assert_eq!(ex_c.policies[0].keys[0].release, Some(gb.seq));
+    nodes[0].on_exchange(&ex_c, &mut stores[0]);
+    assert!(
+        stores[0].books["k"]
+            .reserved
+            .iter()
+            .all(|r| r.seq >= gb.seq)
+    );
+    // The delayed older grant arrives: it must not count.
+    let stale_before = nodes[1].stats().stale_grants;
+    nodes[1].on_reply(&reply_a, &mut stores[1]);
+    assert_eq!(nodes[1].stats().stale_grants, stale_before + 1);
+    let now = clock.now_us();
+    let loan = stores[1].books["k"].loan_from(RegionId(0), now).copied();
+    assert!(loan.is_none_or(|l| l.seq == gb.seq), "{loan:?}");
+    let sum = rate(&stores[0], now) + rate(&stores[1], now);
+    assert!(sum <= 100.0 + 1e-9, "Σ R = {sum}");
+}
