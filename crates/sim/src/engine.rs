@@ -161,18 +161,16 @@ struct Run<'a> {
 }
 
 impl<'a> Run<'a> {
+    /// Builds a run: clocks, regime, network and the queue primed with the first tick, the
+    /// protocol timers and the fault schedule. Kept to the order of construction; the
+    /// pieces are helpers below. `clock_rng` (stream 3) is drawn from in a fixed order
+    /// that every recorded seed depends on: each region's offset and drift, then the timer
+    /// phases, then the re-split rollout delays.
     fn new(sc: &'a Scenario, mode: ModeKind, seed: u64, trace: bool) -> Self {
-        let n = sc.regions;
         let start = EPOCH_US;
         let real = RealTime::new(start);
         let mut clock_rng = stream(seed, 3);
-        let clocks: Vec<SimClock> = (0..n)
-            .map(|_| {
-                let offset = clock_rng.random_range(-sc.offset_us..=sc.offset_us);
-                let drift = clock_rng.random_range(-sc.drift..=sc.drift);
-                SimClock::new(real.clone(), offset, drift)
-            })
-            .collect();
+        let clocks = draw_clocks(sc, &real, &mut clock_rng);
         let policy = sc.policy(1, &sc.weights);
         let keys = sc.load.keys();
         let regime = Regime::new(
@@ -186,44 +184,19 @@ impl<'a> Run<'a> {
         );
         let t0 = start + secs(sc.warmup_s);
         let end = t0 + secs(sc.duration_s);
-        let at = |s: f64| t0 + secs(s);
-        let cuts = sc
-            .faults
-            .iter()
-            .filter_map(|f| match *f {
-                Fault::Cut {
-                    from,
-                    to,
-                    start_s,
-                    end_s,
-                    period_s,
-                } => Some(Cut {
-                    from,
-                    to,
-                    start: at(start_s),
-                    end: at(end_s),
-                    period: period_s.map(secs),
-                }),
-                _ => None,
-            })
-            .collect();
-        let zipf = match &sc.load {
-            Load::Zipf { keys, exponent, .. } => Zipf::new(*keys as f64, *exponent).ok(),
-            _ => None,
-        };
         let mut run = Run {
             sc,
             mode,
             seed,
             real,
             clocks,
-            net: Network::new(sc.net.clone(), cuts),
+            net: Network::new(sc.net.clone(), cuts(sc, t0)),
             regime,
             queue: BinaryHeap::new(),
             seq: 0,
             load_rng: stream(seed, 1),
             net_rng: stream(seed, 2),
-            zipf,
+            zipf: zipf(&sc.load),
             t0,
             end,
             rec: Record::new(sc, mode),
@@ -236,12 +209,33 @@ impl<'a> Run<'a> {
             policy: policy.clone(),
         };
         run.push(start, Event::Tick);
-        if let Some(period) = run.regime.timer_us() {
-            for r in 0..n {
+        run.schedule_timers(start, &mut clock_rng);
+        run.schedule_faults(&mut clock_rng);
+        run
+    }
+
+    /// Queues each region's first protocol round (if the mode has rounds) at a random
+    /// phase within one period of `start`, so that the regions do not run in lockstep.
+    /// Split out of [`Run::new`]; draws one phase per region from `clock_rng`, in region
+    /// order, after the clocks were drawn.
+    fn schedule_timers(&mut self, start: i64, clock_rng: &mut ChaCha8Rng) {
+        if let Some(period) = self.regime.timer_us() {
+            for r in 0..self.sc.regions {
                 let phase = (clock_rng.random::<f64>() * period as f64) as i64;
-                run.push(start + phase, Event::Timer(r));
+                self.push(start + phase, Event::Timer(r));
             }
         }
+    }
+
+    /// Queues the scenario's faults as events, in the order the scenario lists them (the
+    /// queue breaks ties by that order). Cuts are not events: the network holds them.
+    /// Split out of [`Run::new`]; each re-split draws one rollout delay per region from
+    /// `clock_rng`, after the timer phases.
+    fn schedule_faults(&mut self, clock_rng: &mut ChaCha8Rng) {
+        let sc = self.sc;
+        let n = sc.regions;
+        let t0 = self.t0;
+        let at = |s: f64| real_of(t0, s);
         let mut version = 1;
         for f in &sc.faults {
             match f {
@@ -251,26 +245,26 @@ impl<'a> Run<'a> {
                     at_s,
                     restart_s,
                 } => {
-                    run.push(at(*at_s), Event::Region(*region, RegionEvent::Crash));
+                    self.push(at(*at_s), Event::Region(*region, RegionEvent::Crash));
                     if let Some(r) = restart_s {
-                        run.push(at(*r), Event::Region(*region, RegionEvent::Restart));
+                        self.push(at(*r), Event::Region(*region, RegionEvent::Restart));
                     }
                 }
                 Fault::ClockStep {
                     region,
                     at_s,
                     by_us,
-                } => run.push(at(*at_s), Event::ClockStep(*region, *by_us)),
+                } => self.push(at(*at_s), Event::ClockStep(*region, *by_us)),
                 Fault::Failover {
                     region,
                     lag_from_s,
                     at_s,
                 } => {
-                    run.push(
+                    self.push(
                         at(*lag_from_s),
                         Event::Region(*region, RegionEvent::LagStart),
                     );
-                    run.push(at(*at_s), Event::Region(*region, RegionEvent::Failover));
+                    self.push(at(*at_s), Event::Region(*region, RegionEvent::Failover));
                 }
                 Fault::Resplit {
                     at_s,
@@ -281,7 +275,7 @@ impl<'a> Run<'a> {
                     let p = sc.policy(version, weights);
                     for r in 0..n {
                         let delay = clock_rng.random::<f64>() * rollout_s;
-                        run.push(
+                        self.push(
                             at(at_s + delay),
                             Event::Region(r, RegionEvent::Policy(p.clone())),
                         );
@@ -289,7 +283,6 @@ impl<'a> Run<'a> {
                 }
             }
         }
-        run
     }
 
     fn push(&mut self, at: i64, event: Event) {
@@ -633,6 +626,57 @@ pub const RECONVERGED_HOLD_S: f64 = 2.0;
 /// (S6 before the cut, seeds 0–4) the largest regional deviation, from demand-estimate
 /// noise alone, averages 1.2% of ρ and peaks at 4.6%: a tighter band would time noise.
 pub const RECONVERGED: f64 = 0.05;
+
+/// Each region's clock, offset by up to ±`offset_us` and drifting by up to ±`drift`.
+/// Split out of [`Run::new`]; the draws from `clock_rng` come first of all its draws and
+/// go region by region, offset before drift.
+fn draw_clocks(sc: &Scenario, real: &RealTime, clock_rng: &mut ChaCha8Rng) -> Vec<SimClock> {
+    (0..sc.regions)
+        .map(|_| {
+            let offset = clock_rng.random_range(-sc.offset_us..=sc.offset_us);
+            let drift = clock_rng.random_range(-sc.drift..=sc.drift);
+            SimClock::new(real.clone(), offset, drift)
+        })
+        .collect()
+}
+
+/// The scenario's link cuts, in real time (`t0` is real time at scenario t = 0), for the
+/// network. Split out of [`Run::new`]; draws nothing.
+fn cuts(sc: &Scenario, t0: i64) -> Vec<Cut> {
+    sc.faults
+        .iter()
+        .filter_map(|f| match *f {
+            Fault::Cut {
+                from,
+                to,
+                start_s,
+                end_s,
+                period_s,
+            } => Some(Cut {
+                from,
+                to,
+                start: real_of(t0, start_s),
+                end: real_of(t0, end_s),
+                period: period_s.map(secs),
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The key popularity of a Zipf load (none for single-key loads). Split out of
+/// [`Run::new`]; draws nothing.
+fn zipf(load: &Load) -> Option<Zipf<f64>> {
+    match load {
+        Load::Zipf { keys, exponent, .. } => Zipf::new(*keys as f64, *exponent).ok(),
+        _ => None,
+    }
+}
+
+/// Real time of scenario second `s`, given real time `t0` of scenario t = 0.
+fn real_of(t0: i64, s: f64) -> i64 {
+    t0 + secs(s)
+}
 
 fn poisson(rng: &mut ChaCha8Rng, mean: f64) -> u64 {
     if mean <= 0.0 || !mean.is_finite() {

@@ -177,21 +177,83 @@ const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 /// Each region's enforced rate (solid) and offered demand (dashed) over time, with the
 /// scenario's partition shaded. Written by hand: a few polylines and labels; plotting
 /// crates lay out text with a font backend (system fonts or an embedded font file) that
-/// this does not need.
+/// this does not need. The pieces are helpers below, each writing its part of the image
+/// in the order the elements stand in the file (later elements paint over earlier ones).
 pub fn svg(sc: &Scenario, samples: &[Sample]) -> String {
-    let (w, h) = (900.0, 420.0);
-    let (left, right, top, bottom) = (60.0, 160.0, 40.0, 40.0);
-    let t_max = sc.duration_s.max(1.0);
-    let top_value = samples
-        .iter()
-        .flat_map(|s| s.rates.iter().chain(&s.demand))
-        .fold(sc.rho * 0.1, |a, &b| a.max(b))
-        * 1.05;
-    let y_step = nice_step(top_value / 5.0);
-    let y_max = (top_value / y_step).ceil() * y_step;
-    let x = |t: f64| left + (w - left - right) * t / t_max;
-    let y = |v: f64| top + (h - top - bottom) * (1.0 - v / y_max);
+    let f = Frame::new(sc, samples);
     let mut s = String::new();
+    svg_header(&mut s, sc, &f);
+    svg_axes(&mut s, &f);
+    let regions = samples.first().map_or(0, |s| s.demand.len());
+    for r in 0..regions {
+        svg_region(&mut s, sc, samples, &f, r);
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The plot's geometry: the canvas, its margins, and the scales from scenario seconds and
+/// units/s to pixels. One value shared by the helpers of [`svg`], so that every part is
+/// drawn on the same axes.
+#[derive(Clone, Copy)]
+struct Frame {
+    w: f64,
+    h: f64,
+    left: f64,
+    right: f64,
+    top: f64,
+    bottom: f64,
+    t_max: f64,
+    y_step: f64,
+    y_max: f64,
+}
+
+impl Frame {
+    /// The canvas and margins are fixed; the time axis spans the scenario, the value axis
+    /// the largest rate or demand sampled (at least ρ/10) plus 5%, rounded up to a grid
+    /// step.
+    fn new(sc: &Scenario, samples: &[Sample]) -> Frame {
+        let (w, h) = (900.0, 420.0);
+        let (left, right, top, bottom) = (60.0, 160.0, 40.0, 40.0);
+        let t_max = sc.duration_s.max(1.0);
+        let top_value = samples
+            .iter()
+            .flat_map(|s| s.rates.iter().chain(&s.demand))
+            .fold(sc.rho * 0.1, |a, &b| a.max(b))
+            * 1.05;
+        let y_step = nice_step(top_value / 5.0);
+        let y_max = (top_value / y_step).ceil() * y_step;
+        Frame {
+            w,
+            h,
+            left,
+            right,
+            top,
+            bottom,
+            t_max,
+            y_step,
+            y_max,
+        }
+    }
+
+    /// Pixel column of scenario second `t`.
+    fn x(&self, t: f64) -> f64 {
+        self.left + (self.w - self.left - self.right) * t / self.t_max
+    }
+
+    /// Pixel row of value `v` (units/s).
+    fn y(&self, v: f64) -> f64 {
+        self.top + (self.h - self.top - self.bottom) * (1.0 - v / self.y_max)
+    }
+}
+
+/// The opening tag, the background, the title and the shaded partition: what every
+/// other part is drawn over. Split out of [`svg`].
+fn svg_header(s: &mut String, sc: &Scenario, f: &Frame) {
+    // Only the fields the format strings name; the rest are read through `f`.
+    let Frame {
+        w, h, left, top, ..
+    } = *f;
     let _ = writeln!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">"#
@@ -207,84 +269,91 @@ pub fn svg(sc: &Scenario, samples: &[Sample]) -> String {
         let _ = writeln!(
             s,
             r##"<rect x="{:.1}" y="{top}" width="{:.1}" height="{:.1}" fill="#eeeeee"/>"##,
-            x(p.start_s),
-            x(p.end_s) - x(p.start_s),
-            h - top - bottom
+            f.x(p.start_s),
+            f.x(p.end_s) - f.x(p.start_s),
+            h - top - f.bottom
         );
     }
-    // Axes and grid.
-    let y_lines = (y_max / y_step).round() as usize;
+}
+
+/// Axes and grid: horizontal grid lines with their values, time labels, the axis titles
+/// and the plot's border. Split out of [`svg`].
+fn svg_axes(s: &mut String, f: &Frame) {
+    // Only the fields the format strings name; the rest are read through `f`.
+    let Frame { left, top, .. } = *f;
+    let y_lines = (f.y_max / f.y_step).round() as usize;
     for i in 0..=y_lines {
-        let v = y_step * i as f64;
+        let v = f.y_step * i as f64;
         let _ = writeln!(
             s,
             r##"<line x1="{left}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="#dddddd"/><text x="{:.1}" y="{:.1}" text-anchor="end">{v:.0}</text>"##,
-            w - right,
-            y(v),
-            y(v),
+            f.w - f.right,
+            f.y(v),
+            f.y(v),
             left - 6.0,
-            y(v) + 4.0
+            f.y(v) + 4.0
         );
     }
-    let step = nice_step(t_max / 8.0);
+    let step = nice_step(f.t_max / 8.0);
     let mut t = 0.0;
-    while t <= t_max + 1e-9 {
+    while t <= f.t_max + 1e-9 {
         let _ = writeln!(
             s,
             r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{t:.0}</text>"#,
-            x(t),
-            h - bottom + 16.0
+            f.x(t),
+            f.h - f.bottom + 16.0
         );
         t += step;
     }
     let _ = writeln!(
         s,
         r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">time (s)</text><text x="14" y="{:.1}" transform="rotate(-90 14 {:.1})" text-anchor="middle">units/s</text>"#,
-        (left + w - right) / 2.0,
-        h - 6.0,
-        h / 2.0,
-        h / 2.0
+        (left + f.w - f.right) / 2.0,
+        f.h - 6.0,
+        f.h / 2.0,
+        f.h / 2.0
     );
     let _ = writeln!(
         s,
         r##"<rect x="{left}" y="{top}" width="{:.1}" height="{:.1}" fill="none" stroke="#333333"/>"##,
-        w - left - right,
-        h - top - bottom
+        f.w - left - f.right,
+        f.h - top - f.bottom
     );
-    let regions = samples.first().map_or(0, |s| s.demand.len());
-    for r in 0..regions {
-        let color = COLORS[r % COLORS.len()];
-        for (dash, pick) in [("", 0), (r#" stroke-dasharray="5,4""#, 1)] {
-            let points: Vec<String> = samples
-                .iter()
-                .map(|smp| {
-                    let v = if pick == 0 {
-                        smp.rates.get(r).copied().unwrap_or(0.0)
-                    } else {
-                        smp.demand[r]
-                    };
-                    format!("{:.1},{:.1}", x(smp.t_s), y(v))
-                })
-                .collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{}"/>"#,
-                points.join(" ")
-            );
-        }
-        let ly = top + 18.0 * r as f64 + 10.0;
+}
+
+/// Region `r`: its enforced rate (solid) and offered demand (dashed) as polylines, and
+/// its legend entry. Split out of [`svg`].
+fn svg_region(s: &mut String, sc: &Scenario, samples: &[Sample], f: &Frame, r: usize) {
+    let Frame { w, right, top, .. } = *f;
+    let color = COLORS[r % COLORS.len()];
+    for (dash, pick) in [("", 0), (r#" stroke-dasharray="5,4""#, 1)] {
+        let points: Vec<String> = samples
+            .iter()
+            .map(|smp| {
+                let v = if pick == 0 {
+                    smp.rates.get(r).copied().unwrap_or(0.0)
+                } else {
+                    smp.demand[r]
+                };
+                format!("{:.1},{:.1}", f.x(smp.t_s), f.y(v))
+            })
+            .collect();
         let _ = writeln!(
             s,
-            r#"<line x1="{:.1}" x2="{:.1}" y1="{ly:.1}" y2="{ly:.1}" stroke="{color}" stroke-width="2"/><text x="{:.1}" y="{:.1}">{}</text>"#,
-            w - right + 10.0,
-            w - right + 34.0,
-            w - right + 40.0,
-            ly + 4.0,
-            escape(&sc.region_name(r))
+            r#"<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{}"/>"#,
+            points.join(" ")
         );
     }
-    s.push_str("</svg>\n");
-    s
+    let ly = top + 18.0 * r as f64 + 10.0;
+    let _ = writeln!(
+        s,
+        r#"<line x1="{:.1}" x2="{:.1}" y1="{ly:.1}" y2="{ly:.1}" stroke="{color}" stroke-width="2"/><text x="{:.1}" y="{:.1}">{}</text>"#,
+        w - right + 10.0,
+        w - right + 34.0,
+        w - right + 40.0,
+        ly + 4.0,
+        escape(&sc.region_name(r))
+    );
 }
 
 /// 1, 2 or 5 times a power of ten, at least `raw`.

@@ -419,121 +419,18 @@ impl Scenario {
 
     /// A random scenario for the property tests: 2–4 regions, random weights, a random
     /// demand schedule, network and fault schedule. Short, so that many fit in a test.
+    ///
+    /// The parts are drawn by the helpers below, in this order (a seed's scenario depends
+    /// on it): regions, weights, schedule, network, faults, then burst, allocation and
+    /// warm-up in the order the fields are written.
     pub fn random(rng: &mut ChaCha8Rng) -> Scenario {
         let n = rng.random_range(2..=4usize);
         let duration_s = 90.0;
         let rho = 1000.0;
         let weights: Vec<f64> = (0..n).map(|_| rng.random_range(1.0..10.0)).collect();
-        let mut points: Vec<(f64, Vec<f64>)> = Vec::new();
-        let mut t = 0.0;
-        while t <= duration_s {
-            // Sometimes the key goes quiet everywhere for long enough that the daemons
-            // forget it (its book stays in the store).
-            let quiet = rng.random_bool(0.15);
-            let total = if quiet {
-                0.0
-            } else {
-                rho * rng.random_range(0.2..3.0)
-            };
-            let raw: Vec<f64> = (0..n).map(|_| rng.random::<f64>().powi(2)).collect();
-            let sum: f64 = raw.iter().sum::<f64>().max(1e-9);
-            points.push((t, raw.iter().map(|x| total * x / sum).collect()));
-            t += if quiet {
-                rng.random_range(10.0..30.0)
-            } else {
-                rng.random_range(2.0..20.0)
-            };
-            let held = points[points.len() - 1].1.clone();
-            points.push((t, held));
-            t += rng.random_range(0.0..2.0);
-        }
-        let mut rtt_ms = vec![vec![0.0; n]; n];
-        for (i, j) in (0..n).flat_map(|i| (0..i).map(move |j| (i, j))) {
-            let r = rng.random_range(1.0..300.0);
-            rtt_ms[i][j] = r;
-            rtt_ms[j][i] = r;
-        }
-        let jitter = match rng.random_range(0..3) {
-            0 => Jitter::None,
-            1 => Jitter::Exp {
-                mean_us: rng.random_range(1_000.0..500_000.0),
-            },
-            _ => Jitter::Pareto {
-                scale_us: rng.random_range(10_000.0..1_000_000.0),
-                shape: rng.random_range(1.1..3.0),
-                cap_us: 4_000_000.0,
-            },
-        };
-        let net = NetModel {
-            rtt_ms,
-            jitter,
-            loss: rng.random_range(0.0..0.4),
-            dup: rng.random_range(0.0..0.2),
-            reorder: rng.random_range(0.0..0.3),
-        };
-        let mut faults = Vec::new();
-        for _ in 0..rng.random_range(0..8) {
-            let at_s = rng.random_range(0.0..duration_s);
-            let region = rng.random_range(0..n);
-            let fault = match rng.random_range(0..5) {
-                0 => {
-                    let to = (region + rng.random_range(1..n)) % n;
-                    let end_s = at_s + rng.random_range(1.0..40.0);
-                    let period_s = rng.random_bool(0.3).then(|| rng.random_range(0.5..8.0));
-                    if rng.random_bool(0.5) {
-                        faults.push(Fault::Cut {
-                            from: to,
-                            to: region,
-                            start_s: at_s,
-                            end_s,
-                            period_s,
-                        });
-                    }
-                    Fault::Cut {
-                        from: region,
-                        to,
-                        start_s: at_s,
-                        end_s,
-                        period_s,
-                    }
-                }
-                1 => Fault::Crash {
-                    region,
-                    at_s,
-                    restart_s: rng
-                        .random_bool(0.8)
-                        .then(|| at_s + rng.random_range(0.1..20.0)),
-                },
-                // Within the stated assumption: one step per region, back or ahead, of at
-                // most m/2, so that a lender's step ahead and a borrower's step back add up
-                // to at most the margin m. Larger backward steps are detected only if the
-                // key was read shortly before (S10 shows that; tests/fixtures/sim/
-                // beyond-assumptions shows what steps beyond the margin do).
-                2 if !faults
-                    .iter()
-                    .any(|f| matches!(f, Fault::ClockStep { region: r, .. } if *r == region)) =>
-                {
-                    let by = rng.random_range(1_000..=Params::default().margin_us / 2);
-                    Fault::ClockStep {
-                        region,
-                        at_s,
-                        by_us: if rng.random_bool(0.5) { by } else { -by },
-                    }
-                }
-                2 => continue,
-                3 => Fault::Failover {
-                    region,
-                    lag_from_s: at_s,
-                    at_s: at_s + rng.random_range(0.0..5.0),
-                },
-                _ => Fault::Resplit {
-                    at_s,
-                    weights: (0..n).map(|_| rng.random_range(1.0..10.0)).collect(),
-                    rollout_s: rng.random_range(0.0..10.0),
-                },
-            };
-            faults.push(fault);
-        }
+        let points = random_schedule(rng, n, rho, duration_s);
+        let net = random_net(rng, n);
+        let faults = random_faults(rng, n, duration_s);
         Scenario {
             id: "random".into(),
             title: "random scenario".into(),
@@ -556,6 +453,151 @@ impl Scenario {
             oa_keys: 1,
             plot_key: 0,
         }
+    }
+}
+
+/// A random demand schedule over `duration_s` for `n` regions: segments of random total
+/// (0.2–3 × `rho`, or quiet) and random split, each held for a while and ramped into the
+/// next. Split out of [`Scenario::random`].
+fn random_schedule(
+    rng: &mut ChaCha8Rng,
+    n: usize,
+    rho: f64,
+    duration_s: f64,
+) -> Vec<(f64, Vec<f64>)> {
+    let mut points: Vec<(f64, Vec<f64>)> = Vec::new();
+    let mut t = 0.0;
+    while t <= duration_s {
+        // Sometimes the key goes quiet everywhere for long enough that the daemons
+        // forget it (its book stays in the store).
+        let quiet = rng.random_bool(0.15);
+        let total = if quiet {
+            0.0
+        } else {
+            rho * rng.random_range(0.2..3.0)
+        };
+        let raw: Vec<f64> = (0..n).map(|_| rng.random::<f64>().powi(2)).collect();
+        let sum: f64 = raw.iter().sum::<f64>().max(1e-9);
+        points.push((t, raw.iter().map(|x| total * x / sum).collect()));
+        t += if quiet {
+            rng.random_range(10.0..30.0)
+        } else {
+            rng.random_range(2.0..20.0)
+        };
+        let held = points[points.len() - 1].1.clone();
+        points.push((t, held));
+        t += rng.random_range(0.0..2.0);
+    }
+    points
+}
+
+/// A random network for `n` regions: symmetric RTTs of 1–300 ms, one of the jitter
+/// models, and random loss, duplication and reordering. Split out of
+/// [`Scenario::random`].
+fn random_net(rng: &mut ChaCha8Rng, n: usize) -> NetModel {
+    let mut rtt_ms = vec![vec![0.0; n]; n];
+    for (i, j) in (0..n).flat_map(|i| (0..i).map(move |j| (i, j))) {
+        let r = rng.random_range(1.0..300.0);
+        rtt_ms[i][j] = r;
+        rtt_ms[j][i] = r;
+    }
+    let jitter = match rng.random_range(0..3) {
+        0 => Jitter::None,
+        1 => Jitter::Exp {
+            mean_us: rng.random_range(1_000.0..500_000.0),
+        },
+        _ => Jitter::Pareto {
+            scale_us: rng.random_range(10_000.0..1_000_000.0),
+            shape: rng.random_range(1.1..3.0),
+            cap_us: 4_000_000.0,
+        },
+    };
+    NetModel {
+        rtt_ms,
+        jitter,
+        loss: rng.random_range(0.0..0.4),
+        dup: rng.random_range(0.0..0.2),
+        reorder: rng.random_range(0.0..0.3),
+    }
+}
+
+/// Up to seven random faults over `duration_s` for `n` regions: cuts, crashes, clock
+/// steps, failovers and re-splits. Split out of [`Scenario::random`].
+fn random_faults(rng: &mut ChaCha8Rng, n: usize, duration_s: f64) -> Vec<Fault> {
+    let mut faults = Vec::new();
+    for _ in 0..rng.random_range(0..8) {
+        let at_s = rng.random_range(0.0..duration_s);
+        let region = rng.random_range(0..n);
+        let fault = match rng.random_range(0..5) {
+            0 => random_cut(rng, n, region, at_s, &mut faults),
+            1 => Fault::Crash {
+                region,
+                at_s,
+                restart_s: rng
+                    .random_bool(0.8)
+                    .then(|| at_s + rng.random_range(0.1..20.0)),
+            },
+            // Within the stated assumption: one step per region, back or ahead, of at
+            // most m/2, so that a lender's step ahead and a borrower's step back add up
+            // to at most the margin m. Larger backward steps are detected only if the
+            // key was read shortly before (S10 shows that; tests/fixtures/sim/
+            // beyond-assumptions shows what steps beyond the margin do).
+            2 if !faults
+                .iter()
+                .any(|f| matches!(f, Fault::ClockStep { region: r, .. } if *r == region)) =>
+            {
+                let by = rng.random_range(1_000..=Params::default().margin_us / 2);
+                Fault::ClockStep {
+                    region,
+                    at_s,
+                    by_us: if rng.random_bool(0.5) { by } else { -by },
+                }
+            }
+            2 => continue,
+            3 => Fault::Failover {
+                region,
+                lag_from_s: at_s,
+                at_s: at_s + rng.random_range(0.0..5.0),
+            },
+            _ => Fault::Resplit {
+                at_s,
+                weights: (0..n).map(|_| rng.random_range(1.0..10.0)).collect(),
+                rollout_s: rng.random_range(0.0..10.0),
+            },
+        };
+        faults.push(fault);
+    }
+    faults
+}
+
+/// A random cut of the link from `region` to another region, from `at_s` for up to 40 s,
+/// flapping or not; half the time the reverse link is cut too, and that cut is pushed to
+/// `faults` first. Returns the forward cut. Split out of [`random_faults`].
+fn random_cut(
+    rng: &mut ChaCha8Rng,
+    n: usize,
+    region: usize,
+    at_s: f64,
+    faults: &mut Vec<Fault>,
+) -> Fault {
+    let to = (region + rng.random_range(1..n)) % n;
+    let end_s = at_s + rng.random_range(1.0..40.0);
+    let period_s = rng.random_bool(0.3).then(|| rng.random_range(0.5..8.0));
+    if rng.random_bool(0.5) {
+        faults.push(Fault::Cut {
+            from: to,
+            to: region,
+            start_s: at_s,
+            end_s,
+            period_s,
+        });
+    }
+    Fault::Cut {
+        from: region,
+        to,
+        start_s: at_s,
+        end_s,
+        period_s,
     }
 }
 
