@@ -1,0 +1,410 @@
+//! `[[policy]]` and `[policy.global]`: each policy's algorithm and rates, and for a global
+//! one its escrow weights, lease and round, and allocation.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use toml::Spanned;
+
+use super::{ConfigError, NAME_RULE, Validator, raw};
+use crate::policy::{self, FailMode, GlobalSpec, Policy, PolicySpec};
+use crate::store::layout::GLOBAL_KEEP_MS;
+use quotad_core::algorithm::Algorithm;
+use quotad_core::coordinator::Mode;
+
+/// Leases longer than this would outlive the keep time of global keys in Redis.
+pub const MAX_LEASE: Duration = Duration::from_secs(600);
+// Every Redis key of a global policy lives `GLOBAL_KEEP_MS` after its last touch: a lease
+// must end well before, so a book never expires while it still counts.
+const _: () = assert!(MAX_LEASE.as_millis() * 2 < GLOBAL_KEEP_MS as u128);
+/// A sliding log stores one entry per admission (about 100 KB per key at limit 1,000, and a
+/// cost-N check writes N entries inside one script): above this, the sliding_window counter
+/// is the right tool.
+pub const MAX_SLIDING_LOG_LIMIT: i64 = policy::MAX_SLIDING_LOG_LIMIT as i64;
+
+/// The lease and round every global policy shares (one coordinator per daemon), and the
+/// first policy that set them, for the message when another differs.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timing {
+    pub lease: Duration,
+    pub round: Duration,
+    pub first: usize,
+}
+
+fn policy_field(i: usize, name: &str) -> String {
+    format!("policy[{i}].{name}")
+}
+
+fn global_field(i: usize, name: &str) -> String {
+    format!("policy[{i}].global.{name}")
+}
+
+impl Validator<'_> {
+    /// Every `[[policy]]` (at least one, names unique), and the timing of the global ones.
+    pub(super) fn policies(
+        &mut self,
+        raw: &[raw::Policy],
+        regions: &[String],
+        has_peers: bool,
+    ) -> (Vec<Policy>, Option<Timing>) {
+        let mut timing = None;
+        let mut policies = Vec::new();
+        let mut names = BTreeSet::new();
+        if raw.is_empty() {
+            self.errors.push(ConfigError {
+                file: self.file.to_owned(),
+                line: 1,
+                field: "policy".into(),
+                message: "no [[policy]] is defined; quotad needs at least one".into(),
+            });
+        }
+        for (i, p) in raw.iter().enumerate() {
+            let global = p
+                .global
+                .as_ref()
+                .and_then(|g| self.global_policy(i, p, g, regions, has_peers, &mut timing));
+            if let Some(policy) = self.policy(i, p, global) {
+                if !names.insert(policy.name.clone()) {
+                    self.error(
+                        &p.name,
+                        &policy_field(i, "name"),
+                        format!("duplicate policy name \"{}\"", policy.name),
+                    );
+                } else {
+                    policies.push(policy);
+                }
+            }
+        }
+        (policies, timing)
+    }
+
+    /// One `[[policy]]`: each field on its own, then the rates together (only when every
+    /// field is valid, so that one mistake is not reported twice).
+    fn policy(&mut self, i: usize, p: &raw::Policy, global: Option<GlobalSpec>) -> Option<Policy> {
+        let errors_before = self.errors.len();
+        let name = p.name.get_ref();
+        if !policy::valid_name(name) {
+            self.error(&p.name, &policy_field(i, "name"), NAME_RULE);
+        }
+        let algorithm = self.algorithm(i, &p.algorithm);
+        let limit = self.limit(i, &p.limit, algorithm);
+        let window = self.duration(
+            Some(&p.window),
+            &policy_field(i, "window"),
+            Duration::from_secs(1),
+            policy::MIN_WINDOW,
+            policy::MAX_WINDOW,
+        );
+        let burst = self.burst(i, p.burst.as_ref(), algorithm);
+        let on_store_error = self.on_store_error(i, p.on_store_error.as_ref());
+        if self.errors.len() == errors_before {
+            if let Some(a) = algorithm {
+                if let Err(why) =
+                    policy::check_rates(a, limit as u64, window, burst.unwrap_or(limit as u64))
+                {
+                    self.error(&p.limit, &policy_field(i, "limit"), why);
+                }
+            }
+        }
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        let policy = Policy::new(PolicySpec {
+            name,
+            algorithm: algorithm?,
+            limit: limit as u64,
+            window,
+            burst,
+            on_store_error,
+            shadow: p.shadow.unwrap_or(false),
+            global,
+        });
+        if policy.is_none() {
+            self.error(&p.name, &policy_field(i, "name"), "policy is invalid");
+        }
+        policy
+    }
+
+    /// `algorithm`: one of the five by name (`None` when unknown).
+    fn algorithm(&mut self, i: usize, algorithm: &Spanned<String>) -> Option<Algorithm> {
+        match algorithm.get_ref().as_str() {
+            "fixed_window" => Some(Algorithm::FixedWindow),
+            "sliding_log" => Some(Algorithm::SlidingLog),
+            "sliding_window" => Some(Algorithm::SlidingWindow),
+            "token_bucket" => Some(Algorithm::TokenBucket),
+            "gcra" => Some(Algorithm::Gcra),
+            other => {
+                self.error(
+                    algorithm,
+                    &policy_field(i, "algorithm"),
+                    format!("unknown algorithm \"{other}\"; expected one of fixed_window, sliding_log, sliding_window, token_bucket, gcra"),
+                );
+                None
+            }
+        }
+    }
+
+    /// `limit`, and the lower ceiling of sliding logs, whose memory grows with it.
+    fn limit(&mut self, i: usize, limit: &Spanned<i64>, algorithm: Option<Algorithm>) -> i64 {
+        let n = self.integer(
+            Some(limit),
+            &policy_field(i, "limit"),
+            1,
+            1,
+            policy::MAX_LIMIT as i64,
+        );
+        if algorithm == Some(Algorithm::SlidingLog) && n > MAX_SLIDING_LOG_LIMIT {
+            self.error(
+                limit,
+                &policy_field(i, "limit"),
+                format!("sliding_log keeps one entry per admission; limits above {MAX_SLIDING_LOG_LIMIT} cost a megabyte per key and stall Redis on large costs: use sliding_window"),
+            );
+        }
+        n
+    }
+
+    /// `burst`: only the algorithms that have one accept it.
+    fn burst(
+        &mut self,
+        i: usize,
+        burst: Option<&Spanned<i64>>,
+        algorithm: Option<Algorithm>,
+    ) -> Option<u64> {
+        match (burst, algorithm) {
+            (Some(b), Some(a)) if !a.has_burst() => {
+                self.error(
+                    b,
+                    &policy_field(i, "burst"),
+                    format!(
+                        "burst applies only to token_bucket and gcra, not {}",
+                        a.name()
+                    ),
+                );
+                None
+            }
+            (Some(b), _) => {
+                let n = self.integer(
+                    Some(b),
+                    &policy_field(i, "burst"),
+                    1,
+                    1,
+                    policy::MAX_LIMIT as i64,
+                );
+                Some(n as u64)
+            }
+            (None, _) => None,
+        }
+    }
+
+    /// `on_store_error`: what a check answers while the store is unusable (open by default).
+    fn on_store_error(&mut self, i: usize, mode: Option<&Spanned<String>>) -> FailMode {
+        match mode.map(|s| (s, s.get_ref().as_str())) {
+            None => FailMode::Open,
+            Some((_, "open")) => FailMode::Open,
+            Some((_, "closed")) => FailMode::Closed,
+            Some((_, "local")) => FailMode::Local,
+            Some((s, other)) => {
+                self.error(
+                    s,
+                    &policy_field(i, "on_store_error"),
+                    format!("unknown mode \"{other}\"; expected open, closed or local"),
+                );
+                FailMode::Open
+            }
+        }
+    }
+
+    /// `[policy.global]`: the escrow names exactly this region and its peers, the lease is
+    /// longer than the round, and every global policy shares one lease and round.
+    fn global_policy(
+        &mut self,
+        i: usize,
+        p: &raw::Policy,
+        g: &raw::Global,
+        regions: &[String],
+        has_peers: bool,
+        timing: &mut Option<Timing>,
+    ) -> Option<GlobalSpec> {
+        let before = self.errors.len();
+        self.global_restrictions(i, p);
+        let weights = self.escrow_weights(i, g, regions, has_peers, before);
+        let (lease, round) = self.lease_and_round(i, g);
+        self.same_timing(i, g, lease, round, timing);
+        let mode = self.allocation(i, g);
+        let version = self.integer(
+            g.version.as_ref(),
+            &global_field(i, "version"),
+            1,
+            1,
+            i64::MAX,
+        ) as u64;
+        (self.errors.len() == before).then_some(GlobalSpec {
+            version,
+            weights,
+            mode,
+        })
+    }
+
+    /// What a global policy cannot be: a window algorithm (budget moves as rates), or
+    /// `local` on store errors (its lease state is in Redis).
+    fn global_restrictions(&mut self, i: usize, p: &raw::Policy) {
+        match p.algorithm.get_ref().as_str() {
+            "token_bucket" | "gcra" => {}
+            "fixed_window" | "sliding_log" | "sliding_window" => self.error(
+                &p.algorithm,
+                &policy_field(i, "algorithm"),
+                "a global policy must be token_bucket or gcra: budget moves between regions as rates (leases); window algorithms would need per-window loans, which quotad does not implement (see docs/global-budgets.md)",
+            ),
+            _ => {}
+        }
+        if let Some(mode) = &p.on_store_error {
+            if mode.get_ref() == "local" {
+                self.error(mode, &policy_field(i, "on_store_error"), "\"local\" cannot keep a global budget (the region's lease state is in Redis): use \"closed\" to keep the bound or \"open\"");
+            }
+        }
+    }
+
+    /// `escrow`: a weight >= 0 for every region (and for no other), not all 0, in the order
+    /// of `regions`. `before` counts the errors before this `[policy.global]`: the sum is
+    /// only judged when nothing else is wrong with it.
+    fn escrow_weights(
+        &mut self,
+        i: usize,
+        g: &raw::Global,
+        regions: &[String],
+        has_peers: bool,
+        before: usize,
+    ) -> Vec<f64> {
+        let f = |name: &str| global_field(i, name);
+        if !has_peers {
+            self.error(
+                &g.escrow,
+                &f("escrow"),
+                "a global policy needs at least one [[peer]] region",
+            );
+        }
+        let names = g.escrow.get_ref();
+        for (name, w) in names {
+            if !regions.contains(name) {
+                self.error(
+                    w,
+                    &f("escrow"),
+                    format!("\"{name}\" is neither this region nor a [[peer]]"),
+                );
+            } else if !(w.get_ref().is_finite() && *w.get_ref() >= 0.0) {
+                self.error(
+                    w,
+                    &f("escrow"),
+                    format!("weight of \"{name}\" must be a number >= 0"),
+                );
+            }
+        }
+        for r in regions {
+            if has_peers && !names.contains_key(r) {
+                self.error(
+                    &g.escrow,
+                    &f("escrow"),
+                    format!("no weight for region \"{r}\" (every region needs one, 0 allowed)"),
+                );
+            }
+        }
+        let weights: Vec<f64> = regions
+            .iter()
+            .map(|r| names.get(r).map_or(0.0, |w| *w.get_ref()))
+            .collect();
+        if has_peers && self.errors.len() == before && weights.iter().sum::<f64>() <= 0.0 {
+            self.error(&g.escrow, &f("escrow"), "the weights must not all be 0");
+        }
+        weights
+    }
+
+    /// `round` and `lease`: a loan must outlast the exchange interval that renews it.
+    fn lease_and_round(&mut self, i: usize, g: &raw::Global) -> (Duration, Duration) {
+        let round = self.duration(
+            g.round.as_ref(),
+            &global_field(i, "round"),
+            Duration::from_secs(1),
+            Duration::from_millis(100),
+            Duration::from_secs(60),
+        );
+        let lease = self.duration(
+            g.lease.as_ref(),
+            &global_field(i, "lease"),
+            Duration::from_secs(10),
+            Duration::from_millis(200),
+            MAX_LEASE,
+        );
+        if lease <= round {
+            let at = g
+                .lease
+                .as_ref()
+                .map_or(g.escrow.span().start, |l| l.span().start);
+            self.error_at(
+                at,
+                &global_field(i, "lease"),
+                format!(
+                    "must be longer than round ({})",
+                    humantime::format_duration(round)
+                ),
+            );
+        }
+        (lease, round)
+    }
+
+    /// The first global policy sets the daemon's lease and round; any other must match it,
+    /// as one coordinator runs them all.
+    fn same_timing(
+        &mut self,
+        i: usize,
+        g: &raw::Global,
+        lease: Duration,
+        round: Duration,
+        timing: &mut Option<Timing>,
+    ) {
+        match timing {
+            Some(t) if (t.lease, t.round) != (lease, round) => {
+                let at = g
+                    .lease
+                    .as_ref()
+                    .or(g.round.as_ref())
+                    .map_or(g.escrow.span().start, |x| x.span().start);
+                let msg = format!(
+                    "every global policy must use the same lease and round (one coordinator per daemon); policy[{}] uses lease {} and round {}",
+                    t.first,
+                    humantime::format_duration(t.lease),
+                    humantime::format_duration(t.round)
+                );
+                self.error_at(at, &global_field(i, "lease"), msg);
+            }
+            Some(_) => {}
+            None => {
+                *timing = Some(Timing {
+                    lease,
+                    round,
+                    first: i,
+                })
+            }
+        }
+    }
+
+    /// `allocation`: how the coordinator shares spare budget (proportional by default).
+    fn allocation(&mut self, i: usize, g: &raw::Global) -> Mode {
+        let Some(a) = g.allocation.as_ref() else {
+            return Mode::Proportional;
+        };
+        match Mode::ALL.into_iter().find(|m| m.name() == a.get_ref()) {
+            Some(m) => m,
+            None => {
+                self.error(
+                    a,
+                    &global_field(i, "allocation"),
+                    format!(
+                        "unknown allocation \"{}\"; expected proportional, maxmin or owner_first",
+                        a.get_ref()
+                    ),
+                );
+                Mode::Proportional
+            }
+        }
+    }
+}
