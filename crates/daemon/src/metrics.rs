@@ -5,6 +5,7 @@
 //! (a fixed enum), store error kinds (a fixed enum). Never a user key: one series per key
 //! would let any client grow the exposition without bound.
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry, TextEncoder,
@@ -92,97 +93,61 @@ pub struct GlobalMetrics {
     pub leader: IntGaugeVec,
 }
 
+/// `quotad_round_duration_seconds` buckets (s), a named constant to keep the catalogue
+/// entry short. The runtime warns past a quarter of the lock period (0.75 s by default).
+const ROUND_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
+
 impl GlobalMetrics {
-    fn new(registry: &Registry) -> Self {
-        let gauge = |opts: Opts, labels: &[&str]| {
-            let g = GaugeVec::new(opts, labels).expect("valid metric");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
-        };
-        let int_gauge = |opts: Opts, labels: &[&str]| {
-            let g = IntGaugeVec::new(opts, labels).expect("valid metric");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
-        };
-        let counter = |opts: Opts, labels: &[&str]| {
-            let c = IntCounterVec::new(opts, labels).expect("valid metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
-        };
-        let rounds = IntCounter::new("quotad_rounds_total", "Coordinator rounds run.")
-            .expect("valid metric");
-        registry
-            .register(Box::new(rounds.clone()))
-            .expect("unique metric");
-        let round_duration = Histogram::with_opts(
-            HistogramOpts::new(
-                "quotad_round_duration_seconds",
-                "Time a coordinator round took.",
-            )
-            .buckets(vec![
-                0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-            ]),
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(round_duration.clone()))
-            .expect("unique metric");
-        let leader = int_gauge(
-            Opts::new(
+    /// Registers the global-budget metrics through `c`, in the daemon's one registry, so
+    /// that `/metrics` shows them whether or not this instance ever coordinates.
+    fn new(c: &Catalogue) -> Self {
+        GlobalMetrics {
+            share_rate: c.labels(&["policy", "region"]).gauge(Opts::new(
+                "quotad_share_rate",
+                "Rate this region enforces (tracked keys).",
+            )),
+            lent_rate: c.labels(&["policy"]).gauge(Opts::new(
+                "quotad_lent_rate",
+                "Rate reserved for loans to peers.",
+            )),
+            borrowed_rate: c.labels(&["policy"]).gauge(Opts::new(
+                "quotad_borrowed_rate",
+                "Rate borrowed from peers.",
+            )),
+            demand_rate: c.labels(&["policy"]).gauge(Opts::new(
+                "quotad_demand_rate",
+                "Smoothed offered load here.",
+            )),
+            hot_keys: c
+                .labels(&["policy"])
+                .int_gauge(Opts::new("quotad_hot_keys", "Keys the coordinator tracks.")),
+            peer_up: c.labels(&["peer"]).int_gauge(Opts::new(
+                "quotad_peer_up",
+                "1 while the peer link is connected.",
+            )),
+            peer_rtt_seconds: c.labels(&["peer"]).gauge(Opts::new(
+                "quotad_peer_rtt_seconds",
+                "Last exchange round trip.",
+            )),
+            exchange_bytes: c
+                .labels(&["peer", "direction"])
+                .counter(Opts::new("quotad_exchange_bytes_total", "Exchange bytes.")),
+            exchange_rejected: c.labels(&["reason"]).counter(Opts::new(
+                "quotad_exchange_rejected_total",
+                "Peer requests refused.",
+            )),
+            rounds: c.counter(Opts::new("quotad_rounds_total", "Coordinator rounds run.")),
+            round_duration: c.histogram(
+                HistogramOpts::new(
+                    "quotad_round_duration_seconds",
+                    "Time a coordinator round took.",
+                )
+                .buckets(ROUND_BUCKETS.to_vec()),
+            ),
+            leader: c.labels(&["region"]).int_gauge(Opts::new(
                 "quotad_coordinator_leader",
                 "1 while this instance coordinates its region.",
-            ),
-            &["region"],
-        );
-        GlobalMetrics {
-            share_rate: gauge(
-                Opts::new(
-                    "quotad_share_rate",
-                    "Rate this region enforces (tracked keys).",
-                ),
-                &["policy", "region"],
-            ),
-            lent_rate: gauge(
-                Opts::new("quotad_lent_rate", "Rate reserved for loans to peers."),
-                &["policy"],
-            ),
-            borrowed_rate: gauge(
-                Opts::new("quotad_borrowed_rate", "Rate borrowed from peers."),
-                &["policy"],
-            ),
-            demand_rate: gauge(
-                Opts::new("quotad_demand_rate", "Smoothed offered load here."),
-                &["policy"],
-            ),
-            hot_keys: int_gauge(
-                Opts::new("quotad_hot_keys", "Keys the coordinator tracks."),
-                &["policy"],
-            ),
-            peer_up: int_gauge(
-                Opts::new("quotad_peer_up", "1 while the peer link is connected."),
-                &["peer"],
-            ),
-            peer_rtt_seconds: gauge(
-                Opts::new("quotad_peer_rtt_seconds", "Last exchange round trip."),
-                &["peer"],
-            ),
-            exchange_bytes: counter(
-                Opts::new("quotad_exchange_bytes_total", "Exchange bytes."),
-                &["peer", "direction"],
-            ),
-            exchange_rejected: counter(
-                Opts::new("quotad_exchange_rejected_total", "Peer requests refused."),
-                &["reason"],
-            ),
-            rounds,
-            round_duration,
-            leader,
+            )),
         }
     }
 }
@@ -197,6 +162,12 @@ pub const OUTCOMES: [&str; 6] = [
     "local",
 ];
 
+/// `quotad_check_duration_seconds` buckets (s), a named constant to keep the catalogue
+/// entry short: 50 us to 1 s.
+const CHECK_BUCKETS: [f64; 13] = [
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
 impl Metrics {
     /// Builds the catalogue and pre-registers a zero series for every policy and outcome
     /// and every store error kind, so rates and alerts work before the first event of each
@@ -206,160 +177,110 @@ impl Metrics {
         policies: impl IntoIterator<Item = &'a str>,
         store_error_kinds: &[&str],
     ) -> Self {
-        let registry = Registry::new();
-        let decisions = IntCounterVec::new(
-            Opts::new("quotad_decisions_total", "Decisions by policy and outcome."),
-            &["policy", "outcome"],
-        )
-        .expect("valid metric");
-        let check_duration = Histogram::with_opts(
-            HistogramOpts::new(
-                "quotad_check_duration_seconds",
-                "Time to answer a check request.",
-            )
-            .buckets(vec![
-                0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05,
-                0.1, 0.25, 1.0,
-            ]),
-        )
-        .expect("valid metric");
-        let store_errors = IntCounterVec::new(
-            Opts::new(
+        let metrics = Self::catalogue(Registry::new());
+        metrics.preregister(policies, store_error_kinds);
+        metrics
+    }
+
+    /// Every metric, registered in `registry`, with no series yet: what each one is lives
+    /// here and in the field docs, apart from the zero series [`Metrics::preregister`]
+    /// adds from the config.
+    fn catalogue(registry: Registry) -> Self {
+        let c = Catalogue(&registry);
+        Metrics {
+            decisions: c.labels(&["policy", "outcome"]).counter(Opts::new(
+                "quotad_decisions_total",
+                "Decisions by policy and outcome.",
+            )),
+            check_duration: c.histogram(
+                HistogramOpts::new(
+                    "quotad_check_duration_seconds",
+                    "Time to answer a check request.",
+                )
+                .buckets(CHECK_BUCKETS.to_vec()),
+            ),
+            store_errors: c.labels(&["kind"]).counter(Opts::new(
                 "quotad_store_errors_total",
                 "Store calls that produced no decision, by kind.",
-            ),
-            &["kind"],
-        )
-        .expect("valid metric");
-        let store_up = IntGauge::new("quotad_store_up", "1 while the store is reachable.")
-            .expect("valid metric");
-        let script_loads = IntCounter::new(
-            "quotad_script_loads_total",
-            "Lua scripts loaded into Redis.",
-        )
-        .expect("valid metric");
-        let refund_errors = IntCounter::new(
-            "quotad_refund_errors_total",
-            "Failed refunds of admitted checks in a denied batch.",
-        )
-        .expect("valid metric");
-        let build_info = IntGaugeVec::new(
-            Opts::new("quotad_build_info", "Build information."),
-            &["version"],
-        )
-        .expect("valid metric");
-        let shed = IntCounterVec::new(
-            Opts::new(
+            )),
+            store_up: c.int_gauge(Opts::new(
+                "quotad_store_up",
+                "1 while the store is reachable.",
+            )),
+            script_loads: c.counter(Opts::new(
+                "quotad_script_loads_total",
+                "Lua scripts loaded into Redis.",
+            )),
+            refund_errors: c.counter(Opts::new(
+                "quotad_refund_errors_total",
+                "Failed refunds of admitted checks in a denied batch.",
+            )),
+            build_info: c
+                .labels(&["version"])
+                .int_gauge(Opts::new("quotad_build_info", "Build information.")),
+            shed: c.labels(&["reason"]).counter(Opts::new(
                 "quotad_shed_total",
                 "Requests shed with 503 before reaching Redis, by reason.",
-            ),
-            &["reason"],
-        )
-        .expect("valid metric");
-        let store_in_flight = IntGauge::new(
-            "quotad_store_in_flight",
-            "Redis call permits held by requests in flight.",
-        )
-        .expect("valid metric");
-        let store_queued = IntGauge::new(
-            "quotad_store_queued",
-            "Requests waiting for Redis call permits.",
-        )
-        .expect("valid metric");
-        let breaker_opens = IntCounter::new(
-            "quotad_store_breaker_opens_total",
-            "Times the store circuit breaker opened.",
-        )
-        .expect("valid metric");
-        let connections_open = IntGauge::new("quotad_connections_open", "HTTP connections open.")
-            .expect("valid metric");
-        let connections_closed = IntCounterVec::new(
-            Opts::new(
+            )),
+            store_in_flight: c.int_gauge(Opts::new(
+                "quotad_store_in_flight",
+                "Redis call permits held by requests in flight.",
+            )),
+            store_queued: c.int_gauge(Opts::new(
+                "quotad_store_queued",
+                "Requests waiting for Redis call permits.",
+            )),
+            breaker_opens: c.counter(Opts::new(
+                "quotad_store_breaker_opens_total",
+                "Times the store circuit breaker opened.",
+            )),
+            connections_open: c.int_gauge(Opts::new(
+                "quotad_connections_open",
+                "HTTP connections open.",
+            )),
+            connections_closed: c.labels(&["reason"]).counter(Opts::new(
                 "quotad_connections_closed_total",
                 "HTTP connections closed by the server, by reason.",
-            ),
-            &["reason"],
-        )
-        .expect("valid metric");
-        let accept_errors = IntCounter::new(
-            "quotad_accept_errors_total",
-            "Failed accepts on the listener.",
-        )
-        .expect("valid metric");
-        let deny_cache_hits = IntCounterVec::new(
-            Opts::new(
+            )),
+            accept_errors: c.counter(Opts::new(
+                "quotad_accept_errors_total",
+                "Failed accepts on the listener.",
+            )),
+            deny_cache_hits: c.labels(&["policy"]).counter(Opts::new(
                 "quotad_deny_cache_hits_total",
                 "Denials answered from memory without a Redis call.",
-            ),
-            &["policy"],
-        )
-        .expect("valid metric");
-        let deny_cache_keys =
-            IntGauge::new("quotad_deny_cache_keys", "Denials remembered.").expect("valid metric");
-        let memory_store_keys = IntGaugeVec::new(
-            Opts::new(
+            )),
+            deny_cache_keys: c
+                .int_gauge(Opts::new("quotad_deny_cache_keys", "Denials remembered.")),
+            memory_store_keys: c.labels(&["store"]).int_gauge(Opts::new(
                 "quotad_memory_store_keys",
                 "Keys held by the embedded store.",
-            ),
-            &["store"],
-        )
-        .expect("valid metric");
-        for m in [
-            Box::new(decisions.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(deny_cache_hits.clone()),
-            Box::new(deny_cache_keys.clone()),
-            Box::new(memory_store_keys.clone()),
-            Box::new(connections_open.clone()),
-            Box::new(connections_closed.clone()),
-            Box::new(accept_errors.clone()),
-            Box::new(shed.clone()),
-            Box::new(store_in_flight.clone()),
-            Box::new(store_queued.clone()),
-            Box::new(breaker_opens.clone()),
-            Box::new(check_duration.clone()),
-            Box::new(store_errors.clone()),
-            Box::new(store_up.clone()),
-            Box::new(script_loads.clone()),
-            Box::new(refund_errors.clone()),
-            Box::new(build_info.clone()),
-        ] {
-            registry.register(m).expect("metric names are unique");
+            )),
+            global: GlobalMetrics::new(&c),
+            registry,
         }
+    }
+
+    /// Creates the zero series of every policy and outcome and of every store error kind,
+    /// and sets `quotad_build_info`: a series that does not exist yet has no rate, so
+    /// without them alerts and dashboards would see nothing until the first event.
+    fn preregister<'a>(
+        &self,
+        policies: impl IntoIterator<Item = &'a str>,
+        store_error_kinds: &[&str],
+    ) {
         for p in policies {
             for o in OUTCOMES {
-                decisions.with_label_values(&[p, o]);
+                self.decisions.with_label_values(&[p, o]);
             }
-            deny_cache_hits.with_label_values(&[p]);
+            self.deny_cache_hits.with_label_values(&[p]);
         }
         for k in store_error_kinds {
-            store_errors.with_label_values(&[k]);
+            self.store_errors.with_label_values(&[k]);
         }
-
-        build_info
+        self.build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
-        let global = GlobalMetrics::new(&registry);
-        Metrics {
-            registry,
-            decisions,
-            check_duration,
-            store_errors,
-            store_up,
-            script_loads,
-            refund_errors,
-            build_info,
-            shed,
-            store_in_flight,
-            store_queued,
-            breaker_opens,
-            connections_open,
-            connections_closed,
-            accept_errors,
-            deny_cache_hits,
-            deny_cache_keys,
-            memory_store_keys,
-            global,
-        }
     }
 
     /// Counts a store call that produced no decision; `kind` is `StoreError::kind`.
@@ -373,5 +294,67 @@ impl Metrics {
         // Encoding into a Vec cannot fail for well-formed metrics.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+/// Creates metrics and registers each in the daemon's one registry, the one
+/// [`Metrics::render`] gathers: no metric can be defined and then missing from `/metrics`,
+/// and the catalogue states only what differs between metrics. Names and help texts stay
+/// literal `Opts` at each call: tests/dashboards.rs reads the names from there.
+struct Catalogue<'a>(&'a Registry);
+
+impl<'a> Catalogue<'a> {
+    /// Registers `metric` and hands it back.
+    fn register<M: Collector + Clone + 'static>(&self, metric: M) -> M {
+        self.0
+            .register(Box::new(metric.clone()))
+            .expect("metric names are unique");
+        metric
+    }
+
+    fn counter(&self, opts: Opts) -> IntCounter {
+        self.register(IntCounter::with_opts(opts).expect("valid metric"))
+    }
+
+    fn int_gauge(&self, opts: Opts) -> IntGauge {
+        self.register(IntGauge::with_opts(opts).expect("valid metric"))
+    }
+
+    /// Its buckets are in `opts`.
+    fn histogram(&self, opts: HistogramOpts) -> Histogram {
+        self.register(Histogram::with_opts(opts).expect("valid metric"))
+    }
+
+    /// The labelled kinds (`IntCounterVec`, ...) with these label names: a step of its own
+    /// so that the metric's `Opts` is the last argument, which keeps each entry short.
+    fn labels(&self, names: &'a [&'a str]) -> Labelled<'a> {
+        Labelled {
+            catalogue: Catalogue(self.0),
+            names,
+        }
+    }
+}
+
+/// [`Catalogue::labels`]: metrics with one series per combination of these label values.
+struct Labelled<'a> {
+    catalogue: Catalogue<'a>,
+    names: &'a [&'a str],
+}
+
+impl Labelled<'_> {
+    fn counter(&self, opts: Opts) -> IntCounterVec {
+        let metric = IntCounterVec::new(opts, self.names).expect("valid metric");
+        self.catalogue.register(metric)
+    }
+
+    fn int_gauge(&self, opts: Opts) -> IntGaugeVec {
+        let metric = IntGaugeVec::new(opts, self.names).expect("valid metric");
+        self.catalogue.register(metric)
+    }
+
+    /// Float values: rates, seconds.
+    fn gauge(&self, opts: Opts) -> GaugeVec {
+        let metric = GaugeVec::new(opts, self.names).expect("valid metric");
+        self.catalogue.register(metric)
     }
 }

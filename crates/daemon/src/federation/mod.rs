@@ -76,6 +76,29 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Nobody leads yet and nothing is known of the peers; `instance` is a random id, so
+    /// that the region's lock tells this process from any other (a restart included).
+    fn new(
+        settings: GlobalSettings,
+        policies: Vec<Arc<Policy>>,
+        layouts: Arc<Layouts>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let n = settings.regions.len();
+        Shared {
+            settings,
+            policies,
+            layouts,
+            metrics,
+            instance: format!("{:016x}", rand::random::<u64>()),
+            leader_token: AtomicU64::new(0),
+            stopping: AtomicBool::new(false),
+            status: RwLock::new(Status::default()),
+            rtt_us: (0..n).map(|_| AtomicI64::new(-1)).collect(),
+            url: (0..n).map(|_| AtomicUsize::new(0)).collect(),
+        }
+    }
+
     pub fn stopping(&self) -> bool {
         self.stopping.load(Ordering::Acquire)
     }
@@ -201,6 +224,107 @@ fn spawn_runtime<B: runtime::Backend>(
         .spawn(move || runtime.run())
 }
 
+impl BackendChoice<'_> {
+    /// Starts the coordinator thread on this backend. On Redis, its lock is renewed every
+    /// fifth of the period; a dead holder's lock lapses within 0.8 of it and the others
+    /// poll every tenth: a takeover within one period.
+    fn spawn(
+        self,
+        shared: &Arc<Shared>,
+        events: std::sync::mpsc::Receiver<Event>,
+        outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
+    ) -> Result<std::thread::JoinHandle<()>, redis::RedisError> {
+        let spawned = match self {
+            BackendChoice::Redis { url, timeout } => {
+                let lock = lock::Lock::new(
+                    shared.layouts.layout(),
+                    shared.instance.clone(),
+                    shared.settings.lock.mul_f64(0.8),
+                );
+                let backend = lease_store::RedisBackend {
+                    client: redis::Client::open(url)?,
+                    lock: Arc::new(lock),
+                    timeout,
+                    conn: None,
+                    warned: false,
+                };
+                spawn_runtime(shared.clone(), backend, events, outbound)
+            }
+            BackendChoice::Memory(store) => {
+                let backend = memory::MemoryBackend {
+                    store,
+                    started: false,
+                };
+                spawn_runtime(shared.clone(), backend, events, outbound)
+            }
+        };
+        spawned.map_err(start_error)
+    }
+}
+
+/// Start-up failures that are not Redis's, in the error type [`Federation::start`]
+/// returns (the app reports them all the same way).
+fn start_error(e: impl std::error::Error + Send + Sync + 'static) -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::other(e))
+}
+
+/// Checks peers' signatures: one secret per peer region, timestamps within `max_skew`.
+fn verifier(settings: &GlobalSettings) -> auth::Verifier {
+    let me = &settings.regions[settings.me.index()];
+    let secrets: HashMap<String, Vec<u8>> = settings
+        .peers
+        .iter()
+        .map(|p| (p.region.clone(), p.secret.0.clone()))
+        .collect();
+    auth::Verifier::new(me, secrets, settings.max_skew.as_millis() as i64)
+}
+
+/// A zero series for every rejection reason and for this region's leader gauge, so that
+/// rates and alerts over them work before the first rejection or takeover.
+fn preregister(metrics: &Metrics, settings: &GlobalSettings) {
+    for r in Rejection::ALL {
+        metrics
+            .global
+            .exchange_rejected
+            .with_label_values(&[r.reason()]);
+    }
+    let me = &settings.regions[settings.me.index()];
+    metrics.global.leader.with_label_values(&[me]).set(0);
+}
+
+/// Spawns the client that sends the coordinator's exchanges to the peers, with timeouts
+/// that follow the round: a connection within one, an answer within three.
+fn start_peer_client(
+    shared: &Arc<Shared>,
+    events: std::sync::mpsc::Sender<Event>,
+    outbound: mpsc::UnboundedReceiver<(RegionId, Exchange)>,
+) -> Result<(), redis::RedisError> {
+    let round = Duration::from_micros(shared.settings.params.round_us as u64);
+    let http = reqwest::Client::builder()
+        .timeout(round * 3)
+        .connect_timeout(round)
+        .build()
+        .map_err(start_error)?;
+    let client = Arc::new(peers::PeerClient {
+        shared: shared.clone(),
+        http,
+        events,
+    });
+    tokio::spawn(client.run(outbound));
+    Ok(())
+}
+
+/// One body budget per peer (in `settings.peers` order), in KiB: [`BUDGET_BODIES`] of the
+/// largest exchange, so that unauthenticated bodies cannot make quotad hold more.
+fn body_budgets(settings: &GlobalSettings) -> Vec<Arc<tokio::sync::Semaphore>> {
+    let kib = (settings.max_exchange_bytes.div_ceil(1024) * BUDGET_BODIES).max(1);
+    settings
+        .peers
+        .iter()
+        .map(|_| Arc::new(tokio::sync::Semaphore::new(kib)))
+        .collect()
+}
+
 impl Federation {
     /// Starts the coordinator thread and the peer client (on the current tokio runtime).
     pub fn start(
@@ -210,89 +334,19 @@ impl Federation {
         backend: BackendChoice<'_>,
         metrics: Arc<Metrics>,
     ) -> Result<Arc<Federation>, redis::RedisError> {
-        let instance = format!("{:016x}", rand::random::<u64>());
-        let n = settings.regions.len();
-        let me = settings.regions[settings.me.index()].clone();
-        let secrets: HashMap<String, Vec<u8>> = settings
-            .peers
-            .iter()
-            .map(|p| (p.region.clone(), p.secret.0.clone()))
-            .collect();
-        let verifier = auth::Verifier::new(&me, secrets, settings.max_skew.as_millis() as i64);
-        for r in Rejection::ALL {
-            metrics
-                .global
-                .exchange_rejected
-                .with_label_values(&[r.reason()]);
-        }
-        metrics.global.leader.with_label_values(&[&me]).set(0);
-        let lock_ttl = settings.lock.mul_f64(0.8);
-        let shared = Arc::new(Shared {
-            settings,
-            policies,
-            layouts: layouts.clone(),
-            metrics,
-            instance: instance.clone(),
-            leader_token: AtomicU64::new(0),
-            stopping: AtomicBool::new(false),
-            status: RwLock::new(Status::default()),
-            rtt_us: (0..n).map(|_| AtomicI64::new(-1)).collect(),
-            url: (0..n).map(|_| AtomicUsize::new(0)).collect(),
-        });
+        let verifier = verifier(&settings);
+        preregister(&metrics, &settings);
+        let shared = Arc::new(Shared::new(settings, policies, layouts, metrics));
         let (events_tx, events_rx) = std::sync::mpsc::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
-        let spawned = match backend {
-            BackendChoice::Redis { url, timeout } => {
-                let lock = lock::Lock::new(
-                    layouts.layout(),
-                    shared.instance.clone(),
-                    // Renewed every fifth of the period; a dead holder's lock lapses within
-                    // 0.8 of it and the others poll every tenth: a takeover within one period.
-                    lock_ttl,
-                );
-                let backend = lease_store::RedisBackend {
-                    client: redis::Client::open(url)?,
-                    lock: Arc::new(lock),
-                    timeout,
-                    conn: None,
-                    warned: false,
-                };
-                spawn_runtime(shared.clone(), backend, events_rx, out_tx)
-            }
-            BackendChoice::Memory(store) => {
-                let backend = memory::MemoryBackend {
-                    store,
-                    started: false,
-                };
-                spawn_runtime(shared.clone(), backend, events_rx, out_tx)
-            }
-        };
-        let thread = spawned.map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
-        let round = Duration::from_micros(shared.settings.params.round_us as u64);
-        let http = reqwest::Client::builder()
-            .timeout(round * 3)
-            .connect_timeout(round)
-            .build()
-            .map_err(|e| redis::RedisError::from(std::io::Error::other(e)))?;
-        let client = Arc::new(peers::PeerClient {
-            shared: shared.clone(),
-            http,
-            events: events_tx.clone(),
-        });
-        tokio::spawn(client.run(out_rx));
-        let kib = (shared.settings.max_exchange_bytes.div_ceil(1024) * BUDGET_BODIES).max(1);
-        let budgets = shared
-            .settings
-            .peers
-            .iter()
-            .map(|_| Arc::new(tokio::sync::Semaphore::new(kib)))
-            .collect();
+        let thread = backend.spawn(&shared, events_rx, out_tx)?;
+        start_peer_client(&shared, events_tx.clone(), out_rx)?;
         Ok(Arc::new(Federation {
+            budgets: body_budgets(&shared.settings),
             shared,
             events: events_tx,
             verifier,
             thread: Mutex::new(Some(thread)),
-            budgets,
         }))
     }
 

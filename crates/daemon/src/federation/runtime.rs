@@ -207,20 +207,56 @@ impl<B: Backend> Runtime<B> {
     /// stream of them cannot starve either. `None` when it lost the lock or its store
     /// failed mid-event (the node is dropped: a restart with a new token).
     fn lead(&mut self, mut l: Box<Leading<B>>) -> Step<B> {
-        let settings = &self.shared.settings;
-        let publish_gap = Duration::from_micros(settings.params.round_us.max(0) as u64 / 10);
+        let left = self.wake_at(&l).saturating_duration_since(Instant::now());
+        match self.events.recv_timeout(left) {
+            Ok(event) => self.on_event(&mut l, event),
+            Err(RecvTimeoutError::Disconnected) => return Step::Closed,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        let now = Instant::now();
+        if now >= l.next_renew && l.store.failure().is_none() && !self.renew(&mut l, now) {
+            return Step::Go(None);
+        }
+        if now >= l.next_round && l.store.failure().is_none() {
+            self.round(&mut l);
+            l.next_round = now + jittered(self.shared.settings.params.round_us);
+        }
+        let changed = l.next_change.is_some_and(|t| now >= t);
+        if (changed || l.unpublished && now >= l.published + self.publish_gap())
+            && l.store.failure().is_none()
+        {
+            self.publish(&mut l);
+        }
+        Self::after_event(l)
+    }
+
+    /// The least time between two publications of `/v1/status` and the metrics after a
+    /// message: a tenth of a round, so a grant shows within that at a bounded cost.
+    fn publish_gap(&self) -> Duration {
+        Duration::from_micros(self.shared.settings.params.round_us.max(0) as u64 / 10)
+    }
+
+    /// When the holder must wake without a message: the next round, renewal, pending
+    /// publication or loan end, whichever comes first (a message may wake it earlier).
+    fn wake_at(&self, l: &Leading<B>) -> Instant {
         let mut wake = l.next_round.min(l.next_renew);
         if l.unpublished {
-            wake = wake.min(l.published + publish_gap);
+            wake = wake.min(l.published + self.publish_gap());
         }
         if let Some(t) = l.next_change {
             wake = wake.min(t);
         }
-        let left = wake.saturating_duration_since(Instant::now());
-        match self.events.recv_timeout(left) {
+        wake
+    }
+
+    /// One message to the node, in an event of its own: a peer's exchange is answered
+    /// (None when the store failed, so no grant leaves without its durable reservation),
+    /// a reply is applied; either may let the node send exchanges before the round.
+    fn on_event(&self, l: &mut Leading<B>, event: Event) {
+        match event {
             // The handler already gave up on this one (it answered 503): the peer retries.
-            Ok(Event::Exchange { reply, .. }) if reply.is_closed() => {}
-            Ok(Event::Exchange { msg, reply }) => {
+            Event::Exchange { reply, .. } if reply.is_closed() => {}
+            Event::Exchange { msg, reply } => {
                 if l.store.begin(false).is_ok() {
                     let r = l.node.on_exchange(&msg, &mut l.store);
                     let ok = l.store.failure().is_none();
@@ -231,61 +267,65 @@ impl<B: Backend> Runtime<B> {
                     let _ = reply.send(None);
                 }
             }
-            Ok(Event::Reply(r)) => {
+            Event::Reply(r) => {
                 if l.store.begin(false).is_ok() {
                     l.node.on_reply(&r, &mut l.store);
                     self.send(l.node.early_exchanges(&mut l.store));
                     l.unpublished = true;
                 }
             }
-            Err(RecvTimeoutError::Disconnected) => return Step::Closed,
-            Err(RecvTimeoutError::Timeout) => {}
         }
-        let now = Instant::now();
-        if now >= l.next_renew && l.store.failure().is_none() {
-            match l.store.renew() {
-                Ok(true) => l.next_renew = now + settings.lock / 5,
-                Ok(false) => {
-                    tracing::warn!("coordinator lock lost to another instance");
-                    return Step::Go(None);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "coordinator lock renewal failed; stepping down");
-                    return Step::Go(None);
-                }
+    }
+
+    /// Extends the lock (every fifth of its period). `false` when this instance no longer
+    /// holds it, or cannot tell: it must stop coordinating before another one starts.
+    fn renew(&self, l: &mut Leading<B>, now: Instant) -> bool {
+        match l.store.renew() {
+            Ok(true) => {
+                l.next_renew = now + self.shared.settings.lock / 5;
+                true
+            }
+            Ok(false) => {
+                tracing::warn!("coordinator lock lost to another instance");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "coordinator lock renewal failed; stepping down");
+                false
             }
         }
-        if now >= l.next_round && l.store.failure().is_none() {
-            if l.store.begin(true).is_ok() {
-                let started = Instant::now();
-                let msgs = l.node.round(&mut l.store);
-                if l.store.failure().is_none() {
-                    self.send(msgs);
-                }
-                self.shared.metrics.global.rounds.inc();
-                let took = started.elapsed();
-                self.shared
-                    .metrics
-                    .global
-                    .round_duration
-                    .observe(took.as_secs_f64());
-                if took > settings.lock / 4 {
-                    tracing::warn!(
-                        took_ms = took.as_millis() as u64,
-                        keys = l.node.tracked_keys(),
-                        "a coordinator round took over a quarter of the lock period"
-                    );
-                }
-                self.publish(&mut l);
-            }
-            l.next_round = now + jittered(settings.params.round_us);
+    }
+
+    /// One round of the node, its exchanges sent only if the store kept up, timed
+    /// (`quotad_round_duration_seconds`, and a warning when a round eats into the lock
+    /// period), then published.
+    fn round(&self, l: &mut Leading<B>) {
+        if l.store.begin(true).is_err() {
+            return;
         }
-        let changed = l.next_change.is_some_and(|t| now >= t);
-        if (changed || l.unpublished && now >= l.published + publish_gap)
-            && l.store.failure().is_none()
-        {
-            self.publish(&mut l);
+        let started = Instant::now();
+        let msgs = l.node.round(&mut l.store);
+        if l.store.failure().is_none() {
+            self.send(msgs);
         }
+        let global = &self.shared.metrics.global;
+        global.rounds.inc();
+        let took = started.elapsed();
+        global.round_duration.observe(took.as_secs_f64());
+        if took > self.shared.settings.lock / 4 {
+            tracing::warn!(
+                took_ms = took.as_millis() as u64,
+                keys = l.node.tracked_keys(),
+                "a coordinator round took over a quarter of the lock period"
+            );
+        }
+        self.publish(l);
+    }
+
+    /// Keeps the holder going, unless its store failed mid-event: the node's view of the
+    /// store is then unknown, so it is dropped (and the lock released, unless another
+    /// instance already holds it) for a restart with a new token.
+    fn after_event(mut l: Box<Leading<B>>) -> Step<B> {
         if let Some(e) = l.store.failure() {
             tracing::warn!(error = %e, fenced = l.store.fenced(), "coordinator store failed mid-event; restarting the coordinator");
             if !l.store.fenced() {
