@@ -31,7 +31,10 @@ fn dependencies(manifest: &Path) -> BTreeSet<String> {
 #[test]
 fn the_core_crate_depends_on_no_runtime_network_or_redis_crate() {
     let deps = dependencies(&root().join("crates/core/Cargo.toml"));
-    assert!(deps.contains("serde"), "the manifest was not read: {deps:?}");
+    assert!(
+        deps.contains("serde"),
+        "the manifest was not read: {deps:?}"
+    );
     for banned in [
         "tokio",
         "tokio-util",
@@ -52,7 +55,13 @@ fn the_core_crate_depends_on_no_runtime_network_or_redis_crate() {
 fn the_simulator_drives_the_core_and_nothing_of_the_daemon() {
     let deps = dependencies(&root().join("crates/sim/Cargo.toml"));
     assert!(deps.contains("quotad-core"), "{deps:?}");
-    for banned in ["quotad-daemon", "quotad-testkit", "tokio", "redis", "reqwest"] {
+    for banned in [
+        "quotad-daemon",
+        "quotad-testkit",
+        "tokio",
+        "redis",
+        "reqwest",
+    ] {
         assert!(!deps.contains(banned), "quotad-sim depends on {banned}");
     }
 }
@@ -148,7 +157,12 @@ fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>>
 
 #[test]
 fn no_module_imports_a_module_that_imports_it_back() {
-    for krate in ["crates/core", "crates/daemon", "crates/sim", "crates/testkit"] {
+    for krate in [
+        "crates/core",
+        "crates/daemon",
+        "crates/sim",
+        "crates/testkit",
+    ] {
         let graph = module_graph(&root().join(krate).join("src"));
         assert!(graph.len() >= 2, "{krate}: no modules found");
         println!("{krate}:");
