@@ -1,45 +1,22 @@
 //! The sequences of the article quotad started from (see docs/api.md), through the HTTP API against a real Redis.
+//!
+//! In-process daemons (`Quotad::serve`): every test here speaks HTTP and reads Redis, and
+//! none needs a process boundary.
 
 use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 
-use common::{Quotad, RedisServer, wait_for};
+use common::{Config, Policy, Quotad, RedisServer, wait_for};
 use serde_json::json;
 
 fn config(redis: &RedisServer) -> String {
-    format!(
-        r#"
-[store]
-redis = "{}"
-
-[[policy]]
-name = "fw"
-algorithm = "fixed_window"
-limit = 100
-window = "1m"
-
-[[policy]]
-name = "log"
-algorithm = "sliding_log"
-limit = 3
-window = "60s"
-
-[[policy]]
-name = "log-short"
-algorithm = "sliding_log"
-limit = 3
-window = "1s"
-
-[[policy]]
-name = "tb"
-algorithm = "token_bucket"
-limit = 2
-window = "1s"
-burst = 5
-"#,
-        redis.url()
-    )
+    Config::redis(&redis.url())
+        .policy(Policy::new("fw", "fixed_window", 100, "1m"))
+        .policy(Policy::new("log", "sliding_log", 3, "60s"))
+        .policy(Policy::new("log-short", "sliding_log", 3, "1s"))
+        .policy(Policy::new("tb", "token_bucket", 2, "1s").burst(5))
+        .to_toml()
 }
 
 fn remaining(v: &serde_json::Value) -> u64 {
@@ -49,7 +26,7 @@ fn remaining(v: &serde_json::Value) -> u64 {
 #[test]
 fn fixed_window_counts_down_with_a_ttl() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let got: Vec<u64> = (0..4).map(|_| remaining(&q.check1("fw", "u1"))).collect();
     assert_eq!(got, vec![99, 98, 97, 96]);
     let keys = redis.keys();
@@ -65,7 +42,7 @@ fn fixed_window_counts_down_with_a_ttl() {
 #[test]
 fn sliding_log_admits_three_per_window_then_denies() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let start = Instant::now();
     let mut got = Vec::new();
     for at_ms in [0u64, 100, 200, 300] {
@@ -82,7 +59,7 @@ fn sliding_log_admits_three_per_window_then_denies() {
 #[test]
 fn sliding_log_capacity_returns_exactly_as_entries_leave() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     // Three admissions 200 ms apart in a 1 s window.
     let t0 = Instant::now();
     for i in 0..3u64 {
@@ -115,7 +92,7 @@ fn sliding_log_capacity_returns_exactly_as_entries_leave() {
 #[test]
 fn token_bucket_five_then_denied_then_refills() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let got: Vec<(bool, u64)> = (0..7)
         .map(|_| {
             let v = q.check1("tb", "42");
@@ -155,7 +132,7 @@ fn token_bucket_five_then_denied_then_refills() {
 #[test]
 fn headers_follow_the_ietf_draft_and_retry_after_on_denial() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     for _ in 0..5 {
         q.check1("tb", "h");
     }

@@ -2,15 +2,18 @@
 //! algorithm; a naive GET-then-INCR limiter driven the same way over-admits. This is the
 //! article's argument for doing the check in one Lua script, measured.
 //!
-//! The load comes from child processes: this test binary re-runs itself with the ignored
-//! test `child_load`, which does one process's share of the requests and prints a tally.
+//! The load comes from child processes: this test binary (its own harness, libtest-mimic)
+//! re-runs itself with `QUOTAD_CHILD_MODE` set, and `main` then does one process's share of
+//! the requests and prints a tally instead of running tests. The daemon is a process too
+//! (`Quotad::start`), so the race is between OS processes end to end.
 
 use quotad_testkit as common;
 
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{Quotad, RedisServer};
+use common::{Config, Policy, Quotad, RedisServer};
+use libtest_mimic::{Arguments, Trial};
 
 const PROCESSES: usize = 4;
 const PER_PROCESS: usize = 125;
@@ -30,14 +33,6 @@ fn run_children(mode: &str, target: &str, policy: &str, key: &str) -> (usize, us
     let children: Vec<_> = (0..PROCESSES)
         .map(|_| {
             Command::new(&exe)
-                .args([
-                    "child_load",
-                    "--exact",
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads",
-                    "1",
-                ])
                 .env("QUOTAD_CHILD_MODE", mode)
                 .env("QUOTAD_CHILD_TARGET", target)
                 .env("QUOTAD_CHILD_POLICY", policy)
@@ -82,12 +77,11 @@ fn run_children(mode: &str, target: &str, policy: &str, key: &str) -> (usize, us
     (allowed, answered)
 }
 
-#[test]
 fn five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm() {
     let redis = RedisServer::start();
     // This test is about atomicity, not timeouts: on 2 cores, 4 load processes and a debug
     // build can hold a request off the CPU for longer than the default 50 ms.
-    let mut config = format!("[store]\nredis = \"{}\"\ntimeout = \"5s\"\n", redis.url());
+    let mut config = Config::redis(&redis.url()).store("timeout", "5s");
     let algorithms = [
         "fixed_window",
         "sliding_log",
@@ -97,11 +91,9 @@ fn five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm() 
     ];
     for a in algorithms {
         // A window long enough that nothing refills or rolls over during the test.
-        config.push_str(&format!(
-            "[[policy]]\nname = \"{a}\"\nalgorithm = \"{a}\"\nlimit = {LIMIT}\nwindow = \"1day\"\non_store_error = \"closed\"\n"
-        ));
+        config = config.policy(Policy::new(a, a, LIMIT, "1day").on_store_error("closed"));
     }
-    let q = Quotad::start(&config);
+    let q = Quotad::start(&config.to_toml());
     for a in algorithms {
         let (allowed, answered) = run_children("http", &q.url(), a, "hot");
         assert_eq!(answered, PROCESSES * PER_PROCESS, "{a}");
@@ -123,7 +115,6 @@ fn five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm() 
     redis.assert_every_key_has_ttl();
 }
 
-#[test]
 fn naive_get_then_incr_over_admits_under_the_same_load() {
     let redis = RedisServer::start();
     let (allowed, answered) = run_children("naive", &redis.url(), "", "naive:hot");
@@ -135,12 +126,32 @@ fn naive_get_then_incr_over_admits_under_the_same_load() {
     eprintln!("naive GET-then-INCR admitted {allowed} of {answered} at limit {LIMIT}");
 }
 
-/// One child process's share of the load (run only by the tests above).
-#[test]
-#[ignore = "helper process spawned by the atomicity tests"]
-fn child_load() {
+/// The tests, or, in a child started by `run_children`, that child's share of the load.
+fn main() -> ExitCode {
+    if let Ok(mode) = std::env::var("QUOTAD_CHILD_MODE") {
+        child_load(&mode);
+        return ExitCode::SUCCESS;
+    }
+    // A test is named by its function, as under libtest; a panic fails it.
+    macro_rules! trial {
+        ($test:ident) => {
+            Trial::test(stringify!($test), || {
+                $test();
+                Ok(())
+            })
+        };
+    }
+    let tests = vec![
+        trial!(five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm),
+        trial!(naive_get_then_incr_over_admits_under_the_same_load),
+    ];
+    libtest_mimic::run(&Arguments::from_args(), tests).exit_code()
+}
+
+/// One child process's share of the load in `mode` (`http` or `naive`), its tally printed
+/// on stdout as `RESULT allowed=… denied=… errors=…`.
+fn child_load(mode: &str) {
     let env = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} not set"));
-    let mode = env("QUOTAD_CHILD_MODE");
     let target = env("QUOTAD_CHILD_TARGET");
     let policy = env("QUOTAD_CHILD_POLICY");
     let key = env("QUOTAD_CHILD_KEY");
@@ -153,7 +164,7 @@ fn child_load() {
         .unwrap();
     let (allowed, denied, errors) = rt.block_on(async move {
         let wait = go_at.saturating_sub(unix_ms());
-        match mode.as_str() {
+        match mode {
             "http" => {
                 let client = reqwest::Client::builder()
                     .timeout(Duration::from_secs(20))

@@ -1,32 +1,19 @@
 //! Bad input gets the right 4xx with a JSON error naming the problem, and writes nothing:
 //! DBSIZE on the real Redis is the same before and after.
+//!
+//! In-process daemons (`Quotad::serve`): requests in, answers and Redis read back; nothing
+//! here needs a process boundary.
 
 use quotad_testkit as common;
 
-use common::{Quotad, RedisServer, http};
+use common::{Config, Policy, Quotad, RedisServer, http};
 use serde_json::Value;
 
 fn config(redis: &RedisServer) -> String {
-    format!(
-        r#"
-[store]
-redis = "{}"
-
-[[policy]]
-name = "api"
-algorithm = "token_bucket"
-limit = 10
-window = "1s"
-burst = 20
-
-[[policy]]
-name = "login"
-algorithm = "sliding_log"
-limit = 5
-window = "15m"
-"#,
-        redis.url()
-    )
+    Config::redis(&redis.url())
+        .policy(Policy::new("api", "token_bucket", 10, "1s").burst(20))
+        .policy(Policy::new("login", "sliding_log", 5, "15m"))
+        .to_toml()
 }
 
 struct Case {
@@ -61,7 +48,7 @@ fn case(
 #[test]
 fn every_bad_request_is_a_named_4xx_and_writes_nothing() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let long_key = "k".repeat(513);
     let many: Vec<String> = (0..65)
         .map(|i| format!(r#"{{"policy":"api","key":"k{i}"}}"#))
@@ -283,7 +270,7 @@ fn every_bad_request_is_a_named_4xx_and_writes_nothing() {
 #[test]
 fn hostile_keys_stay_inside_their_hash_tag() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     for key in ["}{", "{a}", "%7B", "a:b", "ünïcödé ✓", "line\nbreak"] {
         assert_eq!(q.check1("api", key)["outcome"], "allowed", "{key:?}");
     }

@@ -4,6 +4,11 @@
 //! at `max_connections` a new connection evicts the one that waited longest without a
 //! request in progress, or is turned away when every connection is busy. Each closing is
 //! counted in `quotad_connections_closed_total{reason}`.
+//!
+//! In-process daemons (`Quotad::serve_with`). The bounds under test are the server's own
+//! (`max_connections` is set wherever it matters, so the open-files limit the in-process
+//! daemon raises for this whole process decides nothing here), and the timeouts run on the
+//! daemon's runtime, not on the test's threads.
 
 use quotad_testkit as common;
 
@@ -11,12 +16,14 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use common::Quotad;
+use common::{Config, Policy, Quotad};
 
-const POLICY: &str = "[store]\nredis = \"memory\"\n[[policy]]\nname = \"api\"\nalgorithm = \"token_bucket\"\nlimit = 1000\nwindow = \"1s\"\n";
-
+/// An in-process daemon on the embedded store with the extra `[server]` lines in `extra`.
 fn start(extra: &str) -> Quotad {
-    Quotad::start_with(POLICY, extra)
+    let config = Config::redis("memory")
+        .policy(Policy::new("api", "token_bucket", 1000, "1s"))
+        .to_toml();
+    Quotad::serve_with(&config, extra)
 }
 
 fn connect(q: &Quotad) -> TcpStream {

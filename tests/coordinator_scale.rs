@@ -7,13 +7,16 @@
 //! 20,000 keys in the suite (a debug build). The figure for 100,000 comes from a release
 //! build: `QUOTAD_SCALE_KEYS=100000 cargo test --release --test coordinator_scale --
 //! --nocapture` prints the takeover and round times.
+//!
+//! A process daemon (`Quotad::start`): the takeover and round times are read from its log.
 
 use quotad_testkit as common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Quotad, RedisServer, wait_for};
+use common::federation::{eu_with_silent_us, even_escrow};
+use common::{Policy, Quotad, RedisServer, wait_for};
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::lease::{LeaseBook, Reservation};
@@ -27,13 +30,10 @@ use quotad_daemon::store::layout::Layout;
 
 /// Regions sorted: eu = 0 (the daemon), us = 1 (a peer that never answers).
 fn config(redis: &RedisServer) -> String {
-    format!(
-        "region = \"eu\"\n[store]\nredis = \"{}\"\n[coordinator]\nlock = \"3s\"\n\
-         [[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:9\"\nsecret = \"0123456789abcdef\"\n\
-         [[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = 100\nwindow = \"1s\"\n\
-         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\n",
-        redis.url()
-    )
+    eu_with_silent_us(&redis.url(), "0123456789abcdef")
+        .coordinator("lock", "3s")
+        .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()))
+        .to_toml()
 }
 
 /// Writes `n` books, each with a live reservation for us, as the region's previous

@@ -1,35 +1,22 @@
 //! The limiter protects itself: once the store denies a key, checks of that key are
 //! answered from memory until the retry time the store gave (no Redis call), with the
 //! same answer the store would give; a reset through any instance ends that at once.
+//!
+//! In-process daemons (`Quotad::serve`): two instances on one Redis need two daemons, each
+//! with its own store, deny cache and subscription, not two processes.
 
 use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 
-use common::{Quotad, RedisServer, wait_for};
+use common::{Config, Policy, Quotad, RedisServer, wait_for};
 use serde_json::json;
 
 fn config(redis: &RedisServer) -> String {
-    format!(
-        r#"
-[store]
-redis = "{}"
-
-[[policy]]
-name = "login"
-algorithm = "sliding_log"
-limit = 3
-window = "1h"
-on_store_error = "closed"
-
-[[policy]]
-name = "burst"
-algorithm = "sliding_log"
-limit = 2
-window = "1s"
-"#,
-        redis.url()
-    )
+    Config::redis(&redis.url())
+        .policy(Policy::new("login", "sliding_log", 3, "1h").on_store_error("closed"))
+        .policy(Policy::new("burst", "sliding_log", 2, "1s"))
+        .to_toml()
 }
 
 /// Scripts Redis has run (every decision is one EVALSHA).
@@ -47,7 +34,7 @@ fn evalsha_calls(redis: &RedisServer) -> u64 {
 #[test]
 fn a_hammered_denied_key_costs_no_redis_call_until_its_retry_time() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     for _ in 0..3 {
         assert_eq!(q.check1("login", "mallory")["outcome"], "allowed");
     }
@@ -85,7 +72,7 @@ fn a_hammered_denied_key_costs_no_redis_call_until_its_retry_time() {
 #[test]
 fn a_remembered_denial_ends_at_the_retry_time_the_store_gave() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     assert_eq!(q.check1("burst", "warmup")["outcome"], "allowed");
     wait_for(
         "the invalidation subscription",
@@ -129,8 +116,8 @@ fn rand_key() -> u64 {
 #[test]
 fn a_reset_through_another_instance_ends_a_remembered_denial_at_once() {
     let redis = RedisServer::start();
-    let a = Quotad::start(&config(&redis));
-    let b = Quotad::start(&config(&redis));
+    let a = Quotad::serve(&config(&redis));
+    let b = Quotad::serve(&config(&redis));
     for _ in 0..3 {
         assert_eq!(a.check1("login", "alice")["outcome"], "allowed");
     }

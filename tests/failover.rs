@@ -8,7 +8,8 @@ use quotad_testkit as common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::RedisServer;
+use common::federation::{eu_with_silent_us, even_escrow};
+use common::{Policy, RedisServer};
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
@@ -21,12 +22,9 @@ use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::store::layout::Layout;
 
 fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
-    let config = format!(
-        "region = \"eu\"\n[store]\nredis = \"{}\"\n[[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:9\"\nsecret = \"0123456789abcdef\"\n\
-         [[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = 100\nwindow = \"1s\"\n\
-         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\n",
-        redis.url()
-    );
+    let config = eu_with_silent_us(&redis.url(), "0123456789abcdef")
+        .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()))
+        .to_toml();
     let settings = Settings::parse("failover.toml", &config).unwrap();
     let global = settings.global.clone().expect("a global policy");
     let layouts = quotad_daemon::app::layouts(&settings);

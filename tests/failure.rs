@@ -2,6 +2,10 @@
 //! policy answers with its fail mode, every response comes within the store timeout plus a
 //! small margin, the counts show in /metrics, and enforcement returns once Redis does, with
 //! no client-visible error.
+//!
+//! Process daemons (`Quotad::start`): the latency bounds (the store timeout plus a margin)
+//! are about the binary a deployment runs, on its own allocator and runtime, not about a
+//! daemon sharing this process with the load threads.
 
 use quotad_testkit as common;
 
@@ -9,44 +13,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Quotad, RedisServer, http, wait_for};
+use common::{Config, Policy, Quotad, RedisServer, http, wait_for};
 
 const TIMEOUT_MS: u64 = 50;
 /// Allowance on top of the store timeout for HTTP, scheduling and a debug build on 2 cores.
 const MARGIN_MS: u64 = 200;
 
 fn config(redis: &RedisServer) -> String {
-    format!(
-        r#"
-[store]
-redis = "{}"
-timeout = "{TIMEOUT_MS}ms"
-probe_interval = "100ms"
-breaker_threshold = 3
-
-[[policy]]
-name = "p-open"
-algorithm = "token_bucket"
-limit = 100000
-window = "1m"
-on_store_error = "open"
-
-[[policy]]
-name = "p-closed"
-algorithm = "fixed_window"
-limit = 100000
-window = "1m"
-on_store_error = "closed"
-
-[[policy]]
-name = "p-local"
-algorithm = "sliding_window"
-limit = 100000
-window = "1m"
-on_store_error = "local"
-"#,
-        redis.url()
-    )
+    Config::redis(&redis.url())
+        .store("timeout", format!("{TIMEOUT_MS}ms"))
+        .store("probe_interval", "100ms")
+        .store("breaker_threshold", 3)
+        .policy(Policy::new("p-open", "token_bucket", 100000, "1m").on_store_error("open"))
+        .policy(Policy::new("p-closed", "fixed_window", 100000, "1m").on_store_error("closed"))
+        .policy(Policy::new("p-local", "sliding_window", 100000, "1m").on_store_error("local"))
+        .to_toml()
 }
 
 const POLICIES: [&str; 3] = ["p-open", "p-closed", "p-local"];

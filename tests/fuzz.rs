@@ -4,6 +4,9 @@
 //! routes, then 2,000 generated valid ones. Every wrong request gets a 4xx with the error
 //! shape, no request gets a 5xx, the daemon never panics, and after all the wrong ones
 //! Redis holds no key but the coordinator's own: a rejected request writes nothing.
+//!
+//! An in-process daemon (`Quotad::serve`): "never panics" is read from the panics this
+//! process recorded, which is what the daemon's log was searched for.
 
 use quotad_testkit as common;
 
@@ -11,7 +14,8 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{Quotad, RedisServer, wait_for};
+use common::federation::{eu_with_silent_us, even_escrow};
+use common::{Policy, Quotad, RedisServer, wait_for};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use quotad_core::coordinator::RegionId;
@@ -25,17 +29,14 @@ const SECRET: &str = "fuzz-test-secret-0123456789abcdef";
 const POLICIES: [(&str, u64); 5] = [("fw", 10), ("sl", 5), ("sw", 10), ("tb", 20), ("gc", 8)];
 
 fn config(redis: &RedisServer) -> String {
-    format!(
-        "region = \"eu\"\n[store]\nredis = \"{}\"\n[[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:9\"\nsecret = \"{SECRET}\"\n\
-         [[policy]]\nname = \"fw\"\nalgorithm = \"fixed_window\"\nlimit = 10\nwindow = \"1s\"\n\
-         [[policy]]\nname = \"sl\"\nalgorithm = \"sliding_log\"\nlimit = 5\nwindow = \"1s\"\non_store_error = \"closed\"\n\
-         [[policy]]\nname = \"sw\"\nalgorithm = \"sliding_window\"\nlimit = 10\nwindow = \"1s\"\non_store_error = \"local\"\n\
-         [[policy]]\nname = \"tb\"\nalgorithm = \"token_bucket\"\nlimit = 10\nwindow = \"1s\"\nburst = 20\n\
-         [[policy]]\nname = \"gc\"\nalgorithm = \"gcra\"\nlimit = 8\nwindow = \"1s\"\nshadow = true\n\
-         [[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = 100\nwindow = \"1s\"\n\
-         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\n",
-        redis.url()
-    )
+    eu_with_silent_us(&redis.url(), SECRET)
+        .policy(Policy::new("fw", "fixed_window", 10, "1s"))
+        .policy(Policy::new("sl", "sliding_log", 5, "1s").on_store_error("closed"))
+        .policy(Policy::new("sw", "sliding_window", 10, "1s").on_store_error("local"))
+        .policy(Policy::new("tb", "token_bucket", 10, "1s").burst(20))
+        .policy(Policy::new("gc", "gcra", 8, "1s").shadow())
+        .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()))
+        .to_toml()
 }
 
 /// One request as bytes on the wire.
@@ -417,7 +418,7 @@ fn limiter_keys(redis: &RedisServer) -> Vec<String> {
 #[test]
 fn generated_hostile_requests_get_4xx_write_nothing_and_never_5xx() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     wait_for("eu to coordinate", Duration::from_secs(10), || {
         (q.json("/v1/status")["coordinator"]["leader"] == true).then_some(())
     });

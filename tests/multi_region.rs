@@ -2,6 +2,9 @@
 //! loopback, every peer link through a fault proxy (delay, jitter, loss, one-way cuts),
 //! and an open-loop load generator that moves demand between regions. Shares are read
 //! from `/v1/status`; the admission bound is checked on every answer the generator got.
+//!
+//! Process daemons (`Quotad::start`): daemons are killed (SIGKILL) and restarted, and the
+//! instances of a region must fail independently of each other and of the test.
 
 use quotad_testkit as common;
 
@@ -9,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::load::{Answer, Load, admitted_between, max_admitted_in_window};
 use common::proxy::{Leg, LegHandle, Proxy};
-use common::{Quotad, RedisServer, wait_for};
+use common::{Config, Global, Peer, Policy, Quotad, RedisServer, wait_for};
 use quotad_core::coordinator::{GlobalPolicy, Mode, Params};
 use serde_json::Value;
 
@@ -69,29 +72,27 @@ struct Deployment {
 }
 
 fn config(me: usize, redis: &str, peer_urls: &[Vec<String>], setup: &Setup) -> String {
-    let mut c = format!(
-        "region = \"{}\"\n[store]\nredis = \"{redis}\"\n[coordinator]\nsecret = \"{SECRET}\"\nlock = \"{}ms\"\n",
-        REGIONS[me],
-        LOCK.as_millis()
-    );
-    for (j, urls) in peer_urls.iter().enumerate() {
-        if j == me {
-            continue;
-        }
-        let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
-        c += &format!(
-            "[[peer]]\nregion = \"{}\"\nurls = [{}]\n",
-            REGIONS[j],
-            list.join(", ")
-        );
+    let ms = |d: Duration| format!("{}ms", d.as_millis());
+    let mut c = Config::redis(redis)
+        .region(REGIONS[me])
+        .coordinator("secret", SECRET)
+        .coordinator("lock", ms(LOCK));
+    for (j, urls) in peer_urls.iter().enumerate().filter(|(j, _)| *j != me) {
+        c = c.peer(Peer::with_urls(REGIONS[j], urls));
     }
-    c += &format!(
-        "[[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = {RHO}\nwindow = \"1s\"\nburst = {}\non_store_error = \"closed\"\n[policy.global]\nescrow = {{ ap = 1, eu = 3, us = 6 }}\nlease = \"{}ms\"\nround = \"{}ms\"\n",
-        setup.burst,
-        setup.lease.as_millis(),
-        setup.round.as_millis()
-    );
-    c
+    let escrow: Vec<(&str, u32)> = REGIONS.into_iter().zip(WEIGHTS.map(|w| w as u32)).collect();
+    // ρ, the burst and the weights are whole numbers here (the config takes integers).
+    c.policy(
+        Policy::new("g", "token_bucket", RHO as u64, "1s")
+            .burst(setup.burst as u64)
+            .on_store_error("closed")
+            .global(
+                Global::escrow(&escrow)
+                    .set("lease", ms(setup.lease))
+                    .set("round", ms(setup.round)),
+            ),
+    )
+    .to_toml()
 }
 
 impl Deployment {

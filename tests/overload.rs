@@ -2,6 +2,9 @@
 //! once, the excess is shed with 503 `overloaded` and `Retry-After`, counted, and charges
 //! nothing; every answered decision is still enforced by the store, and the circuit
 //! breaker stays closed because Redis is healthy.
+//!
+//! In-process daemons (`Quotad::serve`): the clients are threads of this process, the
+//! daemon runs on its own runtime beside them; nothing here needs a process boundary.
 
 use quotad_testkit as common;
 
@@ -9,42 +12,25 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::{Quotad, RedisServer, header, http};
+use common::{Config, Policy, Quotad, RedisServer, header, http};
 use serde_json::json;
 
 /// One call to Redis at a time and no queue: any request that arrives while another is in
 /// flight is shed. Window algorithms over an hour, so that what a key spent reads back
 /// exactly (nothing refills during the test).
 fn config(redis: &RedisServer) -> String {
-    format!(
-        r#"
-[store]
-redis = "{}"
-max_in_flight = 1
-max_queued = 0
-
-[[policy]]
-name = "open"
-algorithm = "sliding_log"
-limit = 10000
-window = "1h"
-on_store_error = "open"
-
-[[policy]]
-name = "closed"
-algorithm = "sliding_window"
-limit = 100000
-window = "1h"
-on_store_error = "closed"
-"#,
-        redis.url()
-    )
+    Config::redis(&redis.url())
+        .store("max_in_flight", 1)
+        .store("max_queued", 0)
+        .policy(Policy::new("open", "sliding_log", 10000, "1h").on_store_error("open"))
+        .policy(Policy::new("closed", "sliding_window", 100000, "1h").on_store_error("closed"))
+        .to_toml()
 }
 
 #[test]
 fn excess_load_is_shed_with_503_and_charges_nothing_while_answers_stay_enforced() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let (answered, shed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let threads: Vec<_> = (0..16)
         .map(|t| {
@@ -139,10 +125,12 @@ fn excess_load_is_shed_with_503_and_charges_nothing_while_answers_stay_enforced(
 /// stores nothing; keys already held are enforced as before.
 #[test]
 fn the_embedded_store_refuses_new_keys_at_its_bound_and_keeps_enforcing_held_ones() {
-    let q = Quotad::start(
-        "[store]\nredis = \"memory\"\nmemory_max_keys = 1000\n\
-         [[policy]]\nname = \"closed\"\nalgorithm = \"sliding_log\"\nlimit = 2\nwindow = \"1h\"\non_store_error = \"closed\"\n\
-         [[policy]]\nname = \"open\"\nalgorithm = \"fixed_window\"\nlimit = 2\nwindow = \"1h\"\non_store_error = \"open\"\n",
+    let q = Quotad::serve(
+        &Config::redis("memory")
+            .store("memory_max_keys", 1000)
+            .policy(Policy::new("closed", "sliding_log", 2, "1h").on_store_error("closed"))
+            .policy(Policy::new("open", "fixed_window", 2, "1h").on_store_error("open"))
+            .to_toml(),
     );
     for i in 0..1000 {
         assert_eq!(

@@ -3,12 +3,16 @@
 //! a body that speaks for another region, and replays of a valid request. Each is refused
 //! and counted by reason, and none changes the region's lease state; a valid request is
 //! answered with a signed grant (the positive control).
+//!
+//! Process daemons (`Quotad::start`): the eviction test reads the daemon's log lines, and
+//! the peer endpoint is met as another region meets it, in the binary a deployment runs.
 
 use quotad_testkit as common;
 
 use std::time::Duration;
 
-use common::{Quotad, RedisServer, wait_for};
+use common::federation::{eu_with_silent_us, even_escrow};
+use common::{Policy, Quotad, RedisServer, wait_for};
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::message::{Exchange, ExchangeReply, KeyReport, PolicyReport};
 use quotad_daemon::federation::auth::{self, HEADER_SIGNATURE, Signed};
@@ -23,12 +27,12 @@ fn config(redis: &str) -> String {
 }
 
 fn config_with(redis: &str, lease: &str, round: &str) -> String {
-    format!(
-        "region = \"eu\"\n[store]\nredis = \"{redis}\"\n[[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:9\"\nsecret = \"{}\"\n\
-         [[policy]]\nname = \"g\"\nalgorithm = \"token_bucket\"\nlimit = 1000\nwindow = \"1s\"\n\
-         [policy.global]\nescrow = {{ eu = 1, us = 1 }}\nlease = \"{lease}\"\nround = \"{round}\"\n",
-        String::from_utf8_lossy(SECRET)
-    )
+    eu_with_silent_us(redis, &String::from_utf8_lossy(SECRET))
+        .policy(
+            Policy::new("g", "token_bucket", 1000, "1s")
+                .global(even_escrow().set("lease", lease).set("round", round)),
+        )
+        .to_toml()
 }
 
 fn exchange(want: f64, t_req: i64) -> Vec<u8> {

@@ -1,69 +1,25 @@
 //! The Redis store end to end: NOSCRIPT recovery, batch refunds, reset, peek, shadow mode,
 //! SLOWLOG after a load, the policies endpoint and the metric catalogue.
+//!
+//! In-process daemons (`Quotad::serve`): a config change is a new daemon on the same Redis,
+//! not a restart of the old one, so nothing here needs a process boundary.
 
 use quotad_testkit as common;
 
-use common::{Quotad, RedisServer};
+use common::{Config, Policy, Quotad, RedisServer};
 use serde_json::json;
 
 fn config(redis: &RedisServer) -> String {
-    format!(
-        r#"
-[store]
-redis = "{}"
-
-[[policy]]
-name = "fw"
-algorithm = "fixed_window"
-limit = 10
-window = "1h"
-
-[[policy]]
-name = "sl"
-algorithm = "sliding_log"
-limit = 10
-window = "1h"
-
-[[policy]]
-name = "sw"
-algorithm = "sliding_window"
-limit = 10
-window = "1h"
-
-[[policy]]
-name = "tb"
-algorithm = "token_bucket"
-limit = 10
-window = "1h"
-
-[[policy]]
-name = "gc"
-algorithm = "gcra"
-limit = 10
-window = "1h"
-
-[[policy]]
-name = "gate"
-algorithm = "fixed_window"
-limit = 1
-window = "1h"
-
-[[policy]]
-name = "login-user"
-algorithm = "sliding_log"
-limit = 5
-window = "15m"
-on_store_error = "closed"
-
-[[policy]]
-name = "watch"
-algorithm = "fixed_window"
-limit = 2
-window = "1h"
-shadow = true
-"#,
-        redis.url()
-    )
+    Config::redis(&redis.url())
+        .policy(Policy::new("fw", "fixed_window", 10, "1h"))
+        .policy(Policy::new("sl", "sliding_log", 10, "1h"))
+        .policy(Policy::new("sw", "sliding_window", 10, "1h"))
+        .policy(Policy::new("tb", "token_bucket", 10, "1h"))
+        .policy(Policy::new("gc", "gcra", 10, "1h"))
+        .policy(Policy::new("gate", "fixed_window", 1, "1h"))
+        .policy(Policy::new("login-user", "sliding_log", 5, "15m").on_store_error("closed"))
+        .policy(Policy::new("watch", "fixed_window", 2, "1h").shadow())
+        .to_toml()
 }
 
 const ALGS: [&str; 5] = ["fw", "sl", "sw", "tb", "gc"];
@@ -77,7 +33,7 @@ fn remaining(q: &Quotad, policy: &str, key: &str) -> u64 {
 #[test]
 fn script_flush_is_recovered_with_no_client_visible_error() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let loads = q.metric("quotad_script_loads_total");
     for p in ALGS {
         assert_eq!(q.check1(p, "a")["outcome"], "allowed");
@@ -104,7 +60,7 @@ fn script_flush_is_recovered_with_no_client_visible_error() {
 #[test]
 fn a_denied_batch_refunds_its_admitted_siblings() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     // Use up the gate.
     assert_eq!(q.check1("gate", "g")["allowed"], true);
     for p in ALGS {
@@ -139,7 +95,7 @@ fn a_denied_batch_refunds_its_admitted_siblings() {
 #[test]
 fn login_flow_resets_the_username_after_success() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     for _ in 0..5 {
         assert_eq!(q.check1("login-user", "alice")["allowed"], true);
     }
@@ -156,7 +112,7 @@ fn login_flow_resets_the_username_after_success() {
 #[test]
 fn peek_reports_without_consuming_or_writing() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     for p in ALGS {
         for _ in 0..3 {
             assert_eq!(remaining(&q, p, "peek-fresh"), 10, "{p}");
@@ -173,7 +129,7 @@ fn peek_reports_without_consuming_or_writing() {
 #[test]
 fn shadow_mode_allows_what_it_would_deny_and_counts_it() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let outcomes: Vec<String> = (0..4)
         .map(|_| {
             let v = q.check1("watch", "w");
@@ -203,7 +159,7 @@ fn slowlog_shows_no_limiter_script_after_a_load() {
         .query(&mut conn)
         .unwrap();
     let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     for i in 0..300 {
         for p in ALGS {
             let (status, _) =
@@ -219,7 +175,7 @@ fn slowlog_shows_no_limiter_script_after_a_load() {
 #[test]
 fn policies_endpoint_and_metric_catalogue() {
     let redis = RedisServer::start();
-    let q = Quotad::start(&config(&redis));
+    let q = Quotad::serve(&config(&redis));
     let (status, text) = q.get("/v1/policies");
     assert_eq!(status, 200);
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -257,20 +213,20 @@ fn policies_endpoint_and_metric_catalogue() {
 fn config_changes_under_live_keys_stay_enforced() {
     let redis = RedisServer::start();
     let cfg = |limit: u64, window: &str| {
-        format!(
-            "[store]\nredis = \"{}\"\n[[policy]]\nname = \"p\"\nalgorithm = \"fixed_window\"\nlimit = {limit}\nwindow = \"{window}\"\n[[policy]]\nname = \"s\"\nalgorithm = \"sliding_window\"\nlimit = {limit}\nwindow = \"{window}\"\n",
-            redis.url()
-        )
+        Config::redis(&redis.url())
+            .policy(Policy::new("p", "fixed_window", limit, window))
+            .policy(Policy::new("s", "sliding_window", limit, window))
+            .to_toml()
     };
     {
-        let q = Quotad::start(&cfg(100, "1m"));
+        let q = Quotad::serve(&cfg(100, "1m"));
         for p in ["p", "s"] {
             q.check(&json!({"policy": p, "key": "k", "cost": 50}));
         }
     }
     {
         // Lowered limit, same window: over the new limit already, so denied with 0 left.
-        let q = Quotad::start(&cfg(10, "1m"));
+        let q = Quotad::serve(&cfg(10, "1m"));
         for p in ["p", "s"] {
             let v = q.check1(p, "k");
             assert_eq!(
@@ -282,7 +238,7 @@ fn config_changes_under_live_keys_stay_enforced() {
     }
     {
         // Longer window: the old minute-slot state is discarded, not kept for years.
-        let q = Quotad::start(&cfg(100, "1h"));
+        let q = Quotad::serve(&cfg(100, "1h"));
         for p in ["p", "s"] {
             let v = q.check1(p, "k");
             assert_eq!(v["outcome"], "allowed", "{p}: {v}");

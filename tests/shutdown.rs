@@ -3,6 +3,9 @@
 //! keep-alive connections loses no request, the process exits within drain_timeout.
 //! SIGHUP (and SIGUSR1/2) never stop the daemon. And the zero-setup mode (no config:
 //! embedded store, policy "default") answers checks.
+//!
+//! Process daemons (`Quotad::start`): the tests signal the process, wait for its exit code
+//! and read its log lines; an in-process daemon has none of those.
 
 use quotad_testkit as common;
 
@@ -13,9 +16,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Quotad, wait_for};
+use common::{Config, Policy, Quotad, wait_for};
 
-const POLICY: &str = "[store]\nredis = \"memory\"\n[[policy]]\nname = \"api\"\nalgorithm = \"gcra\"\nlimit = 10\nwindow = \"1s\"\n";
+/// The embedded store and one policy, `api`, of `limit` per second.
+fn api(algorithm: &str, limit: u64) -> String {
+    Config::redis("memory")
+        .policy(Policy::new("api", algorithm, limit, "1s"))
+        .to_toml()
+}
 
 fn signal(pid: u32, sig: &str) {
     assert!(
@@ -39,7 +47,10 @@ fn wait_exit(q: &mut Quotad, timeout: Duration) -> (Duration, Option<i32>) {
 
 #[test]
 fn sigterm_fails_readiness_first_then_drains_in_flight_requests() {
-    let mut q = Quotad::start_with(POLICY, "shutdown_delay = \"700ms\"\ndrain_timeout = \"5s\"");
+    let mut q = Quotad::start_with(
+        &api("gcra", 10),
+        "shutdown_delay = \"700ms\"\ndrain_timeout = \"5s\"",
+    );
     assert_eq!(q.get("/readyz").0, 200);
     // An in-flight request: headers and half the body sent.
     let body = r#"{"policy":"api","key":"in-flight"}"#;
@@ -89,7 +100,7 @@ fn sigterm_fails_readiness_first_then_drains_in_flight_requests() {
 
 #[test]
 fn a_stuck_client_cannot_hold_shutdown_past_drain_timeout() {
-    let mut q = Quotad::start_with(POLICY, "drain_timeout = \"1s\"");
+    let mut q = Quotad::start_with(&api("gcra", 10), "drain_timeout = \"1s\"");
     let mut s = TcpStream::connect(("127.0.0.1", q.port)).unwrap();
     write!(s, "POST /v1/check HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{{").unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -157,7 +168,7 @@ fn zero_setup_mode_answers_with_the_builtin_policy() {
 
 #[test]
 fn sighup_and_user_signals_are_logged_and_the_daemon_keeps_serving() {
-    let mut q = Quotad::start(POLICY);
+    let mut q = Quotad::start(&api("gcra", 10));
     for sig in ["-HUP", "-USR1", "-USR2", "-HUP"] {
         signal(q.pid(), sig);
         std::thread::sleep(Duration::from_millis(50));
@@ -231,7 +242,7 @@ fn continuous_client(
 #[test]
 fn sigterm_under_continuous_keep_alive_load_answers_every_request_sent() {
     let mut q = Quotad::start_with(
-        "[store]\nredis = \"memory\"\n[[policy]]\nname = \"api\"\nalgorithm = \"token_bucket\"\nlimit = 1000000\nwindow = \"1s\"\n",
+        &api("token_bucket", 1_000_000),
         "shutdown_delay = \"1s\"\ndrain_timeout = \"5s\"",
     );
     let counters: Arc<[AtomicU64; 3]> = Arc::new(Default::default());

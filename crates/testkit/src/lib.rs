@@ -10,6 +10,7 @@
 //! racing on one key, regions that fail independently).
 
 pub mod config;
+pub mod federation;
 mod inproc;
 pub mod load;
 pub mod proxy;
