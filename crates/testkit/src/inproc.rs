@@ -56,11 +56,7 @@ impl InProcess {
         let thread = std::thread::Builder::new()
             .name("quotad-in-process".into())
             .spawn(move || {
-                let rt = tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .expect("runtime");
+                let rt = crate::runtime();
                 rt.block_on(async move {
                     let listener =
                         tokio::net::TcpListener::from_std(listener).expect("tokio listener");

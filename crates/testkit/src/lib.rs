@@ -25,6 +25,15 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// A two-worker runtime for the kit's background threads (in-process daemons, load).
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// SIGKILL and reap.
 fn kill(child: &mut Option<Child>) {
     if let Some(mut c) = child.take() {

@@ -38,78 +38,33 @@ impl Load {
         let stop = Arc::new(AtomicBool::new(false));
         let log = Arc::new(Mutex::new(Vec::new()));
         let started = Instant::now();
-        let body = serde_json::json!({"policy": policy, "key": key, "cost": cost}).to_string();
-        let (r2, s2, l2) = (rates.clone(), stop.clone(), log.clone());
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
+        let sender = Sender {
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(2))
+                .pool_max_idle_per_host(64)
                 .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let client = reqwest::Client::builder()
-                    .timeout(Duration::from_secs(2))
-                    .pool_max_idle_per_host(64)
-                    .build()
-                    .expect("client");
-                let mut tasks = Vec::new();
-                for (region, (urls, rate)) in urls.into_iter().zip(r2).enumerate() {
-                    let (client, stop, log, body) =
-                        (client.clone(), s2.clone(), l2.clone(), body.clone());
-                    tasks.push(tokio::spawn(async move {
-                        let next = Arc::new(AtomicUsize::new(0));
-                        let mut owed = 0.0f64;
-                        let mut tick = tokio::time::interval(TICK);
-                        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-                        while !stop.load(Ordering::Relaxed) {
-                            tick.tick().await;
-                            let units = f64::from_bits(rate.load(Ordering::Relaxed));
-                            owed += units * TICK.as_secs_f64() / cost as f64;
-                            while owed >= 1.0 {
-                                owed -= 1.0;
-                                let (client, log, body, urls, next) = (
-                                    client.clone(),
-                                    log.clone(),
-                                    body.clone(),
-                                    urls.clone(),
-                                    next.clone(),
-                                );
-                                tokio::spawn(async move {
-                                    let i = next.load(Ordering::Relaxed) % urls.len();
-                                    let sent = started.elapsed().as_secs_f64();
-                                    let r = client
-                                        .post(format!("{}/v1/check", urls[i]))
-                                        .header("content-type", "application/json")
-                                        .body(body)
-                                        .send()
-                                        .await;
-                                    let (status, allowed) = match r {
-                                        Ok(resp) => {
-                                            let status = resp.status().as_u16();
-                                            let v: serde_json::Value =
-                                                resp.json().await.unwrap_or_default();
-                                            (status, v["allowed"] == true)
-                                        }
-                                        Err(_) => {
-                                            // That daemon is down: use the next one.
-                                            next.fetch_add(1, Ordering::Relaxed);
-                                            (0, false)
-                                        }
-                                    };
-                                    let received = started.elapsed().as_secs_f64();
-                                    log.lock().unwrap().push(Answer {
-                                        region,
-                                        sent,
-                                        received,
-                                        cost,
-                                        allowed,
-                                        status,
-                                    });
-                                });
-                            }
-                        }
-                    }));
-                }
+                .expect("client"),
+            body: serde_json::json!({"policy": policy, "key": key, "cost": cost}).to_string(),
+            cost,
+            started,
+            log: log.clone(),
+        };
+        let (rates2, stop2) = (rates.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            crate::runtime().block_on(async move {
+                let tasks: Vec<_> = urls
+                    .into_iter()
+                    .zip(rates2)
+                    .enumerate()
+                    .map(|(region, (urls, rate))| {
+                        let region = Region {
+                            index: region,
+                            urls,
+                            next: Arc::new(AtomicUsize::new(0)),
+                        };
+                        tokio::spawn(offer(region, rate, stop2.clone(), sender.clone()))
+                    })
+                    .collect();
                 for t in tasks {
                     let _ = t.await;
                 }
@@ -152,6 +107,75 @@ impl Drop for Load {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
+}
+
+/// What every request of a load shares: the client, the body, and the log of answers.
+#[derive(Clone)]
+struct Sender {
+    client: reqwest::Client,
+    body: String,
+    cost: u64,
+    started: Instant,
+    log: Arc<Mutex<Vec<Answer>>>,
+}
+
+/// One region's daemons, and which of them is in use.
+#[derive(Clone)]
+struct Region {
+    index: usize,
+    urls: Vec<String>,
+    next: Arc<AtomicUsize>,
+}
+
+/// Open loop: every tick, sends the requests the region's rate owes, without waiting for
+/// answers, until `stop`.
+async fn offer(region: Region, rate: Arc<AtomicU64>, stop: Arc<AtomicBool>, sender: Sender) {
+    let mut owed = 0.0f64;
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        let units = f64::from_bits(rate.load(Ordering::Relaxed));
+        owed += units * TICK.as_secs_f64() / sender.cost as f64;
+        while owed >= 1.0 {
+            owed -= 1.0;
+            tokio::spawn(send(region.clone(), sender.clone()));
+        }
+    }
+}
+
+/// One check, logged with when it was sent and answered.
+async fn send(region: Region, sender: Sender) {
+    let i = region.next.load(Ordering::Relaxed) % region.urls.len();
+    let sent = sender.started.elapsed().as_secs_f64();
+    let r = sender
+        .client
+        .post(format!("{}/v1/check", region.urls[i]))
+        .header("content-type", "application/json")
+        .body(sender.body.clone())
+        .send()
+        .await;
+    let (status, allowed) = match r {
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let v: serde_json::Value = resp.json().await.unwrap_or_default();
+            (status, v["allowed"] == true)
+        }
+        Err(_) => {
+            // That daemon is down: use the next one.
+            region.next.fetch_add(1, Ordering::Relaxed);
+            (0, false)
+        }
+    };
+    let received = sender.started.elapsed().as_secs_f64();
+    sender.log.lock().unwrap().push(Answer {
+        region: region.index,
+        sent,
+        received,
+        cost: sender.cost,
+        allowed,
+        status,
+    });
 }
 
 /// The largest number of units admitted (over all regions) certainly inside one window of
