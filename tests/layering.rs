@@ -93,29 +93,39 @@ fn module_of(src: &Path, file: &Path) -> Option<String> {
     (name != "lib" && name != "main").then(|| name.to_owned())
 }
 
-/// Edges `module → module it names through crate::…`, comments left out (a doc link
-/// is not an import).
+/// Edges `module → module it names`: through `crate::…`, or `super::…` in a file whose
+/// parent is the crate root (`src/x.rs`, `src/x/mod.rs`). Comments are left out (a doc
+/// link is not an import), and so are names that are not modules (`crate::some_fn`).
 fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let files = sources(src);
+    let modules: BTreeSet<String> = files.iter().filter_map(|f| module_of(src, f)).collect();
     let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for file in sources(src) {
+    for file in files {
         let Some(from) = module_of(src, &file) else {
             continue;
         };
+        let rel = file.strip_prefix(src).expect("under src");
+        let top_level = rel.components().count() == 1 || rel.ends_with("mod.rs");
+        let mut roots = vec!["crate::"];
+        if top_level {
+            roots.push("super::");
+        }
         let text = std::fs::read_to_string(&file).expect("read source");
         let targets = graph.entry(from.clone()).or_default();
         for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
-            for (at, _) in line.match_indices("crate::") {
-                // `quotad_core::…` and friends contain `crate::` too: skip them.
-                if line[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
-                    continue;
-                }
-                let rest = &line[at + "crate::".len()..];
-                let to: String = rest
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect();
-                if !to.is_empty() && to != from {
-                    targets.insert(to);
+            for root in &roots {
+                for (at, _) in line.match_indices(root) {
+                    // `quotad_core::…` and friends contain `crate::` too: skip them.
+                    if line[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+                        continue;
+                    }
+                    let to: String = line[at + root.len()..]
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    if modules.contains(&to) && to != from {
+                        targets.insert(to);
+                    }
                 }
             }
         }
