@@ -9,6 +9,7 @@
 //! binary: for what needs an OS process (signals, SIGKILL and restart, several processes
 //! racing on one key, regions that fail independently).
 
+pub mod cluster;
 pub mod config;
 pub mod federation;
 mod inproc;
@@ -99,6 +100,8 @@ pub struct RedisServer {
     /// AOF with fsync on every write: a restart comes back with the data (a new
     /// replication ID, as after a failover).
     persistent: bool,
+    /// More redis-server arguments (cluster mode, for one).
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -112,17 +115,22 @@ impl RedisServer {
     }
 
     fn start_with(persistent: bool) -> RedisServer {
+        Self::start_with_args(persistent, &[])
+    }
+
+    /// With more redis-server arguments, e.g. `["--cluster-enabled", "yes"]`.
+    pub fn start_with_args(persistent: bool, extra: &[&str]) -> RedisServer {
         let _ = redis_server_binary(); // a clear message when there is none
-        Self::try_start_with(persistent)
+        Self::try_start_with(persistent, extra)
             .unwrap_or_else(|e| panic!("could not start redis-server: {e}"))
     }
 
     /// Starts one without persistence, or says why it could not.
     pub fn try_start() -> Result<RedisServer, String> {
-        Self::try_start_with(false)
+        Self::try_start_with(false, &[])
     }
 
-    fn try_start_with(persistent: bool) -> Result<RedisServer, String> {
+    fn try_start_with(persistent: bool, extra: &[&str]) -> Result<RedisServer, String> {
         let mut last = String::new();
         for _ in 0..5 {
             let mut s = RedisServer {
@@ -130,6 +138,7 @@ impl RedisServer {
                 child: None,
                 dir: tempfile::tempdir().map_err(|e| e.to_string())?,
                 persistent,
+                extra: extra.iter().map(|a| a.to_string()).collect(),
             };
             match s.spawn() {
                 Ok(()) => return Ok(s),
@@ -154,6 +163,7 @@ impl RedisServer {
             } else {
                 ["--appendonly", "no", "--appendfsync", "everysec"]
             })
+            .args(&self.extra)
             .arg("--dir")
             .arg(self.dir.path())
             .stdout(Stdio::null())

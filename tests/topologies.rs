@@ -1,0 +1,46 @@
+//! The Redis topologies the test kit starts for tests of cluster support, brought up and
+//! torn down for real.
+
+use std::collections::BTreeSet;
+
+use quotad_testkit::cluster::RedisCluster;
+
+/// Processes whose command line names one of `ports`.
+fn redis_processes(ports: &BTreeSet<u16>) -> usize {
+    let mut n = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains("redis-server")
+            && ports
+                .iter()
+                .any(|p| cmd.contains(&format!(" {p} ")) || cmd.contains(&format!(":{p}")))
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
+#[test]
+fn a_cluster_of_three_masters_and_three_replicas_starts_and_leaves_no_process() {
+    let cluster = RedisCluster::start();
+    let ports: BTreeSet<u16> = cluster.nodes.iter().map(|n| n.port).collect();
+    assert_eq!(cluster.masters().len(), 3, "three masters");
+    assert_eq!(cluster.seeds().len(), 6);
+    assert_eq!(redis_processes(&ports), 6);
+    // Every master serves a range of slots (its own line in CLUSTER NODES lists one).
+    for m in cluster.masters() {
+        let mut conn = m.conn();
+        let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(&mut conn).unwrap();
+        assert!(
+            nodes
+                .lines()
+                .any(|l| l.contains("myself,master") && l.contains('-'))
+        );
+    }
+    drop(cluster);
+    assert_eq!(redis_processes(&ports), 0, "every node is gone");
+}
