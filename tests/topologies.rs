@@ -2,8 +2,11 @@
 //! torn down for real.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use quotad_testkit::cluster::RedisCluster;
+use quotad_testkit::sentinel::SentinelSetup;
+use quotad_testkit::wait_for;
 
 /// Processes whose command line names one of `ports`.
 fn redis_processes(ports: &BTreeSet<u16>) -> usize {
@@ -43,4 +46,30 @@ fn a_cluster_of_three_masters_and_three_replicas_starts_and_leaves_no_process() 
     }
     drop(cluster);
     assert_eq!(redis_processes(&ports), 0, "every node is gone");
+}
+
+#[test]
+fn a_sentinel_setup_fails_over_on_request_and_leaves_no_process() {
+    let setup = SentinelSetup::start();
+    let (master, replica) = (setup.master.port, setup.replica.port);
+    let ports: BTreeSet<u16> = [master, replica]
+        .into_iter()
+        .chain(setup.sentinels.iter().map(|s| s.port))
+        .collect();
+    assert_eq!(redis_processes(&ports), 5);
+    assert_eq!(setup.sentinels[0].master_port(), Some(master));
+    setup.sentinels[0].failover();
+    wait_for(
+        "every sentinel to name the replica",
+        Duration::from_secs(20),
+        || {
+            setup
+                .sentinels
+                .iter()
+                .all(|s| s.master_port() == Some(replica))
+                .then_some(())
+        },
+    );
+    drop(setup);
+    assert_eq!(redis_processes(&ports), 0, "every process is gone");
 }

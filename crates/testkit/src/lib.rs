@@ -15,6 +15,7 @@ pub mod federation;
 mod inproc;
 pub mod load;
 pub mod proxy;
+pub mod sentinel;
 
 pub use config::{Config, Global, Peer, Policy};
 
@@ -66,7 +67,7 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
 }
 
 /// `$REDIS_SERVER`, or `redis-server` from PATH.
-fn redis_server_path() -> PathBuf {
+pub(crate) fn redis_server_path() -> PathBuf {
     std::env::var_os("REDIS_SERVER")
         .map(PathBuf::from)
         .unwrap_or_else(|| "redis-server".into())
