@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use quotad_testkit::cluster::RedisCluster;
 use quotad_testkit::sentinel::SentinelSetup;
+use quotad_testkit::tls::TlsRedis;
 use quotad_testkit::wait_for;
 
 /// Processes whose command line names one of `ports`.
@@ -72,4 +73,19 @@ fn a_sentinel_setup_fails_over_on_request_and_leaves_no_process() {
     );
     drop(setup);
     assert_eq!(redis_processes(&ports), 0, "every process is gone");
+}
+
+#[test]
+fn a_tls_redis_answers_clients_that_trust_its_ca_only() {
+    let redis = TlsRedis::start();
+    let ports = BTreeSet::from([redis.port]);
+    assert!(redis.url().starts_with("rediss://"));
+    assert!(redis.ping(&redis.ca), "a client with the CA is answered");
+    assert!(
+        !redis.ping(&redis.untrusted_ca),
+        "a client that does not trust the server's CA refuses it"
+    );
+    assert_eq!(redis_processes(&ports), 1);
+    drop(redis);
+    assert_eq!(redis_processes(&ports), 0, "the server is gone");
 }

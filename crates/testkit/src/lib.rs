@@ -16,6 +16,7 @@ mod inproc;
 pub mod load;
 pub mod proxy;
 pub mod sentinel;
+pub mod tls;
 
 pub use config::{Config, Global, Peer, Policy};
 
