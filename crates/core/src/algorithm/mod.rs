@@ -94,6 +94,22 @@ impl Limits {
             self.limit
         }
     }
+
+    /// The longest TTL any write of `algorithm` under these limits carries: one window
+    /// (fixed window, sliding log), two (the sliding counter keeps the previous window),
+    /// or the time to refill a whole burst (token bucket, GCRA). A key of the policy found
+    /// without a TTL can be given this (plus the stores' grace) without changing any
+    /// decision: by then its state would have expired anyway.
+    pub fn longest_ttl_us(&self, algorithm: Algorithm) -> i64 {
+        match algorithm {
+            Algorithm::FixedWindow | Algorithm::SlidingLog => self.window_us,
+            Algorithm::SlidingWindow => self.window_us.saturating_mul(2),
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                let refill = self.burst as u128 * self.window_us.max(0) as u128;
+                i64::try_from(refill.div_ceil(self.limit.max(1) as u128)).unwrap_or(i64::MAX)
+            }
+        }
+    }
 }
 
 /// What the caller wants done to a key.
@@ -867,7 +883,8 @@ mod tests {
 
     proptest::proptest! {
         /// Expiry is garbage collection: once a written state's TTL has passed, every
-        /// operation gives the same verdict on it as on an absent key. This is what lets Redis
+        /// operation gives the same verdict on it as on an absent key; and no TTL is longer
+        /// than `Limits::longest_ttl_us`. This is what lets Redis
         /// (and the memory store) drop keys without changing any decision.
         #[test]
         fn expiry_is_equivalent_to_absence(
@@ -892,7 +909,14 @@ mod tests {
                 let out = apply(alg, &l, live, now, op, &format!("m{}", i % 3));
                 match out.write {
                     Write::Keep => {}
-                    Write::Put { state: s, ttl_us } => state = Some((s, now + ttl_us)),
+                    Write::Put { state: s, ttl_us } => {
+                        // What the TTL janitor relies on to repair a key's lost TTL.
+                        proptest::prop_assert!(
+                            ttl_us <= l.longest_ttl_us(alg),
+                            "{alg:?}: ttl {ttl_us} over {}", l.longest_ttl_us(alg)
+                        );
+                        state = Some((s, now + ttl_us))
+                    }
                     Write::Delete => state = None,
                 }
             }

@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::policy::Policy;
+use crate::store::memory::TTL_GRACE_MS;
 use quotad_core::coordinator::RegionId;
 
 /// How long every key of a global policy lives after its last touch, in ms: longer than
@@ -30,6 +31,22 @@ pub const GLOBAL_KEEP_MS: i64 = 3_600_000;
 
 /// The tag of a global policy's keys in place of the algorithm's.
 const GLOBAL_TAG: &str = "g";
+
+/// The region's coordinator keys sit under this name where a policy's would. Keys of a
+/// policy named "coordinator" read as the coordinator's and are left alone by the janitor:
+/// the safe side. (They cannot collide: a policy's keys always end in a `{…}` tag.)
+const COORDINATOR: &str = "coordinator";
+
+/// Whose a key is, by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyOwner<'k> {
+    /// A policy's, by name (configured or not).
+    Policy(&'k str),
+    /// The coordinator's lock, fencing counter or replication ID.
+    Coordinator,
+    /// Not under this layout's prefix.
+    Foreign,
+}
 
 /// The key layout under one prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,23 +93,49 @@ impl Layout {
                 },
             })
         });
-        PolicyLayout { stem, global }
+        let repair_ttl_ms = match policy.global {
+            Some(_) => GLOBAL_KEEP_MS,
+            None => {
+                let longest = policy.limits().longest_ttl_us(policy.algorithm);
+                (longest.max(0) as u64).div_ceil(1000) as i64 + TTL_GRACE_MS
+            }
+        };
+        PolicyLayout {
+            stem,
+            global,
+            repair_ttl_ms,
+        }
+    }
+
+    /// What a key of this layout is, from its name: the inverse of the stems above.
+    pub fn owner_of<'k>(&self, key: &'k str) -> KeyOwner<'k> {
+        let Some(rest) = key
+            .strip_prefix(self.prefix.as_str())
+            .and_then(|r| r.strip_prefix(':'))
+        else {
+            return KeyOwner::Foreign;
+        };
+        match rest.split_once(':') {
+            Some((COORDINATOR, _)) => KeyOwner::Coordinator,
+            Some((policy, _)) => KeyOwner::Policy(policy),
+            None => KeyOwner::Foreign,
+        }
     }
 
     /// The region's coordinator lock (value: the holder's instance id).
     pub fn lock_key(&self) -> String {
-        format!("{}:coordinator:lock", self.prefix)
+        format!("{}:{COORDINATOR}:lock", self.prefix)
     }
 
     /// The lock's fencing counter (value: the holder's token; every coordinator write
-    /// checks it).
+    /// checks it). It has no TTL on purpose: a token must never be handed out twice.
     pub fn fence_key(&self) -> String {
-        format!("{}:coordinator:fence", self.prefix)
+        format!("{}:{COORDINATOR}:fence", self.prefix)
     }
 
     /// The replication ID the region's books were last written under (failover detection).
     pub fn replid_key(&self) -> String {
-        format!("{}:coordinator:replid", self.prefix)
+        format!("{}:{COORDINATOR}:replid", self.prefix)
     }
 
     /// The deny cache's invalidation channel.
@@ -116,6 +159,9 @@ pub struct PolicyLayout {
     stem: String,
     /// Set exactly for global policies (shared: every check of the policy carries it).
     pub global: Option<Arc<GlobalLayout>>,
+    /// The TTL a key of this policy found without one may be given without changing any
+    /// decision: the longest any write sets, plus the stores' grace.
+    pub repair_ttl_ms: i64,
 }
 
 /// A global policy's per-policy keys and script numbers.
@@ -203,6 +249,11 @@ impl Layouts {
 
     pub fn layout(&self) -> &Layout {
         &self.layout
+    }
+
+    /// The layout of the loaded policy named `name`.
+    pub fn by_name(&self, name: &str) -> Option<&PolicyLayout> {
+        self.by_name.get(name)
     }
 }
 

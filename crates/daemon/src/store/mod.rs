@@ -9,6 +9,7 @@ pub mod admission;
 pub mod breaker;
 pub mod deny_cache;
 pub mod global;
+pub mod janitor;
 pub mod layout;
 pub mod memory;
 pub mod redis;
