@@ -1,10 +1,17 @@
 //! The TTL janitor's judgement: what TTL a key found without one should get. Every key
 //! quotad writes carries a TTL, set by the same script call that writes it; a key without
 //! one was touched by something else (a PERSIST, a restore, an operator) and would stay
-//! forever. The scan that finds such keys and applies the repair is the region's janitor
-//! task; this module is the part that decides, and it decides from the key's name alone.
+//! forever. [`repair_ttl_ms`] decides, from the key's name alone; [`sweep`] walks one
+//! Redis node with SCAN (never KEYS) in small, paced steps and applies the repairs.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
 
 use crate::store::layout::{KeyOwner, Layouts};
+
+/// Keys per SCAN step: small enough that no step shows in SLOWLOG.
+pub const SCAN_COUNT: usize = 100;
 
 /// A key of a policy that is no longer configured: nothing will read it again, so it may
 /// go soon; not at once, so a config rolled back within the minute finds its state.
@@ -21,6 +28,76 @@ pub fn repair_ttl_ms(layouts: &Layouts, key: &str) -> Option<i64> {
                 .map_or(ORPHAN_TTL_MS, |l| l.repair_ttl_ms),
         ),
     }
+}
+
+/// What one pass over a node found and did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// quotad keys seen (under the prefix).
+    pub scanned: u64,
+    /// Of those, keys without a TTL that the janitor may repair.
+    pub without_ttl: u64,
+    /// TTLs set (a key may have gained one meanwhile, or gone: then nothing is set).
+    pub repaired: u64,
+}
+
+/// One full SCAN of the node behind `conn` for `<prefix>:*`, `SCAN_COUNT` keys per step
+/// and `pause` between steps; every key without a TTL gets [`repair_ttl_ms`] with
+/// `PEXPIRE … NX`, so a TTL a script set in the meantime is never replaced.
+pub async fn sweep<C: ConnectionLike + Send>(
+    conn: &mut C,
+    layouts: &Layouts,
+    pause: Duration,
+) -> redis::RedisResult<SweepReport> {
+    let pattern = format!("{}:*", layouts.layout().prefix());
+    let mut report = SweepReport::default();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(SCAN_COUNT)
+            .query_async(conn)
+            .await?;
+        report.scanned += keys.len() as u64;
+        repair(conn, layouts, &keys, &mut report).await?;
+        if next == 0 {
+            return Ok(report);
+        }
+        cursor = next;
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// PTTL for a step's keys in one pipeline, then PEXPIRE NX for those without a TTL.
+async fn repair<C: ConnectionLike + Send>(
+    conn: &mut C,
+    layouts: &Layouts,
+    keys: &[String],
+    report: &mut SweepReport,
+) -> redis::RedisResult<()> {
+    let mut pttl = redis::pipe();
+    for k in keys {
+        pttl.cmd("PTTL").arg(k);
+    }
+    let ttls: Vec<i64> = pttl.query_async(conn).await?;
+    let mut expire = redis::pipe();
+    let mut n = 0;
+    for (k, ttl) in keys.iter().zip(ttls) {
+        let Some(ms) = (ttl == -1).then(|| repair_ttl_ms(layouts, k)).flatten() else {
+            continue;
+        };
+        expire.cmd("PEXPIRE").arg(k).arg(ms).arg("NX");
+        n += 1;
+    }
+    report.without_ttl += n;
+    if n > 0 {
+        let set: Vec<i64> = expire.query_async(conn).await?;
+        report.repaired += set.iter().filter(|s| **s == 1).count() as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

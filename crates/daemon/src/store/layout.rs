@@ -62,6 +62,11 @@ impl Layout {
         }
     }
 
+    /// The prefix every key of this layout starts with (then `:`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// Everything of a policy up to the user key: `<prefix>:<policy>:<tag>:`.
     fn stem(&self, policy: &Policy) -> String {
         let tag = match policy.global {

@@ -1,0 +1,101 @@
+//! The TTL janitor's sweep against a real Redis: keys that lost their TTL get one back,
+//! what is not quotad's (and the coordinator's fencing counter) is left alone, and no
+//! step of the sweep shows in SLOWLOG.
+
+use std::time::Duration;
+
+use quotad_daemon::config::Settings;
+use quotad_daemon::store::janitor::{ORPHAN_TTL_MS, sweep};
+use quotad_testkit::{Config, Policy, Quotad, RedisServer};
+
+fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(conn).unwrap()
+}
+
+#[test]
+fn keys_that_lost_their_ttl_get_one_back_and_nothing_else_changes() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(Policy::new("sw", "sliding_window", 10, "1m"))
+        .policy(Policy::new("tb", "token_bucket", 10, "1s").burst(50))
+        .to_toml();
+    let q = Quotad::serve(&config);
+    for i in 0..50 {
+        q.check1("sw", &format!("user-{i}"));
+        q.check1("tb", &format!("user-{i}"));
+    }
+    drop(q);
+    let mut conn = redis.conn();
+    let persisted: Vec<String> = (0..20).map(|i| format!("rl:sw:sw:{{user-{i}}}")).collect();
+    for k in &persisted {
+        let _: i64 = redis::cmd("PERSIST").arg(k).query(&mut conn).unwrap();
+    }
+    let _: () = redis::cmd("SET")
+        .arg("rl:gone:fw:{x}")
+        .arg(1)
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("session:1")
+        .arg(1)
+        .query(&mut conn)
+        .unwrap();
+    let _: i64 = redis::cmd("INCR")
+        .arg("rl:coordinator:fence")
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("slowlog-log-slower-than")
+        .arg(1000)
+        .query(&mut conn)
+        .unwrap();
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+
+    let settings = Settings::parse("janitor.toml", &config).unwrap_or_else(|e| panic!("{e}"));
+    let layouts = quotad_daemon::app::layouts(&settings);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let report = rt.block_on(async {
+        let client = redis::Client::open(redis.url()).unwrap();
+        let mut aconn = client.get_multiplexed_async_connection().await.unwrap();
+        sweep(&mut aconn, &layouts, Duration::from_millis(1))
+            .await
+            .unwrap()
+    });
+    assert_eq!(
+        report.scanned,
+        100 + 1 + 1,
+        "100 checked keys, the orphan, the fence"
+    );
+    assert_eq!(report.without_ttl, 21, "20 persisted keys and the orphan");
+    assert_eq!(report.repaired, 21);
+    for k in &persisted {
+        let t = pttl(&mut conn, k);
+        assert!(
+            t > 100_000 && t <= 121_000,
+            "{k}: two windows plus grace, got {t}"
+        );
+    }
+    let orphan = pttl(&mut conn, "rl:gone:fw:{x}");
+    assert!(orphan > 0 && orphan <= ORPHAN_TTL_MS, "{orphan}");
+    assert_eq!(pttl(&mut conn, "session:1"), -1, "not quotad's");
+    assert_eq!(
+        pttl(&mut conn, "rl:coordinator:fence"),
+        -1,
+        "the fence never expires"
+    );
+    let _: i64 = redis::cmd("DEL").arg("session:1").query(&mut conn).unwrap();
+    redis.assert_every_key_has_ttl();
+    let slow: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(100)
+        .query(&mut conn)
+        .unwrap();
+    let slow = format!("{slow:?}").to_ascii_lowercase();
+    for c in ["scan", "pttl", "pexpire"] {
+        assert!(!slow.contains(c), "{c} in SLOWLOG: {slow}");
+    }
+}
