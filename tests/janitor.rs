@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use quotad_daemon::config::Settings;
 use quotad_daemon::store::janitor::{ORPHAN_TTL_MS, sweep};
-use quotad_testkit::{Config, Policy, Quotad, RedisServer};
+use quotad_testkit::{Config, Policy, Quotad, RedisServer, wait_for};
 
 fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
     redis::cmd("PTTL").arg(key).query(conn).unwrap()
@@ -98,4 +98,51 @@ fn keys_that_lost_their_ttl_get_one_back_and_nothing_else_changes() {
     for c in ["scan", "pttl", "pexpire"] {
         assert!(!slow.contains(c), "{c} in SLOWLOG: {slow}");
     }
+}
+
+/// The daemon runs the janitor: 1,000 keys PERSISTed behind its back have TTLs again
+/// within two intervals, and its metrics say so.
+#[test]
+fn the_daemon_gives_persisted_keys_their_ttl_back_within_two_intervals() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .store("janitor_interval", "1s")
+        .policy(Policy::new("fw", "fixed_window", 10, "1h"))
+        .to_toml();
+    let q = Quotad::serve(&config);
+    let mut conn = redis.conn();
+    for i in 0..1000 {
+        q.check1("fw", &format!("k{i}"));
+    }
+    let keys: Vec<String> = (0..1000).map(|i| format!("rl:fw:fw:{{k{i}}}")).collect();
+    // Wait out a sweep first, so the PERSISTs land between two of them.
+    wait_for("a first sweep", Duration::from_secs(5), || {
+        (q.metric("quotad_janitor_last_scan_timestamp_seconds") > 0.0).then_some(())
+    });
+    for k in &keys {
+        let _: i64 = redis::cmd("PERSIST").arg(k).query(&mut conn).unwrap();
+    }
+    let persisted = std::time::Instant::now();
+    wait_for(
+        "every key with a TTL again",
+        Duration::from_secs(10),
+        || keys.iter().all(|k| pttl(&mut conn, k) > 0).then_some(()),
+    );
+    let took = persisted.elapsed();
+    assert!(
+        took <= Duration::from_secs(3),
+        "two intervals (plus 1 s of slack): {took:?}"
+    );
+    assert!(q.metric("quotad_janitor_repaired_total") >= 1000.0);
+    redis.assert_every_key_has_ttl();
+    let slow: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(100)
+        .query(&mut conn)
+        .unwrap();
+    let slow = format!("{slow:?}").to_ascii_lowercase();
+    assert!(
+        !slow.contains("scan") && !slow.contains("pexpire"),
+        "{slow}"
+    );
 }

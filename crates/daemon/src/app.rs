@@ -22,6 +22,7 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::server::{self, Drain};
+use crate::store::janitor;
 use crate::store::layout::{Layout, Layouts, RegionPlace};
 use crate::store::memory::MemoryStore;
 use crate::store::redis::{RedisStore, redacted};
@@ -169,11 +170,12 @@ impl Background {
 }
 
 /// The store decisions go to: the embedded one, or Redis with its supervisor (reconnects,
-/// script loads), its invalidation follower (deny cache) and its sweep. `None` when the
+/// script loads), its invalidation follower (deny cache), its sweep and the region's TTL
+/// janitor. `None` when the
 /// daemon was told to stop before Redis answered its first probe.
 async fn open_store(
     settings: &Settings,
-    layouts: &Layouts,
+    layouts: &Arc<Layouts>,
     metrics: &Arc<Metrics>,
     background: &Background,
     shutdown: &CancellationToken,
@@ -211,6 +213,14 @@ async fn open_store(
         .spawn(redis.clone().follow_invalidations(stop.clone()));
     let swept = redis.clone();
     background.every(SWEEP_INTERVAL, move || swept.sweep());
+    let janitor_client = redis::Client::open(rs.url.as_str()).map_err(AppError::RedisUrl)?;
+    background.tasks.spawn(janitor::run(
+        janitor_client,
+        layouts.clone(),
+        rs.janitor_interval,
+        metrics.clone(),
+        stop.clone(),
+    ));
     Ok(Some(Arc::new(Store::Redis(redis))))
 }
 

@@ -53,6 +53,14 @@ pub struct Metrics {
     pub deny_cache_hits: IntCounterVec,
     /// `quotad_deny_cache_keys`: denials remembered (at the last sweep).
     pub deny_cache_keys: IntGauge,
+    /// `quotad_keys_without_ttl`: quotad keys the janitor's last sweep found without a
+    /// TTL (each one would have stayed in Redis forever).
+    pub keys_without_ttl: IntGauge,
+    /// `quotad_janitor_repaired_total`: TTLs the janitor gave back.
+    pub janitor_repaired: IntCounter,
+    /// `quotad_janitor_last_scan_timestamp_seconds`: when this instance last finished a
+    /// sweep (Unix time); stale when no instance of the region sweeps.
+    pub janitor_last_scan: IntGauge,
     /// `quotad_memory_store_keys{store}`: keys the embedded store holds (`primary` in
     /// memory mode, `local` for the fallback), at the last sweep; at `store.memory_max_keys`
     /// new keys are refused (`quotad_store_errors_total{kind="full"}`).
@@ -252,6 +260,18 @@ impl Metrics {
             )),
             deny_cache_keys: c
                 .int_gauge(Opts::new("quotad_deny_cache_keys", "Denials remembered.")),
+            keys_without_ttl: c.int_gauge(Opts::new(
+                "quotad_keys_without_ttl",
+                "quotad keys found without a TTL by the last janitor sweep.",
+            )),
+            janitor_repaired: c.counter(Opts::new(
+                "quotad_janitor_repaired_total",
+                "TTLs the janitor gave back to quotad keys.",
+            )),
+            janitor_last_scan: c.int_gauge(Opts::new(
+                "quotad_janitor_last_scan_timestamp_seconds",
+                "When this instance last finished a janitor sweep.",
+            )),
             memory_store_keys: c.labels(&["store"]).int_gauge(Opts::new(
                 "quotad_memory_store_keys",
                 "Keys held by the embedded store.",

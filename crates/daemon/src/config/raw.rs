@@ -82,6 +82,7 @@ pub struct Store {
     pub queue_timeout: Option<Spanned<String>>,
     pub deny_cache_keys: Option<Spanned<i64>>,
     pub memory_max_keys: Option<Spanned<i64>>,
+    pub janitor_interval: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

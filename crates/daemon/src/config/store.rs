@@ -34,6 +34,9 @@ pub const DEFAULT_DENY_CACHE_KEYS: i64 = 100_000;
 /// limit of 5 (measured: 394 MB for 1.1 M keys).
 pub const DEFAULT_MEMORY_MAX_KEYS: i64 = 1_000_000;
 pub const DEFAULT_KEY_PREFIX: &str = "rl";
+/// A sweep of a million keys takes 10,000 paced SCAN steps: a few minutes between sweeps
+/// keeps the janitor's share of Redis negligible and a lost TTL short-lived.
+pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(300);
 
 /// How each call to Redis is bounded, and when the breaker opens and probes.
 struct RedisCalls {
@@ -69,6 +72,13 @@ impl Validator<'_> {
                         0,
                         10_000_000,
                     ) as usize,
+                    janitor_interval: self.duration(
+                        s.janitor_interval.as_ref(),
+                        "store.janitor_interval",
+                        DEFAULT_JANITOR_INTERVAL,
+                        Duration::from_secs(1),
+                        Duration::from_secs(86_400),
+                    ),
                 })
             }
         };

@@ -4,11 +4,18 @@
 //! forever. [`repair_ttl_ms`] decides, from the key's name alone; [`sweep`] walks one
 //! Redis node with SCAN (never KEYS) in small, paced steps and applies the repairs.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use redis::aio::ConnectionLike;
+use tokio_util::sync::CancellationToken;
 
+use crate::metrics::Metrics;
 use crate::store::layout::{KeyOwner, Layouts};
+
+/// Pause between SCAN steps: at most 10,000 keys a second, so a sweep never competes
+/// with decisions for Redis.
+pub const STEP_PAUSE: Duration = Duration::from_millis(10);
 
 /// Keys per SCAN step: small enough that no step shows in SLOWLOG.
 pub const SCAN_COUNT: usize = 100;
@@ -98,6 +105,72 @@ async fn repair<C: ConnectionLike + Send>(
         report.repaired += set.iter().filter(|s| **s == 1).count() as u64;
     }
     Ok(())
+}
+
+/// The region's janitor, run by every instance against the region's Redis: each
+/// interval, the instance that takes the interval's claim (`SET NX PX interval` on
+/// [`Layout::janitor_key`](crate::store::layout::Layout::janitor_key)) sweeps, and the
+/// others skip it; one that dies mid-sweep leaves the next interval to whoever claims it.
+/// Errors are logged and retried the next interval: a janitor never stops the daemon.
+pub async fn run(
+    client: redis::Client,
+    layouts: Arc<Layouts>,
+    interval: Duration,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) {
+    let me = format!("{:016x}", rand::random::<u64>());
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let swept = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = claim_and_sweep(&client, &layouts, interval, &me) => r,
+        };
+        match swept {
+            Ok(None) => {}
+            Ok(Some(report)) => {
+                metrics.keys_without_ttl.set(report.without_ttl as i64);
+                metrics.janitor_repaired.inc_by(report.repaired);
+                let now = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .unwrap_or_default();
+                metrics.janitor_last_scan.set(now.as_secs() as i64);
+                if report.repaired > 0 {
+                    tracing::warn!(
+                        scanned = report.scanned,
+                        repaired = report.repaired,
+                        "janitor: quotad keys without a TTL got one back"
+                    );
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "janitor: sweep failed; retrying next interval"),
+        }
+    }
+}
+
+/// Sweeps if this instance wins this interval's claim; `None` when another did.
+async fn claim_and_sweep(
+    client: &redis::Client,
+    layouts: &Layouts,
+    interval: Duration,
+    me: &str,
+) -> redis::RedisResult<Option<SweepReport>> {
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let claimed: Option<String> = redis::cmd("SET")
+        .arg(layouts.layout().janitor_key())
+        .arg(me)
+        .arg("NX")
+        .arg("PX")
+        .arg(interval.as_millis() as u64)
+        .query_async(&mut conn)
+        .await?;
+    if claimed.is_none() {
+        return Ok(None);
+    }
+    sweep(&mut conn, layouts, STEP_PAUSE).await.map(Some)
 }
 
 #[cfg(test)]

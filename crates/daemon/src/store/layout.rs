@@ -138,6 +138,12 @@ impl Layout {
         format!("{}:{COORDINATOR}:fence", self.prefix)
     }
 
+    /// Which instance sweeps for lost TTLs this interval (value: its id; expires with the
+    /// interval). Under the coordinator's name, so the janitor leaves it alone.
+    pub fn janitor_key(&self) -> String {
+        format!("{}:{COORDINATOR}:janitor", self.prefix)
+    }
+
     /// The replication ID the region's books were last written under (failover detection).
     pub fn replid_key(&self) -> String {
         format!("{}:{COORDINATOR}:replid", self.prefix)

@@ -48,6 +48,8 @@ pub struct RedisSettings {
     pub admission: AdmissionSettings,
     /// Denials remembered at most (0: none; see [`DenyCache`]).
     pub deny_cache_keys: usize,
+    /// How often the region's TTL janitor sweeps (see [`crate::store::janitor`]).
+    pub janitor_interval: Duration,
 }
 
 pub struct RedisStore {
