@@ -23,23 +23,15 @@ command -v redis-server >/dev/null || { echo "missing redis-server: apt-get inst
 ulimit -Hn 100000 2>/dev/null || true
 ulimit -n "$(ulimit -Hn)"
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-RP=$(free_port)
+# shellcheck source=bench/lib.sh
+. "$HERE/lib.sh"
 QP=$(free_port)
-QPID=""
-cleanup() {
-  [ -n "$QPID" ] && kill -TERM "$QPID" 2>/dev/null || true
-  redis-cli -p "$RP" shutdown nosave >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
 
 (cd "$ROOT" && cargo build --release --locked -q && cargo build --release --locked -q --example abuse)
 Q="$ROOT/target/release/quotad"
 ABUSE="$ROOT/target/release/examples/abuse"
 
-redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
-  --dir "$OUT" --pidfile "$OUT/redis.pid" >/dev/null
-for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
+start_redis "$OUT"
 
 cat >"$OUT/quotad.toml" <<TOML
 region = "eu"

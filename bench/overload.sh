@@ -25,23 +25,15 @@ mkdir -p "$OUT"
 command -v redis-server >/dev/null || { echo "missing redis-server: apt-get install -y redis-server" >&2; exit 1; }
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-RP=$(free_port)
+# shellcheck source=bench/lib.sh
+. "$HERE/lib.sh"
 QP=$(free_port)
-QPID=""
-cleanup() {
-  [ -n "$QPID" ] && kill -TERM "$QPID" 2>/dev/null || true
-  redis-cli -p "$RP" shutdown nosave >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
 
 (cd "$ROOT" && cargo build --release --locked -q && cargo build --release --locked -q --example overload)
 Q="${QUOTAD_BIN:-$ROOT/target/release/quotad}"
 LOAD="$ROOT/target/release/examples/overload"
 
-redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
-  --dir "$OUT" --pidfile "$OUT/redis.pid" >/dev/null
-for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
+start_redis "$OUT"
 
 cat >"$OUT/quotad.toml" <<TOML
 [server]

@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
+use quotad_testkit::load::percentile_ms;
+
 struct Args {
     addr: SocketAddr,
     pid: u32,
@@ -221,14 +223,6 @@ async fn probe(a: Arc<Args>, stop: Arc<AtomicBool>, failures: Arc<AtomicU64>) ->
     lat
 }
 
-fn pct(sorted: &[u32], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 * p / 100.0).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i] as f64 / 1000.0
-}
-
 #[tokio::main]
 async fn main() {
     let a = match parse_args() {
@@ -318,9 +312,9 @@ async fn main() {
     println!(
         "probe: {} checks, p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms, failures {}",
         lat.len(),
-        pct(&lat, 50.0),
-        pct(&lat, 99.0),
-        pct(&lat, 100.0),
+        percentile_ms(&lat, 50.0),
+        percentile_ms(&lat, 99.0),
+        percentile_ms(&lat, 100.0),
         failures.load(Ordering::Relaxed)
     );
     println!(

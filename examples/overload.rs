@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use quotad_testkit::load::percentile_ms;
+
 struct Args {
     addr: String,
     connections: usize,
@@ -198,14 +200,6 @@ fn metric_sum(text: &str, name: &str, label: Option<&str>) -> f64 {
         .sum()
 }
 
-fn pct(sorted: &[u32], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 * p / 100.0).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i] as f64 / 1000.0
-}
-
 #[tokio::main]
 async fn main() {
     let a = match parse_args() {
@@ -310,9 +304,9 @@ async fn main() {
         format!("{shed_metric:.0}"),
         other.to_string(),
         total.errors.to_string(),
-        format!("{:.2}", pct(&total.answered_us, 50.0)),
-        format!("{:.2}", pct(&total.answered_us, 99.0)),
-        format!("{:.2}", pct(&total.answered_us, 99.9)),
+        format!("{:.2}", percentile_ms(&total.answered_us, 50.0)),
+        format!("{:.2}", percentile_ms(&total.answered_us, 99.0)),
+        format!("{:.2}", percentile_ms(&total.answered_us, 99.9)),
         format!("{circuit_opened:.0}"),
         format!("{circuit_open_calls:.0}"),
         format!(

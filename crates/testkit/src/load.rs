@@ -213,3 +213,13 @@ pub fn admitted_between(answers: &[Answer], region: usize, from: f64, to: f64) -
         .map(|a| a.cost)
         .sum()
 }
+
+/// The `p`th percentile (nearest rank) of latencies in µs, sorted ascending, in ms; NaN
+/// for none.
+pub fn percentile_ms(sorted_us: &[u32], p: f64) -> f64 {
+    if sorted_us.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted_us.len() as f64 * p / 100.0).ceil() as usize).clamp(1, sorted_us.len()) - 1;
+    sorted_us[i] as f64 / 1000.0
+}

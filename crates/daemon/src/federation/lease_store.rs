@@ -31,7 +31,7 @@ use super::runtime::{Backend, Coordinated};
 use crate::config::GlobalSettings;
 use crate::policy::Policy;
 use crate::store::global::{self, SLOT_FIELDS};
-use crate::store::layout::{Layouts, PolicyKeys, PolicyLayout, ScriptShape};
+use crate::store::layout::{GlobalLayout, Layouts, PolicyLayout};
 use crate::store::scripts::Global;
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::demand::Counters;
@@ -76,11 +76,11 @@ impl Clock for RedisClock {
     }
 }
 
-/// One global policy as a coordinator store needs it: where its keys live.
+/// One global policy as a coordinator store needs it: where its keys live, and its
+/// per-policy keys and script numbers (the layout's, without the Option).
 pub struct PolicyEntry {
     pub layout: PolicyLayout,
-    pub keys: PolicyKeys,
-    pub shape: ScriptShape,
+    pub global: Arc<GlobalLayout>,
 }
 
 /// The global policies by name, laid out by `layouts`.
@@ -92,15 +92,8 @@ pub fn global_policies(
         .iter()
         .filter_map(|p| {
             let layout = layouts.of(p).into_owned();
-            let g = layout.global.clone()?;
-            Some((
-                p.name.clone(),
-                PolicyEntry {
-                    layout,
-                    keys: g.keys.clone(),
-                    shape: g.shape,
-                },
-            ))
+            let global = layout.global.clone()?;
+            Some((p.name.clone(), PolicyEntry { layout, global }))
         })
         .collect()
 }
@@ -351,7 +344,7 @@ impl RedisLeaseStore {
             let keep_ms = self
                 .policies
                 .values()
-                .map(|p| p.shape.keep_ms)
+                .map(|p| p.global.shape.keep_ms)
                 .max()
                 .unwrap_or(3_600_000);
             let _: () = redis::cmd("SET")
@@ -379,10 +372,10 @@ impl RedisLeaseStore {
                     let inv = global::drop_loans_invocation(
                         &self.drop,
                         &storage,
-                        &p.keys,
+                        &p.global.keys,
                         self.lock.fence_key(),
                         self.token,
-                        &p.shape,
+                        &p.global.shape,
                         None,
                     );
                     pipe.invoke_script(&inv).ignore();
@@ -571,10 +564,10 @@ impl LeaseStore for RedisLeaseStore {
                     &self.write,
                     &storage,
                     key,
-                    &p.keys,
+                    &p.global.keys,
                     self.lock.fence_key(),
                     self.token,
-                    &p.shape,
+                    &p.global.shape,
                     book,
                     None,
                 );
@@ -611,7 +604,7 @@ impl LeaseStore for RedisLeaseStore {
         let Some(p) = self.policies.get(policy) else {
             return Vec::new();
         };
-        let set = p.keys.books.clone();
+        let set = p.global.keys.books.clone();
         let members: Vec<String> = match redis::cmd("SMEMBERS").arg(&set).query(&mut self.conn) {
             Ok(m) => m,
             Err(e) => {
@@ -652,7 +645,7 @@ impl LeaseStore for RedisLeaseStore {
             return Vec::new();
         };
         let now = self.clock.now_us();
-        let keep_us = p.shape.keep_ms * 1000;
+        let keep_us = p.global.shape.keep_ms * 1000;
         let since = self
             .active_since
             .get(policy)
@@ -661,7 +654,7 @@ impl LeaseStore for RedisLeaseStore {
         // One pipeline: the keys active since the last call (with a little overlap: a key
         // listed twice is harmless, one missed would be stale for a round), trimming what
         // aged out of the keep window.
-        let active = p.keys.active.clone();
+        let active = p.global.keys.active.clone();
         let keys: Result<Vec<String>, _> = redis::pipe()
             .cmd("ZRANGEBYSCORE")
             .arg(&active)
@@ -729,7 +722,7 @@ impl LeaseStore for RedisLeaseStore {
         if self.failure.is_some() {
             return None;
         }
-        let meta = self.policies.get(policy)?.keys.meta.clone();
+        let meta = self.policies.get(policy)?.global.keys.meta.clone();
         let v: Result<Vec<Option<String>>, _> = redis::cmd("HMGET")
             .arg(&meta)
             .arg(&["d", "dp", "dt"])
@@ -755,11 +748,11 @@ impl LeaseStore for RedisLeaseStore {
         };
         let inv = global::set_default_invocation(
             &self.default,
-            &p.keys,
+            &p.global.keys,
             self.lock.fence_key(),
             self.token,
             escrow,
-            p.shape.keep_ms,
+            p.global.shape.keep_ms,
             None,
         );
         match inv.invoke::<i64>(&mut self.conn) {

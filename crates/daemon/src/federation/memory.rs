@@ -79,7 +79,7 @@ impl LeaseStore for MemoryLeaseStore {
         };
         let now = self.store.now_us();
         let mut st = self.store.global();
-        let d = st.default_for(&p.keys, &p.shape);
+        let d = st.default_for(&p.global.keys, &p.global.shape);
         let storage = p.layout.storage_key(key);
         // At the store's bound a new key's book is not written: reported not durable, so
         // no grant leaves for it (the safe answer).
@@ -89,13 +89,14 @@ impl LeaseStore for MemoryLeaseStore {
                 epoch: book.epoch,
             };
         }
-        let epoch =
-            st.slots
-                .entry(storage)
-                .or_default()
-                .write_book(&d, &shape_of(&p.shape), now, book);
+        let epoch = st.slots.entry(storage).or_default().write_book(
+            &d,
+            &shape_of(&p.global.shape),
+            now,
+            book,
+        );
         st.books
-            .entry(p.keys.books.clone())
+            .entry(p.global.keys.books.clone())
             .or_default()
             .insert(key.to_owned());
         Written {
@@ -115,7 +116,7 @@ impl LeaseStore for MemoryLeaseStore {
             return Vec::new();
         };
         let st = self.store.global();
-        let Some(keys) = st.books.get(&p.keys.books) else {
+        let Some(keys) = st.books.get(&p.global.keys.books) else {
             return Vec::new();
         };
         keys.iter()
@@ -135,9 +136,9 @@ impl LeaseStore for MemoryLeaseStore {
             .active_since
             .insert(policy.to_owned(), now)
             .unwrap_or(i64::MIN);
-        let keep_us = p.shape.keep_ms * 1000;
+        let keep_us = p.global.shape.keep_ms * 1000;
         let mut st = self.store.global();
-        let Some(active) = st.active.get_mut(&p.keys.active) else {
+        let Some(active) = st.active.get_mut(&p.global.keys.active) else {
             return Vec::new();
         };
         active.retain(|_, t| *t > now - keep_us);
@@ -164,7 +165,7 @@ impl LeaseStore for MemoryLeaseStore {
         self.store
             .global()
             .defaults
-            .get(&p.keys.meta)
+            .get(&p.global.keys.meta)
             .map(|d| d.escrow)
     }
 
@@ -175,7 +176,7 @@ impl LeaseStore for MemoryLeaseStore {
         let now = self.store.now_us();
         let mut st = self.store.global();
         st.defaults
-            .entry(p.keys.meta.clone())
+            .entry(p.global.keys.meta.clone())
             .and_modify(|d| {
                 d.change(escrow, now);
             })
