@@ -117,8 +117,29 @@ const BAD: &[(&str, &[&str])] = &[
         &["2: store.redis: must be \"memory\", redis://"],
     ),
     (
-        "rediss.toml",
-        &["2: store.redis: TLS (rediss://) is not supported by this build yet"],
+        "tls_problems.toml",
+        &[
+            "3: store.tls_ca_file: cannot read",
+            "4: store.tls_cert_file: cannot read",
+            "4: store.tls_key_file: required with store.tls_cert_file",
+        ],
+    ),
+    (
+        "two_topologies.toml",
+        &[
+            "3: store.redis_cluster: choose one topology: store.redis and store.redis_cluster are both set",
+        ],
+    ),
+    (
+        "sentinel_problems.toml",
+        &[
+            "2: store.redis_sentinels: needs at least one redis:// or rediss:// URL",
+            "2: store.redis_sentinel_master: required with store.redis_sentinels",
+        ],
+    ),
+    (
+        "cluster_bad_seed.toml",
+        &["2: store.redis_cluster: must be redis://[USER:PASSWORD@]HOST:PORT or rediss://"],
     ),
     (
         "zero_timeout.toml",

@@ -52,7 +52,7 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
     let token = lock.try_acquire(&mut conn).unwrap().expect("the lock");
     let clock = RedisClock::new();
     let mut store = RedisLeaseStore::new(
-        conn,
+        quotad_daemon::store::connect::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,

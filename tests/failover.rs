@@ -43,7 +43,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     let token = lock.try_acquire(&mut conn).unwrap().expect("the lock");
     let clock = RedisClock::new();
     let s = RedisLeaseStore::new(
-        conn,
+        quotad_daemon::store::connect::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,

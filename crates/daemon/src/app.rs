@@ -25,7 +25,7 @@ use crate::server::{self, Drain};
 use crate::store::janitor;
 use crate::store::layout::{Layout, Layouts, RegionPlace};
 use crate::store::memory::MemoryStore;
-use crate::store::redis::{RedisStore, redacted};
+use crate::store::redis::RedisStore;
 use crate::store::{Store, StoreError};
 use quotad_core::clock::SystemClock;
 
@@ -199,9 +199,9 @@ async fn open_store(
         _ = shutdown.cancelled() => return Ok(None),
     };
     match first {
-        Ok(()) => tracing::info!(url = %redacted(&rs.url), "redis connected, scripts loaded"),
+        Ok(()) => tracing::info!(redis = %rs.target.describe(), "redis connected, scripts loaded"),
         Err(e) => {
-            tracing::warn!(url = %redacted(&rs.url), error = %e, "redis not reachable at start; serving with fallbacks")
+            tracing::warn!(redis = %rs.target.describe(), error = %e, "redis not reachable at start; serving with fallbacks")
         }
     }
     let stop = &background.stop;
@@ -213,9 +213,8 @@ async fn open_store(
         .spawn(redis.clone().follow_invalidations(stop.clone()));
     let swept = redis.clone();
     background.every(SWEEP_INTERVAL, move || swept.sweep());
-    let janitor_client = redis::Client::open(rs.url.as_str()).map_err(AppError::RedisUrl)?;
     background.tasks.spawn(janitor::run(
-        janitor_client,
+        rs.target.clone(),
         layouts.clone(),
         rs.janitor_interval,
         metrics.clone(),
@@ -256,7 +255,7 @@ fn start_federation(
     let backend = match (store.memory(), &settings.store) {
         (Some(m), _) => BackendChoice::Memory(m),
         (None, StoreBackend::Redis(rs)) => BackendChoice::Redis {
-            url: &rs.url,
+            target: &rs.target,
             timeout: rs.timeout.max(Duration::from_millis(200)),
         },
         (None, StoreBackend::Memory) => {

@@ -72,6 +72,14 @@ pub struct Server {
 #[serde(deny_unknown_fields)]
 pub struct Store {
     pub redis: Option<Spanned<String>>,
+    pub redis_cluster: Option<Spanned<Vec<Spanned<String>>>>,
+    pub redis_sentinels: Option<Spanned<Vec<Spanned<String>>>>,
+    pub redis_sentinel_master: Option<Spanned<String>>,
+    pub tls_ca_file: Option<Spanned<String>>,
+    pub tls_cert_file: Option<Spanned<String>>,
+    pub tls_key_file: Option<Spanned<String>>,
+    pub username: Option<Spanned<String>>,
+    pub password: Option<Spanned<String>>,
     pub timeout: Option<Spanned<String>>,
     pub connect_timeout: Option<Spanned<String>>,
     pub key_prefix: Option<Spanned<String>>,

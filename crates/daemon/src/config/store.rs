@@ -8,9 +8,11 @@ use toml::Spanned;
 use super::{NAME_RULE, Validator, raw};
 use crate::policy;
 use crate::store::admission::AdmissionSettings;
+use crate::store::connect::{Target, TlsFiles, Topology};
 use crate::store::redis::RedisSettings;
 
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // built once, at start-up
 pub enum StoreBackend {
     Memory,
     Redis(RedisSettings),
@@ -53,34 +55,30 @@ impl Validator<'_> {
         let key_prefix = self.key_prefix(s.key_prefix.as_ref());
         let calls = self.redis_calls(&s);
         let admission = self.admission(&s);
-        let backend = match &s.redis {
+        let backend = match self.target(&s) {
             None => StoreBackend::Memory,
-            Some(url) if url.get_ref() == "memory" => StoreBackend::Memory,
-            Some(url) => {
-                self.redis_url(url);
-                StoreBackend::Redis(RedisSettings {
-                    url: url.get_ref().clone(),
-                    timeout: calls.timeout,
-                    connect_timeout: calls.connect_timeout,
-                    breaker_threshold: calls.breaker_threshold,
-                    probe_interval: calls.probe_interval,
-                    admission,
-                    deny_cache_keys: self.integer(
-                        s.deny_cache_keys.as_ref(),
-                        "store.deny_cache_keys",
-                        DEFAULT_DENY_CACHE_KEYS,
-                        0,
-                        10_000_000,
-                    ) as usize,
-                    janitor_interval: self.duration(
-                        s.janitor_interval.as_ref(),
-                        "store.janitor_interval",
-                        DEFAULT_JANITOR_INTERVAL,
-                        Duration::from_secs(1),
-                        Duration::from_secs(86_400),
-                    ),
-                })
-            }
+            Some(target) => StoreBackend::Redis(RedisSettings {
+                target,
+                timeout: calls.timeout,
+                connect_timeout: calls.connect_timeout,
+                breaker_threshold: calls.breaker_threshold,
+                probe_interval: calls.probe_interval,
+                admission,
+                deny_cache_keys: self.integer(
+                    s.deny_cache_keys.as_ref(),
+                    "store.deny_cache_keys",
+                    DEFAULT_DENY_CACHE_KEYS,
+                    0,
+                    10_000_000,
+                ) as usize,
+                janitor_interval: self.duration(
+                    s.janitor_interval.as_ref(),
+                    "store.janitor_interval",
+                    DEFAULT_JANITOR_INTERVAL,
+                    Duration::from_secs(1),
+                    Duration::from_secs(86_400),
+                ),
+            }),
         };
         (backend, key_prefix)
     }
@@ -162,20 +160,179 @@ impl Validator<'_> {
         }
     }
 
-    /// The `redis` URL: plain TCP or a Unix socket, and one the client accepts, so that a bad
-    /// URL fails validation rather than the first connection.
-    fn redis_url(&mut self, url: &Spanned<String>) {
-        let u = url.get_ref();
-        if u.starts_with("rediss://") {
-            self.error(url, "store.redis", "TLS (rediss://) is not supported by this build yet; use redis:// on a trusted network or a local TLS proxy");
-        } else if !(u.starts_with("redis://") || u.starts_with("unix://")) {
+    /// The Redis deployment: exactly one of `redis` (a URL, or "memory"), `redis_cluster`
+    /// (seed nodes) and `redis_sentinels` (with `redis_sentinel_master`), with the TLS files
+    /// and credentials. `None`: the embedded store.
+    fn target(&mut self, s: &raw::Store) -> Option<Target> {
+        let standalone = s.redis.as_ref().filter(|u| u.get_ref() != "memory");
+        let span = |v: Option<usize>, field: &'static str| v.map(|at| (at, field));
+        let chosen: Vec<(usize, &str)> = [
+            span(standalone.map(|u| u.span().start), "store.redis"),
+            span(
+                s.redis_cluster.as_ref().map(|v| v.span().start),
+                "store.redis_cluster",
+            ),
+            span(
+                s.redis_sentinels.as_ref().map(|v| v.span().start),
+                "store.redis_sentinels",
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if let [(_, first), (at, second), ..] = chosen.as_slice() {
+            let msg = format!("choose one topology: {first} and {second} are both set");
+            self.error_at(*at, second, msg);
+            return None;
+        }
+        if let (Some(m), None) = (&s.redis_sentinel_master, &s.redis_sentinels) {
             self.error(
-                url,
-                "store.redis",
-                "must be \"memory\", redis://HOST:PORT[/DB] or unix:///PATH",
+                m,
+                "store.redis_sentinel_master",
+                "needs store.redis_sentinels",
             );
+        }
+        let errors_before = self.errors.len();
+        let topology = if let Some(url) = standalone {
+            self.url(url, "store.redis", true);
+            Topology::Standalone(url.get_ref().clone())
+        } else if let Some(seeds) = &s.redis_cluster {
+            Topology::Cluster(self.urls(seeds, "store.redis_cluster"))
+        } else if let Some(sentinels) = &s.redis_sentinels {
+            let urls = self.urls(sentinels, "store.redis_sentinels");
+            let master = match &s.redis_sentinel_master {
+                Some(m) if policy::valid_name(m.get_ref()) => m.get_ref().clone(),
+                Some(m) => {
+                    self.error(m, "store.redis_sentinel_master", NAME_RULE);
+                    String::new()
+                }
+                None => {
+                    self.error(sentinels, "store.redis_sentinel_master", "required with store.redis_sentinels: the master's name in the sentinels' config");
+                    String::new()
+                }
+            };
+            Topology::Sentinel {
+                sentinels: urls,
+                master,
+            }
+        } else {
+            for (v, field) in [
+                (&s.tls_ca_file, "store.tls_ca_file"),
+                (&s.tls_cert_file, "store.tls_cert_file"),
+                (&s.tls_key_file, "store.tls_key_file"),
+                (&s.username, "store.username"),
+                (&s.password, "store.password"),
+            ] {
+                if let Some(v) = v {
+                    self.error(v, field, "only with a Redis store (store.redis, store.redis_cluster or store.redis_sentinels)");
+                }
+            }
+            return None;
+        };
+        let mut target = Target {
+            topology,
+            tls: self.tls_files(s),
+            username: s.username.as_ref().map(|u| u.get_ref().clone()),
+            password: s.password.as_ref().map(|p| p.get_ref().clone()),
+        };
+        if !target.uses_tls() {
+            if let Some(f) = s.tls_ca_file.as_ref().or(s.tls_cert_file.as_ref()) {
+                self.error(
+                    f,
+                    "store.tls_ca_file",
+                    "TLS files are set but no URL is rediss://",
+                );
+            }
+            target.tls = TlsFiles::default();
+        }
+        // Only a target without errors of its own is worth building (one error per mistake).
+        if self.errors.len() > errors_before {
+            return Some(target);
+        }
+        if let (Err(e), Some((at, field))) = (target.check(), chosen.first()) {
+            self.error_at(*at, field, format!("cannot build a Redis client: {e}"));
+        }
+        Some(target)
+    }
+
+    /// A non-empty list of server URLs.
+    fn urls(&mut self, list: &Spanned<Vec<Spanned<String>>>, field: &str) -> Vec<String> {
+        if list.get_ref().is_empty() {
+            self.error(list, field, "needs at least one redis:// or rediss:// URL");
+        }
+        list.get_ref()
+            .iter()
+            .map(|u| {
+                self.url(u, field, false);
+                u.get_ref().clone()
+            })
+            .collect()
+    }
+
+    /// A URL the client accepts (so that a bad one fails validation rather than the first
+    /// connection): `redis://`, `rediss://` (TLS), and `unix://` where `unix` allows.
+    fn url(&mut self, url: &Spanned<String>, field: &str, unix: bool) {
+        let u = url.get_ref();
+        let scheme_ok = u.starts_with("redis://")
+            || u.starts_with("rediss://")
+            || (unix && u.starts_with("unix://"));
+        if !scheme_ok {
+            let forms = if unix {
+                "must be \"memory\", redis://[USER:PASSWORD@]HOST:PORT[/DB], rediss://... (TLS) or unix:///PATH"
+            } else {
+                "must be redis://[USER:PASSWORD@]HOST:PORT or rediss://... (TLS)"
+            };
+            self.error(url, field, forms);
         } else if let Err(e) = redis::Client::open(u.as_str()) {
-            self.error(url, "store.redis", format!("invalid Redis URL: {e}"));
+            self.error(url, field, format!("invalid Redis URL: {e}"));
+        }
+    }
+
+    /// The PEM files, read now: a missing or unreadable file is a config error, not a
+    /// failed connection later. Relative paths are relative to the config file.
+    fn tls_files(&mut self, s: &raw::Store) -> TlsFiles {
+        let ca = s
+            .tls_ca_file
+            .as_ref()
+            .and_then(|f| self.pem(f, "store.tls_ca_file"));
+        let cert = s
+            .tls_cert_file
+            .as_ref()
+            .and_then(|f| self.pem(f, "store.tls_cert_file"));
+        let key = s
+            .tls_key_file
+            .as_ref()
+            .and_then(|f| self.pem(f, "store.tls_key_file"));
+        let client = match (&s.tls_cert_file, &s.tls_key_file) {
+            (Some(_), Some(_)) => cert.zip(key),
+            (Some(f), None) => {
+                self.error(f, "store.tls_key_file", "required with store.tls_cert_file");
+                None
+            }
+            (None, Some(f)) => {
+                self.error(f, "store.tls_cert_file", "required with store.tls_key_file");
+                None
+            }
+            (None, None) => None,
+        };
+        TlsFiles { ca, client }
+    }
+
+    fn pem(&mut self, file: &Spanned<String>, field: &str) -> Option<Vec<u8>> {
+        let path = std::path::Path::new(self.file)
+            .parent()
+            .unwrap_or(std::path::Path::new("."))
+            .join(file.get_ref());
+        match std::fs::read(&path) {
+            Ok(b) if b.windows(11).any(|w| w == b"-----BEGIN ") => Some(b),
+            Ok(_) => {
+                self.error(file, field, format!("{} is not a PEM file", path.display()));
+                None
+            }
+            Err(e) => {
+                self.error(file, field, format!("cannot read {}: {e}", path.display()));
+                None
+            }
         }
     }
 }

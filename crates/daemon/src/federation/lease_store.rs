@@ -30,6 +30,7 @@ use super::lock::Lock;
 use super::runtime::{Backend, Coordinated};
 use crate::config::GlobalSettings;
 use crate::policy::Policy;
+use crate::store::connect::{SyncConn, Target};
 use crate::store::global::{self, SLOT_FIELDS};
 use crate::store::layout::{GlobalLayout, Layouts, PolicyLayout};
 use crate::store::scripts::Global;
@@ -100,26 +101,29 @@ pub fn global_policies(
 
 /// Redis as the coordinator's backend: connects, takes the region's lock.
 pub struct RedisBackend {
-    pub client: redis::Client,
+    pub target: Target,
     pub lock: Arc<Lock>,
     pub timeout: Duration,
-    pub conn: Option<redis::Connection>,
+    pub conn: Option<SyncConn>,
     /// An eviction-policy problem was logged (once).
     pub warned: bool,
 }
 
 impl RedisBackend {
-    fn connect(&self) -> Option<redis::Connection> {
-        let conn = self
-            .client
-            .get_connection_with_timeout(self.timeout.max(Duration::from_millis(500)))
-            .ok()?;
+    fn connect(&self) -> Option<SyncConn> {
         // Twice the call bound: a `WAIT` that runs its full `timeout` (no replica
         // acknowledged) must come back as "not durable", not as a dead connection that
         // would restart the coordinator.
-        conn.set_read_timeout(Some(self.timeout * 2)).ok()?;
-        conn.set_write_timeout(Some(self.timeout * 2)).ok()?;
-        Some(conn)
+        match self
+            .target
+            .connect_sync((self.timeout * 2).max(Duration::from_millis(500)))
+        {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::debug!(error = %e, "coordinator: cannot connect to redis");
+                None
+            }
+        }
     }
 }
 
@@ -177,7 +181,7 @@ impl Backend for RedisBackend {
 }
 
 pub struct RedisLeaseStore {
-    conn: redis::Connection,
+    conn: SyncConn,
     clock: RedisClock,
     lock: Arc<Lock>,
     token: u64,
@@ -210,7 +214,7 @@ pub struct RedisLeaseStore {
 
 impl RedisLeaseStore {
     pub fn new(
-        conn: redis::Connection,
+        conn: SyncConn,
         clock: RedisClock,
         lock: Arc<Lock>,
         token: u64,
@@ -485,7 +489,7 @@ impl RedisLeaseStore {
 /// Retrying the whole pipeline is safe: every script here sets state, so running one
 /// twice leaves what running it once does.
 fn query_scripts<T: redis::FromRedisValue>(
-    conn: &mut redis::Connection,
+    conn: &mut SyncConn,
     pipe: &redis::Pipeline,
     script: &redis::Script,
 ) -> redis::RedisResult<T> {

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use redis::{Connection, RedisResult, Script};
+use redis::{ConnectionLike, RedisResult, Script};
 
 use crate::store::layout::Layout;
 
@@ -75,7 +75,7 @@ impl Lock {
     }
 
     /// Takes the lock if it is free; returns the fencing token.
-    pub fn try_acquire(&self, conn: &mut Connection) -> RedisResult<Option<u64>> {
+    pub fn try_acquire(&self, conn: &mut dyn ConnectionLike) -> RedisResult<Option<u64>> {
         let set: Option<String> = redis::cmd("SET")
             .arg(&self.key)
             .arg(&self.id)
@@ -91,7 +91,7 @@ impl Lock {
     }
 
     /// Extends the lock; false if another instance holds it now.
-    pub fn renew(&self, conn: &mut Connection) -> RedisResult<bool> {
+    pub fn renew(&self, conn: &mut dyn ConnectionLike) -> RedisResult<bool> {
         let n: i64 = self
             .renew
             .key(&self.key)
@@ -105,7 +105,7 @@ impl Lock {
     /// (a deposed coordinator must not prune what the new one just added).
     pub fn fenced_srem(
         &self,
-        conn: &mut Connection,
+        conn: &mut dyn ConnectionLike,
         token: u64,
         set: &str,
         member: &str,
@@ -133,7 +133,7 @@ impl Lock {
     }
 
     /// Gives the lock up (a clean shutdown: the next instance need not wait the expiry).
-    pub fn release(&self, conn: &mut Connection) -> RedisResult<()> {
+    pub fn release(&self, conn: &mut dyn ConnectionLike) -> RedisResult<()> {
         let _: i64 = self.release.key(&self.key).arg(&self.id).invoke(conn)?;
         Ok(())
     }

@@ -170,7 +170,10 @@ impl Shared {
 /// Where the region's coordinator keeps its state.
 pub enum BackendChoice<'a> {
     /// The region's Redis: shared by its instances, one of which holds the lock.
-    Redis { url: &'a str, timeout: Duration },
+    Redis {
+        target: &'a crate::store::connect::Target,
+        timeout: Duration,
+    },
     /// The embedded store of this process (one instance per region).
     Memory(Arc<crate::store::memory::MemoryStore>),
 }
@@ -235,14 +238,14 @@ impl BackendChoice<'_> {
         outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
     ) -> Result<std::thread::JoinHandle<()>, redis::RedisError> {
         let spawned = match self {
-            BackendChoice::Redis { url, timeout } => {
+            BackendChoice::Redis { target, timeout } => {
                 let lock = lock::Lock::new(
                     shared.layouts.layout(),
                     shared.instance.clone(),
                     shared.settings.lock.mul_f64(0.8),
                 );
                 let backend = lease_store::RedisBackend {
-                    client: redis::Client::open(url)?,
+                    target: target.clone(),
                     lock: Arc::new(lock),
                     timeout,
                     conn: None,

@@ -11,7 +11,11 @@ use redis::aio::ConnectionLike;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use crate::store::connect::Target;
 use crate::store::layout::{KeyOwner, Layouts};
+
+/// Bound on connecting to a node (and on each reply while connected).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Pause between SCAN steps: at most 10,000 keys a second, so a sweep never competes
 /// with decisions for Redis.
@@ -113,7 +117,7 @@ async fn repair<C: ConnectionLike + Send>(
 /// others skip it; one that dies mid-sweep leaves the next interval to whoever claims it.
 /// Errors are logged and retried the next interval: a janitor never stops the daemon.
 pub async fn run(
-    client: redis::Client,
+    target: Target,
     layouts: Arc<Layouts>,
     interval: Duration,
     metrics: Arc<Metrics>,
@@ -127,7 +131,7 @@ pub async fn run(
         }
         let swept = tokio::select! {
             _ = stop.cancelled() => return,
-            r = claim_and_sweep(&client, &layouts, interval, &me) => r,
+            r = claim_and_sweep(&target, &layouts, interval, &me) => r,
         };
         match swept {
             Ok(None) => {}
@@ -151,14 +155,15 @@ pub async fn run(
     }
 }
 
-/// Sweeps if this instance wins this interval's claim; `None` when another did.
+/// Sweeps every master if this instance wins this interval's claim; `None` when another
+/// did. Masters are swept one after the other, so the load stays that of one sweep.
 async fn claim_and_sweep(
-    client: &redis::Client,
+    target: &Target,
     layouts: &Layouts,
     interval: Duration,
     me: &str,
 ) -> redis::RedisResult<Option<SweepReport>> {
-    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut conn = target.connect(CONNECT_TIMEOUT, CONNECT_TIMEOUT).await?;
     let claimed: Option<String> = redis::cmd("SET")
         .arg(layouts.layout().janitor_key())
         .arg(me)
@@ -170,7 +175,15 @@ async fn claim_and_sweep(
     if claimed.is_none() {
         return Ok(None);
     }
-    sweep(&mut conn, layouts, STEP_PAUSE).await.map(Some)
+    let mut total = SweepReport::default();
+    for master in target.masters(CONNECT_TIMEOUT).await? {
+        let mut node = master.get_multiplexed_async_connection().await?;
+        let r = sweep(&mut node, layouts, STEP_PAUSE).await?;
+        total.scanned += r.scanned;
+        total.without_ttl += r.without_ttl;
+        total.repaired += r.repaired;
+    }
+    Ok(Some(total))
 }
 
 #[cfg(test)]

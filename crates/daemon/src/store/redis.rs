@@ -23,14 +23,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use redis::aio::MultiplexedConnection;
-use redis::io::tcp::TcpSettings;
-use redis::{AsyncConnectionConfig, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind};
+use redis::{ErrorKind, RedisError, ServerErrorKind};
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
+use crate::store::connect::{AsyncConn, Target};
 use crate::store::deny_cache::DenyCache;
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
@@ -39,7 +38,8 @@ use quotad_core::algorithm::{Op, Verdict};
 
 #[derive(Debug, Clone)]
 pub struct RedisSettings {
-    pub url: String,
+    /// Where Redis is (standalone, cluster, Sentinel) and how to reach it (TLS, ACL).
+    pub target: Target,
     /// Bound on every call (script or probe), connection set-up excluded.
     pub timeout: Duration,
     pub connect_timeout: Duration,
@@ -53,12 +53,11 @@ pub struct RedisSettings {
 }
 
 pub struct RedisStore {
-    client: redis::Client,
     /// The live connection with its generation; `None` until the supervisor connects, and
     /// after it is lost. The generation lets a late error from a request on an old
     /// connection leave a newer one alone. A std RwLock: held only to clone the handle out,
     /// never across an await.
-    conn: RwLock<Option<(u64, MultiplexedConnection)>>,
+    conn: RwLock<Option<(u64, AsyncConn)>>,
     generation: std::sync::atomic::AtomicU64,
     scripts: Scripts,
     /// The decision script of global policies (EVALSHA, loaded on NOSCRIPT by the crate).
@@ -86,28 +85,20 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 const HEARTBEAT_PAYLOAD: &str = "";
 
 impl RedisStore {
-    /// Parses the URL; does not connect (the supervisor does). `layout` names the
-    /// invalidation channel.
+    /// Checks the target offline; does not connect (the supervisor does). `layout` names
+    /// the invalidation channel.
     pub fn new(
         settings: RedisSettings,
         layout: &Layout,
         metrics: Arc<Metrics>,
     ) -> Result<Self, RedisError> {
-        // TCP_NODELAY: the multiplexed connection writes many small commands; with Nagle's
-        // algorithm on (the crate's default) a write can wait for the previous ACK.
-        let info = settings
-            .url
-            .as_str()
-            .into_connection_info()?
-            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
-        let client = redis::Client::open(info)?;
+        settings.target.check()?;
         let breaker = Breaker::new(settings.breaker_threshold);
         // Not connected yet: fail fast until the first probe succeeds.
         breaker.trip();
         metrics.store_up.set(0);
         let admission = Admission::new(settings.admission, metrics.clone());
         Ok(RedisStore {
-            client,
             conn: RwLock::new(None),
             generation: std::sync::atomic::AtomicU64::new(0),
             scripts: Scripts::default(),
@@ -166,9 +157,21 @@ impl RedisStore {
         use futures_util::StreamExt;
         loop {
             let subscribed = async {
-                let mut pubsub = self.client.get_async_pubsub().await?;
-                pubsub.subscribe(&self.channel).await?;
-                Ok::<_, RedisError>(pubsub)
+                let mut last = None;
+                for client in self.settings.target.pubsub_clients().await? {
+                    let attempt = async {
+                        let mut pubsub = client.get_async_pubsub().await?;
+                        pubsub.subscribe(&self.channel).await?;
+                        Ok::<_, RedisError>(pubsub)
+                    };
+                    match attempt.await {
+                        Ok(p) => return Ok(p),
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(last.unwrap_or_else(|| {
+                    RedisError::from(std::io::Error::other("no node to subscribe to"))
+                }))
             };
             let attempt = tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -232,11 +235,11 @@ impl RedisStore {
         !self.breaker.is_open() && self.loaded.load(Ordering::Acquire)
     }
 
-    fn conn(&self) -> Option<(u64, MultiplexedConnection)> {
+    fn conn(&self) -> Option<(u64, AsyncConn)> {
         self.conn.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn install(&self, conn: MultiplexedConnection) {
+    fn install(&self, conn: AsyncConn) {
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         *self.conn.write().unwrap_or_else(|p| p.into_inner()) = Some((generation, conn));
     }
@@ -308,7 +311,7 @@ impl RedisStore {
 
     async fn load(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut AsyncConn,
         algorithm: quotad_core::algorithm::Algorithm,
     ) -> redis::RedisResult<()> {
         self.metrics.script_loads.inc();
@@ -324,7 +327,7 @@ impl RedisStore {
     /// breaker's bookkeeping and a [`StoreError`].
     async fn guarded<T, F, Fut>(&self, f: F) -> Result<T, StoreError>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: FnOnce(AsyncConn) -> Fut,
         Fut: Future<Output = redis::RedisResult<T>>,
     {
         if self.breaker.is_open() {
@@ -412,13 +415,14 @@ impl RedisStore {
     /// closes the breaker.
     pub async fn probe(&self) -> Result<(), StoreError> {
         let t = self.settings.timeout;
-        let cfg = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.settings.connect_timeout))
-            .set_response_timeout(Some(self.settings.connect_timeout.max(t)));
         let attempt = async {
             let mut conn = self
-                .client
-                .get_multiplexed_async_connection_with_config(&cfg)
+                .settings
+                .target
+                .connect(
+                    self.settings.connect_timeout,
+                    self.settings.connect_timeout.max(t),
+                )
                 .await?;
             let _: String = redis::cmd("PING").query_async(&mut conn).await?;
             for a in quotad_core::algorithm::Algorithm::ALL {
@@ -447,7 +451,7 @@ impl RedisStore {
             let wait = if self.breaker.is_open() {
                 match self.probe().await {
                     Ok(()) => {
-                        tracing::info!(url = %redacted(&self.settings.url), "redis connected, scripts loaded");
+                        tracing::info!(redis = %self.settings.target.describe(), "redis connected, scripts loaded");
                         logged_down = false;
                         HEALTH_INTERVAL
                     }
@@ -490,33 +494,20 @@ impl RedisStore {
     }
 }
 
+/// Errors after which the connection is dropped and the probe reconnects. READONLY is
+/// one: the server was a master and is now a replica (a Sentinel failover demoted it
+/// while the connection stayed up), so the new master must be looked up again.
 fn is_connection_error(e: &RedisError) -> bool {
     e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_unrecoverable_error()
-}
-
-/// The URL without its password, for logs.
-pub fn redacted(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_owned(),
-    }
+        || e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redacts_credentials() {
-        assert_eq!(
-            redacted("redis://:secret@host:6379/0"),
-            "redis://***@host:6379/0"
-        );
-        assert_eq!(redacted("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-    }
 
     #[test]
     fn rejects_malformed_replies() {
