@@ -49,14 +49,22 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
         Duration::from_secs(30),
     ));
     let mut conn = redis.conn();
-    let token = lock.try_acquire(&mut conn).unwrap().expect("the lock");
+    let entries = global_policies(&policies, &layouts);
+    let fences: Vec<&str> = entries
+        .values()
+        .map(|p| p.global.keys.fence.as_str())
+        .collect();
+    let token = lock
+        .try_acquire(&mut conn, &fences)
+        .unwrap()
+        .expect("the lock");
     let clock = RedisClock::new();
     let mut store = RedisLeaseStore::new(
         quotad_daemon::store::connect::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,
-        global_policies(&policies, &layouts),
+        entries,
         Duration::from_millis(500),
         &global,
     );

@@ -40,14 +40,22 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         .arg(Layout::new("rl").lock_key())
         .query(&mut conn)
         .unwrap();
-    let token = lock.try_acquire(&mut conn).unwrap().expect("the lock");
+    let entries = global_policies(&policies, &layouts);
+    let fences: Vec<&str> = entries
+        .values()
+        .map(|p| p.global.keys.fence.as_str())
+        .collect();
+    let token = lock
+        .try_acquire(&mut conn, &fences)
+        .unwrap()
+        .expect("the lock");
     let clock = RedisClock::new();
     let s = RedisLeaseStore::new(
         quotad_daemon::store::connect::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,
-        global_policies(&policies, &layouts),
+        entries,
         Duration::from_millis(500),
         &global,
     );
@@ -123,12 +131,12 @@ fn a_deposed_coordinator_cannot_prune_the_books_index() {
     assert!(old.write_book("g", "gone", &book(clock.now_us())).durable);
     // The key's hash expires (idle for the keep time); its name stays in the index.
     let _: () = redis::cmd("DEL")
-        .arg("rl:g:g:{gone}")
+        .arg("rl:g:g:{rl:g}:{gone}")
         .query(&mut conn)
         .unwrap();
     let listed = |conn: &mut redis::Connection| -> bool {
         redis::cmd("SISMEMBER")
-            .arg("rl:g:g:books")
+            .arg("rl:g:g:{rl:g}:books")
             .arg("gone")
             .query(conn)
             .unwrap()

@@ -405,13 +405,15 @@ fn send(port: u16, raw: &Raw) -> (u16, String) {
     (status, body)
 }
 
-/// Keys in Redis that are not the coordinator's own (its lock, fencing token, replication
-/// ID and the global policy's meta hash, which every round re-asserts).
+/// Keys in Redis that are not the coordinator's own (its lock and token counter, and the
+/// global policy's meta hash, fence and replication ID, which it writes every round: the
+/// per-policy keys are the ones not ending in a user key's brace).
 fn limiter_keys(redis: &RedisServer) -> Vec<String> {
     redis
         .keys()
         .into_iter()
-        .filter(|k| !k.starts_with("rl:coordinator:") && k != "rl:g:g:meta")
+        .filter(|k| !k.starts_with("rl:coordinator:"))
+        .filter(|k| !k.starts_with("rl:g:g:{rl:g}:") || k.ends_with('}'))
         .collect()
 }
 

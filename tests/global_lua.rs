@@ -89,6 +89,8 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
         meta: format!("t:p{seed}:g:meta"),
         active: format!("t:p{seed}:g:active"),
         books: format!("t:p{seed}:g:books"),
+        fence: FENCE.to_owned(),
+        replid: format!("t:p{seed}:g:replid"),
     };
     let users = ["alice", "bob", "carol"];
     let storage = |u: &str| format!("t:p{seed}:g:{{{u}}}");
@@ -114,7 +116,6 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 &key,
                 user,
                 &keys,
-                FENCE,
                 token,
                 &args,
                 book,
@@ -156,8 +157,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 format!("write {book:?}")
             }
             75..=82 => {
-                let inv =
-                    global::drop_loans_invocation(&s.drop, &key, &keys, FENCE, 1, &args, Some(now));
+                let inv = global::drop_loans_invocation(&s.drop, &key, &keys, 1, &args, Some(now));
                 let dropped: i64 = inv.invoke(conn).unwrap();
                 assert_eq!(
                     dropped == 1,
@@ -182,7 +182,6 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 let inv = global::set_default_invocation(
                     &s.default,
                     &keys,
-                    FENCE,
                     1,
                     escrow,
                     args.keep_ms,

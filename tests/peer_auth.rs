@@ -113,7 +113,7 @@ fn after_a_round(q: &Quotad) {
 /// The lease state of key "k" in eu's Redis: the book's reservations field.
 fn reservations(redis: &RedisServer) -> Option<String> {
     redis::cmd("HGET")
-        .arg("rl:g:g:{k}")
+        .arg("rl:g:g:{rl:g}:{k}")
         .arg("r")
         .query(&mut redis.conn())
         .unwrap()

@@ -127,6 +127,40 @@ impl RedisBackend {
     }
 }
 
+impl RedisBackend {
+    /// Lease books have TTLs: a Redis that evicts keys under memory pressure could drop a
+    /// live reservation. Coordinate only on `noeviction` (Redis's default), checked on the
+    /// master of every global policy (on a cluster they may differ).
+    fn evicts_nothing(&mut self, policies: &HashMap<String, PolicyEntry>) -> bool {
+        let Some(conn) = self.conn.as_mut() else {
+            return false;
+        };
+        for p in policies.values() {
+            let policy: Result<Vec<String>, _> = conn.query_at(
+                redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"),
+                &p.global.keys.fence,
+            );
+            match policy.as_deref() {
+                Ok([_, p]) if p != "noeviction" => {
+                    if !self.warned {
+                        tracing::error!(policy = %p, "redis maxmemory-policy evicts keys: not coordinating (global policies stay on their escrow); set maxmemory-policy noeviction");
+                        self.warned = true;
+                    }
+                    return false;
+                }
+                Ok(_) => {}
+                // CONFIG may be renamed or disabled (managed Redis): the operator's call.
+                Err(e) if !self.warned => {
+                    tracing::warn!(error = %e, "cannot read redis maxmemory-policy; make sure it is noeviction");
+                    self.warned = true;
+                }
+                Err(_) => {}
+            }
+        }
+        true
+    }
+}
+
 impl Backend for RedisBackend {
     type Clock = RedisClock;
     type Store = RedisLeaseStore;
@@ -135,29 +169,15 @@ impl Backend for RedisBackend {
         if self.conn.is_none() {
             self.conn = self.connect();
         }
-        // Lease books have TTLs: a Redis that evicts keys under memory pressure could drop
-        // a live reservation. Coordinate only on `noeviction` (Redis's default).
-        let policy: Result<Vec<String>, _> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory-policy")
-            .query(self.conn.as_mut()?);
-        match policy.as_deref() {
-            Ok([_, p]) if p != "noeviction" => {
-                if !self.warned {
-                    tracing::error!(policy = %p, "redis maxmemory-policy evicts keys: not coordinating (global policies stay on their escrow); set maxmemory-policy noeviction");
-                    self.warned = true;
-                }
-                return None;
-            }
-            Ok(_) => {}
-            // CONFIG may be renamed or disabled (managed Redis): the operator's call.
-            Err(e) if !self.warned => {
-                tracing::warn!(error = %e, "cannot read redis maxmemory-policy; make sure it is noeviction");
-                self.warned = true;
-            }
-            Err(_) => {}
+        let policies = global_policies(&shared.policies, &shared.layouts);
+        if !self.evicts_nothing(&policies) {
+            return None;
         }
-        let token = match self.lock.try_acquire(self.conn.as_mut()?) {
+        let fences: Vec<&str> = policies
+            .values()
+            .map(|p| p.global.keys.fence.as_str())
+            .collect();
+        let token = match self.lock.try_acquire(self.conn.as_mut()?, &fences) {
             Ok(Some(t)) => t,
             Ok(None) => return None,
             Err(e) => {
@@ -172,7 +192,7 @@ impl Backend for RedisBackend {
             clock.clone(),
             self.lock.clone(),
             token,
-            global_policies(&shared.policies, &shared.layouts),
+            policies,
             self.timeout,
             &shared.settings,
         );
@@ -189,11 +209,10 @@ pub struct RedisLeaseStore {
     write: redis::Script,
     drop: redis::Script,
     default: redis::Script,
-    /// Replicas attached at the last sync (0: a write is durable when answered).
-    replicas: u32,
+    /// Replicas attached to each policy's master at the last round (0: a write is
+    /// durable when answered).
+    replicas: HashMap<String, u32>,
     wait_timeout: Duration,
-    /// Where the replication ID the books were written under is kept.
-    replid_key: String,
     /// Redis time of the previous `take_active`, per policy.
     active_since: HashMap<String, i64>,
     failure: Option<String>,
@@ -206,8 +225,8 @@ pub struct RedisLeaseStore {
     max_sync_us: i64,
     /// A failover was detected and the node has not been told yet.
     failed_over: bool,
-    /// This store has written the replication-ID key (so its absence is news).
-    replid_written: bool,
+    /// Policies whose replication-ID key this store has written (so its absence is news).
+    replid_written: std::collections::HashSet<String>,
     /// When the lock was last extended; long batches extend it as they go.
     renewed: Instant,
 }
@@ -225,7 +244,6 @@ impl RedisLeaseStore {
         RedisLeaseStore {
             regions: settings.regions.len(),
             max_sync_us: (settings.params.margin_us / 4).max(1_000),
-            replid_key: lock.replid_key().to_owned(),
             conn,
             clock,
             lock,
@@ -234,14 +252,14 @@ impl RedisLeaseStore {
             write: Global::WriteBook.script(),
             drop: Global::DropLoans.script(),
             default: Global::SetDefault.script(),
-            replicas: 0,
+            replicas: HashMap::new(),
             wait_timeout,
             active_since: HashMap::new(),
             failure: None,
             lagging: false,
             fenced: false,
             failed_over: false,
-            replid_written: false,
+            replid_written: Default::default(),
             renewed: Instant::now(),
         }
     }
@@ -304,36 +322,51 @@ impl RedisLeaseStore {
         Ok(())
     }
 
-    /// Reads the replicas attached, and detects a failover: the replication ID the region's
-    /// books were last written under is kept in Redis itself (a replicated key), so a
-    /// promoted replica, or a restart that reloaded its data, shows a different one, even
-    /// to a coordinator that only just connected. Then every loan is dropped.
+    /// Reads the replicas attached to each policy's master, and detects a failover: the
+    /// replication ID a policy's books were last written under is kept in Redis itself (a
+    /// replicated key in the policy's slot), so a promoted replica, or a restart that
+    /// reloaded its data, shows a different one, even to a coordinator that only just
+    /// connected. Then every loan is dropped (of every policy: the safe side).
     fn replication(&mut self) -> Result<(), String> {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut self.conn)
-            .map_err(|e| e.to_string())?;
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                .map(|v| v.trim().to_owned())
-        };
-        self.replicas = field("connected_slaves")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        let Some(current) = field("master_replid") else {
-            return Ok(());
-        };
-        let stored: Option<String> = redis::cmd("GET")
-            .arg(&self.replid_key)
-            .query(&mut self.conn)
-            .map_err(|e| e.to_string())?;
-        // The key is written every round (with an hour's TTL): gone after this store wrote
-        // it means Redis lost its data (a restart without persistence); changed means a
-        // failover or a restart that reloaded older data. Either way writes it took may be
-        // lost.
-        let lost = stored.is_none() && self.replid_written;
-        if lost || stored.as_ref().is_some_and(|s| *s != current) {
+        let mut names: Vec<String> = self.policies.keys().cloned().collect();
+        names.sort();
+        let mut current = Vec::with_capacity(names.len());
+        let mut lost_any = false;
+        for name in &names {
+            let keys = &self.policies[name].global.keys;
+            let (info, stored): (String, Option<String>) = {
+                let replid = keys.replid.clone();
+                let info = self
+                    .conn
+                    .query_at(redis::cmd("INFO").arg("replication"), &replid)
+                    .map_err(|e| e.to_string())?;
+                let stored = redis::cmd("GET")
+                    .arg(&replid)
+                    .query(&mut self.conn)
+                    .map_err(|e| e.to_string())?;
+                (info, stored)
+            };
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                    .map(|v| v.trim().to_owned())
+            };
+            let replicas = field("connected_slaves")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            self.replicas.insert(name.clone(), replicas);
+            let Some(now) = field("master_replid") else {
+                continue;
+            };
+            // The key is written every round (with an hour's TTL): gone after this store
+            // wrote it means Redis lost its data (a restart without persistence); changed
+            // means a failover or a restart that reloaded older data. Either way writes it
+            // took may be lost.
+            let lost = stored.is_none() && self.replid_written.contains(name);
+            lost_any |= lost || stored.as_ref().is_some_and(|s| *s != now);
+            current.push((name.clone(), now));
+        }
+        if lost_any {
             tracing::warn!(
                 "redis replication ID changed or lost (failover or restart): dropping every loan"
             );
@@ -344,21 +377,16 @@ impl RedisLeaseStore {
             }
         }
         // Refreshed every round: its TTL must not lapse while the region runs.
-        {
-            let keep_ms = self
-                .policies
-                .values()
-                .map(|p| p.global.shape.keep_ms)
-                .max()
-                .unwrap_or(3_600_000);
+        for (name, replid) in current {
+            let p = &self.policies[&name].global;
             let _: () = redis::cmd("SET")
-                .arg(&self.replid_key)
-                .arg(&current)
+                .arg(&p.keys.replid)
+                .arg(&replid)
                 .arg("PX")
-                .arg(keep_ms)
+                .arg(p.shape.keep_ms)
                 .query(&mut self.conn)
                 .map_err(|e| e.to_string())?;
-            self.replid_written = true;
+            self.replid_written.insert(name);
         }
         Ok(())
     }
@@ -377,7 +405,6 @@ impl RedisLeaseStore {
                         &self.drop,
                         &storage,
                         &p.global.keys,
-                        self.lock.fence_key(),
                         self.token,
                         &p.global.shape,
                         None,
@@ -404,21 +431,29 @@ impl RedisLeaseStore {
     /// message and every re-asserted book: peers' requests would time out queued behind
     /// it, and the lock could go stale. Not durable is always the safe answer: no grant
     /// leaves, no release is announced, the book is rewritten at the next round.
-    fn durable(&mut self) -> bool {
-        if self.replicas == 0 {
+    fn durable(&mut self, policy: &str) -> bool {
+        let replicas = self.replicas.get(policy).copied().unwrap_or(0);
+        if replicas == 0 {
             return true;
         }
         if self.lagging {
             return false;
         }
-        // Every connected replica: a failover may promote any of them.
-        let acked: Result<i64, _> = redis::cmd("WAIT")
-            .arg(self.replicas)
-            .arg(self.wait_timeout.as_millis() as u64)
-            .query(&mut self.conn);
+        let Some(p) = self.policies.get(policy) else {
+            return false;
+        };
+        // Every replica of the policy's master: a failover may promote any of them. On a
+        // cluster WAIT goes to the master the writes went to (the policy's slot).
+        let fence = p.global.keys.fence.clone();
+        let acked: Result<i64, _> = self.conn.query_at(
+            redis::cmd("WAIT")
+                .arg(replicas)
+                .arg(self.wait_timeout.as_millis() as u64),
+            &fence,
+        );
         match acked {
             Ok(n) => {
-                self.lagging = n < self.replicas as i64;
+                self.lagging = n < replicas as i64;
                 !self.lagging
             }
             Err(e) => {
@@ -569,7 +604,6 @@ impl LeaseStore for RedisLeaseStore {
                     &storage,
                     key,
                     &p.global.keys,
-                    self.lock.fence_key(),
                     self.token,
                     &p.global.shape,
                     book,
@@ -586,7 +620,7 @@ impl LeaseStore for RedisLeaseStore {
             }
         }
         // One WAIT covers the whole batch: a replica acknowledges in order.
-        let durable = self.durable();
+        let durable = self.durable(policy);
         epochs
             .into_iter()
             .map(|epoch| Written { durable, epoch })
@@ -609,6 +643,7 @@ impl LeaseStore for RedisLeaseStore {
             return Vec::new();
         };
         let set = p.global.keys.books.clone();
+        let fence = p.global.keys.fence.clone();
         let members: Vec<String> = match redis::cmd("SMEMBERS").arg(&set).query(&mut self.conn) {
             Ok(m) => m,
             Err(e) => {
@@ -633,7 +668,8 @@ impl LeaseStore for RedisLeaseStore {
         for chunk in expired.chunks(BATCH) {
             let mut pipe = redis::pipe();
             for key in chunk {
-                self.lock.fenced_srem_to(&mut pipe, self.token, &set, key);
+                self.lock
+                    .fenced_srem_to(&mut pipe, (&fence, self.token), &set, key);
             }
             // Best effort: a member left behind is pruned at the next adoption.
             let _ = query_scripts::<()>(&mut self.conn, &pipe, self.lock.fenced_srem_script());
@@ -753,14 +789,13 @@ impl LeaseStore for RedisLeaseStore {
         let inv = global::set_default_invocation(
             &self.default,
             &p.global.keys,
-            self.lock.fence_key(),
             self.token,
             escrow,
             p.global.shape.keep_ms,
             None,
         );
         match inv.invoke::<i64>(&mut self.conn) {
-            Ok(_) => self.durable(),
+            Ok(_) => self.durable(policy),
             Err(e) => {
                 self.fail(e);
                 false

@@ -1,10 +1,13 @@
 //! The region's coordinator lock: several quotad instances may share a region's Redis (all
 //! serve checks), and exactly one runs the coordinator. The holder's instance id is the
 //! lock's value, with an expiry; on taking the lock the holder increments the fencing
-//! counter and keeps the new value as its token. Every coordinator write checks the token
-//! (`lua/global/`), so an instance that lost the lock (paused past the expiry, cut off from
-//! Redis) cannot write after the next holder has raised the counter, which it does before
-//! it reads a single book. The token doubles as the node's incarnation: it grows with every
+//! counter, keeps the new value as its token, and raises every global policy's fence key
+//! to it ([`Lock::raise`]) before it reads a single book. Every coordinator write checks
+//! the token against its policy's fence key in the same script (`lua/global/`; the fence
+//! shares the policy's hash slot, so this holds on a cluster too), so an instance that lost
+//! the lock (paused past the expiry, cut off from Redis) cannot write to a policy once the
+//! next holder has raised its fence, and whatever it wrote before is there for the next
+//! holder to read. The token doubles as the node's incarnation: it grows with every
 //! takeover, as the lease protocol requires, and never goes back (it is also at least
 //! Redis's clock in milliseconds, so a lost counter cannot make it repeat).
 
@@ -16,7 +19,6 @@ use crate::store::layout::Layout;
 
 pub struct Lock {
     key: String,
-    replid_key: String,
     fence_key: String,
     id: String,
     ttl: Duration,
@@ -24,6 +26,7 @@ pub struct Lock {
     release: Script,
     next_token: Script,
     fenced_srem: Script,
+    raise: Script,
 }
 
 impl Lock {
@@ -31,7 +34,6 @@ impl Lock {
     pub fn new(layout: &Layout, id: String, ttl: Duration) -> Self {
         Lock {
             key: layout.lock_key(),
-            replid_key: layout.replid_key(),
             fence_key: layout.fence_key(),
             id,
             ttl,
@@ -50,6 +52,12 @@ impl Lock {
                 "if redis.call('GET', KEYS[1]) == ARGV[1] then \
                    return redis.call('SREM', KEYS[2], ARGV[2]) else return 0 end",
             ),
+            // Never lowers a fence: a holder that finds a newer token is deposed.
+            raise: Script::new(
+                "local c = tonumber(redis.call('GET', KEYS[1])) or 0 \
+                 if c > tonumber(ARGV[1]) then return 0 end \
+                 redis.call('SET', KEYS[1], ARGV[1]) return 1",
+            ),
             next_token: Script::new(
                 "local t = redis.call('TIME') \
                  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) \
@@ -65,17 +73,15 @@ impl Lock {
         self.ttl
     }
 
-    pub fn fence_key(&self) -> &str {
-        &self.fence_key
-    }
-
-    /// The replication ID the books were last written under, next to the lock.
-    pub fn replid_key(&self) -> &str {
-        &self.replid_key
-    }
-
-    /// Takes the lock if it is free; returns the fencing token.
-    pub fn try_acquire(&self, conn: &mut dyn ConnectionLike) -> RedisResult<Option<u64>> {
+    /// Takes the lock if it is free, draws a fencing token and raises each of `fences` (the
+    /// global policies' fence keys) to it, before the caller reads anything; returns the
+    /// token. `None` if the lock is held, or if a fence holds a newer token (then the lock
+    /// is given back).
+    pub fn try_acquire(
+        &self,
+        conn: &mut dyn ConnectionLike,
+        fences: &[&str],
+    ) -> RedisResult<Option<u64>> {
         let set: Option<String> = redis::cmd("SET")
             .arg(&self.key)
             .arg(&self.id)
@@ -87,6 +93,14 @@ impl Lock {
             return Ok(None);
         }
         let token: u64 = self.next_token.key(&self.fence_key).invoke(conn)?;
+        for fence in fences {
+            let raised: i64 = self.raise.key(*fence).arg(token).invoke(conn)?;
+            if raised != 1 {
+                tracing::info!("coordinator lock: a policy's fence holds a newer token");
+                self.release(conn)?;
+                return Ok(None);
+            }
+        }
         Ok(Some(token))
     }
 
@@ -101,30 +115,18 @@ impl Lock {
         Ok(n == 1)
     }
 
-    /// Removes `member` from the set `set` if `token` is still the current fencing token
-    /// (a deposed coordinator must not prune what the new one just added).
-    pub fn fenced_srem(
+    /// Adds to a pipeline: remove `member` from the set `set` if `token` is still the
+    /// token in `fence` (a deposed coordinator must not prune what the new one just
+    /// added). Run it with [`Lock::fenced_srem_script`] loaded.
+    pub fn fenced_srem_to(
         &self,
-        conn: &mut dyn ConnectionLike,
-        token: u64,
+        pipe: &mut redis::Pipeline,
+        (fence, token): (&str, u64),
         set: &str,
         member: &str,
-    ) -> RedisResult<()> {
-        let _: i64 = self
-            .fenced_srem
-            .key(&self.fence_key)
-            .key(set)
-            .arg(token)
-            .arg(member)
-            .invoke(conn)?;
-        Ok(())
-    }
-
-    /// Adds [`Lock::fenced_srem`] to a pipeline (run it with [`Lock::fenced_srem_script`]
-    /// loaded).
-    pub fn fenced_srem_to(&self, pipe: &mut redis::Pipeline, token: u64, set: &str, member: &str) {
+    ) {
         let mut inv = self.fenced_srem.prepare_invoke();
-        inv.key(&self.fence_key).key(set).arg(token).arg(member);
+        inv.key(fence).key(set).arg(token).arg(member);
         pipe.invoke_script(&inv).ignore();
     }
 

@@ -4,10 +4,9 @@
 //! Per user key, one hash holds the bucket, the lease book and the counters (see
 //! `lua/global/common.lua`). Per policy: a meta hash with the default escrow, a sorted set
 //! of recently active keys (score: Redis time of the last check), and the set of keys with
-//! a book (recovery after a coordinator restart). Per region: the coordinator lock and its
-//! fencing counter. Their names are [`super::layout`]'s. The per-policy and per-region keys
-//! are outside the user key's hash slot, so this layout needs one Redis (or a cluster's
-//! rework; see docs/global-budgets.md).
+//! a book (recovery after a coordinator restart), and the fencing token of the coordinator
+//! that may write them. Their names are [`super::layout`]'s: all in one hash slot, so every
+//! script below runs on a cluster too.
 
 use redis::{Script, ScriptInvocation};
 
@@ -63,14 +62,13 @@ pub fn check_invocation<'a>(
     inv
 }
 
-/// The book-write script's call: fenced by `token`.
+/// The book-write script's call: fenced by `token` (checked against `keys.fence`).
 #[allow(clippy::too_many_arguments)]
 pub fn write_book_invocation<'a>(
     script: &'a Script,
     storage_key: &str,
     user_key: &str,
     keys: &PolicyKeys,
-    fence_key: &str,
     token: u64,
     shape: &ScriptShape,
     book: &LeaseBook,
@@ -79,7 +77,7 @@ pub fn write_book_invocation<'a>(
     let mut inv = script.prepare_invoke();
     inv.key(storage_key)
         .key(&keys.meta)
-        .key(fence_key)
+        .key(&keys.fence)
         .key(&keys.books)
         .arg(token);
     shape.push(&mut inv);
@@ -102,7 +100,6 @@ pub fn drop_loans_invocation<'a>(
     script: &'a Script,
     storage_key: &str,
     keys: &PolicyKeys,
-    fence_key: &str,
     token: u64,
     shape: &ScriptShape,
     now_us: Option<i64>,
@@ -110,7 +107,7 @@ pub fn drop_loans_invocation<'a>(
     let mut inv = script.prepare_invoke();
     inv.key(storage_key)
         .key(&keys.meta)
-        .key(fence_key)
+        .key(&keys.fence)
         .arg(token);
     shape.push(&mut inv);
     push_now(&mut inv, now_us);
@@ -121,7 +118,6 @@ pub fn drop_loans_invocation<'a>(
 pub fn set_default_invocation<'a>(
     script: &'a Script,
     keys: &PolicyKeys,
-    fence_key: &str,
     token: u64,
     escrow: f64,
     keep_ms: i64,
@@ -129,7 +125,7 @@ pub fn set_default_invocation<'a>(
 ) -> ScriptInvocation<'a> {
     let mut inv = script.prepare_invoke();
     inv.key(&keys.meta)
-        .key(fence_key)
+        .key(&keys.fence)
         .arg(token)
         .arg(escrow)
         .arg(keep_ms);

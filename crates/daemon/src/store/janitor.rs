@@ -239,8 +239,14 @@ mod tests {
         // Two windows for the sliding counter; a whole burst's refill for the bucket.
         assert_eq!(repair_ttl_ms(&l, "rl:sw:sw:{alice}"), Some(120_000 + 1000));
         assert_eq!(repair_ttl_ms(&l, "rl:tb:tb:{alice}"), Some(5_000 + 1000));
-        assert_eq!(repair_ttl_ms(&l, "rl:g:g:{alice}"), Some(GLOBAL_KEEP_MS));
-        assert_eq!(repair_ttl_ms(&l, "rl:g:g:active"), Some(GLOBAL_KEEP_MS));
+        assert_eq!(
+            repair_ttl_ms(&l, "rl:g:g:{rl:g}:{alice}"),
+            Some(GLOBAL_KEEP_MS)
+        );
+        assert_eq!(
+            repair_ttl_ms(&l, "rl:g:g:{rl:g}:active"),
+            Some(GLOBAL_KEEP_MS)
+        );
     }
 
     #[test]
@@ -248,7 +254,11 @@ mod tests {
         let l = layouts();
         assert_eq!(repair_ttl_ms(&l, "rl:gone:fw:{alice}"), Some(ORPHAN_TTL_MS));
         assert_eq!(repair_ttl_ms(&l, &l.layout().fence_key()), None);
-        assert_eq!(repair_ttl_ms(&l, &l.layout().replid_key()), None);
+        assert_eq!(
+            repair_ttl_ms(&l, "rl:g:g:{rl:g}:fence"),
+            None,
+            "a policy's fence"
+        );
         assert_eq!(repair_ttl_ms(&l, "session:42"), None);
         assert_eq!(repair_ttl_ms(&l, "rlx:tb:tb:{a}"), None, "another prefix");
         assert_eq!(repair_ttl_ms(&l, "rl"), None);

@@ -6,16 +6,26 @@
 //! policies when it assembles the daemon, and the limiter and the coordinator's store ask
 //! it for keys. The embedded memory store uses the same keys, so one layout serves both.
 //!
-//! Every key starts with the configured prefix:
+//! Every script's keys share one Redis Cluster hash slot, whatever the topology (a
+//! cluster refuses anything else with CROSSSLOT), and no user input chooses a slot by
+//! itself. Every key starts with the configured prefix:
 //!
 //! - `<prefix>:<policy>:<tag>:{<user key>}`: a key's state. `<tag>` is the algorithm's
-//!   (`fw`, `sl`, `sw`, `tb`, `gc`), or `g` for a global policy, whose hash holds a bucket,
-//!   a lease book and counters (`lua/global/common.lua`).
-//! - `<prefix>:<policy>:g:meta`, `…:g:active`, `…:g:books`: a global policy's default
-//!   escrow, recently active keys and keys with a book. User keys always carry a brace,
-//!   so none can collide with these.
-//! - `<prefix>:coordinator:lock`, `…:fence`, `…:replid`: the region's coordinator lock,
-//!   its fencing counter and the replication ID the books were last written under.
+//!   (`fw`, `sl`, `sw`, `tb`, `gc`); the escaped user key is the hash tag, so keys spread
+//!   over the cluster's masters.
+//! - `<prefix>:<policy>:g:{<prefix>:<policy>}:{<user key>}`: a key of a global policy,
+//!   whose hash holds a bucket, a lease book and counters (`lua/global/common.lua`). The
+//!   hash tag is the policy's: its scripts also read and write the policy's default
+//!   escrow, active keys and fencing token, and the coordinator's writes must be fenced
+//!   atomically, so a global policy's keys live in one slot (one master; see
+//!   docs/global-budgets.md, Redis Cluster).
+//! - `<prefix>:<policy>:g:{<prefix>:<policy>}:meta`, `…:active`, `…:books`, `…:fence`,
+//!   `…:replid`: a global policy's default escrow, recently active keys, keys with a book,
+//!   the coordinator's fencing token as seen by this policy's slot, and the replication ID
+//!   its books were last written under (failover detection on that slot's master). User
+//!   keys always end in a brace, so none can collide with these.
+//! - `<prefix>:coordinator:lock`, `…:fence`: the region's coordinator lock and the counter
+//!   its tokens are drawn from (each command touches one key: any slot will do).
 //! - `<prefix>:invalidate`: the pub/sub channel of the deny cache.
 
 use std::collections::HashMap;
@@ -31,6 +41,9 @@ pub const GLOBAL_KEEP_MS: i64 = 3_600_000;
 
 /// The tag of a global policy's keys in place of the algorithm's.
 const GLOBAL_TAG: &str = "g";
+
+/// The last word of the keys holding fencing tokens.
+const FENCE: &str = "fence";
 
 /// The region's coordinator keys sit under this name where a policy's would. Keys of a
 /// policy named "coordinator" read as the coordinator's and are left alone by the janitor:
@@ -67,13 +80,14 @@ impl Layout {
         &self.prefix
     }
 
-    /// Everything of a policy up to the user key: `<prefix>:<policy>:<tag>:`.
+    /// Everything of a policy up to the user key: `<prefix>:<policy>:<tag>:`, and for a
+    /// global policy its hash tag after it (see the module docs).
     fn stem(&self, policy: &Policy) -> String {
-        let tag = match policy.global {
-            Some(_) => GLOBAL_TAG,
-            None => policy.algorithm.key_tag(),
-        };
-        format!("{}:{}:{tag}:", self.prefix, policy.name)
+        let (prefix, name) = (&self.prefix, &policy.name);
+        match policy.global {
+            Some(_) => format!("{prefix}:{name}:{GLOBAL_TAG}:{{{prefix}:{name}}}:"),
+            None => format!("{prefix}:{name}:{}:", policy.algorithm.key_tag()),
+        }
     }
 
     /// Where `policy`'s keys live; for a global policy, also its per-policy keys and the
@@ -86,6 +100,8 @@ impl Layout {
                     meta: format!("{stem}meta"),
                     active: format!("{stem}active"),
                     books: format!("{stem}books"),
+                    fence: format!("{stem}{FENCE}"),
+                    replid: format!("{stem}replid"),
                 },
                 shape: ScriptShape {
                     rho: policy.rate_per_second(),
@@ -122,6 +138,9 @@ impl Layout {
         };
         match rest.split_once(':') {
             Some((COORDINATOR, _)) => KeyOwner::Coordinator,
+            // A global policy's fencing token: like the region's counter, it must never
+            // expire (a token must not be accepted again once a newer one was raised).
+            Some((_, tail)) if tail.ends_with(&format!("}}:{FENCE}")) => KeyOwner::Coordinator,
             Some((policy, _)) => KeyOwner::Policy(policy),
             None => KeyOwner::Foreign,
         }
@@ -132,21 +151,17 @@ impl Layout {
         format!("{}:{COORDINATOR}:lock", self.prefix)
     }
 
-    /// The lock's fencing counter (value: the holder's token; every coordinator write
-    /// checks it). It has no TTL on purpose: a token must never be handed out twice.
+    /// The lock's fencing counter (value: the last token handed out; each holder raises
+    /// every global policy's own fence key to its token before it reads anything). It has
+    /// no TTL on purpose: a token must never be handed out twice.
     pub fn fence_key(&self) -> String {
-        format!("{}:{COORDINATOR}:fence", self.prefix)
+        format!("{}:{COORDINATOR}:{FENCE}", self.prefix)
     }
 
     /// Which instance sweeps for lost TTLs this interval (value: its id; expires with the
     /// interval). Under the coordinator's name, so the janitor leaves it alone.
     pub fn janitor_key(&self) -> String {
         format!("{}:{COORDINATOR}:janitor", self.prefix)
-    }
-
-    /// The replication ID the region's books were last written under (failover detection).
-    pub fn replid_key(&self) -> String {
-        format!("{}:{COORDINATOR}:replid", self.prefix)
     }
 
     /// The deny cache's invalidation channel.
@@ -207,12 +222,16 @@ impl PolicyLayout {
     }
 }
 
-/// The per-policy keys of a global policy.
+/// The per-policy keys of a global policy, all in the slot of its keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyKeys {
     pub meta: String,
     pub active: String,
     pub books: String,
+    /// The fencing token every coordinator write to this policy checks.
+    pub fence: String,
+    /// The replication ID the policy's books were last written under.
+    pub replid: String,
 }
 
 /// What every script of a global policy needs besides the key.
@@ -319,12 +338,31 @@ mod tests {
             me: RegionId(1),
             step_tolerance_us: 7,
         };
-        let l = Layout::new("rl").policy(&p, Some(&place));
-        assert_eq!(l.storage_key("k"), "rl:g:g:{k}");
-        let g = l.global.expect("a global layout");
-        assert_eq!(g.keys.meta, "rl:g:g:meta");
-        assert_eq!(g.keys.active, "rl:g:g:active");
-        assert_eq!(g.keys.books, "rl:g:g:books");
+        let layout = Layout::new("rl");
+        let l = layout.policy(&p, Some(&place));
+        assert_eq!(l.storage_key("k"), "rl:g:g:{rl:g}:{k}");
+        let g = l.global.clone().expect("a global layout");
+        assert_eq!(g.keys.meta, "rl:g:g:{rl:g}:meta");
+        assert_eq!(g.keys.active, "rl:g:g:{rl:g}:active");
+        assert_eq!(g.keys.books, "rl:g:g:{rl:g}:books");
+        assert_eq!(g.keys.fence, "rl:g:g:{rl:g}:fence");
+        assert_eq!(g.keys.replid, "rl:g:g:{rl:g}:replid");
+        // One slot for all of them, whatever the user key.
+        let slot = crate::store::connect::slot;
+        for k in [
+            &l.storage_key("a}{b"),
+            &l.storage_key("x"),
+            &g.keys.meta,
+            &g.keys.fence,
+        ] {
+            assert_eq!(slot(k), slot(&g.keys.active), "{k}");
+        }
+        assert_eq!(layout.owner_of(&g.keys.fence), KeyOwner::Coordinator);
+        assert_eq!(layout.owner_of(&g.keys.meta), KeyOwner::Policy("g"));
+        assert_eq!(
+            layout.owner_of(&l.storage_key("fence")),
+            KeyOwner::Policy("g")
+        );
         assert_eq!(g.shape.rho, 10.0);
         assert_eq!(g.shape.step_tolerance_us, 7);
         assert_eq!(

@@ -350,6 +350,8 @@ mod tests {
             meta: "rl:g:g:meta".into(),
             active: "rl:g:g:active".into(),
             books: "rl:g:g:books".into(),
+            fence: "rl:g:g:fence".into(),
+            replid: "rl:g:g:replid".into(),
         };
         let global = GlobalCall {
             user_key: "k",
