@@ -288,3 +288,123 @@ fn gcra_is_exact_at_ten_thousand_per_second_in_lua() {
     let admitted = replies.iter().filter(|r| r[0] == 1).count();
     assert_eq!(admitted, 10_000);
 }
+
+/// The composite script (a co-location group's all-or-nothing batch) against the model's
+/// [`algorithm::apply_all`]: random batches over keys of all five algorithms, with costs,
+/// peeks, shadow (unenforced) checks and time steps; every verdict must be identical, and
+/// a batch must charge all its keys or none.
+#[test]
+fn composite_lua_matches_rust() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(scripts::COMPOSITE)
+        .query(&mut conn)
+        .unwrap();
+    let ms = 1000;
+    let keys: Vec<(String, Algorithm, Limits)> = Algorithm::ALL
+        .iter()
+        .flat_map(|&alg| {
+            [(5, 100 * ms, 7), (20, 1000 * ms, 20)].map(|(limit, window_us, burst)| {
+                let burst = if alg.has_burst() { burst } else { limit };
+                let name = format!("diff:{{g}}:{}:{limit}", alg.key_tag());
+                (
+                    name,
+                    alg,
+                    Limits {
+                        limit,
+                        window_us,
+                        burst,
+                    },
+                )
+            })
+        })
+        .collect();
+    let mut rng = StdRng::seed_from_u64(0xc0_4b05);
+    let mut model: HashMap<usize, State> = HashMap::new();
+    let mut now = real_now_us();
+    for step in 0..3_000 {
+        now += match rng.random_range(0..10) {
+            0..=2 => 0,
+            3..=8 => rng.random_range(1..=50 * ms),
+            _ => rng.random_range(100 * ms..=1500 * ms),
+        };
+        let n = rng.random_range(1..=4);
+        let mut picked: Vec<usize> = Vec::new();
+        while picked.len() < n {
+            let k = rng.random_range(0..keys.len());
+            if !picked.contains(&k) {
+                picked.push(k);
+            }
+        }
+        let member = format!("m{step}");
+        let checks: Vec<(usize, u64, bool)> = picked
+            .iter()
+            .map(|&k| {
+                let cap = keys[k].2.capacity(keys[k].1);
+                let cost = match rng.random_range(0..10) {
+                    0 => 0,
+                    1 => rng.random_range(1..=cap),
+                    _ => rng.random_range(1..=cap.min(2)),
+                };
+                (k, cost, rng.random_range(0..8) != 0)
+            })
+            .collect();
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&sha).arg(checks.len());
+        for (k, _, _) in &checks {
+            cmd.arg(&keys[*k].0);
+        }
+        for (k, cost, enforced) in &checks {
+            let (_, alg, l) = &keys[*k];
+            cmd.arg(alg.key_tag())
+                .arg(l.limit)
+                .arg(l.window_us)
+                .arg(l.burst)
+                .arg(cost)
+                .arg(&member)
+                .arg(u8::from(*enforced));
+        }
+        cmd.arg(now);
+        let mut pipe = redis::pipe();
+        pipe.atomic().add_command(cmd);
+        for (k, _, _) in &checks {
+            pipe.cmd("PERSIST").arg(&keys[*k].0).ignore();
+        }
+        let (reply,): (Vec<i64>,) = pipe.query(&mut conn).unwrap();
+        let got: Vec<Verdict> = reply
+            .chunks(4)
+            .map(|r| Verdict {
+                allowed: r[0] == 1,
+                remaining: r[1] as u64,
+                reset_after_us: r[2],
+                retry_after_us: r[3],
+            })
+            .collect();
+        let parts: Vec<algorithm::Part<'_>> = checks
+            .iter()
+            .map(|&(k, cost, enforced)| algorithm::Part {
+                algorithm: keys[k].1,
+                limits: keys[k].2,
+                state: model.get(&k),
+                cost,
+                member: &member,
+                enforced,
+            })
+            .collect();
+        let (want, writes) = algorithm::apply_all(&parts, now);
+        assert_eq!(got, want, "step {step}: batch {checks:?}");
+        for ((k, _, _), w) in checks.iter().zip(writes.into_iter().flatten()) {
+            match w {
+                Write::Keep => {}
+                Write::Put { state, .. } => {
+                    model.insert(*k, state);
+                }
+                Write::Delete => {
+                    model.remove(k);
+                }
+            }
+        }
+    }
+}

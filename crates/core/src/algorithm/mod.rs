@@ -193,6 +193,59 @@ pub fn apply(
     }
 }
 
+/// One check of an all-or-nothing batch ([`apply_all`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Part<'a> {
+    pub algorithm: Algorithm,
+    pub limits: Limits,
+    /// The key's state before the batch (keys are distinct within a batch).
+    pub state: Option<&'a State>,
+    pub cost: u64,
+    pub member: &'a str,
+    /// Whether a denial of this check stops the batch (false in shadow mode: observed, not
+    /// enforced).
+    pub enforced: bool,
+}
+
+/// An all-or-nothing batch (a composite limit, the article's "check every limit, charge
+/// only if all pass"): every part is decided against the state before any is charged, and
+/// the writes are returned only if no enforced part is denied. Otherwise nothing is
+/// written: a denied part reports its denial, and a part that alone would have passed
+/// reports the state as it is, as a peek does (nothing of it was spent).
+/// `lua/composite.lua` does the same in one script.
+pub fn apply_all(parts: &[Part<'_>], now_us: i64) -> (Vec<Verdict>, Option<Vec<Write>>) {
+    let outcomes: Vec<Outcome> = parts
+        .iter()
+        .map(|p| {
+            let op = Op::Check { cost: p.cost };
+            apply(p.algorithm, &p.limits, p.state, now_us, op, p.member)
+        })
+        .collect();
+    let pass = parts
+        .iter()
+        .zip(&outcomes)
+        .all(|(p, o)| o.verdict.allowed || !p.enforced);
+    if pass {
+        let verdicts = outcomes.iter().map(|o| o.verdict).collect();
+        return (
+            verdicts,
+            Some(outcomes.into_iter().map(|o| o.write).collect()),
+        );
+    }
+    let verdicts = parts
+        .iter()
+        .zip(outcomes)
+        .map(|(p, o)| match o.verdict.allowed {
+            false => o.verdict,
+            true => {
+                let peek = Op::Check { cost: 0 };
+                apply(p.algorithm, &p.limits, p.state, now_us, peek, p.member).verdict
+            }
+        })
+        .collect();
+    (verdicts, None)
+}
+
 /// Splits an op into (cost to evaluate, whether to write). A peek evaluates cost 1.
 fn eval_cost(op: Op) -> (u64, bool) {
     match op {

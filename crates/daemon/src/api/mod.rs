@@ -162,8 +162,8 @@ fn set(h: &mut HeaderMap, name: &'static str, value: String) {
 
 async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let body = json_body(&state, req).await?;
-    let (policy, key) = request::parse_reset(&body, &state.policies, &state.caps)?;
-    match state.limiter.reset(&policy, &key).await {
+    let (policy, key, group) = request::parse_reset(&body, &state.policies, &state.caps)?;
+    match state.limiter.reset(&policy, &key, group.as_deref()).await {
         Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
         Err(ResetError::Shed(s)) => Err(s.into()),
         Err(ResetError::Store(e)) => {

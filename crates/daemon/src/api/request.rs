@@ -269,15 +269,76 @@ fn check(v: &Value, prefix: &str, policies: &Policies, caps: &Caps) -> Result<Ch
         prefix.trim_end_matches('.')
     };
     let obj = object(v, what)?;
-    no_unknown_fields(obj, &["policy", "key", "cost"], prefix)?;
+    no_unknown_fields(obj, &["policy", "key", "cost", "group"], prefix)?;
     let policy = policy(policies, obj, prefix)?;
     let key = key(obj, prefix, caps)?;
     let cost = cost(obj, prefix, policy)?;
+    let group = group(obj, prefix, policy, caps)?;
     Ok(Check {
         policy: policy.clone(),
         key,
         cost,
+        group,
     })
+}
+
+/// The optional co-location group: a string like a key (it becomes a hash tag), for local
+/// policies only.
+fn group(
+    obj: &Map<String, Value>,
+    prefix: &str,
+    policy: &Policy,
+    caps: &Caps,
+) -> Result<Option<String>, ApiError> {
+    if !obj.contains_key("group") {
+        return Ok(None);
+    }
+    let field = format!("{prefix}group");
+    let group = string_field(obj, "group", prefix)?;
+    if group.is_empty() {
+        return Err(ApiError::invalid(field, "must not be empty"));
+    }
+    if group.len() > caps.max_key_bytes {
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "is {} bytes; at most {} allowed",
+                group.len(),
+                caps.max_key_bytes
+            ),
+        ));
+    }
+    if policy.global.is_some() {
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "policy \"{}\" is global: its keys live under the policy's own hash tag, so it takes no group",
+                policy.name
+            ),
+        ));
+    }
+    Ok(Some(group.to_owned()))
+}
+
+/// A batch of one co-location group is decided by one script, once per key: the same
+/// policy and key twice in it is refused (naming the second).
+fn distinct_in_group(checks: &[Check]) -> Result<(), ApiError> {
+    let Some(group) = checks.first().and_then(|c| c.group.as_deref()) else {
+        return Ok(());
+    };
+    if checks.iter().any(|c| c.group.as_deref() != Some(group)) {
+        return Ok(());
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, c) in checks.iter().enumerate() {
+        if !seen.insert((c.policy.name.as_str(), c.key.as_str())) {
+            return Err(ApiError::invalid(
+                format!("checks[{i}].key"),
+                "the same policy and key twice in one group; a group's batch decides each key once (send the summed cost)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl CheckRequest {
@@ -299,11 +360,13 @@ impl CheckRequest {
                 got: list.len(),
             });
         }
-        list.iter()
+        let checks = list
+            .iter()
             .enumerate()
             .map(|(i, c)| check(c, &format!("checks[{i}]."), policies, caps))
-            .collect::<Result<Vec<_>, _>>()
-            .map(CheckRequest::Batch)
+            .collect::<Result<Vec<_>, _>>()?;
+        distinct_in_group(&checks)?;
+        Ok(CheckRequest::Batch(checks))
     }
 }
 
@@ -312,12 +375,13 @@ pub fn parse_reset(
     v: &Value,
     policies: &Policies,
     caps: &Caps,
-) -> Result<(Arc<Policy>, String), ApiError> {
+) -> Result<(Arc<Policy>, String, Option<String>), ApiError> {
     let obj = object(v, "body")?;
-    no_unknown_fields(obj, &["policy", "key"], "")?;
+    no_unknown_fields(obj, &["policy", "key", "group"], "")?;
     let policy = policy(policies, obj, "")?.clone();
     let key = key(obj, "", caps)?;
-    Ok((policy, key))
+    let group = group(obj, "", &policy, caps)?;
+    Ok((policy, key, group))
 }
 
 #[cfg(test)]
@@ -395,6 +459,44 @@ mod tests {
             ),
             ApiError::BatchTooLarge { max: 2, got: 3 }
         ));
+    }
+
+    #[test]
+    fn a_group_is_checked_like_a_key_and_names_each_key_once() {
+        let field = |e: ApiError| match e {
+            ApiError::InvalidRequest { field, .. } => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "group": ""}))),
+            "group"
+        );
+        assert_eq!(
+            field(err(json!({"policy": "api", "key": "k", "group": 9}))),
+            "group"
+        );
+        assert_eq!(
+            field(err(
+                json!({"policy": "api", "key": "k", "group": "123456789"})
+            )),
+            "group"
+        );
+        let twice = json!({"checks": [
+            {"policy": "api", "key": "k", "group": "t"},
+            {"policy": "api", "key": "k", "group": "t"},
+        ]});
+        assert_eq!(field(err(twice)), "checks[1].key");
+        let (p, c) = setup();
+        // The same key in different groups (or none) is two keys: fine.
+        let mixed = json!({"checks": [
+            {"policy": "api", "key": "k", "group": "t"},
+            {"policy": "api", "key": "k"},
+        ]});
+        assert!(CheckRequest::parse(&mixed, &p, &c).is_ok());
+        match CheckRequest::parse(&json!({"policy": "api", "key": "k", "group": "t"}), &p, &c) {
+            Ok(CheckRequest::Single(check)) => assert_eq!(check.group.as_deref(), Some("t")),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -60,6 +60,9 @@ pub struct Check {
     pub policy: Arc<Policy>,
     pub key: String,
     pub cost: u64,
+    /// The co-location group (a composite limit): the hash tag of the key's storage key,
+    /// so a batch whose checks all name it is decided by one all-or-nothing script.
+    pub group: Option<String>,
 }
 
 /// The answer to one check.
@@ -159,7 +162,10 @@ impl Limiter {
     fn target(&self, check: &Check) -> Target {
         let layout = self.layouts.of(&check.policy);
         Target {
-            key: layout.storage_key(&check.key),
+            key: match &check.group {
+                Some(group) => layout.grouped_key(group, &check.key),
+                None => layout.storage_key(&check.key),
+            },
             global: layout.global.clone(),
         }
     }
@@ -197,6 +203,9 @@ impl Limiter {
     /// the store (their answers are part of the response).
     pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
         let keys: Vec<Target> = checks.iter().map(|c| self.target(c)).collect();
+        if one_group(checks) {
+            return self.check_group(checks, &keys).await;
+        }
         let remembered: Vec<Option<Decision>> = checks
             .iter()
             .zip(&keys)
@@ -243,9 +252,82 @@ impl Limiter {
         Ok(decisions)
     }
 
+    /// A batch whose checks share one co-location group: one all-or-nothing call (see
+    /// [`Store::apply_all`]), so no partial charge is ever visible, not even for a moment.
+    /// In a denied batch, the checks that alone would have passed are reported `refunded`
+    /// (nothing of theirs was spent), as in a batch decided check by check.
+    async fn check_group(&self, checks: &[Check], keys: &[Target]) -> Result<Vec<Decision>, Shed> {
+        let _admitted = self.store.admit(1).await?;
+        let members: Vec<String> = checks
+            .iter()
+            .map(|c| self.member(c.policy.algorithm))
+            .collect();
+        let calls: Vec<StoreCall<'_>> = checks
+            .iter()
+            .zip(keys)
+            .zip(&members)
+            .map(|((c, k), m)| store_call(c, k, Op::Check { cost: c.cost }, m))
+            .collect();
+        let enforced: Vec<bool> = checks.iter().map(|c| !c.policy.shadow).collect();
+        let decisions = match self.store.apply_all(&calls, &enforced).await {
+            Ok(verdicts) => group_decisions(checks, &verdicts, Outcome::Allowed, Charged::Primary),
+            Err(e) => {
+                self.store_failed(&checks[0].policy, &e);
+                self.group_fallback(checks, &calls, &enforced)
+            }
+        };
+        for d in &decisions {
+            self.count(d);
+        }
+        Ok(decisions)
+    }
+
+    /// A group's checks when the store failed: each policy's `on_store_error`; the `local`
+    /// ones decided together, all or nothing, in the in-process store.
+    fn group_fallback(
+        &self,
+        checks: &[Check],
+        calls: &[StoreCall<'_>],
+        enforced: &[bool],
+    ) -> Vec<Decision> {
+        let local: Vec<usize> = (0..checks.len())
+            .filter(|&i| checks[i].policy.on_store_error == FailMode::Local)
+            .collect();
+        let local_calls: Vec<StoreCall<'_>> = local.iter().map(|&i| calls[i]).collect();
+        let local_enforced: Vec<bool> = local.iter().map(|&i| enforced[i]).collect();
+        let local_checks: Vec<Check> = local.iter().map(|&i| checks[i].clone()).collect();
+        let mut local_decisions = match self.local.apply_all(&local_calls, &local_enforced) {
+            Ok(v) => group_decisions(&local_checks, &v, Outcome::Local, Charged::Local),
+            Err(full) => {
+                self.metrics.store_error(StoreError::Full(full.0).kind());
+                local_checks.iter().map(|c| unenforced(c, true)).collect()
+            }
+        }
+        .into_iter();
+        checks
+            .iter()
+            .map(|c| match c.policy.on_store_error {
+                FailMode::Open => unenforced(c, true),
+                FailMode::Closed => unenforced(c, false),
+                FailMode::Local => local_decisions
+                    .next()
+                    .unwrap_or_else(|| unenforced(c, true)),
+            })
+            .collect()
+    }
+
     /// Forgets a key's state in this region's store and in the local fallback.
-    pub async fn reset(&self, policy: &Policy, key: &str) -> Result<(), ResetError> {
-        let storage_key = self.layouts.of(policy).storage_key(key);
+    pub async fn reset(
+        &self,
+        policy: &Policy,
+        key: &str,
+        group: Option<&str>,
+    ) -> Result<(), ResetError> {
+        let layout = self.layouts.of(policy);
+        let storage_key = match group {
+            Some(g) => layout.grouped_key(g, key),
+            None => layout.storage_key(key),
+        };
         let _admitted = self.store.admit(1).await?;
         // The store first: when it fails the caller is told nothing changed, so the local
         // fallback's state must not have changed either.
@@ -276,20 +358,7 @@ impl Limiter {
                 decision(check, &v, outcome, charged(&v, Charged::Primary))
             }
             Err(e) => {
-                self.metrics.store_error(e.kind());
-                match e {
-                    // Redis answered with an error or a malformed reply: a bug or a broken
-                    // server, not an outage. Loud, but not once per request: the 1st, 2nd,
-                    // 4th, 8th... occurrence.
-                    StoreError::Command(_) | StoreError::Reply(_) => {
-                        let n = self.script_errors.fetch_add(1, Ordering::Relaxed) + 1;
-                        if n.is_power_of_two() {
-                            tracing::warn!(policy = %policy.name, error = %e, occurrences = n, "limiter script failed");
-                        }
-                    }
-                    StoreError::CircuitOpen => {}
-                    _ => tracing::debug!(policy = %policy.name, error = %e, "store call failed"),
-                }
+                self.store_failed(policy, &e);
                 match policy.on_store_error {
                     FailMode::Open => unenforced(check, true),
                     FailMode::Closed => unenforced(check, false),
@@ -304,6 +373,23 @@ impl Limiter {
                     },
                 }
             }
+        }
+    }
+
+    /// Counts a store error, and logs it: a command or reply error (Redis answered with an
+    /// error or a malformed reply: a bug or a broken server, not an outage) loudly, but not
+    /// once per request: the 1st, 2nd, 4th, 8th... occurrence.
+    fn store_failed(&self, policy: &Policy, e: &StoreError) {
+        self.metrics.store_error(e.kind());
+        match e {
+            StoreError::Command(_) | StoreError::Reply(_) => {
+                let n = self.script_errors.fetch_add(1, Ordering::Relaxed) + 1;
+                if n.is_power_of_two() {
+                    tracing::warn!(policy = %policy.name, error = %e, occurrences = n, "limiter script failed");
+                }
+            }
+            StoreError::CircuitOpen => {}
+            _ => tracing::debug!(policy = %policy.name, error = %e, "store call failed"),
         }
     }
 
@@ -331,6 +417,43 @@ impl Limiter {
             None => false,
         }
     }
+}
+
+/// Whether a batch is one co-location group: every check names the same group.
+fn one_group(checks: &[Check]) -> bool {
+    match checks.first().and_then(|c| c.group.as_deref()) {
+        Some(g) => checks.iter().all(|c| c.group.as_deref() == Some(g)),
+        None => false,
+    }
+}
+
+/// A group's decisions from its verdicts: charged (`by`) if the batch passed (no enforced
+/// check denied), otherwise nothing was, and the checks that alone would have passed are
+/// `refunded`.
+fn group_decisions(
+    checks: &[Check],
+    verdicts: &[Verdict],
+    allowed: Outcome,
+    by: Charged,
+) -> Vec<Decision> {
+    let passed = checks
+        .iter()
+        .zip(verdicts)
+        .all(|(c, v)| v.allowed || c.policy.shadow);
+    checks
+        .iter()
+        .zip(verdicts)
+        .map(|(c, v)| {
+            let outcome = match (v.allowed, allowed) {
+                (false, Outcome::Allowed) => Outcome::Denied,
+                (_, o) => o,
+            };
+            let charged = (passed && v.allowed && c.cost > 0).then_some(by);
+            let mut d = decision(c, v, outcome, charged);
+            d.refunded = !passed && v.allowed && c.cost > 0;
+            d
+        })
+        .collect()
 }
 
 /// A check's storage key, and for a global policy its per-policy keys and script numbers:

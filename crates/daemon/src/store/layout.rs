@@ -208,18 +208,38 @@ impl PolicyLayout {
     pub fn storage_key(&self, key: &str) -> String {
         let mut out = String::with_capacity(self.stem.len() + key.len() + 2);
         out.push_str(&self.stem);
-        out.push('{');
-        for c in key.chars() {
-            match c {
-                '%' => out.push_str("%25"),
-                '{' => out.push_str("%7B"),
-                '}' => out.push_str("%7D"),
-                c => out.push(c),
-            }
-        }
-        out.push('}');
+        push_tagged(&mut out, key);
         out
     }
+
+    /// The storage key of a key checked in a co-location group (a composite limit):
+    /// `<stem>{<escaped group>}:{<escaped key>}`. The group is the hash tag, so every key
+    /// of the group shares a slot and one script can decide them together. Distinct from
+    /// every ungrouped key (those hold one brace pair), and injective like
+    /// [`PolicyLayout::storage_key`]. Global policies have no groups (the API refuses).
+    pub fn grouped_key(&self, group: &str, key: &str) -> String {
+        let mut out = String::with_capacity(self.stem.len() + group.len() + key.len() + 5);
+        out.push_str(&self.stem);
+        push_tagged(&mut out, group);
+        out.push(':');
+        push_tagged(&mut out, key);
+        out
+    }
+}
+
+/// `{<s escaped>}`: `%` `{` `}` become `%25` `%7B` `%7D`, so no input ends a tag early or
+/// starts another.
+fn push_tagged(out: &mut String, s: &str) {
+    out.push('{');
+    for c in s.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '{' => out.push_str("%7B"),
+            '}' => out.push_str("%7D"),
+            c => out.push(c),
+        }
+    }
+    out.push('}');
 }
 
 /// The per-policy keys of a global policy, all in the slot of its keys.
@@ -324,6 +344,26 @@ mod tests {
         let tag_start = k.find('{').unwrap();
         let tag_end = k[tag_start..].find('}').unwrap() + tag_start;
         assert_eq!(tag_end, k.len() - 1, "the tag spans the whole user key");
+    }
+
+    #[test]
+    fn a_group_is_the_hash_tag_of_its_keys() {
+        let slot = crate::store::connect::slot;
+        let l = Layout::new("rl").policy(&policy("api", None), None);
+        assert_eq!(
+            l.grouped_key("tenant:9", "alice"),
+            "rl:api:tb:{tenant:9}:{alice}"
+        );
+        assert_eq!(l.grouped_key("t}{", "a"), "rl:api:tb:{t%7D%7B}:{a}");
+        let tenant = l.grouped_key("tenant:9", "tenant:9");
+        for user in ["alice", "bob", "}{", ""] {
+            assert_eq!(slot(&l.grouped_key("tenant:9", user)), slot(&tenant));
+        }
+        assert_ne!(
+            l.grouped_key("a", "b"),
+            l.storage_key("a}:{b"),
+            "never an ungrouped key"
+        );
     }
 
     #[test]

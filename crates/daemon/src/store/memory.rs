@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::store::layout::GLOBAL_KEEP_MS;
 use crate::store::layout::{PolicyKeys, ScriptShape};
 use crate::store::{GlobalCall, StoreCall};
-use quotad_core::algorithm::{self, Op, State, Verdict, Write};
+use quotad_core::algorithm::{self, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
 
@@ -83,6 +83,13 @@ pub fn shape_of(s: &ScriptShape) -> Shape {
     }
 }
 
+/// A key's state unless it has expired (expired state reads as absent).
+fn live<'m>(map: &'m HashMap<String, Entry>, key: &str, now: i64) -> Option<&'m State> {
+    map.get(key)
+        .filter(|e| e.expires_at_us > now)
+        .map(|e| &e.state)
+}
+
 /// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/prelude.lua).
 pub const TTL_GRACE_MS: i64 = 1000;
 
@@ -116,9 +123,17 @@ impl MemoryStore {
     /// Takes room for one more key, or refuses at the bound (the coordinator's book
     /// writes on the embedded store call it for a key without a slot).
     pub fn reserve(&self) -> Result<(), Full> {
-        let n = self.keys.fetch_add(1, Ordering::AcqRel);
-        if n >= self.max_keys {
-            self.keys.fetch_sub(1, Ordering::AcqRel);
+        self.reserve_n(1)
+    }
+
+    /// Room for `n` more keys, all or none.
+    fn reserve_n(&self, n: usize) -> Result<(), Full> {
+        if n == 0 {
+            return Ok(());
+        }
+        let held = self.keys.fetch_add(n, Ordering::AcqRel);
+        if held + n > self.max_keys {
+            self.keys.fetch_sub(n, Ordering::AcqRel);
             return Err(Full(self.max_keys));
         }
         Ok(())
@@ -150,7 +165,14 @@ impl MemoryStore {
     }
 
     fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Entry>> {
-        let i = (self.hasher.hash_one(key) as usize) % SHARDS;
+        self.lock_shard(self.shard_index(key))
+    }
+
+    fn shard_index(&self, key: &str) -> usize {
+        (self.hasher.hash_one(key) as usize) % SHARDS
+    }
+
+    fn lock_shard(&self, i: usize) -> MutexGuard<'_, HashMap<String, Entry>> {
         // A poisoned shard only means another thread panicked mid-update of a plain map;
         // the map itself is still consistent (updates are single inserts/removes).
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
@@ -159,28 +181,82 @@ impl MemoryStore {
     pub fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
-        let held = map.contains_key(call.key);
-        let state = match map.get(call.key) {
-            Some(e) if e.expires_at_us > now => Some(&e.state),
-            _ => None,
-        };
         let out = algorithm::apply(
             call.algorithm,
             &call.limits,
-            state,
+            live(&map, call.key, now),
             now,
             call.op,
             call.member,
         );
-        match out.write {
+        if matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key) {
+            self.reserve_n(1)?;
+        }
+        self.write(&mut map, call.key, out.write, now);
+        Ok(out.verdict)
+    }
+
+    /// An all-or-nothing batch (a co-location group; see [`algorithm::apply_all`]): the
+    /// shards of every key are held together, in index order, so no other call sees a
+    /// partial charge. The keys are distinct (the API refuses a key twice in a group).
+    pub fn apply_all(
+        &self,
+        calls: &[StoreCall<'_>],
+        enforced: &[bool],
+    ) -> Result<Vec<Verdict>, Full> {
+        let now = self.clock.now_us();
+        let shard_of: Vec<usize> = calls.iter().map(|c| self.shard_index(c.key)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut maps: HashMap<usize, MutexGuard<'_, HashMap<String, Entry>>> =
+            order.into_iter().map(|i| (i, self.lock_shard(i))).collect();
+        let (verdicts, writes) = {
+            let parts: Vec<Part<'_>> = calls
+                .iter()
+                .zip(&shard_of)
+                .zip(enforced)
+                .map(|((c, i), &enforced)| Part {
+                    algorithm: c.algorithm,
+                    limits: c.limits,
+                    state: live(&maps[i], c.key, now),
+                    cost: match c.op {
+                        Op::Check { cost } => cost,
+                        Op::Refund { .. } => 0,
+                    },
+                    member: c.member,
+                    enforced,
+                })
+                .collect();
+            algorithm::apply_all(&parts, now)
+        };
+        if let Some(writes) = writes {
+            let new = calls
+                .iter()
+                .zip(&shard_of)
+                .zip(&writes)
+                .filter(|((c, i), w)| {
+                    matches!(w, Write::Put { .. }) && !maps[i].contains_key(c.key)
+                })
+                .count();
+            self.reserve_n(new)?;
+            for ((c, i), w) in calls.iter().zip(&shard_of).zip(writes) {
+                if let Some(map) = maps.get_mut(i) {
+                    self.write(map, c.key, w, now);
+                }
+            }
+        }
+        Ok(verdicts)
+    }
+
+    /// Applies one write (room for a new key already reserved).
+    fn write(&self, map: &mut HashMap<String, Entry>, key: &str, write: Write, now: i64) {
+        match write {
             Write::Keep => {}
             Write::Put { state, ttl_us } => {
-                if !held {
-                    self.reserve()?;
-                }
                 let expires_at_us = now.saturating_add(ttl_ms(ttl_us).saturating_mul(1000));
                 map.insert(
-                    call.key.to_owned(),
+                    key.to_owned(),
                     Entry {
                         state,
                         expires_at_us,
@@ -188,12 +264,11 @@ impl MemoryStore {
                 );
             }
             Write::Delete => {
-                if map.remove(call.key).is_some() {
+                if map.remove(key).is_some() {
                     self.released(1);
                 }
             }
         }
-        Ok(out.verdict)
     }
 
     pub fn delete(&self, key: &str) {

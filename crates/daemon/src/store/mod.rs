@@ -145,6 +145,23 @@ impl Store {
         }
     }
 
+    /// An all-or-nothing batch of checks whose keys share a hash slot (a co-location
+    /// group): one script on Redis, the shards held together in memory. Nothing is charged
+    /// unless every `enforced` check is allowed ([`quotad_core::algorithm::apply_all`]).
+    /// Never for keys of global policies.
+    pub async fn apply_all(
+        &self,
+        calls: &[StoreCall<'_>],
+        enforced: &[bool],
+    ) -> Result<Vec<Verdict>, StoreError> {
+        match self {
+            Store::Redis(r) => r.apply_all(calls, enforced).await,
+            Store::Memory(m) => m
+                .apply_all(calls, enforced)
+                .map_err(|e| StoreError::Full(e.0)),
+        }
+    }
+
     /// Forgets a key's state.
     pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
         match self {

@@ -62,6 +62,8 @@ pub struct RedisStore {
     scripts: Scripts,
     /// The decision script of global policies (EVALSHA, loaded on NOSCRIPT by the crate).
     global_check: redis::Script,
+    /// The all-or-nothing script of co-location groups.
+    composite: redis::Script,
     settings: RedisSettings,
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
@@ -103,6 +105,7 @@ impl RedisStore {
             generation: std::sync::atomic::AtomicU64::new(0),
             scripts: Scripts::default(),
             global_check: scripts::Global::Check.script(),
+            composite: redis::Script::new(scripts::COMPOSITE),
             breaker,
             loaded: AtomicBool::new(false),
             tripped: tokio::sync::Notify::new(),
@@ -297,6 +300,51 @@ impl RedisStore {
         Ok(v)
     }
 
+    /// A co-location group's checks in one script (see [`super::Store::apply_all`]).
+    pub async fn apply_all(
+        &self,
+        calls: &[StoreCall<'_>],
+        enforced: &[bool],
+    ) -> Result<Vec<Verdict>, StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.composite.get_hash()).arg(calls.len());
+        for c in calls {
+            cmd.arg(c.key);
+        }
+        for (c, enforced) in calls.iter().zip(enforced) {
+            let Op::Check { cost } = c.op else {
+                return Err(StoreError::Command("a refund in a composite batch".into()));
+            };
+            cmd.arg(c.algorithm.key_tag())
+                .arg(c.limits.limit)
+                .arg(c.limits.window_us)
+                .arg(c.limits.burst)
+                .arg(cost)
+                .arg(c.member)
+                .arg(u8::from(*enforced));
+        }
+        let cmd = &cmd;
+        let reply: Vec<i64> = self
+            .guarded(|mut conn| async move {
+                match cmd.query_async(&mut conn).await {
+                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        self.load_source(&mut conn, scripts::COMPOSITE).await?;
+                        cmd.query_async(&mut conn).await
+                    }
+                    r => r,
+                }
+            })
+            .await?;
+        if reply.len() != calls.len() * 4 {
+            return Err(StoreError::Reply(format!(
+                "{} numbers for {} checks",
+                reply.len(),
+                calls.len()
+            )));
+        }
+        reply.chunks(4).map(parse_verdict).collect()
+    }
+
     pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
         self.guarded(|mut conn| async move {
             redis::cmd("DEL")
@@ -314,10 +362,14 @@ impl RedisStore {
         conn: &mut AsyncConn,
         algorithm: quotad_core::algorithm::Algorithm,
     ) -> redis::RedisResult<()> {
+        self.load_source(conn, scripts::source(algorithm)).await
+    }
+
+    async fn load_source(&self, conn: &mut AsyncConn, source: &str) -> redis::RedisResult<()> {
         self.metrics.script_loads.inc();
-        let _: String = redis::cmd("SCRIPT")
+        let _: redis::Value = redis::cmd("SCRIPT")
             .arg("LOAD")
-            .arg(scripts::source(algorithm))
+            .arg(source)
             .query_async(conn)
             .await?;
         Ok(())
@@ -428,6 +480,7 @@ impl RedisStore {
             for a in quotad_core::algorithm::Algorithm::ALL {
                 self.load(&mut conn, a).await?;
             }
+            self.load_source(&mut conn, scripts::COMPOSITE).await?;
             Ok::<_, RedisError>(conn)
         };
         match tokio::time::timeout(self.settings.connect_timeout + t * 7, attempt).await {

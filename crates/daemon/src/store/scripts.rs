@@ -1,5 +1,8 @@
 //! The Lua limiter scripts: one file per algorithm in `lua/`, each prefixed at build time
-//! with `lua/prelude.lua` (argument parsing and the clock, kept in one place).
+//! with `lua/helpers.lua` (TTLs, replies) and `lua/prelude.lua` (argument parsing and the
+//! clock), kept in one place. The composite script (`lua/composite.lua`) runs the same
+//! algorithm files, each wrapped at build time in a function whose parameters are the
+//! prelude's names, so there is no second copy of any algorithm.
 //!
 //! The SHA1 of each script is computed here, so quotad can `EVALSHA` straight away and
 //! `SCRIPT LOAD` only when Redis says NOSCRIPT (first use, `SCRIPT FLUSH`, a restart).
@@ -9,11 +12,36 @@ use quotad_core::algorithm::Algorithm;
 macro_rules! script {
     ($file:literal) => {
         concat!(
+            include_str!("../../lua/helpers.lua"),
             include_str!("../../lua/prelude.lua"),
             include_str!(concat!("../../lua/", $file))
         )
     };
 }
+
+/// An algorithm's file as a Lua function of the prelude's names.
+macro_rules! algorithm_function {
+    ($name:literal) => {
+        concat!(
+            "local function ",
+            $name,
+            "(key, refund, limit, window, burst, cost, member, now, write, eval_cost)\n",
+            include_str!(concat!("../../lua/", $name, ".lua")),
+            "\nend\n"
+        )
+    };
+}
+
+/// The all-or-nothing script of a co-location group (see `lua/composite.lua`).
+pub const COMPOSITE: &str = concat!(
+    include_str!("../../lua/helpers.lua"),
+    algorithm_function!("fixed_window"),
+    algorithm_function!("sliding_log"),
+    algorithm_function!("sliding_window"),
+    algorithm_function!("token_bucket"),
+    algorithm_function!("gcra"),
+    include_str!("../../lua/composite.lua"),
+);
 
 /// The full source sent to Redis for `algorithm`.
 pub fn source(algorithm: Algorithm) -> &'static str {
