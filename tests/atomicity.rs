@@ -81,7 +81,9 @@ fn five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm() 
     let redis = RedisServer::start();
     // This test is about atomicity, not timeouts: on 2 cores, 4 load processes and a debug
     // build can hold a request off the CPU for longer than the default 50 ms.
-    let mut config = Config::redis(&redis.url()).store("timeout", "5s");
+    let mut config = Config::redis(&redis.url())
+        .store("timeout", "5s")
+        .store("queue_timeout", "5s");
     let algorithms = [
         "fixed_window",
         "sliding_log",

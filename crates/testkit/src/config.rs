@@ -37,6 +37,19 @@ impl Config {
         c
     }
 
+    /// A config with an empty `[store]`: set the topology with [`Config::store`], e.g.
+    /// `redis_sentinels` and `redis_sentinel_master`, or `redis_cluster`.
+    pub fn new() -> Self {
+        Config::default()
+    }
+
+    /// A config on the master the sentinels at `urls` (`redis://…`) name `master`.
+    pub fn sentinel(urls: &[String], master: &str) -> Self {
+        Config::new()
+            .store("redis_sentinels", urls.to_vec())
+            .store("redis_sentinel_master", master)
+    }
+
     /// This region's name (global policies).
     pub fn region(mut self, name: &str) -> Self {
         self.region = Some(name.into());

@@ -14,6 +14,9 @@ pub struct TlsRedis {
     pub ca: PathBuf,
     /// A CA that signed nothing the server presents.
     pub untrusted_ca: PathBuf,
+    /// With [`TlsRedis::start_mutual`]: a client certificate and key signed by `ca`, which
+    /// the server then requires of every client.
+    pub client: Option<(PathBuf, PathBuf)>,
     child: Child,
     dir: tempfile::TempDir,
 }
@@ -42,6 +45,46 @@ fn ca(dir: &Path, name: &str) {
         dir,
         &[
             "req", "-x509", "-new", "-key", &key, "-days", "2", "-subj", &subject, "-out", &crt,
+        ],
+    );
+}
+
+/// `client.crt` / `client.key`, signed by `ca`, for TLS client authentication.
+fn client_cert(dir: &Path, ca: &str) {
+    std::fs::write(dir.join("client.cnf"), "extendedKeyUsage=clientAuth\n")
+        .expect("write client.cnf");
+    openssl(dir, &["genrsa", "-out", "client.key", "2048"]);
+    openssl(
+        dir,
+        &[
+            "req",
+            "-new",
+            "-key",
+            "client.key",
+            "-subj",
+            "/CN=quotad",
+            "-out",
+            "client.csr",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            &format!("{ca}.crt"),
+            "-CAkey",
+            &format!("{ca}.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "client.cnf",
+            "-out",
+            "client.crt",
         ],
     );
 }
@@ -91,10 +134,23 @@ fn server_cert(dir: &Path, ca: &str) {
 
 impl TlsRedis {
     pub fn start() -> TlsRedis {
+        Self::start_with(false)
+    }
+
+    /// A server that requires a client certificate signed by `ca` (mutual TLS); the
+    /// certificate and key are in `client`.
+    pub fn start_mutual() -> TlsRedis {
+        Self::start_with(true)
+    }
+
+    fn start_with(mutual: bool) -> TlsRedis {
         let dir = tempfile::tempdir().expect("tempdir");
         ca(dir.path(), "ca");
         ca(dir.path(), "untrusted");
         server_cert(dir.path(), "ca");
+        if mutual {
+            client_cert(dir.path(), "ca");
+        }
         let port = free_port();
         let p = |f: &str| dir.path().join(f);
         let child = Command::new(crate::redis_server_path())
@@ -106,7 +162,8 @@ impl TlsRedis {
             .arg(p("server.key"))
             .arg("--tls-ca-cert-file")
             .arg(p("ca.crt"))
-            .args(["--tls-auth-clients", "no", "--dir"])
+            .args(["--tls-auth-clients", if mutual { "yes" } else { "no" }])
+            .arg("--dir")
             .arg(dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -116,6 +173,7 @@ impl TlsRedis {
             port,
             ca: p("ca.crt"),
             untrusted_ca: p("untrusted.crt"),
+            client: mutual.then(|| (p("client.crt"), p("client.key"))),
             child,
             dir,
         };
@@ -133,12 +191,14 @@ impl TlsRedis {
     }
 
     /// Whether a PING over TLS, trusting only `ca`, gets PONG (redis-cli, so this proves
-    /// the server, not quotad's client).
+    /// the server, not quotad's client). Presents the client certificate when there is one.
     pub fn ping(&self, ca: &Path) -> bool {
-        Command::new("redis-cli")
-            .args(["--tls", "--cacert"])
-            .arg(ca)
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "PING"])
+        let mut cmd = Command::new("redis-cli");
+        cmd.args(["--tls", "--cacert"]).arg(ca);
+        if let Some((cert, key)) = &self.client {
+            cmd.arg("--cert").arg(cert).arg("--key").arg(key);
+        }
+        cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "PING"])
             .stderr(Stdio::null())
             .output()
             .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")

@@ -238,25 +238,59 @@ impl Target {
         connect_timeout: Duration,
         response_timeout: Duration,
     ) -> RedisResult<AsyncConn> {
+        Ok(self
+            .connect_tracked(connect_timeout, response_timeout)
+            .await?
+            .0)
+    }
+
+    /// [`Target::connect`], with the address of the master the sentinels named (`None`
+    /// for other topologies), to compare with [`Target::sentinel_master`] later.
+    pub async fn connect_tracked(
+        &self,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+    ) -> RedisResult<(AsyncConn, Option<String>)> {
         let cfg = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(Some(response_timeout));
         let cfg = &cfg;
         match &self.topology {
-            Topology::Standalone(url) => Ok(AsyncConn::Single(
-                self.client(url)?
-                    .get_multiplexed_async_connection_with_config(cfg)
-                    .await?,
+            Topology::Standalone(url) => Ok((
+                AsyncConn::Single(
+                    self.client(url)?
+                        .get_multiplexed_async_connection_with_config(cfg)
+                        .await?,
+                ),
+                None,
             )),
             Topology::Cluster(_) => {
                 let client = self.cluster_builder(connect_timeout)?.build()?;
-                Ok(AsyncConn::Cluster(client.get_async_connection().await?))
+                Ok((
+                    AsyncConn::Cluster(client.get_async_connection().await?),
+                    None,
+                ))
             }
-            Topology::Sentinel { .. } => Ok(AsyncConn::Single(
-                self.sentinel()?
-                    .get_async_connection_with_config(cfg)
-                    .await?,
-            )),
+            Topology::Sentinel { .. } => {
+                let client = self.sentinel()?.async_get_client().await?;
+                let master = client.get_connection_info().addr().to_string();
+                let conn = client
+                    .get_multiplexed_async_connection_with_config(cfg)
+                    .await?;
+                Ok((AsyncConn::Single(conn), Some(master)))
+            }
+        }
+    }
+
+    /// Through Sentinel, the address of the master the sentinels name now (the crate
+    /// checks that it says it is a master); `None` for other topologies.
+    pub async fn sentinel_master(&self) -> RedisResult<Option<String>> {
+        match &self.topology {
+            Topology::Sentinel { .. } => {
+                let client = self.sentinel()?.async_get_client().await?;
+                Ok(Some(client.get_connection_info().addr().to_string()))
+            }
+            _ => Ok(None),
         }
     }
 

@@ -16,6 +16,10 @@
 //!   SCRIPT LOAD) every `probe_interval` while the breaker is open and closes it on success,
 //!   so enforcement returns within one probe interval of Redis coming back. While closed it
 //!   PINGs once a second to keep `quotad_store_up` and readiness honest.
+//! - Through Sentinel, the health check also asks the sentinels which master they name:
+//!   after a failover the old master keeps accepting writes until the sentinels demote it
+//!   (seconds later; writes it takes meanwhile are lost), so the store moves to the new
+//!   master as soon as the sentinels name it, not when the old one first answers READONLY.
 //! - NOSCRIPT (after `SCRIPT FLUSH` or a restart that the connection survived) is answered
 //!   with `SCRIPT LOAD` and one retry inside the same call: clients never see it.
 
@@ -59,6 +63,8 @@ pub struct RedisStore {
     /// never across an await.
     conn: RwLock<Option<(u64, AsyncConn)>>,
     generation: std::sync::atomic::AtomicU64,
+    /// Through Sentinel: the address of the master the live connection was opened to.
+    master: std::sync::Mutex<Option<String>>,
     scripts: Scripts,
     /// The decision script of global policies (EVALSHA, loaded on NOSCRIPT by the crate).
     global_check: redis::Script,
@@ -103,6 +109,7 @@ impl RedisStore {
         Ok(RedisStore {
             conn: RwLock::new(None),
             generation: std::sync::atomic::AtomicU64::new(0),
+            master: std::sync::Mutex::new(None),
             scripts: Scripts::default(),
             global_check: scripts::Global::Check.script(),
             composite: redis::Script::new(scripts::COMPOSITE),
@@ -468,10 +475,10 @@ impl RedisStore {
     pub async fn probe(&self) -> Result<(), StoreError> {
         let t = self.settings.timeout;
         let attempt = async {
-            let mut conn = self
+            let (mut conn, master) = self
                 .settings
                 .target
-                .connect(
+                .connect_tracked(
                     self.settings.connect_timeout,
                     self.settings.connect_timeout.max(t),
                 )
@@ -481,11 +488,12 @@ impl RedisStore {
                 self.load(&mut conn, a).await?;
             }
             self.load_source(&mut conn, scripts::COMPOSITE).await?;
-            Ok::<_, RedisError>(conn)
+            Ok::<_, RedisError>((conn, master))
         };
         match tokio::time::timeout(self.settings.connect_timeout + t * 7, attempt).await {
-            Ok(Ok(conn)) => {
+            Ok(Ok((conn, master))) => {
                 self.install(conn);
+                *self.master.lock().unwrap_or_else(|p| p.into_inner()) = master;
                 self.loaded.store(true, Ordering::Release);
                 self.breaker.close();
                 self.metrics.store_up.set(1);
@@ -493,6 +501,36 @@ impl RedisStore {
             }
             Ok(Err(e)) => Err(StoreError::Connection(e.to_string())),
             Err(_) => Err(StoreError::Timeout(self.settings.connect_timeout)),
+        }
+    }
+
+    /// Through Sentinel: when the sentinels name another master than the live connection's,
+    /// connects to it (a probe, which replaces the connection without opening the breaker,
+    /// so no request fails over the switch). An unanswered question changes nothing.
+    async fn follow_master(&self) {
+        let asked = tokio::time::timeout(
+            self.settings.connect_timeout,
+            self.settings.target.sentinel_master(),
+        )
+        .await;
+        let Ok(Ok(Some(named))) = asked else {
+            return;
+        };
+        let current = self
+            .master
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if current.as_deref() == Some(named.as_str()) {
+            return;
+        }
+        tracing::info!(
+            from = current.as_deref().unwrap_or("?"),
+            to = %named,
+            "the sentinels name a new master: reconnecting"
+        );
+        if let Err(e) = self.probe().await {
+            tracing::warn!(error = %e, "could not connect to the new master; staying on the old one");
         }
     }
 
@@ -529,8 +567,9 @@ impl RedisStore {
                         redis::cmd("PING").query_async::<String>(&mut conn).await
                     })
                     .await;
-                if let Err(e) = ping {
-                    tracing::warn!(error = %e, "redis health check failed");
+                match ping {
+                    Err(e) => tracing::warn!(error = %e, "redis health check failed"),
+                    Ok(_) => self.follow_master().await,
                 }
                 if self.breaker.is_open() {
                     self.settings.probe_interval
