@@ -55,6 +55,21 @@ impl RedisCluster {
             Duration::from_secs(30),
             || cluster.nodes.iter().all(cluster_ok).then_some(()),
         );
+        // The cluster is ok as soon as the masters cover every slot; the replicas are
+        // told whose they are after that. A failover needs them in sync, and tests that
+        // look for a master's replica need every node to know it.
+        wait_for(
+            "three replicas in sync, known to every node",
+            Duration::from_secs(30),
+            || {
+                let synced = cluster.nodes.iter().filter(|n| replica_synced(n)).count();
+                let known = cluster.nodes.iter().all(|n| {
+                    cluster_nodes(n)
+                        .is_some_and(|t| t.lines().filter(|l| l.contains("slave")).count() == 3)
+                });
+                (synced == 3 && known).then_some(())
+            },
+        );
         cluster
     }
 
@@ -115,6 +130,17 @@ impl RedisCluster {
     fn index_of(&self, addr: &str) -> Option<usize> {
         let port: u16 = addr.split('@').next()?.rsplit(':').next()?.parse().ok()?;
         self.nodes.iter().position(|n| n.port == port)
+    }
+
+    /// The index in `nodes` of a replica of the master at index `master`.
+    pub fn replica_of(&self, master: usize) -> Option<usize> {
+        let id = self.node_id(master);
+        let text = cluster_nodes(&self.nodes[master])?;
+        text.lines().find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let replica = f.get(2)?.contains("slave") && f.get(3) == Some(&id.as_str());
+            replica.then(|| self.index_of(f.get(1)?))?
+        })
     }
 
     /// The cluster's ID of a node.
@@ -188,6 +214,19 @@ impl RedisCluster {
                 .expect("SETSLOT NODE");
         }
     }
+}
+
+/// A replica whose link to its master is up (ROLE: `slave`, host, port, `connected`, …).
+fn replica_synced(node: &RedisServer) -> bool {
+    let Ok(mut conn) = node.try_conn() else {
+        return false;
+    };
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query(&mut conn).unwrap_or_default();
+    let text = |v: Option<&redis::Value>| match v {
+        Some(redis::Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+        _ => String::new(),
+    };
+    text(role.first()) == "slave" && text(role.get(3)) == "connected"
 }
 
 /// `CLUSTER NODES` of `node`, or None when it does not answer.
