@@ -150,7 +150,7 @@ fn check_outcome(admitted: &[usize], conn: &mut dyn redis::ConnectionLike) {
 
 fn a_tenant_and_its_users_are_charged_together_on_a_cluster() {
     let cluster = RedisCluster::start();
-    let config = policies(Config::redis("memory").store("redis_cluster", cluster.seeds()));
+    let config = policies(Config::cluster(&cluster.seeds()));
     let q = Quotad::start(&config.to_toml());
     let client = redis::cluster::ClusterClient::new(cluster.seeds()).unwrap();
     let mut conn = client.get_connection().unwrap();

@@ -50,6 +50,11 @@ impl Config {
             .store("redis_sentinel_master", master)
     }
 
+    /// A config on the Redis Cluster reached through these seed nodes (`redis://…`).
+    pub fn cluster(seeds: &[String]) -> Self {
+        Config::new().store("redis_cluster", seeds.to_vec())
+    }
+
     /// This region's name (global policies).
     pub fn region(mut self, name: &str) -> Self {
         self.region = Some(name.into());
@@ -231,5 +236,25 @@ mod tests {
         let g = s.global.expect("a global policy");
         assert_eq!(g.regions, ["eu", "us"]);
         assert_eq!(s.policies[1].global.as_ref().unwrap().version, 2);
+    }
+
+    #[test]
+    fn a_cluster_config_names_its_seeds() {
+        let seeds = [
+            "redis://127.0.0.1:1".to_owned(),
+            "redis://127.0.0.1:2".to_owned(),
+        ];
+        let text = Config::cluster(&seeds)
+            .policy(Policy::new("a", "gcra", 10, "1s"))
+            .to_toml();
+        let s = quotad_daemon::config::Settings::parse("cluster.toml", &text)
+            .unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let quotad_daemon::config::StoreBackend::Redis(r) = s.store else {
+            panic!("not a Redis store: {text}");
+        };
+        assert_eq!(
+            r.target.topology,
+            quotad_daemon::store::connect::Topology::Cluster(seeds.to_vec())
+        );
     }
 }

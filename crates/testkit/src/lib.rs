@@ -15,6 +15,7 @@ pub mod federation;
 mod inproc;
 pub mod load;
 pub mod proxy;
+pub mod race;
 pub mod sentinel;
 pub mod tls;
 
@@ -194,7 +195,7 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    fn try_conn(&self) -> redis::RedisResult<redis::Connection> {
+    pub(crate) fn try_conn(&self) -> redis::RedisResult<redis::Connection> {
         redis::Client::open(self.url())?.get_connection_with_timeout(Duration::from_secs(1))
     }
 

@@ -223,3 +223,127 @@ pub fn percentile_ms(sorted_us: &[u32], p: f64) -> f64 {
     let i = ((sorted_us.len() as f64 * p / 100.0).ceil() as usize).clamp(1, sorted_us.len()) - 1;
     sorted_us[i] as f64 / 1000.0
 }
+
+/// One answer of a [`Checks`] load.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    /// When the request was sent.
+    pub at: std::time::Instant,
+    /// Which of the load's request bodies it sent.
+    pub request: usize,
+    /// HTTP status (0: no answer, `outcome` then says why).
+    pub status: u16,
+    /// The decision's `outcome` (`allowed`, `denied`, `fail_open`, …).
+    pub outcome: String,
+    pub latency: Duration,
+}
+
+impl Sample {
+    /// The store decided (`allowed` or `denied`), as opposed to a fallback.
+    pub fn enforced(&self) -> bool {
+        self.outcome == "allowed" || self.outcome == "denied"
+    }
+}
+
+/// A closed-loop load for fault tests: `threads` threads each send one check at a time
+/// (one connection per request, like independent clients), cycling over the request
+/// bodies, and record every answer with its outcome, until stopped or `bound` has passed.
+pub struct Checks {
+    stop: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<Sample>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Checks {
+    pub fn start(
+        port: u16,
+        bodies: Vec<serde_json::Value>,
+        threads: usize,
+        bound: Duration,
+    ) -> Checks {
+        let stop = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let bodies: Arc<Vec<String>> = Arc::new(bodies.iter().map(|b| b.to_string()).collect());
+        let threads = (0..threads)
+            .map(|t| {
+                let (stop, samples, bodies) = (stop.clone(), samples.clone(), bodies.clone());
+                std::thread::spawn(move || {
+                    let deadline = Instant::now() + bound;
+                    let mut i = t;
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                        let request = i % bodies.len();
+                        i += 1;
+                        let at = Instant::now();
+                        let r = crate::http(
+                            port,
+                            "POST",
+                            "/v1/check",
+                            Some("application/json"),
+                            &bodies[request],
+                        );
+                        let latency = at.elapsed();
+                        let (status, outcome) = match r {
+                            Ok((s, _, text)) => {
+                                let v: serde_json::Value =
+                                    serde_json::from_str(&text).unwrap_or_default();
+                                (s, v["outcome"].as_str().unwrap_or("?").to_owned())
+                            }
+                            Err(e) => (0, format!("transport error: {e}")),
+                        };
+                        samples.lock().unwrap().push(Sample {
+                            at,
+                            request,
+                            status,
+                            outcome,
+                            latency,
+                        });
+                    }
+                })
+            })
+            .collect();
+        Checks {
+            stop,
+            samples,
+            threads,
+        }
+    }
+
+    /// Answers so far.
+    pub fn count(&self) -> usize {
+        self.samples.lock().unwrap().len()
+    }
+
+    /// Answers to requests sent at or after `t`.
+    pub fn since(&self, t: Instant) -> Vec<Sample> {
+        self.samples
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.at >= t)
+            .cloned()
+            .collect()
+    }
+
+    /// Waits until `n` more answers than now have come (the load made progress).
+    pub fn wait_answers(&self, n: usize, timeout: Duration) {
+        let target = self.count() + n;
+        crate::wait_for("answers from the load", timeout, || {
+            (self.count() >= target).then_some(())
+        });
+    }
+
+    /// Stops and returns every answer.
+    pub fn finish(mut self) -> Vec<Sample> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            t.join().unwrap();
+        }
+        std::mem::take(&mut *self.samples.lock().unwrap())
+    }
+}
+
+impl Drop for Checks {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
