@@ -29,16 +29,11 @@ fn assert_all_200(samples: &[Sample]) {
     );
 }
 
-/// Fails today, in the daemon's Redis client, not in quotad's logic: redis-rs 1.8.1's
-/// async cluster client answers an ASK by sending ASKING and then the command as two
-/// separate requests on the node's shared multiplexed connection. Concurrent redirected
-/// (or any other) requests interleave between them, the one-shot ASKING flag is spent on
-/// the wrong command, the target answers MOVED back to the source, and after its retries
-/// the client gives up with `Moved`/`Ask`: ~25-60 of ~2,100 answers are `fail_closed`
-/// while the slot is MIGRATING. Admission stays exact (1,000 of 1,000 for both
-/// policies); only the no-fallback assertion fails. Run with `--ignored`.
+/// The slot of a hot key moves to another master (IMPORTING, MIGRATING, MIGRATE key by key,
+/// SETSLOT NODE) while checks run: every answer is a decision (no fail mode), and the
+/// admitted count stays exactly the limit. Mid-migration the source answers ASK for keys
+/// it no longer has; quotad sends ASKING and the script together (store/connect.rs).
 #[test]
-#[ignore = "redis-rs cluster_async sends ASKING apart from its command: fail_closed during ASK"]
 fn a_hot_keys_slot_moves_to_another_master_under_load_with_exact_admission() {
     const LIMIT: usize = 1000;
     let cluster = RedisCluster::start();

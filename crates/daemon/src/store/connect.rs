@@ -193,11 +193,12 @@ impl Target {
             .connection_timeout(timeout)
             .response_timeout(timeout)
             .tcp_settings(TcpSettings::default().set_nodelay(true))
-            // A MOVED or a failover is retried a few times, quickly: the store's own
-            // per-call timeout bounds the whole call anyway.
-            .retries(3)
-            .min_retry_wait(10)
-            .max_retry_wait(100);
+            // Redirects are followed by [`AsyncConn`] itself (see `cluster_command`): the
+            // crate answers an ASK with ASKING and the command as two requests, which
+            // concurrent requests on the node's shared connection get between, so a
+            // script bounced between the two nodes of a slot migration until it failed.
+            // A lost connection goes to the store's breaker, as on one server.
+            .retries(0);
         if self.uses_tls() {
             b = b.tls(TlsMode::Secure).certs(self.tls.certificates());
         }
@@ -453,7 +454,7 @@ impl redis::aio::ConnectionLike for AsyncConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             AsyncConn::Single(c) => c.req_packed_command(cmd),
-            AsyncConn::Cluster(c) => c.req_packed_command(cmd),
+            AsyncConn::Cluster(c) => Box::pin(cluster_command(c, cmd)),
         }
     }
 
@@ -475,6 +476,66 @@ impl redis::aio::ConnectionLike for AsyncConn {
             AsyncConn::Cluster(c) => c.get_db(),
         }
     }
+}
+
+/// Redirects a command may follow before its error is the caller's.
+const REDIRECTS: u32 = 5;
+
+/// One command on a cluster, following MOVED (to the node named, while the crate rebuilds
+/// its slot map), ASK (ASKING and the command in one pipeline, so nothing can come between
+/// them on the node's shared connection) and TRYAGAIN (a multi-key script mid-migration,
+/// after a short pause). Each command is bounded by the store's per-call timeout.
+async fn cluster_command(
+    c: &mut redis::cluster_async::ClusterConnection,
+    cmd: &Cmd,
+) -> RedisResult<Value> {
+    let mut redirect: Option<(bool, SingleNodeRoutingInfo)> = None;
+    let mut attempt = 0;
+    loop {
+        let result = match redirect.take() {
+            None => redis::aio::ConnectionLike::req_packed_command(c, cmd).await,
+            Some((false, node)) => {
+                c.route_command(cmd.clone(), RoutingInfo::SingleNode(node))
+                    .await
+            }
+            Some((true, node)) => {
+                let mut pipe = redis::pipe();
+                pipe.cmd("ASKING").add_command(cmd.clone());
+                c.route_pipeline(pipe, 1, 1, node)
+                    .await
+                    .and_then(|mut v| v.pop().ok_or_else(|| not_a("reply to ASKING")))
+                    .and_then(Value::extract_error)
+            }
+        };
+        attempt += 1;
+        let Err(e) = result else { return result };
+        if attempt > REDIRECTS {
+            return Err(e);
+        }
+        match e.kind() {
+            redis::ErrorKind::Server(
+                kind @ (redis::ServerErrorKind::Ask | redis::ServerErrorKind::Moved),
+            ) => {
+                let Some(node) = e.redirect_node().and_then(|(addr, _)| by_address(addr)) else {
+                    return Err(e);
+                };
+                redirect = Some((kind == redis::ServerErrorKind::Ask, node));
+            }
+            redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain) => {
+                tokio::time::sleep(Duration::from_millis(5 * u64::from(attempt))).await;
+            }
+            _ => return Err(e),
+        }
+    }
+}
+
+/// `host:port` (the address in a MOVED or ASK) as a route.
+fn by_address(addr: &str) -> Option<SingleNodeRoutingInfo> {
+    let (host, port) = addr.rsplit_once(':')?;
+    Some(SingleNodeRoutingInfo::ByAddress {
+        host: host.to_owned(),
+        port: port.parse().ok()?,
+    })
 }
 
 /// The coordinator's blocking connection. Its pipelines must keep to one hash slot (the
