@@ -10,6 +10,7 @@ use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 
+use common::cluster::RedisCluster;
 use common::load::{Answer, Load, admitted_between, max_admitted_in_window};
 use common::proxy::{Leg, LegHandle, Proxy};
 use common::{Config, Global, Peer, Policy, Quotad, RedisServer, wait_for};
@@ -58,9 +59,46 @@ fn policy() -> GlobalPolicy {
     GlobalPolicy::from_weights("g", 1, RHO, BURST, &WEIGHTS, Mode::Proportional)
 }
 
+/// What a region keeps its state in.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Backing {
+    /// One redis-server.
+    Redis,
+    /// Its own Redis Cluster of 3 masters (and 3 replicas).
+    Cluster,
+}
+
+enum RegionStore {
+    Redis(RedisServer),
+    Cluster(RedisCluster),
+}
+
+impl RegionStore {
+    fn start(backing: Backing) -> Self {
+        match backing {
+            Backing::Redis => RegionStore::Redis(RedisServer::start()),
+            Backing::Cluster => RegionStore::Cluster(RedisCluster::start()),
+        }
+    }
+
+    fn config(&self) -> Config {
+        match self {
+            RegionStore::Redis(r) => Config::redis(&r.url()),
+            RegionStore::Cluster(c) => Config::cluster(&c.seeds()),
+        }
+    }
+
+    fn masters(&self) -> Vec<&RedisServer> {
+        match self {
+            RegionStore::Redis(r) => vec![r],
+            RegionStore::Cluster(c) => c.masters(),
+        }
+    }
+}
+
 /// A region's daemons, its Redis, and the proxies its peers call it through.
 struct Region {
-    redis: RedisServer,
+    store: RegionStore,
     daemons: Vec<Quotad>,
 }
 
@@ -71,9 +109,9 @@ struct Deployment {
     _proxies: Vec<Proxy>,
 }
 
-fn config(me: usize, redis: &str, peer_urls: &[Vec<String>], setup: &Setup) -> String {
+fn config(me: usize, store: Config, peer_urls: &[Vec<String>], setup: &Setup) -> String {
     let ms = |d: Duration| format!("{}ms", d.as_millis());
-    let mut c = Config::redis(redis)
+    let mut c = store
         .region(REGIONS[me])
         .coordinator("secret", SECRET)
         .coordinator("lock", ms(LOCK));
@@ -98,10 +136,10 @@ fn config(me: usize, redis: &str, peer_urls: &[Vec<String>], setup: &Setup) -> S
 impl Deployment {
     /// `instances[r]` daemons in region r, all sharing r's Redis.
     fn start(instances: [usize; 3]) -> Deployment {
-        Self::start_with(instances, &TEST)
+        Self::start_with(instances, &TEST, Backing::Redis)
     }
 
-    fn start_with(instances: [usize; 3], setup: &Setup) -> Deployment {
+    fn start_with(instances: [usize; 3], setup: &Setup, backing: Backing) -> Deployment {
         let legs: Vec<Vec<LegHandle>> = (0..3)
             .map(|a| {
                 (0..3)
@@ -134,13 +172,13 @@ impl Deployment {
             .collect();
         let mut regions = Vec::new();
         for (me, n) in instances.iter().enumerate() {
-            let redis = RedisServer::start();
+            let store = RegionStore::start(backing);
             let urls: Vec<Vec<String>> = (0..3)
                 .map(|b| proxies[me][b].iter().map(Proxy::url).collect())
                 .collect();
-            let text = config(me, &redis.url(), &urls, setup);
+            let text = config(me, store.config(), &urls, setup);
             let daemons: Vec<Quotad> = (0..*n).map(|_| Quotad::start(&text)).collect();
-            regions.push(Region { redis, daemons });
+            regions.push(Region { store, daemons });
         }
         for row in &proxies {
             for (b, list) in row.iter().enumerate() {
@@ -260,11 +298,24 @@ fn assert_bound(answers: &[Answer]) {
 }
 
 /// Demand moves from us to ap; ap is cut off while hot and healed; a one-way cut; us's
-/// daemon is killed and restarted; 5% message loss throughout. Shares follow demand, a cut-off region runs on exactly its escrow, and
-/// admissions never exceed ρW + B in any 1 s window.
+/// daemon is killed and restarted; 5% message loss throughout. Shares follow demand, a
+/// cut-off region runs on exactly its escrow, and admissions never exceed ρW + B in any
+/// 1 s window.
 #[test]
 fn three_regions_rebalance_fall_back_heal_and_keep_the_bound() {
-    let mut d = Deployment::start([1, 1, 1]);
+    cut_heal_restart(Backing::Redis);
+}
+
+/// The same with each region on its own 3-master Redis Cluster: every global script runs
+/// in the policy's slot, and the coordinator's per-round commands to each master are
+/// counted and printed.
+#[test]
+fn three_regions_on_redis_clusters_keep_the_bound() {
+    cut_heal_restart(Backing::Cluster);
+}
+
+fn cut_heal_restart(backing: Backing) {
+    let mut d = Deployment::start_with([1, 1, 1], &TEST, backing);
     // 5% of the exchange messages are lost on every link, throughout.
     d.set_drop(0.05);
     let load = Load::start(d.urls(), "g", "k", COST);
@@ -386,7 +437,59 @@ fn three_regions_rebalance_fall_back_heal_and_keep_the_bound() {
         "most checks answered"
     );
     for r in &d.regions {
-        r.redis.assert_every_key_has_ttl();
+        for m in r.store.masters() {
+            m.assert_every_key_has_ttl();
+        }
+    }
+    report_round_trips(&d);
+}
+
+/// With the load stopped, what each master of each region serves in 5 s: the coordinator's
+/// rounds (every ROUND) and the daemons' once-a-second health PING and invalidation
+/// heartbeat (PUBLISH), from INFO commandstats. Commands are an upper bound on round trips
+/// (a pipeline is one round trip for several).
+fn report_round_trips(d: &Deployment) {
+    let calls = |m: &RedisServer| -> std::collections::BTreeMap<String, u64> {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut m.conn())
+            .unwrap();
+        info.lines()
+            .filter_map(|l| {
+                let (name, rest) = l.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = rest.split(',').find_map(|f| f.strip_prefix("calls="))?;
+                Some((name.to_owned(), calls.parse().ok()?))
+            })
+            .collect()
+    };
+    let quiet = Duration::from_secs(5);
+    let rounds = quiet.as_secs_f64() / ROUND.as_secs_f64();
+    let before: Vec<Vec<_>> = d
+        .regions
+        .iter()
+        .map(|r| r.store.masters().into_iter().map(calls).collect())
+        .collect();
+    std::thread::sleep(quiet);
+    for (i, r) in d.regions.iter().enumerate() {
+        for (m, was) in r.store.masters().into_iter().zip(&before[i]) {
+            let now = calls(m);
+            let per_round: Vec<String> = now
+                .iter()
+                .filter_map(|(name, n)| {
+                    // Less the INFO that read `was` (counted once it completed).
+                    let mine = u64::from(name.as_str() == "info");
+                    let d = n - was.get(name).copied().unwrap_or(0) - mine;
+                    (d > 0).then(|| format!("{name} {:.1}", d as f64 / rounds))
+                })
+                .collect();
+            println!(
+                "{} master :{} per round ({:?}): {}",
+                REGIONS[i],
+                m.port,
+                ROUND,
+                per_round.join(", ")
+            );
+        }
     }
 }
 
@@ -482,7 +585,7 @@ fn sim_and_real_agree_on_a_demand_step() {
         burst,
         jitter: Duration::from_millis(10),
     };
-    let d = Deployment::start_with([1, 1, 1], &setup);
+    let d = Deployment::start_with([1, 1, 1], &setup, Backing::Redis);
     let load = Load::start(d.urls(), "g", "k", 1);
     let set = |v: [f64; 3]| {
         for (r, x) in by_name(v).iter().enumerate() {
