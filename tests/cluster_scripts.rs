@@ -1,0 +1,191 @@
+//! Every script quotad runs, on a real Redis Cluster, which refuses a script whose keys
+//! are not all in one slot (CROSSSLOT): each algorithm's, the composite script of a group,
+//! and the coordinator's whole lease store (lock and fences, replication and WAIT routed
+//! to the policy's master, books written, read, listed and dropped after a failover,
+//! active keys, counters, the default escrow) beside the global decision script.
+
+use quotad_testkit as common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::Policy;
+use common::cluster::RedisCluster;
+use common::federation::{eu_with_silent_us, even_escrow};
+use quotad_core::algorithm::{Algorithm, Op};
+use quotad_core::clock::Clock;
+use quotad_core::coordinator::lease::LeaseBook;
+use quotad_core::coordinator::node::LeaseStore;
+use quotad_daemon::config::Settings;
+use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore, global_policies};
+use quotad_daemon::federation::lock::Lock;
+use quotad_daemon::federation::runtime::Coordinated;
+use quotad_daemon::store::connect::{Target, Topology, slot};
+use quotad_daemon::store::{global, scripts};
+
+const ALGORITHMS: [&str; 5] = [
+    "fixed_window",
+    "sliding_log",
+    "sliding_window",
+    "token_bucket",
+    "gcra",
+];
+
+fn settings() -> Settings {
+    // Parsed only (never connected): the URL does not matter.
+    let mut config = eu_with_silent_us("redis://127.0.0.1:1", "0123456789abcdef")
+        .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()));
+    for a in ALGORITHMS {
+        config = config.policy(Policy::new(a, a, 10, "1s"));
+    }
+    Settings::parse("cluster.toml", &config.to_toml()).unwrap()
+}
+
+fn cluster_target(cluster: &RedisCluster) -> Target {
+    Target {
+        topology: Topology::Cluster(cluster.seeds()),
+        ..Target::standalone("redis://127.0.0.1:1")
+    }
+}
+
+#[test]
+fn every_script_runs_in_one_slot_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let settings = settings();
+    let layouts = quotad_daemon::app::layouts(&settings);
+    let target = cluster_target(&cluster);
+    let mut conn = target.connect_sync(Duration::from_secs(2)).unwrap();
+
+    // Each algorithm on a plain key and on a key of a group, then the group's composite.
+    let mut grouped = Vec::new();
+    for a in ALGORITHMS {
+        let policy = settings.policies.iter().find(|p| p.name == a).unwrap();
+        let layout = layouts.by_name(a).unwrap();
+        let limits = policy.limits();
+        for key in [
+            layout.storage_key("alice"),
+            layout.grouped_key("acme", "alice"),
+        ] {
+            let reply: Vec<i64> = redis::Script::new(scripts::source(policy.algorithm))
+                .key(&key)
+                .arg("check")
+                .arg(limits.limit)
+                .arg(limits.window_us)
+                .arg(limits.burst)
+                .arg(1)
+                .arg("m1")
+                .invoke(&mut conn)
+                .unwrap_or_else(|e| panic!("{a} on {key}: {e}"));
+            assert_eq!(reply[0], 1, "{a}: the first check is allowed");
+        }
+        grouped.push((policy.algorithm, limits, layout.grouped_key("acme", "bob")));
+    }
+    let composite = redis::Script::new(scripts::COMPOSITE);
+    let mut inv = composite.prepare_invoke();
+    for (_, _, key) in &grouped {
+        inv.key(key);
+    }
+    for (alg, l, _) in &grouped {
+        inv.arg(alg.key_tag())
+            .arg(l.limit)
+            .arg(l.window_us)
+            .arg(l.burst)
+            .arg(1)
+            .arg("m2")
+            .arg(1);
+    }
+    let reply: Vec<i64> = inv.invoke(&mut conn).expect("the composite script");
+    assert_eq!(reply.len(), 4 * grouped.len());
+    assert!(reply.chunks(4).all(|v| v[0] == 1), "{reply:?}");
+    let group_slot = slot(&grouped[0].2);
+    assert!(grouped.iter().all(|(_, _, k)| slot(k) == group_slot));
+    assert_eq!(Algorithm::ALL.len(), grouped.len());
+
+    // The coordinator's store, as a coordinator uses it.
+    let policies: Vec<Arc<_>> = settings.policies.iter().cloned().map(Arc::new).collect();
+    let entries = global_policies(&policies, &layouts);
+    let g = entries["g"].global.clone();
+    let fences: Vec<&str> = entries
+        .values()
+        .map(|p| p.global.keys.fence.as_str())
+        .collect();
+    let lock = Arc::new(Lock::new(
+        layouts.layout(),
+        "cluster-test".into(),
+        Duration::from_secs(30),
+    ));
+    let token = lock
+        .try_acquire(&mut conn, &fences)
+        .unwrap()
+        .expect("the lock");
+    let global_settings = settings.global.clone().expect("a global policy");
+    let clock = RedisClock::new();
+    let mut store = RedisLeaseStore::new(
+        conn,
+        clock.clone(),
+        lock,
+        token,
+        entries,
+        Duration::from_millis(500),
+        &global_settings,
+    );
+    store.begin(true).unwrap();
+    let mut book = LeaseBook::new(40.0);
+    book.high_water = clock.now_us();
+    let written = store.write_books("g", &[("k1", &book), ("k2", &book)]);
+    assert!(written.iter().all(|w| w.durable), "{:?}", store.failure());
+    assert_eq!(store.read_book("g", "k1"), Some(book.clone()));
+    assert_eq!(store.books("g").len(), 2);
+    assert!(store.set_default_escrow("g", 45.0), "{:?}", store.failure());
+    assert_eq!(store.default_escrow("g"), Some(45.0));
+
+    // A decision on a global key, from a connection of the request path's kind.
+    let mut conn = target.connect_sync(Duration::from_secs(2)).unwrap();
+    let layout = layouts.by_name("g").unwrap();
+    let check = scripts::Global::Check.script();
+    let inv = global::check_invocation(
+        &check,
+        &layout.storage_key("k1"),
+        "k1",
+        &g.keys,
+        &g.shape,
+        Op::Check { cost: 1 },
+        None,
+    );
+    let reply: Vec<i64> = inv.invoke(&mut conn).expect("the global check");
+    assert_eq!(reply[0], 1);
+    assert_eq!(store.take_active("g"), vec!["k1".to_owned()]);
+    assert_eq!(store.counters("g", "k1").admitted, 1);
+
+    // A lost replication-ID key reads as a failover: every loan is dropped, by script.
+    let _: () = redis::cmd("DEL")
+        .arg(&g.keys.replid)
+        .query(&mut conn)
+        .unwrap();
+    store.begin(true).unwrap();
+    assert!(store.take_failover(), "the failover was noticed");
+    assert!(store.failure().is_none(), "{:?}", store.failure());
+
+    // Everything of the global policy is in one slot, on one master.
+    let policy_slot = slot(&g.keys.meta);
+    for k in [
+        &layout.storage_key("k2"),
+        &g.keys.books,
+        &g.keys.fence,
+        &g.keys.active,
+    ] {
+        assert_eq!(slot(k), policy_slot, "{k}");
+    }
+    let holding = cluster
+        .masters()
+        .iter()
+        .filter(|m| {
+            redis::cmd("EXISTS")
+                .arg(&g.keys.books)
+                .query::<i64>(&mut m.conn())
+                .unwrap_or(0) // MOVED: another master's slot
+                == 1
+        })
+        .count();
+    assert_eq!(holding, 1);
+}
