@@ -125,6 +125,14 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "tls_without_rediss.toml",
+        &["3: store.tls_ca_file: TLS files are set but no URL is rediss://"],
+    ),
+    (
+        "credentials_without_redis.toml",
+        &["3: store.username: only with a Redis store"],
+    ),
+    (
         "two_topologies.toml",
         &[
             "3: store.redis_cluster: choose one topology: store.redis and store.redis_cluster are both set",

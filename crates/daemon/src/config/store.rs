@@ -199,51 +199,23 @@ impl Validator<'_> {
         } else if let Some(seeds) = &s.redis_cluster {
             Topology::Cluster(self.urls(seeds, "store.redis_cluster"))
         } else if let Some(sentinels) = &s.redis_sentinels {
-            let urls = self.urls(sentinels, "store.redis_sentinels");
-            let master = match &s.redis_sentinel_master {
-                Some(m) if policy::valid_name(m.get_ref()) => m.get_ref().clone(),
-                Some(m) => {
-                    self.error(m, "store.redis_sentinel_master", NAME_RULE);
-                    String::new()
-                }
-                None => {
-                    self.error(sentinels, "store.redis_sentinel_master", "required with store.redis_sentinels: the master's name in the sentinels' config");
-                    String::new()
-                }
-            };
-            Topology::Sentinel {
-                sentinels: urls,
-                master,
-            }
+            self.sentinel(sentinels, s.redis_sentinel_master.as_ref())
         } else {
-            for (v, field) in [
-                (&s.tls_ca_file, "store.tls_ca_file"),
-                (&s.tls_cert_file, "store.tls_cert_file"),
-                (&s.tls_key_file, "store.tls_key_file"),
-                (&s.username, "store.username"),
-                (&s.password, "store.password"),
-            ] {
-                if let Some(v) = v {
-                    self.error(v, field, "only with a Redis store (store.redis, store.redis_cluster or store.redis_sentinels)");
-                }
-            }
+            let why = "only with a Redis store (store.redis, store.redis_cluster or store.redis_sentinels)";
+            self.unused(&tls_keys(s), why);
+            self.unused(&credential_keys(s), why);
             return None;
         };
         let mut target = Target {
             topology,
-            tls: self.tls_files(s),
+            tls: TlsFiles::default(),
             username: s.username.as_ref().map(|u| u.get_ref().clone()),
             password: s.password.as_ref().map(|p| p.get_ref().clone()),
         };
-        if !target.uses_tls() {
-            if let Some(f) = s.tls_ca_file.as_ref().or(s.tls_cert_file.as_ref()) {
-                self.error(
-                    f,
-                    "store.tls_ca_file",
-                    "TLS files are set but no URL is rediss://",
-                );
-            }
-            target.tls = TlsFiles::default();
+        if target.uses_tls() {
+            target.tls = self.tls_files(s);
+        } else {
+            self.unused(&tls_keys(s), "TLS files are set but no URL is rediss://");
         }
         // Only a target without errors of its own is worth building (one error per mistake).
         if self.errors.len() > errors_before {
@@ -253,6 +225,41 @@ impl Validator<'_> {
             self.error_at(*at, field, format!("cannot build a Redis client: {e}"));
         }
         Some(target)
+    }
+
+    /// Sentinel: the sentinels' URLs and the master's name.
+    fn sentinel(
+        &mut self,
+        sentinels: &Spanned<Vec<Spanned<String>>>,
+        master: Option<&Spanned<String>>,
+    ) -> Topology {
+        let urls = self.urls(sentinels, "store.redis_sentinels");
+        let field = "store.redis_sentinel_master";
+        let master = match master {
+            Some(m) if policy::valid_name(m.get_ref()) => m.get_ref().clone(),
+            Some(m) => {
+                self.error(m, field, NAME_RULE);
+                String::new()
+            }
+            None => {
+                let why = "required with store.redis_sentinels: the master's name in the sentinels' config";
+                self.error(sentinels, field, why);
+                String::new()
+            }
+        };
+        Topology::Sentinel {
+            sentinels: urls,
+            master,
+        }
+    }
+
+    /// An error on each of `keys` that is set, where it cannot apply.
+    fn unused(&mut self, keys: &[(Option<&Spanned<String>>, &str)], why: &str) {
+        for (v, field) in keys {
+            if let Some(v) = v {
+                self.error(v, field, why);
+            }
+        }
     }
 
     /// A non-empty list of server URLs.
@@ -335,4 +342,21 @@ impl Validator<'_> {
             }
         }
     }
+}
+
+/// The TLS files of `[store]`, with their fields' names.
+fn tls_keys(s: &raw::Store) -> [(Option<&Spanned<String>>, &'static str); 3] {
+    [
+        (s.tls_ca_file.as_ref(), "store.tls_ca_file"),
+        (s.tls_cert_file.as_ref(), "store.tls_cert_file"),
+        (s.tls_key_file.as_ref(), "store.tls_key_file"),
+    ]
+}
+
+/// The ACL credentials of `[store]`, with their fields' names.
+fn credential_keys(s: &raw::Store) -> [(Option<&Spanned<String>>, &'static str); 2] {
+    [
+        (s.username.as_ref(), "store.username"),
+        (s.password.as_ref(), "store.password"),
+    ]
 }
