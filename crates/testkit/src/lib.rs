@@ -274,6 +274,23 @@ impl RedisServer {
         }
     }
 
+    /// Entries in SLOWLOG from connections named `client` (`CLIENT SETNAME`; the entry's
+    /// last field).
+    pub fn slowlog_of(&self, client: &str) -> Vec<String> {
+        let entries: Vec<Vec<redis::Value>> = redis::cmd("SLOWLOG")
+            .arg("GET")
+            .arg(1000)
+            .query(&mut self.conn())
+            .expect("SLOWLOG");
+        entries
+            .iter()
+            .filter(
+                |e| matches!(e.last(), Some(redis::Value::BulkString(n)) if n == client.as_bytes()),
+            )
+            .map(|e| format!("{e:?}"))
+            .collect()
+    }
+
     /// Entries in SLOWLOG that ran a script.
     pub fn slow_scripts(&self) -> Vec<String> {
         let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")

@@ -52,14 +52,25 @@ pub struct SweepReport {
     pub repaired: u64,
 }
 
+/// The name the janitor gives its connection (`CLIENT SETNAME`), so its commands are
+/// recognisable in `CLIENT LIST` and `SLOWLOG`.
+pub const CLIENT_NAME: &str = "quotad-janitor";
+
 /// One full SCAN of the node behind `conn` for `<prefix>:*`, `SCAN_COUNT` keys per step
 /// and `pause` between steps; every key without a TTL gets [`repair_ttl_ms`] with
-/// `PEXPIRE … NX`, so a TTL a script set in the meantime is never replaced.
+/// `PEXPIRE … NX`, so a TTL a script set in the meantime is never replaced. Names the
+/// connection [`CLIENT_NAME`] first.
 pub async fn sweep<C: ConnectionLike + Send>(
     conn: &mut C,
     layouts: &Layouts,
     pause: Duration,
 ) -> redis::RedisResult<SweepReport> {
+    // Best effort: CLIENT may be renamed or disabled (managed Redis).
+    let _: redis::RedisResult<()> = redis::cmd("CLIENT")
+        .arg("SETNAME")
+        .arg(CLIENT_NAME)
+        .query_async(conn)
+        .await;
     let pattern = format!("{}:*", layouts.layout().prefix());
     let mut report = SweepReport::default();
     let mut cursor: u64 = 0;
