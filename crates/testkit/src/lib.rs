@@ -277,12 +277,7 @@ impl RedisServer {
     /// Entries in SLOWLOG from connections named `client` (`CLIENT SETNAME`; the entry's
     /// last field).
     pub fn slowlog_of(&self, client: &str) -> Vec<String> {
-        let entries: Vec<Vec<redis::Value>> = redis::cmd("SLOWLOG")
-            .arg("GET")
-            .arg(1000)
-            .query(&mut self.conn())
-            .expect("SLOWLOG");
-        entries
+        self.slowlog()
             .iter()
             .filter(
                 |e| matches!(e.last(), Some(redis::Value::BulkString(n)) if n == client.as_bytes()),
@@ -291,14 +286,18 @@ impl RedisServer {
             .collect()
     }
 
-    /// Entries in SLOWLOG that ran a script.
-    pub fn slow_scripts(&self) -> Vec<String> {
-        let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+    /// SLOWLOG's entries, newest first: id, time, µs, arguments, client address, name.
+    fn slowlog(&self) -> Vec<Vec<redis::Value>> {
+        redis::cmd("SLOWLOG")
             .arg("GET")
             .arg(1000)
             .query(&mut self.conn())
-            .expect("SLOWLOG");
-        entries
+            .expect("SLOWLOG")
+    }
+
+    /// Entries in SLOWLOG that ran a script.
+    pub fn slow_scripts(&self) -> Vec<String> {
+        self.slowlog()
             .iter()
             .map(|e| format!("{e:?}"))
             .filter(|e| e.to_ascii_lowercase().contains("eval"))
