@@ -125,6 +125,15 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "forward_auth_problems.toml",
+        &[
+            "7: policy[0].forward_auth.key: \"cookie:x\": expected \"header:<name>\"",
+            "8: policy[0].forward_auth.trusted_hops: must be between 1 and 16, got 0",
+            "9: policy[0].forward_auth.denied_status: must be between 400 and 499, got 500",
+            "10: policy[0].forward_auth.on_missing_key: must be \"deny\", \"allow\"",
+        ],
+    ),
+    (
         "tls_without_rediss.toml",
         &["3: store.tls_ca_file: TLS files are set but no URL is rediss://"],
     ),

@@ -130,6 +130,7 @@ pub async fn serve(
         body_budget: api::body::BodyBudget::new(settings.server.max_body_memory, metrics.clone()),
         region: settings.region.as_str().into(),
         federation: federation.clone(),
+        forward_auth: Arc::new(settings.forward_auth.clone()),
     };
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");

@@ -174,6 +174,17 @@ impl Policy {
         self
     }
 
+    /// `[policy.forward_auth]`: the key's sources (`"header:x-api-key"`, `"client_ip"`),
+    /// `on_missing_key` (`"deny"`, `"allow"`, `"key:<k>"`) and `denied_status`.
+    pub fn forward_auth(self, key: &[&str], on_missing_key: &str, denied_status: u16) -> Self {
+        let mut t = toml::Table::new();
+        let key: Vec<toml::Value> = key.iter().map(|k| (*k).into()).collect();
+        t.insert("key".into(), key.into());
+        t.insert("on_missing_key".into(), on_missing_key.into());
+        t.insert("denied_status".into(), i64::from(denied_status).into());
+        self.set("forward_auth", t)
+    }
+
     /// Makes it a global policy.
     pub fn global(mut self, global: Global) -> Self {
         self.global = Some(global);

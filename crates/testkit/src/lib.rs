@@ -11,6 +11,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod edge;
 pub mod federation;
 mod inproc;
 pub mod load;
@@ -568,14 +569,29 @@ pub fn http(
     content_type: Option<&str>,
     body: &str,
 ) -> std::io::Result<Response> {
+    let ct: Vec<(&str, &str)> = content_type
+        .map(|c| ("content-type", c))
+        .into_iter()
+        .collect();
+    request(port, method, path, &ct, body)
+}
+
+/// [`http`] with any request headers (a proxy's, a client's API key).
+pub fn request(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> std::io::Result<Response> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-length: {}\r\n",
         body.len()
     );
-    if let Some(ct) = content_type {
-        req.push_str(&format!("content-type: {ct}\r\n"));
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
     }
     req.push_str("\r\n");
     s.write_all(req.as_bytes())?;

@@ -4,6 +4,7 @@
 
 pub mod body;
 pub mod error;
+pub mod forward_auth;
 pub mod request;
 
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use serde_json::{Value, json};
 
@@ -43,12 +44,15 @@ pub struct AppState {
     pub region: Arc<str>,
     /// Present when a policy is global (the coordinator and the peer endpoint).
     pub federation: Option<Arc<Federation>>,
+    /// `[policy.forward_auth]` by policy name (`/v1/authz/{policy}`).
+    pub forward_auth: Arc<crate::config::ForwardAuths>,
 }
 
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/check", post(check))
         .route("/v1/reset", post(reset))
+        .route("/v1/authz/{policy}", any(forward_auth::authz))
         .route("/v1/policies", get(policies))
         .route("/v1/status", get(status))
         .route(crate::federation::peers::EXCHANGE_PATH, post(peer_exchange))
@@ -116,7 +120,7 @@ async fn check(State(state): State<AppState>, req: Request) -> Result<Response, 
 
 /// Adds the RateLimit headers of the most restrictive decision: a denied one first, else the
 /// enforced one with the least remaining. Unenforced decisions carry no quota to report.
-fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
+pub(crate) fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
     let pick = ds
         .iter()
         .filter(|d| d.outcome.is_enforced())

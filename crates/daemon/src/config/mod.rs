@@ -12,6 +12,7 @@
 //! and `policy` (`[[policy]]`, `[policy.global]`).
 
 mod coordinator;
+mod forward_auth;
 mod policy;
 mod raw;
 mod server;
@@ -30,6 +31,7 @@ pub use coordinator::{
     DEFAULT_LOCK, DEFAULT_MAX_SKEW, EXCHANGE_BYTES_PER_KEY, EXCHANGE_ENVELOPE_BYTES,
     GlobalSettings, MIN_SECRET_BYTES, PeerSettings, Secret,
 };
+pub use forward_auth::{ForwardAuth, ForwardAuths, KeySource, MissingKey};
 pub use policy::{MAX_LEASE, MAX_SLIDING_LOG_LIMIT};
 pub use server::{
     DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
@@ -94,6 +96,8 @@ pub struct Settings {
     pub policies: Vec<Policy>,
     /// Present when at least one policy is global.
     pub global: Option<GlobalSettings>,
+    /// `[policy.forward_auth]` of the policies that have one, by policy name.
+    pub forward_auth: ForwardAuths,
 }
 
 impl Settings {
@@ -119,6 +123,7 @@ impl Settings {
             memory_max_keys: DEFAULT_MEMORY_MAX_KEYS as usize,
             policies: vec![policy],
             global: None,
+            forward_auth: ForwardAuths::new(),
         }
     }
 
@@ -284,6 +289,15 @@ impl Validator<'_> {
         let peers = self.peers(&region, &raw.peer, &coordinator);
         let regions = coordinator::regions(&region, &peers);
         let (policies, timing) = self.policies(&raw.policy, &regions, !raw.peer.is_empty());
+        let forward_auth = raw
+            .policy
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                let f = self.forward_auth(i, p.forward_auth.as_ref()?)?;
+                Some((p.name.get_ref().clone(), f))
+            })
+            .collect();
         let global = timing.map(|timing| {
             self.global(
                 &coordinator,
@@ -302,6 +316,7 @@ impl Validator<'_> {
             memory_max_keys,
             policies,
             global,
+            forward_auth,
         }
     }
 }

@@ -104,6 +104,16 @@ pub struct Policy {
     pub on_store_error: Option<Spanned<String>>,
     pub shadow: Option<bool>,
     pub global: Option<Global>,
+    pub forward_auth: Option<ForwardAuth>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForwardAuth {
+    pub key: Spanned<Vec<Spanned<String>>>,
+    pub trusted_hops: Option<Spanned<i64>>,
+    pub denied_status: Option<Spanned<i64>>,
+    pub on_missing_key: Option<Spanned<String>>,
 }
 
 /// Where an offset falls in the file.

@@ -1,0 +1,194 @@
+//! `/v1/authz/{policy}`: the forward-auth endpoint for proxies (nginx `auth_request`,
+//! Caddy `forward_auth`, Traefik `forwardAuth`). Any method, no body read: the proxy asks
+//! about the request it holds, and quotad answers with a status the proxy acts on:
+//!
+//! - allowed (or `fail_open`, `shadow`): `200`, with the RateLimit headers;
+//! - denied (or `fail_closed`): the policy's `denied_status` (429 by default), with
+//!   `Retry-After` and the RateLimit headers;
+//! - no key in the request: `on_missing_key` (deny, allow, or a fixed key), never a 5xx.
+//!
+//! The key is built from the original request's headers as `[policy.forward_auth]` says
+//! (`config::forward_auth`); the decision is the same limiter's as `POST /v1/check`.
+
+use std::net::IpAddr;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::api::error::ApiError;
+use crate::api::{AppState, with_headers};
+use crate::config::{ForwardAuth, KeySource, MissingKey};
+use crate::limiter::Check;
+
+/// Joins the parts of a key made of several sources.
+const KEY_JOIN: &str = "|";
+
+pub async fn authz(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let unknown = || ApiError::UnknownPolicy {
+        field: "policy".into(),
+        name: name.chars().take(80).collect(),
+    };
+    let policy = state.policies.get(&name).ok_or_else(unknown)?.clone();
+    let Some(auth) = state.forward_auth.get(&name) else {
+        return Err(ApiError::invalid(
+            "policy",
+            format!("policy \"{name}\" has no [policy.forward_auth]"),
+        ));
+    };
+    let key = match key_of(auth, &headers) {
+        Some(k) if k.len() <= state.caps.max_key_bytes => k,
+        // Too long to be a key: as good as none.
+        _ => match &auth.on_missing_key {
+            MissingKey::Key(k) => k.clone(),
+            MissingKey::Allow => return Ok(missing(StatusCode::OK, &name)),
+            MissingKey::Deny => return Ok(missing(denied_status(auth), &name)),
+        },
+    };
+    let check = Check {
+        policy,
+        key,
+        cost: 1,
+        group: None,
+    };
+    let d = state.limiter.check(&check).await?;
+    let status = if d.allowed {
+        StatusCode::OK
+    } else {
+        denied_status(auth)
+    };
+    let resp = (status, Json(&d)).into_response();
+    Ok(with_headers(resp, std::slice::from_ref(&d)))
+}
+
+fn denied_status(auth: &ForwardAuth) -> StatusCode {
+    StatusCode::from_u16(auth.denied_status).unwrap_or(StatusCode::TOO_MANY_REQUESTS)
+}
+
+/// The answer to a request without its key (`on_missing_key` allow or deny).
+fn missing(status: StatusCode, policy: &str) -> Response {
+    let body = json!({
+        "allowed": status.is_success(),
+        "policy": policy,
+        "outcome": "missing_key",
+    });
+    (status, Json(body)).into_response()
+}
+
+/// The key the policy's sources give, parts joined with `|`; `None` if any is missing.
+pub fn key_of(auth: &ForwardAuth, headers: &HeaderMap) -> Option<String> {
+    let parts: Option<Vec<String>> = auth
+        .key
+        .iter()
+        .map(|source| match source {
+            KeySource::Header(name) => header(headers, name)
+                .map(str::trim)
+                .filter(|v| !v.is_empty())
+                .map(str::to_owned),
+            KeySource::ClientIp => client_ip(headers, auth.trusted_hops).map(|ip| ip.to_string()),
+        })
+        .collect();
+    parts.map(|p| p.join(KEY_JOIN))
+}
+
+fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+/// The client's address as the outermost trusted proxy saw it: with `hops` trusted
+/// proxies appending to `X-Forwarded-For`, the `hops`-th entry from the right (entries
+/// further left came from the client and prove nothing); without one, `X-Real-IP` (set by
+/// the proxy). Several `X-Forwarded-For` headers read as one list, in order.
+pub fn client_ip(headers: &HeaderMap, hops: usize) -> Option<IpAddr> {
+    let entries: Vec<&str> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    let from_xff = entries
+        .len()
+        .checked_sub(hops)
+        .and_then(|i| entries.get(i))
+        .and_then(|e| parse_ip(e));
+    from_xff.or_else(|| header(headers, "x-real-ip").and_then(|v| parse_ip(v.trim())))
+}
+
+/// An address as proxies write it: bare, or `[v6]` / `v4:port` forms some add.
+fn parse_ip(s: &str) -> Option<IpAddr> {
+    if let Ok(ip) = s.parse() {
+        return Some(ip);
+    }
+    let s = s
+        .strip_prefix('[')
+        .map_or(s, |r| r.split(']').next().unwrap_or(r));
+    s.parse()
+        .ok()
+        .or_else(|| s.rsplit_once(':').and_then(|(h, _)| h.parse().ok()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn the_client_is_the_entry_the_outermost_trusted_proxy_appended() {
+        let h = headers(&[("x-forwarded-for", "6.6.6.6, 203.0.113.7")]);
+        assert_eq!(
+            client_ip(&h, 1),
+            "203.0.113.7".parse().ok(),
+            "the spoofed entry is ignored"
+        );
+        assert_eq!(client_ip(&h, 2), "6.6.6.6".parse().ok());
+        let h = headers(&[
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-forwarded-for", "2.2.2.2"),
+        ]);
+        assert_eq!(
+            client_ip(&h, 1),
+            "2.2.2.2".parse().ok(),
+            "several headers are one list"
+        );
+        let h = headers(&[("x-real-ip", "198.51.100.1")]);
+        assert_eq!(client_ip(&h, 1), "198.51.100.1".parse().ok());
+        let h = headers(&[("x-forwarded-for", "[2001:db8::1]:443, 192.0.2.1:8080")]);
+        assert_eq!(client_ip(&h, 1), "192.0.2.1".parse().ok());
+        assert_eq!(client_ip(&h, 2), "2001:db8::1".parse().ok());
+        assert_eq!(client_ip(&headers(&[("x-forwarded-for", "junk")]), 1), None);
+        assert_eq!(client_ip(&HeaderMap::new(), 1), None);
+    }
+
+    #[test]
+    fn a_key_needs_every_part() {
+        let auth = ForwardAuth {
+            key: vec![KeySource::Header("x-api-key".into()), KeySource::ClientIp],
+            trusted_hops: 1,
+            denied_status: 429,
+            on_missing_key: MissingKey::Deny,
+        };
+        let h = headers(&[("x-api-key", " abc "), ("x-forwarded-for", "203.0.113.7")]);
+        assert_eq!(key_of(&auth, &h).as_deref(), Some("abc|203.0.113.7"));
+        assert_eq!(key_of(&auth, &headers(&[("x-api-key", "abc")])), None);
+        assert_eq!(
+            key_of(&auth, &headers(&[("x-api-key", " "), ("x-real-ip", "::1")])),
+            None
+        );
+    }
+}
