@@ -134,6 +134,19 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "override_problems.toml",
+        &[
+            "8: policy[0].override[0].key: name exactly one of key, prefix or glob",
+            "13: policy[0].override[1].burst: burst applies only to token_bucket and gcra",
+        ],
+    ),
+    (
+        "override_global.toml",
+        &[
+            "55: policy[0].override[0].limit: a global policy's budget is split between regions per key",
+        ],
+    ),
+    (
         "tls_without_rediss.toml",
         &["3: store.tls_ca_file: TLS files are set but no URL is rediss://"],
     ),

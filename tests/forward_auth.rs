@@ -10,6 +10,8 @@ use common::{Config, Policy, Quotad, RedisServer, request};
 use serde_json::Value;
 
 const LIMIT: u64 = 3;
+/// The limit of the key "premium" (an override of `edge`).
+const PREMIUM: u64 = 6;
 
 /// `edge` (API key, denied with `denied`), `ip` (the client address one proxy saw; no
 /// address: allowed), `anon` (no key: counted as "anonymous").
@@ -18,7 +20,11 @@ fn config(redis: &RedisServer, denied: u16) -> String {
         |name: &str| Policy::new(name, "fixed_window", LIMIT, "1h").on_store_error("closed");
     let api_key = ["header:x-api-key"];
     Config::redis(&redis.url())
-        .policy(fixed("edge").forward_auth(&api_key, "deny", denied))
+        .policy(
+            fixed("edge")
+                .forward_auth(&api_key, "deny", denied)
+                .with_override("key", "premium", PREMIUM),
+        )
         .policy(fixed("ip").forward_auth(&["client_ip"], "allow", denied))
         .policy(fixed("anon").forward_auth(&api_key, "key:anonymous", denied))
         .policy(fixed("plain"))
@@ -107,7 +113,8 @@ fn the_contract_a_proxy_relies_on() {
 }
 
 /// Through a proxy at `edge`: the first LIMIT requests of a key reach the upstream, the
-/// next is a 429 with Retry-After at the client; another key is unaffected; no key: 429.
+/// next is a 429 with Retry-After at the client; another key is unaffected; no key: 429;
+/// the premium key (an override) gets its own limit.
 fn through(edge: &Edge) {
     let key = [("x-api-key", "alice")];
     for _ in 0..LIMIT {
@@ -129,6 +136,13 @@ fn through(edge: &Edge) {
     assert_eq!((status, body.as_str()), (200, UPSTREAM_BODY), "another key");
     let (status, _, _) = get(edge.port, "/orders", &[]);
     assert_eq!(status, 429, "no key: denied as configured");
+    let premium = [("x-api-key", "premium")];
+    let statuses: Vec<u16> = (0..=PREMIUM)
+        .map(|_| get(edge.port, "/orders", &premium).0)
+        .collect();
+    let mut want = vec![200; PREMIUM as usize];
+    want.push(429);
+    assert_eq!(statuses, want, "the premium key's own limit");
 }
 
 #[test]

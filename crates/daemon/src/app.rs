@@ -57,9 +57,11 @@ pub fn layouts(settings: &Settings) -> Layouts {
         me: g.me,
         step_tolerance_us: g.params.step_tolerance_us(),
     });
+    // Overrides share their policy's keys: the layout keeps the longest repair TTL of all.
+    let overrides = settings.overrides.values().flatten().map(|o| &*o.policy);
     Layouts::new(
         Layout::new(&settings.key_prefix),
-        &settings.policies,
+        settings.policies.iter().chain(overrides),
         region.as_ref(),
     )
 }
@@ -106,7 +108,9 @@ pub async fn serve(
         &metrics,
         [("local", Some(local.clone())), ("primary", store.memory())],
     );
-    let policies = Arc::new(Policies::new(settings.policies.iter().cloned()));
+    let policies = Arc::new(
+        Policies::new(settings.policies.iter().cloned()).with_overrides(settings.overrides.clone()),
+    );
     let federation = start_federation(&settings, &policies, &layouts, &store, &metrics)?;
     let drain = Drain::default();
     let state = AppState {

@@ -185,6 +185,21 @@ impl Policy {
         self.set("forward_auth", t)
     }
 
+    /// A `[[policy.override]]`: `kind` is `"key"`, `"prefix"` or `"glob"`.
+    pub fn with_override(mut self, kind: &str, pattern: &str, limit: u64) -> Self {
+        let mut t = toml::Table::new();
+        t.insert(kind.into(), pattern.into());
+        t.insert("limit".into(), (limit as i64).into());
+        let list = self
+            .extra
+            .entry("override".into())
+            .or_insert_with(|| toml::Value::Array(Vec::new()));
+        if let toml::Value::Array(a) = list {
+            a.push(t.into());
+        }
+        self
+    }
+
     /// Makes it a global policy.
     pub fn global(mut self, global: Global) -> Self {
         self.global = Some(global);

@@ -52,7 +52,7 @@ pub async fn authz(
         },
     };
     let check = Check {
-        policy,
+        policy: state.policies.for_key(&policy, &key),
         key,
         cost: 1,
         group: None,

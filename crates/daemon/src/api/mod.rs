@@ -22,7 +22,7 @@ use crate::federation::auth::{HEADER_SIGNATURE, Rejection, Signed};
 use crate::federation::{Federation, STATUS_KEYS, StatusReport};
 use crate::limiter::{Decision, Limiter, ResetError};
 use crate::metrics::Metrics;
-use crate::policy::Policies;
+use crate::policy::{KeyMatch, Policies};
 use crate::server::Drain;
 use crate::store::Store;
 use error::ApiError;
@@ -192,6 +192,19 @@ async fn policies(State(state): State<AppState>) -> Response {
                 "shadow": p.shadow,
                 // The limit this region enforces (global shares arrive with multi-region).
                 "effective_limit": p.limit.get(),
+                "overrides": state.policies.overrides(&p.name).iter().map(|o| {
+                    let (kind, pattern) = match &o.keys {
+                        KeyMatch::Exact(k) => ("key", k),
+                        KeyMatch::Prefix(k) => ("prefix", k),
+                        KeyMatch::Glob(k) => ("glob", k),
+                    };
+                    json!({
+                        kind: pattern,
+                        "limit": o.policy.limit.get(),
+                        "window_ms": o.policy.window.as_millis() as u64,
+                        "burst": o.policy.burst.get(),
+                    })
+                }).collect::<Vec<_>>(),
             })
         })
         .collect();

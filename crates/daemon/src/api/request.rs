@@ -270,12 +270,14 @@ fn check(v: &Value, prefix: &str, policies: &Policies, caps: &Caps) -> Result<Ch
     };
     let obj = object(v, what)?;
     no_unknown_fields(obj, &["policy", "key", "cost", "group"], prefix)?;
-    let policy = policy(policies, obj, prefix)?;
+    let base = policy(policies, obj, prefix)?;
     let key = key(obj, prefix, caps)?;
-    let cost = cost(obj, prefix, policy)?;
-    let group = group(obj, prefix, policy, caps)?;
+    // A key with an override is checked (and its cost bounded) under the override's limits.
+    let policy = policies.for_key(base, &key);
+    let cost = cost(obj, prefix, &policy)?;
+    let group = group(obj, prefix, &policy, caps)?;
     Ok(Check {
-        policy: policy.clone(),
+        policy,
         key,
         cost,
         group,

@@ -32,7 +32,7 @@ pub use coordinator::{
     GlobalSettings, MIN_SECRET_BYTES, PeerSettings, Secret,
 };
 pub use forward_auth::{ForwardAuth, ForwardAuths, KeySource, MissingKey};
-pub use policy::{MAX_LEASE, MAX_SLIDING_LOG_LIMIT};
+pub use policy::{MAX_LEASE, MAX_OVERRIDES, MAX_SLIDING_LOG_LIMIT, Overrides};
 pub use server::{
     DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
     DEFAULT_LISTEN, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_MEMORY,
@@ -98,6 +98,8 @@ pub struct Settings {
     pub global: Option<GlobalSettings>,
     /// `[policy.forward_auth]` of the policies that have one, by policy name.
     pub forward_auth: ForwardAuths,
+    /// `[[policy.override]]`: per-key limits, by policy name.
+    pub overrides: Overrides,
 }
 
 impl Settings {
@@ -124,6 +126,7 @@ impl Settings {
             policies: vec![policy],
             global: None,
             forward_auth: ForwardAuths::new(),
+            overrides: Overrides::new(),
         }
     }
 
@@ -288,7 +291,8 @@ impl Validator<'_> {
         let coordinator = raw.coordinator.unwrap_or_default();
         let peers = self.peers(&region, &raw.peer, &coordinator);
         let regions = coordinator::regions(&region, &peers);
-        let (policies, timing) = self.policies(&raw.policy, &regions, !raw.peer.is_empty());
+        let (policies, timing, overrides) =
+            self.policies(&raw.policy, &regions, !raw.peer.is_empty());
         let forward_auth = raw
             .policy
             .iter()
@@ -317,6 +321,7 @@ impl Validator<'_> {
             policies,
             global,
             forward_auth,
+            overrides,
         }
     }
 }

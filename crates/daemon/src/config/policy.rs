@@ -7,7 +7,7 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::{ConfigError, NAME_RULE, Validator, raw};
-use crate::policy::{self, FailMode, GlobalSpec, Policy, PolicySpec};
+use crate::policy::{self, FailMode, GlobalSpec, KeyMatch, Override, Policy, PolicySpec};
 use crate::store::layout::GLOBAL_KEEP_MS;
 use quotad_core::algorithm::Algorithm;
 use quotad_core::coordinator::Mode;
@@ -39,16 +39,115 @@ fn global_field(i: usize, name: &str) -> String {
     format!("policy[{i}].global.{name}")
 }
 
+/// Per-key overrides by policy name.
+pub type Overrides = std::collections::BTreeMap<String, Vec<Override>>;
+
+/// Overrides a policy may have: each is a policy of its own in memory, matched per check.
+pub const MAX_OVERRIDES: usize = 10_000;
+
 impl Validator<'_> {
+    /// `[[policy.override]]` of policy `i` (valid as `base`): each a copy of the policy
+    /// with its own limit, window and burst, for the keys it names.
+    pub(super) fn overrides(&mut self, i: usize, p: &raw::Policy, base: &Policy) -> Vec<Override> {
+        let field = |j: usize, k: &str| format!("policy[{i}].override[{j}].{k}");
+        if let (Some(first), Some(_)) = (p.overrides.first(), &base.global) {
+            let why = "a global policy's budget is split between regions per key: per-key overrides would break the bound; use a separate global policy";
+            self.error(&first.limit, &field(0, "limit"), why);
+            return Vec::new();
+        }
+        if p.overrides.len() > MAX_OVERRIDES {
+            let why = format!("at most {MAX_OVERRIDES} overrides per policy");
+            self.error(
+                &p.overrides[MAX_OVERRIDES].limit,
+                &field(MAX_OVERRIDES, "limit"),
+                why,
+            );
+        }
+        let mut out = Vec::new();
+        for (j, o) in p.overrides.iter().enumerate().take(MAX_OVERRIDES) {
+            let errors_before = self.errors.len();
+            let keys = match (&o.key, &o.prefix, &o.glob) {
+                (Some(k), None, None) => KeyMatch::Exact(k.get_ref().clone()),
+                (None, Some(k), None) => KeyMatch::Prefix(k.get_ref().clone()),
+                (None, None, Some(k)) => KeyMatch::Glob(k.get_ref().clone()),
+                _ => {
+                    let why = "name exactly one of key, prefix or glob";
+                    let at = [&o.key, &o.prefix, &o.glob].into_iter().flatten().nth(1);
+                    let at = at.map_or(o.limit.span().start, |v| v.span().start);
+                    self.error_at(at, &field(j, "key"), why);
+                    continue;
+                }
+            };
+            let limit = self.integer(
+                Some(&o.limit),
+                &field(j, "limit"),
+                1,
+                1,
+                policy::MAX_LIMIT as i64,
+            );
+            let window = self.duration(
+                o.window.as_ref(),
+                &field(j, "window"),
+                base.window,
+                policy::MIN_WINDOW,
+                policy::MAX_WINDOW,
+            );
+            let burst = match (&o.burst, base.algorithm.has_burst()) {
+                (Some(b), false) => {
+                    self.error(
+                        b,
+                        &field(j, "burst"),
+                        "burst applies only to token_bucket and gcra",
+                    );
+                    None
+                }
+                (Some(b), true) => {
+                    Some(
+                        self.integer(Some(b), &field(j, "burst"), 1, 1, policy::MAX_LIMIT as i64)
+                            as u64,
+                    )
+                }
+                (None, _) => None,
+            };
+            if self.errors.len() > errors_before {
+                continue;
+            }
+            let capacity = burst.unwrap_or(limit as u64);
+            if let Err(why) = policy::check_rates(base.algorithm, limit as u64, window, capacity) {
+                self.error(&o.limit, &field(j, "limit"), why);
+                continue;
+            }
+            let spec = PolicySpec {
+                name: &base.name,
+                algorithm: base.algorithm,
+                limit: limit as u64,
+                window,
+                burst,
+                on_store_error: base.on_store_error,
+                shadow: base.shadow,
+                global: None,
+            };
+            match Policy::new(spec) {
+                Some(policy) => out.push(Override {
+                    keys,
+                    policy: std::sync::Arc::new(policy),
+                }),
+                None => self.error(&o.limit, &field(j, "limit"), "override is invalid"),
+            }
+        }
+        out
+    }
+
     /// Every `[[policy]]` (at least one, names unique), and the timing of the global ones.
     pub(super) fn policies(
         &mut self,
         raw: &[raw::Policy],
         regions: &[String],
         has_peers: bool,
-    ) -> (Vec<Policy>, Option<Timing>) {
+    ) -> (Vec<Policy>, Option<Timing>, Overrides) {
         let mut timing = None;
         let mut policies = Vec::new();
+        let mut overrides = Overrides::new();
         let mut names = BTreeSet::new();
         if raw.is_empty() {
             self.errors.push(ConfigError {
@@ -71,11 +170,15 @@ impl Validator<'_> {
                         format!("duplicate policy name \"{}\"", policy.name),
                     );
                 } else {
+                    let o = self.overrides(i, p, &policy);
+                    if !o.is_empty() {
+                        overrides.insert(policy.name.clone(), o);
+                    }
                     policies.push(policy);
                 }
             }
         }
-        (policies, timing)
+        (policies, timing, overrides)
     }
 
     /// One `[[policy]]`: each field on its own, then the rates together (only when every

@@ -105,6 +105,20 @@ pub struct Policy {
     pub shadow: Option<bool>,
     pub global: Option<Global>,
     pub forward_auth: Option<ForwardAuth>,
+    #[serde(rename = "override", default)]
+    pub overrides: Vec<Override>,
+}
+
+/// `[[policy.override]]`: one of `key`, `prefix`, `glob`, and the limits.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Override {
+    pub key: Option<Spanned<String>>,
+    pub prefix: Option<Spanned<String>>,
+    pub glob: Option<Spanned<String>>,
+    pub limit: Spanned<i64>,
+    pub window: Option<Spanned<String>>,
+    pub burst: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]

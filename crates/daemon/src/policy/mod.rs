@@ -206,6 +206,35 @@ pub fn valid_prefix(prefix: &str) -> bool {
 #[derive(Debug, Clone, Default)]
 pub struct Policies {
     by_name: BTreeMap<String, Arc<Policy>>,
+    /// Per-key overrides, by policy name, in config order.
+    overrides: BTreeMap<String, Vec<Override>>,
+}
+
+/// Which keys an override applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyMatch {
+    Exact(String),
+    Prefix(String),
+    /// `*` any run of characters, `?` one character.
+    Glob(String),
+}
+
+impl KeyMatch {
+    pub fn matches(&self, key: &str) -> bool {
+        match self {
+            KeyMatch::Exact(k) => k == key,
+            KeyMatch::Prefix(p) => key.starts_with(p.as_str()),
+            KeyMatch::Glob(g) => glob(g.as_bytes(), key.as_bytes()),
+        }
+    }
+}
+
+/// A policy's own limits for some keys (a premium customer): the same policy (name,
+/// algorithm, fail mode, keys in the store) with another limit, window or burst.
+#[derive(Debug, Clone)]
+pub struct Override {
+    pub keys: KeyMatch,
+    pub policy: Arc<Policy>,
 }
 
 impl Policies {
@@ -215,7 +244,14 @@ impl Policies {
                 .into_iter()
                 .map(|p| (p.name.clone(), Arc::new(p)))
                 .collect(),
+            overrides: BTreeMap::new(),
         }
+    }
+
+    /// With per-key overrides, by policy name (validated by the config).
+    pub fn with_overrides(mut self, overrides: BTreeMap<String, Vec<Override>>) -> Self {
+        self.overrides = overrides;
+        self
     }
 
     pub fn get(&self, name: &str) -> Option<&Arc<Policy>> {
@@ -225,11 +261,69 @@ impl Policies {
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Policy>> {
         self.by_name.values()
     }
+
+    /// The overrides of the policy named `name`, in config order.
+    pub fn overrides(&self, name: &str) -> &[Override] {
+        self.overrides.get(name).map_or(&[], Vec::as_slice)
+    }
+
+    /// The policy as it applies to `key`: an exact override first, then the first prefix
+    /// or glob that matches, else `policy` itself.
+    pub fn for_key(&self, policy: &Arc<Policy>, key: &str) -> Arc<Policy> {
+        let list = self.overrides(&policy.name);
+        let exact = list
+            .iter()
+            .find(|o| matches!(&o.keys, KeyMatch::Exact(k) if k == key));
+        exact
+            .or_else(|| list.iter().find(|o| o.keys.matches(key)))
+            .map_or_else(|| policy.clone(), |o| o.policy.clone())
+    }
+}
+
+/// `*` and `?` over bytes, iteratively (no recursion, linear in practice: the last `*`
+/// is the only one that may be retried).
+fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        match pattern.get(p) {
+            Some(b'*') => {
+                star = Some((p, t));
+                p += 1;
+            }
+            Some(&c) if c == b'?' || c == text[t] => {
+                p += 1;
+                t += 1;
+            }
+            _ => match star {
+                Some((sp, st)) => {
+                    p = sp + 1;
+                    t = st + 1;
+                    star = Some((sp, st + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    pattern[p..].iter().all(|&c| c == b'*')
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn globs_match_star_and_question_mark() {
+        let g = |p: &str, t: &str| glob(p.as_bytes(), t.as_bytes());
+        assert!(g("premium-*", "premium-42"));
+        assert!(g("*-eu", "acme-eu"));
+        assert!(g("a?c*", "abcdef"));
+        assert!(g("*", ""));
+        assert!(!g("premium-*", "free-1"));
+        assert!(!g("a?c", "ac"));
+        assert!(g("*a*b*", "xxaxxbxx"));
+        assert!(!g("*a*b", "xxaxxbxx"));
+    }
 
     fn spec(
         name: &str,

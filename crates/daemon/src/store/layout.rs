@@ -280,10 +280,16 @@ impl Layouts {
         policies: impl IntoIterator<Item = &'a Policy>,
         region: Option<&RegionPlace>,
     ) -> Self {
-        let by_name = policies
-            .into_iter()
-            .map(|p| (p.name.clone(), layout.policy(p, region)))
-            .collect();
+        // A name given twice (a policy and its per-key overrides: one set of keys) keeps
+        // its first layout with the longest repair TTL of them all.
+        let mut by_name: HashMap<String, PolicyLayout> = HashMap::new();
+        for p in policies {
+            let l = layout.policy(p, region);
+            by_name
+                .entry(p.name.clone())
+                .and_modify(|kept| kept.repair_ttl_ms = kept.repair_ttl_ms.max(l.repair_ttl_ms))
+                .or_insert(l);
+        }
         Layouts { layout, by_name }
     }
 
