@@ -480,6 +480,23 @@ fn absurd_values_are_refused_and_the_peer_keeps_exchanging() {
     assert!(resp.starts_with("HTTP/1.1 413"), "{resp}");
     assert!(resp.contains("too_large"), "{resp}");
 
+    // A signed request must declare its length (its budget is reserved from the headers):
+    // a chunked body is refused with 411 before it is read.
+    let body = b"{}";
+    let s = auth::sign_request(SECRET, "us", "eu", now_ms(), body);
+    let mut raw = std::net::TcpStream::connect(("127.0.0.1", q.port)).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        raw,
+        "POST /v1/peer/exchange HTTP/1.1\r\nhost: q\r\nconnection: close\r\ncontent-type: application/json\r\n{}transfer-encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n",
+        auth_lines(&s)
+    )
+    .unwrap();
+    let mut resp = String::new();
+    let _ = raw.read_to_string(&mut resp);
+    assert!(resp.starts_with("HTTP/1.1 411"), "{resp}");
+    assert!(resp.contains("length_required"), "{resp}");
+
     // Without the secret, a request that names the peer and claims a body is refused from
     // its headers: nothing read, nothing reserved.
     let mut forged = auth::sign_request(
