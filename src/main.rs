@@ -279,9 +279,10 @@ fn serve(settings: Settings) -> ExitCode {
 }
 
 /// Cancels `shutdown` on SIGTERM or SIGINT; a second one exits at once (an operator who
-/// does not want to wait for the drain). SIGHUP, SIGUSR1 and SIGUSR2 are logged and
-/// otherwise ignored: their default action would kill the daemon without a drain, and
-/// systemd's `Restart=on-failure` does not restart a process killed by SIGHUP.
+/// does not want to wait for the drain). SIGHUP reloads the config file (the daemon's
+/// reload task has its own handler); SIGUSR1 and SIGUSR2 are logged and ignored. All three
+/// are caught here so that their default action, which would kill the daemon without a
+/// drain, never runs (not even without a config file to reload).
 async fn on_signal(shutdown: CancellationToken) {
     #[cfg(unix)]
     {
@@ -300,10 +301,9 @@ async fn on_signal(shutdown: CancellationToken) {
         for (mut s, name) in ignored {
             tokio::spawn(async move {
                 while s.recv().await.is_some() {
-                    tracing::info!(
-                        signal = name,
-                        "signal received and ignored: configuration reload is not supported yet; restart to apply a new config"
-                    );
+                    if name != "SIGHUP" {
+                        tracing::info!(signal = name, "signal received and ignored");
+                    }
                 }
             });
         }

@@ -21,6 +21,7 @@ use crate::federation::{BackendChoice, Federation};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
+use crate::reload::{self, Live, LiveConfig};
 use crate::server::{self, Drain};
 use crate::store::janitor;
 use crate::store::layout::{Layout, Layouts, RegionPlace};
@@ -108,13 +109,24 @@ pub async fn serve(
         &metrics,
         [("local", Some(local.clone())), ("primary", store.memory())],
     );
-    let policies = Arc::new(
-        Policies::new(settings.policies.iter().cloned()).with_overrides(settings.overrides.clone()),
-    );
-    let federation = start_federation(&settings, &policies, &layouts, &store, &metrics)?;
+    let live = Arc::new(LiveConfig::new(Live::from_settings(
+        &settings,
+        config_hash(&settings),
+    )));
+    let federation = start_federation(&settings, &live.get().policies, &layouts, &store, &metrics)?;
+    if let Some(path) = settings.source.clone() {
+        let task = reload::watch(
+            path,
+            settings.clone(),
+            live.clone(),
+            metrics.clone(),
+            background.stop.clone(),
+        );
+        background.tasks.spawn(task);
+    }
     let drain = Drain::default();
     let state = AppState {
-        policies,
+        live,
         limiter: Arc::new(Limiter::new(
             store.clone(),
             local,
@@ -134,7 +146,6 @@ pub async fn serve(
         body_budget: api::body::BodyBudget::new(settings.server.max_body_memory, metrics.clone()),
         region: settings.region.as_str().into(),
         federation: federation.clone(),
-        forward_auth: Arc::new(settings.forward_auth.clone()),
     };
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
@@ -149,6 +160,15 @@ pub async fn serve(
     let _ = tokio::time::timeout(Duration::from_secs(1), background.tasks.wait()).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The hash of the file the settings came from ("builtin" without one).
+fn config_hash(settings: &Settings) -> String {
+    settings
+        .source
+        .as_deref()
+        .and_then(|p| std::fs::read(p).ok())
+        .map_or_else(|| "builtin".to_owned(), |b| reload::hash(&b))
 }
 
 /// The tasks that live as long as the daemon serves, and what stops them (after the

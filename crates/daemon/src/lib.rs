@@ -30,5 +30,6 @@ pub mod federation;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;
+pub mod reload;
 pub mod server;
 pub mod store;

@@ -11,6 +11,9 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
+/// The results of a config reload (`quotad_config_reloads_total{result}`).
+pub const RELOAD_RESULTS: [&str; 3] = ["ok", "invalid", "refused"];
+
 pub struct Metrics {
     registry: Registry,
     /// `quotad_decisions_total{policy,outcome}`: every decision, by outcome
@@ -61,6 +64,10 @@ pub struct Metrics {
     /// `quotad_janitor_last_scan_timestamp_seconds`: when this instance last finished a
     /// sweep (Unix time); stale when no instance of the region sweeps.
     pub janitor_last_scan: IntGauge,
+    /// `quotad_config_reloads_total{result}`: reloads of the config file (SIGHUP or a
+    /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
+    /// that cannot apply without a restart). The running config stays on all but `ok`.
+    pub config_reloads: IntCounterVec,
     /// `quotad_memory_store_keys{store}`: keys the embedded store holds (`primary` in
     /// memory mode, `local` for the fallback), at the last sweep; at `store.memory_max_keys`
     /// new keys are refused (`quotad_store_errors_total{kind="full"}`).
@@ -272,6 +279,10 @@ impl Metrics {
                 "quotad_janitor_last_scan_timestamp_seconds",
                 "When this instance last finished a janitor sweep.",
             )),
+            config_reloads: c.labels(&["result"]).counter(Opts::new(
+                "quotad_config_reloads_total",
+                "Config reloads by result (ok, invalid, refused).",
+            )),
             memory_store_keys: c.labels(&["store"]).int_gauge(Opts::new(
                 "quotad_memory_store_keys",
                 "Keys held by the embedded store.",
@@ -297,6 +308,9 @@ impl Metrics {
         }
         for k in store_error_kinds {
             self.store_errors.with_label_values(&[k]);
+        }
+        for r in RELOAD_RESULTS {
+            self.config_reloads.with_label_values(&[r]);
         }
         self.build_info
             .with_label_values(&[env!("CARGO_PKG_VERSION")])

@@ -35,8 +35,9 @@ pub async fn authz(
         field: "policy".into(),
         name: name.chars().take(80).collect(),
     };
-    let policy = state.policies.get(&name).ok_or_else(unknown)?.clone();
-    let Some(auth) = state.forward_auth.get(&name) else {
+    let live = state.live.get();
+    let policy = live.policies.get(&name).ok_or_else(unknown)?.clone();
+    let Some(auth) = live.forward_auth.get(&name) else {
         return Err(ApiError::invalid(
             "policy",
             format!("policy \"{name}\" has no [policy.forward_auth]"),
@@ -52,7 +53,7 @@ pub async fn authz(
         },
     };
     let check = Check {
-        policy: state.policies.for_key(&policy, &key),
+        policy: live.policies.for_key(&policy, &key),
         key,
         cost: 1,
         group: None,

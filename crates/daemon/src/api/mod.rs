@@ -22,7 +22,7 @@ use crate::federation::auth::{HEADER_SIGNATURE, Rejection, Signed};
 use crate::federation::{Federation, STATUS_KEYS, StatusReport};
 use crate::limiter::{Decision, Limiter, ResetError};
 use crate::metrics::Metrics;
-use crate::policy::{KeyMatch, Policies};
+use crate::policy::KeyMatch;
 use crate::server::Drain;
 use crate::store::Store;
 use error::ApiError;
@@ -31,7 +31,8 @@ use request::{Caps, CheckRequest};
 /// What the handlers share, read-only (the drain is the server's: readiness reads it).
 #[derive(Clone)]
 pub struct AppState {
-    pub policies: Arc<Policies>,
+    /// Policies, overrides and forward-auth settings: swapped whole by a reload.
+    pub live: Arc<crate::reload::LiveConfig>,
     pub limiter: Arc<Limiter>,
     pub store: Arc<Store>,
     pub metrics: Arc<Metrics>,
@@ -44,8 +45,6 @@ pub struct AppState {
     pub region: Arc<str>,
     /// Present when a policy is global (the coordinator and the peer endpoint).
     pub federation: Option<Arc<Federation>>,
-    /// `[policy.forward_auth]` by policy name (`/v1/authz/{policy}`).
-    pub forward_auth: Arc<crate::config::ForwardAuths>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -96,7 +95,7 @@ async fn json_body(state: &AppState, req: Request) -> Result<serde_json::Value, 
 async fn check(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let started = Instant::now();
     let body = json_body(&state, req).await?;
-    let parsed = CheckRequest::parse(&body, &state.policies, &state.caps)?;
+    let parsed = CheckRequest::parse(&body, &state.live.get().policies, &state.caps)?;
     let response = match parsed {
         CheckRequest::Single(c) => {
             let d = state.limiter.check(&c).await?;
@@ -166,7 +165,8 @@ fn set(h: &mut HeaderMap, name: &'static str, value: String) {
 
 async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let body = json_body(&state, req).await?;
-    let (policy, key, group) = request::parse_reset(&body, &state.policies, &state.caps)?;
+    let (policy, key, group) =
+        request::parse_reset(&body, &state.live.get().policies, &state.caps)?;
     match state.limiter.reset(&policy, &key, group.as_deref()).await {
         Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
         Err(ResetError::Shed(s)) => Err(s.into()),
@@ -178,7 +178,8 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
 }
 
 async fn policies(State(state): State<AppState>) -> Response {
-    let list: Vec<_> = state
+    let live = state.live.get();
+    let list: Vec<_> = live
         .policies
         .iter()
         .map(|p| {
@@ -192,7 +193,7 @@ async fn policies(State(state): State<AppState>) -> Response {
                 "shadow": p.shadow,
                 // The limit this region enforces (global shares arrive with multi-region).
                 "effective_limit": p.limit.get(),
-                "overrides": state.policies.overrides(&p.name).iter().map(|o| {
+                "overrides": live.policies.overrides(&p.name).iter().map(|o| {
                     let (kind, pattern) = match &o.keys {
                         KeyMatch::Exact(k) => ("key", k),
                         KeyMatch::Prefix(k) => ("prefix", k),
@@ -208,7 +209,8 @@ async fn policies(State(state): State<AppState>) -> Response {
             })
         })
         .collect();
-    Json(json!({"store": state.store.describe(), "policies": list})).into_response()
+    let body = json!({"store": state.store.describe(), "config_hash": live.hash, "policies": list});
+    Json(body).into_response()
 }
 
 /// Global budgets as this instance sees them: regions, peers (link, RTT), and per tracked

@@ -100,6 +100,8 @@ pub struct Settings {
     pub forward_auth: ForwardAuths,
     /// `[[policy.override]]`: per-key limits, by policy name.
     pub overrides: Overrides,
+    /// The file these settings were loaded from (hot reload watches it).
+    pub source: Option<std::path::PathBuf>,
 }
 
 impl Settings {
@@ -127,6 +129,7 @@ impl Settings {
             global: None,
             forward_auth: ForwardAuths::new(),
             overrides: Overrides::new(),
+            source: None,
         }
     }
 
@@ -141,7 +144,9 @@ impl Settings {
                 message: format!("cannot read: {e}"),
             }])
         })?;
-        Settings::parse(&file, &src)
+        let mut settings = Settings::parse(&file, &src)?;
+        settings.source = Some(path.to_owned());
+        Ok(settings)
     }
 
     /// Validates config text; `file` is only used in messages.
@@ -322,6 +327,7 @@ impl Validator<'_> {
             global,
             forward_auth,
             overrides,
+            source: None,
         }
     }
 }

@@ -123,6 +123,7 @@ impl Layout {
         };
         PolicyLayout {
             stem,
+            algorithm: policy.algorithm,
             global,
             repair_ttl_ms,
         }
@@ -183,6 +184,9 @@ pub struct RegionPlace {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyLayout {
     stem: String,
+    /// The algorithm the stem was built for: a policy reloaded with another one gets
+    /// other keys (states of two algorithms must never meet in one key).
+    algorithm: quotad_core::algorithm::Algorithm,
     /// Set exactly for global policies (shared: every check of the policy carries it).
     pub global: Option<Arc<GlobalLayout>>,
     /// The TTL a key of this policy found without one may be given without changing any
@@ -293,13 +297,13 @@ impl Layouts {
         Layouts { layout, by_name }
     }
 
-    /// The layout of a loaded policy. Every policy the API can name was loaded with the
-    /// same snapshot, so the lookup finds it; a policy that was not (none today) is laid
+    /// The layout of a policy: the one built at start-up, or, for a policy a reload added
+    /// or gave another algorithm (never a global one: those cannot change live), one laid
     /// out on the spot, without a region's escrow.
     pub fn of(&self, policy: &Policy) -> std::borrow::Cow<'_, PolicyLayout> {
         match self.by_name.get(&policy.name) {
-            Some(l) => std::borrow::Cow::Borrowed(l),
-            None => std::borrow::Cow::Owned(self.layout.policy(policy, None)),
+            Some(l) if l.algorithm == policy.algorithm => std::borrow::Cow::Borrowed(l),
+            _ => std::borrow::Cow::Owned(self.layout.policy(policy, None)),
         }
     }
 
