@@ -5,6 +5,7 @@
 pub mod body;
 pub mod error;
 pub mod forward_auth;
+pub mod headers;
 pub mod request;
 
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
@@ -117,50 +118,10 @@ async fn check(State(state): State<AppState>, req: Request) -> Result<Response, 
     Ok(response)
 }
 
-/// Adds the RateLimit headers of the most restrictive decision: a denied one first, else the
-/// enforced one with the least remaining. Unenforced decisions carry no quota to report.
+/// Adds the RateLimit headers of `ds` ([`headers::rate_limit_headers`]).
 pub(crate) fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
-    let pick = ds
-        .iter()
-        .filter(|d| d.outcome.is_enforced())
-        .min_by_key(|d| (d.allowed, d.remaining));
-    let h = resp.headers_mut();
-    if let Some(d) = pick {
-        let reset_s = d.reset_after_ms.div_ceil(1000);
-        let w = d.window_secs.max(1);
-        set(
-            h,
-            "ratelimit-policy",
-            format!("\"{}\";q={};w={}", d.policy, d.limit, w),
-        );
-        set(
-            h,
-            "ratelimit",
-            format!("\"{}\";r={};t={}", d.policy, d.remaining, reset_s),
-        );
-        set(h, "ratelimit-limit", d.limit.to_string());
-        set(h, "ratelimit-remaining", d.remaining.to_string());
-        set(h, "ratelimit-reset", reset_s.to_string());
-    }
-    if let Some(d) = ds
-        .iter()
-        .filter(|d| !d.allowed)
-        .max_by_key(|d| d.retry_after_ms)
-    {
-        set(
-            h,
-            "retry-after",
-            d.retry_after_ms.div_ceil(1000).max(1).to_string(),
-        );
-    }
+    headers::rate_limit_headers(resp.headers_mut(), ds);
     resp
-}
-
-fn set(h: &mut HeaderMap, name: &'static str, value: String) {
-    // Values are built from policy names ([A-Za-z0-9_.-]) and numbers: always valid.
-    if let Ok(v) = HeaderValue::from_str(&value) {
-        h.insert(name, v);
-    }
 }
 
 async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {

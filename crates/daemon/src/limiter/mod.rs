@@ -81,6 +81,14 @@ pub struct Decision {
     pub refunded: bool,
     #[serde(skip)]
     pub window_secs: u64,
+    /// The quota `remaining` counts against: the policy's capacity (`burst` for
+    /// token_bucket and gcra, else `limit`). The RateLimit-Policy `q`.
+    #[serde(skip)]
+    pub quota: u64,
+    /// The time `quota` is allocated over, in whole seconds, when it is a whole number of
+    /// them ([`Policy::quota_window_secs`]). The RateLimit-Policy `w`.
+    #[serde(skip)]
+    pub quota_window_secs: Option<u64>,
     /// Which store charged this check (to refund it there).
     #[serde(skip)]
     charged: Option<Charged>,
@@ -90,6 +98,38 @@ pub struct Decision {
 enum Charged {
     Primary,
     Local,
+}
+
+impl Decision {
+    /// A decision as the limiter would return it, for other modules' unit tests.
+    #[cfg(test)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn for_test(
+        policy: &str,
+        key: &str,
+        outcome: Outcome,
+        quota: u64,
+        quota_window_secs: Option<u64>,
+        remaining: u64,
+        reset_after_ms: u64,
+        retry_after_ms: u64,
+    ) -> Decision {
+        Decision {
+            allowed: !matches!(outcome, Outcome::Denied | Outcome::FailClosed),
+            policy: policy.to_owned(),
+            key: key.to_owned(),
+            outcome,
+            limit: quota,
+            remaining,
+            reset_after_ms,
+            retry_after_ms,
+            refunded: false,
+            window_secs: quota_window_secs.unwrap_or(1),
+            quota,
+            quota_window_secs,
+            charged: None,
+        }
+    }
 }
 
 /// Why a reset changed nothing.
@@ -499,6 +539,8 @@ fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charge
         },
         refunded: false,
         window_secs: policy.window.as_secs_f64().ceil() as u64,
+        quota: policy.capacity(),
+        quota_window_secs: policy.quota_window_secs(),
         charged,
     }
 }
@@ -522,6 +564,8 @@ fn unenforced(check: &Check, open: bool) -> Decision {
         retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
         refunded: false,
         window_secs: policy.window.as_secs_f64().ceil() as u64,
+        quota: policy.capacity(),
+        quota_window_secs: policy.quota_window_secs(),
         charged: None,
     }
 }

@@ -187,6 +187,21 @@ impl Policy {
     pub fn capacity(&self) -> u64 {
         self.limits().capacity(self.algorithm)
     }
+
+    /// The time over which the capacity (the quota `remaining` counts against) is
+    /// allocated, in whole seconds, when it is a whole, non-zero number of them: the window
+    /// for the window algorithms; for token_bucket and gcra the time to refill the whole
+    /// burst, `burst * window / limit`, so that capacity / this is the sustained rate. `None`
+    /// otherwise (a sub-second window, 2.5 s): the RateLimit-Policy `w` is an integer number
+    /// of seconds, and a rounded one would advertise another rate than the one enforced.
+    pub fn quota_window_secs(&self) -> Option<u64> {
+        // For the window algorithms burst == limit, so one formula serves all five.
+        let num = self.window.as_nanos() * u128::from(self.capacity());
+        let den = u128::from(self.limit.get()) * 1_000_000_000;
+        (num % den == 0 && num > 0)
+            .then(|| u64::try_from(num / den).ok())
+            .flatten()
+    }
 }
 
 /// Policy names: 1-64 of `[A-Za-z0-9_.-]` (they appear in keys, metrics labels and URLs).
@@ -365,5 +380,29 @@ mod tests {
                 .capacity(),
             5
         );
+    }
+
+    #[test]
+    fn the_quota_window_is_whole_seconds_or_none() {
+        let w = |limit, window_ms, burst, alg| {
+            Policy::new(spec(
+                "p",
+                alg,
+                limit,
+                Duration::from_millis(window_ms),
+                burst,
+            ))
+            .unwrap()
+            .quota_window_secs()
+        };
+        assert_eq!(w(100, 60_000, None, Algorithm::FixedWindow), Some(60));
+        assert_eq!(w(3, 1_000, None, Algorithm::SlidingLog), Some(1));
+        assert_eq!(w(10, 100, None, Algorithm::SlidingWindow), None);
+        assert_eq!(w(10, 1_500, None, Algorithm::FixedWindow), None);
+        // Bucket and GCRA: the time to refill the whole burst.
+        assert_eq!(w(2, 1_000, Some(4), Algorithm::TokenBucket), Some(2));
+        assert_eq!(w(2, 1_000, Some(5), Algorithm::TokenBucket), None); // 2.5 s
+        assert_eq!(w(10, 1_000, None, Algorithm::Gcra), Some(1));
+        assert_eq!(w(10, 500, Some(20), Algorithm::Gcra), Some(1));
     }
 }
