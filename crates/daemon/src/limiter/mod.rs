@@ -79,8 +79,6 @@ pub struct Decision {
     /// In a denied batch: this check had been admitted and its units were given back.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub refunded: bool,
-    #[serde(skip)]
-    pub window_secs: u64,
     /// The quota `remaining` counts against: the policy's capacity (`burst` for
     /// token_bucket and gcra, else `limit`). The RateLimit-Policy `q`.
     #[serde(skip)]
@@ -124,7 +122,6 @@ impl Decision {
             reset_after_ms,
             retry_after_ms,
             refunded: false,
-            window_secs: quota_window_secs.unwrap_or(1),
             quota,
             quota_window_secs,
             charged: None,
@@ -538,7 +535,6 @@ fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charge
             ms_ceil(v.retry_after_us)
         },
         refunded: false,
-        window_secs: policy.window.as_secs_f64().ceil() as u64,
         quota: policy.capacity(),
         quota_window_secs: policy.quota_window_secs(),
         charged,
@@ -563,7 +559,6 @@ fn unenforced(check: &Check, open: bool) -> Decision {
         reset_after_ms: 0,
         retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
         refunded: false,
-        window_secs: policy.window.as_secs_f64().ceil() as u64,
         quota: policy.capacity(),
         quota_window_secs: policy.quota_window_secs(),
         charged: None,
