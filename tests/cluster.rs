@@ -183,7 +183,7 @@ fn the_janitor_gives_persisted_keys_their_ttl_back_on_every_master() {
     assert!(total >= 1000, "{total} keys to persist");
     let node = |port: u16| *masters.iter().find(|m| m.port == port).unwrap();
     // Wait out a sweep first, so the PERSISTs land between two of them.
-    wait_for("a first sweep", Duration::from_secs(10), || {
+    wait_for("a first sweep", Duration::from_secs(20), || {
         (q.metric("quotad_janitor_last_scan_timestamp_seconds") > 0.0).then_some(())
     });
     for (port, keys) in &persisted {

@@ -114,7 +114,7 @@ fn the_daemon_gives_persisted_keys_their_ttl_back_within_two_intervals() {
     }
     let keys: Vec<String> = (0..1000).map(|i| format!("rl:fw:fw:{{k{i}}}")).collect();
     // Wait out a sweep first, so the PERSISTs land between two of them.
-    wait_for("a first sweep", Duration::from_secs(5), || {
+    wait_for("a first sweep", Duration::from_secs(20), || {
         (q.metric("quotad_janitor_last_scan_timestamp_seconds") > 0.0).then_some(())
     });
     for k in &keys {
