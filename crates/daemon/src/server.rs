@@ -119,6 +119,11 @@ impl Drain {
         self.stop.is_cancelled()
     }
 
+    /// Resolves once the listeners are to stop accepting (the gRPC listener's signal).
+    pub async fn closing(&self) {
+        self.stop.cancelled().await;
+    }
+
     /// Stops accepting; connections finish as described in the module doc.
     pub fn stop_accepting(&self) {
         self.begin();

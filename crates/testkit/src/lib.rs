@@ -20,7 +20,7 @@ pub mod race;
 pub mod sentinel;
 pub mod tls;
 
-pub use config::{Config, Global, Peer, Policy};
+pub use config::{Config, Descriptor, Global, Peer, Policy};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -5,6 +5,7 @@
 pub mod body;
 pub mod error;
 pub mod forward_auth;
+pub mod grpc;
 pub mod request;
 
 use std::sync::Arc;
@@ -118,43 +119,51 @@ async fn check(State(state): State<AppState>, req: Request) -> Result<Response, 
     Ok(response)
 }
 
-/// Adds the RateLimit headers of the most restrictive decision: a denied one first, else the
-/// enforced one with the least remaining. Unenforced decisions carry no quota to report.
+/// Adds the RateLimit headers of [`ratelimit_headers`] to a response.
 pub(crate) fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
+    let h = resp.headers_mut();
+    for (name, value) in ratelimit_headers(ds) {
+        set(h, name, value);
+    }
+    resp
+}
+
+/// The RateLimit headers (lower-case names) of the most restrictive decision: a denied one
+/// first, else the enforced one with the least remaining; unenforced decisions carry no
+/// quota to report. `Retry-After` when any is denied: the longest wait. The HTTP API and
+/// the gRPC service (`response_headers_to_add`) both send these.
+pub fn ratelimit_headers(ds: &[Decision]) -> Vec<(&'static str, String)> {
+    let mut out = Vec::with_capacity(6);
     let pick = ds
         .iter()
         .filter(|d| d.outcome.is_enforced())
         .min_by_key(|d| (d.allowed, d.remaining));
-    let h = resp.headers_mut();
     if let Some(d) = pick {
         let reset_s = d.reset_after_ms.div_ceil(1000);
         let w = d.window_secs.max(1);
-        set(
-            h,
+        out.push((
             "ratelimit-policy",
             format!("\"{}\";q={};w={}", d.policy, d.limit, w),
-        );
-        set(
-            h,
+        ));
+        out.push((
             "ratelimit",
             format!("\"{}\";r={};t={}", d.policy, d.remaining, reset_s),
-        );
-        set(h, "ratelimit-limit", d.limit.to_string());
-        set(h, "ratelimit-remaining", d.remaining.to_string());
-        set(h, "ratelimit-reset", reset_s.to_string());
+        ));
+        out.push(("ratelimit-limit", d.limit.to_string()));
+        out.push(("ratelimit-remaining", d.remaining.to_string()));
+        out.push(("ratelimit-reset", reset_s.to_string()));
     }
     if let Some(d) = ds
         .iter()
         .filter(|d| !d.allowed)
         .max_by_key(|d| d.retry_after_ms)
     {
-        set(
-            h,
+        out.push((
             "retry-after",
             d.retry_after_ms.div_ceil(1000).max(1).to_string(),
-        );
+        ));
     }
-    resp
+    out
 }
 
 fn set(h: &mut HeaderMap, name: &'static str, value: String) {
