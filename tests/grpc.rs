@@ -94,15 +94,18 @@ fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
         .map(|h| h.value.as_str())
 }
 
-/// `per_ip` 3/min on any remote address; `path` 2/s on `path=/login` only; plan=free →
-/// user: `free_user` 2/h (plan=free alone: not limited); `shadowed` 1/min in shadow.
+/// `per_ip` 3/min on any remote address; `path` 2/min on `path=/login` only; plan=free →
+/// user: `free_user` 2/h (plan=free alone: not limited); `big` 10/h; `shadowed` 1/min in
+/// shadow. Token buckets: no window boundary can reset a count in the middle of a test.
 fn config(redis: &RedisServer) -> String {
+    let tb =
+        |name: &str, limit: u64, window: &str| Policy::new(name, "token_bucket", limit, window);
     Config::redis(&redis.url())
-        .policy(Policy::new("per_ip", "fixed_window", 3, "1m"))
-        .policy(Policy::new("path", "fixed_window", 2, "1s"))
-        .policy(Policy::new("free_user", "fixed_window", 2, "1h"))
-        .policy(Policy::new("big", "fixed_window", 10, "1m"))
-        .policy(Policy::new("shadowed", "fixed_window", 1, "1m").shadow())
+        .policy(tb("per_ip", 3, "1m"))
+        .policy(tb("path", 2, "1m"))
+        .policy(tb("free_user", 2, "1h"))
+        .policy(tb("big", 10, "1h"))
+        .policy(tb("shadowed", 1, "1m").shadow())
         .descriptor(DOMAIN, Descriptor::new("remote_address").policy("per_ip"))
         .descriptor(
             DOMAIN,
@@ -295,7 +298,7 @@ fn several_descriptors_the_most_restrictive_wins() {
             assert_eq!(r.statuses.len(), 3);
             assert_eq!(r.statuses[2].current_limit, None);
         }
-        // login (2/s) is spent, per_ip has 1 left: over limit, and per_ip is refunded.
+        // login (2/min) is spent, per_ip has 1 left: over limit, and per_ip is refunded.
         let r = ask(&mut c, DOMAIN, vec![ip(), login(), unmatched()]).await;
         assert_eq!(code(&r), Code::OverLimit, "{r:?}");
         let codes: Vec<i32> = r.statuses.iter().map(|s| s.code).collect();
@@ -305,7 +308,7 @@ fn several_descriptors_the_most_restrictive_wins() {
         );
         assert_eq!(
             header(&r, "ratelimit-policy"),
-            Some("\"path\";q=2;w=1"),
+            Some("\"path\";q=2;w=60"),
             "{r:?}"
         );
         let r = ask(&mut c, DOMAIN, vec![ip()]).await;
@@ -360,12 +363,16 @@ fn shadow_mode_answers_ok_and_counts_the_denial() {
     assert_eq!(shadow, 2.0, "the 2nd and 3rd would have been denied");
 }
 
-/// 500 concurrent requests on one descriptor at limit 100: exactly 100 admitted.
+/// 500 concurrent requests on one descriptor at limit 100: exactly 100 admitted. The
+/// store timeout is generous and the policy fails closed, so that a Redis call slowed by
+/// the burst (on a loaded 2-core machine) is not an unenforced `fail_open` admission: what
+/// is counted is the store's decisions.
 #[test]
 fn concurrent_requests_admit_exactly_the_limit() {
     let redis = RedisServer::start();
     let config = Config::redis(&redis.url())
-        .policy(Policy::new("hundred", "fixed_window", 100, "1h"))
+        .store("timeout", "2s")
+        .policy(Policy::new("hundred", "fixed_window", 100, "1h").on_store_error("closed"))
         .descriptor(DOMAIN, Descriptor::new("tenant").policy("hundred"))
         .to_toml();
     let (q, port) = serve(&config);
@@ -386,8 +393,142 @@ fn concurrent_requests_admit_exactly_the_limit() {
         }
         ok
     });
-    assert_eq!(ok, 100);
+    let fallbacks = q.metric("quotad_decisions_total{outcome=\"fail_closed\",policy=\"hundred\"}");
+    assert_eq!((ok, fallbacks), (100, 0.0));
     let allowed = q.metric("quotad_decisions_total{outcome=\"allowed\",policy=\"hundred\"}");
     let denied = q.metric("quotad_decisions_total{outcome=\"denied\",policy=\"hundred\"}");
     assert_eq!((allowed, denied), (100.0, 400.0), "every decision counted");
+}
+
+const TIMEOUT_MS: u64 = 50;
+/// Allowance on top of the store timeout for gRPC, scheduling and a debug build on 2 cores
+/// (as tests/failure.rs allows HTTP).
+const MARGIN_MS: u64 = 200;
+
+/// One answer under load: when it came, how long it took, and per descriptor (open, closed)
+/// its code and remaining.
+#[derive(Debug, Clone)]
+struct Sample {
+    at: Instant,
+    latency: Duration,
+    result: Result<[(i32, u32); 2], String>,
+}
+
+/// Enforced: the store decided (the limits are too high to deny), so something remains.
+fn enforced(s: &Sample) -> bool {
+    matches!(&s.result, Ok(st) if st.iter().all(|&(code, rem)| code == Code::Ok as i32 && rem > 0))
+}
+
+/// The fail modes: `open` allows unenforced (nothing known remains), `closed` denies.
+fn failed_over(s: &Sample) -> bool {
+    matches!(&s.result, Ok([open, closed])
+        if *open == (Code::Ok as i32, 0) && closed.0 == Code::OverLimit as i32)
+}
+
+async fn wait_samples(
+    samples: &std::sync::Mutex<Vec<Sample>>,
+    since: Instant,
+    what: &str,
+    pred: fn(&Sample) -> bool,
+) -> Instant {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        {
+            let s = samples.lock().unwrap();
+            let recent: Vec<&Sample> = s.iter().filter(|x| x.at >= since).collect();
+            if recent.len() >= 3 && recent[recent.len() - 3..].iter().all(|x| pred(x)) {
+                return Instant::now();
+            }
+        }
+        assert!(Instant::now() < deadline, "no {what} within 10 s");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn redis_killed_mid_load_each_policy_fails_its_way_in_time() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let mut redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .store("timeout", format!("{TIMEOUT_MS}ms"))
+        .store("probe_interval", "100ms")
+        .policy(Policy::new("p-open", "token_bucket", 100_000, "1m").on_store_error("open"))
+        .policy(Policy::new("p-closed", "fixed_window", 100_000, "1m").on_store_error("closed"))
+        .descriptor(DOMAIN, Descriptor::new("open").policy("p-open"))
+        .descriptor(DOMAIN, Descriptor::new("closed").policy("p-closed"))
+        .to_toml();
+    // A process daemon: the latency bound is about the binary, not a daemon sharing this
+    // process with the load.
+    let port = free_port();
+    let q = Quotad::start_with(&config, &format!("grpc_listen = \"127.0.0.1:{port}\""));
+    let samples = Arc::new(Mutex::new(Vec::<Sample>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    runtime().block_on(async {
+        let c = client(port).await;
+        let load: Vec<_> = (0..3)
+            .map(|i| {
+                let (mut c, samples, stop) = (c.clone(), samples.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let key = format!("k{i}");
+                    while !stop.load(Ordering::Relaxed) {
+                        let started = Instant::now();
+                        let r = c
+                            .should_rate_limit(RateLimitRequest {
+                                domain: DOMAIN.into(),
+                                descriptors: vec![
+                                    desc(&[("open", &key)]),
+                                    desc(&[("closed", &key)]),
+                                ],
+                                hits_addend: 0,
+                            })
+                            .await;
+                        let latency = started.elapsed();
+                        let result = r.map_err(|e| e.to_string()).map(|r| {
+                            let r = r.into_inner();
+                            let s = |i: usize| (r.statuses[i].code, r.statuses[i].limit_remaining);
+                            [s(0), s(1)]
+                        });
+                        samples.lock().unwrap().push(Sample {
+                            at: Instant::now(),
+                            latency,
+                            result,
+                        });
+                    }
+                })
+            })
+            .collect();
+        wait_samples(&samples, Instant::now(), "enforced answers", enforced).await;
+        redis.kill();
+        wait_samples(&samples, Instant::now(), "fail-mode answers", failed_over).await;
+        redis.restart();
+        let restarted = Instant::now();
+        let back = wait_samples(&samples, restarted, "enforcement again", enforced).await;
+        stop.store(true, Ordering::Relaxed);
+        for t in load {
+            t.await.expect("load task");
+        }
+        eprintln!("enforcement back {:?} after the restart", back - restarted);
+    });
+    let samples = samples.lock().unwrap();
+    let errors: Vec<_> = samples.iter().filter(|s| s.result.is_err()).collect();
+    assert!(
+        errors.is_empty(),
+        "{} gRPC errors, e.g. {:?}",
+        errors.len(),
+        errors.first()
+    );
+    let slowest = samples.iter().map(|s| s.latency).max().unwrap();
+    eprintln!("{} answers, slowest {slowest:?}", samples.len());
+    assert!(
+        slowest <= Duration::from_millis(TIMEOUT_MS + MARGIN_MS),
+        "slowest answer {slowest:?} exceeds the {TIMEOUT_MS} ms timeout plus {MARGIN_MS} ms"
+    );
+    for (policy, outcome) in [("p-open", "fail_open"), ("p-closed", "fail_closed")] {
+        let n = q.metric(&format!(
+            "quotad_decisions_total{{outcome=\"{outcome}\",policy=\"{policy}\"}}"
+        ));
+        assert!(n > 0.0, "{policy}: no {outcome} counted");
+    }
 }
