@@ -271,6 +271,7 @@ fn shipped_configs_validate() {
         "config/quotad.toml",
         "config/examples/login.toml",
         "config/examples/api.toml",
+        "config/examples/envoy.toml",
     ] {
         let out = Command::new(quotad_binary())
             .arg("validate")

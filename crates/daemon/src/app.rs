@@ -41,6 +41,8 @@ pub enum AppError {
     RedisUrl(redis::RedisError),
     #[error("server failed: {0}")]
     Serve(std::io::Error),
+    #[error("gRPC server failed: {0}")]
+    Grpc(tonic::transport::Error),
 }
 
 /// How often expired entries are dropped from in-process stores.
@@ -70,24 +72,34 @@ pub fn layouts(settings: &Settings) -> Layouts {
 /// Binds the configured address and serves until `shutdown` is cancelled.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
     let addr = settings.server.listen;
-    let bind = || {
-        let socket = if addr.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()?
-        } else {
-            tokio::net::TcpSocket::new_v6()?
-        };
-        socket.set_reuseaddr(true)?;
-        socket.bind(addr)?;
-        socket.listen(LISTEN_BACKLOG)
-    };
-    let listener = bind().map_err(|source| AppError::Bind { addr, source })?;
+    let listener =
+        server::bind(addr, LISTEN_BACKLOG).map_err(|source| AppError::Bind { addr, source })?;
     serve(settings, listener, shutdown).await
 }
 
-/// Serves on an already-bound listener (tests bind port 0).
+/// Serves on an already-bound listener (tests bind port 0); binds `[server] grpc_listen`
+/// when set.
 pub async fn serve(
     settings: Settings,
     listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), AppError> {
+    let grpc = match settings.server.grpc_listen {
+        Some(addr) => Some(
+            api::grpc::bind(addr, LISTEN_BACKLOG)
+                .map_err(|source| AppError::Bind { addr, source })?,
+        ),
+        None => None,
+    };
+    serve_both(settings, listener, grpc, shutdown).await
+}
+
+/// Serves HTTP on `listener` and, when given, the Envoy rate-limit service on `grpc`; both
+/// drain together.
+pub async fn serve_both(
+    settings: Settings,
+    listener: TcpListener,
+    grpc: Option<TcpListener>,
     shutdown: CancellationToken,
 ) -> Result<(), AppError> {
     let metrics = Arc::new(Metrics::new(
@@ -150,8 +162,21 @@ pub async fn serve(
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
     let limits = connection_limits(&settings);
-    let server = server::serve(listener, api::router(state), limits, metrics, drain.clone());
-    until_drained(&settings, server, drain, &shutdown).await;
+    let grpc_server = grpc.map(|l| serve_grpc(&settings, &state, &limits, l));
+    let http = server::serve(listener, api::router(state), limits, metrics, drain.clone());
+    let grpc_failed = std::sync::Mutex::new(None);
+    let servers = async {
+        let grpc = async {
+            if let Some(g) = grpc_server
+                && let Err(e) = g.await
+            {
+                tracing::error!(error = %e, "gRPC server failed");
+                *grpc_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            }
+        };
+        tokio::join!(http, grpc);
+    };
+    until_drained(&settings, servers, drain, &shutdown).await;
     background.stop.cancel();
     if let Some(f) = &federation {
         f.stop().await;
@@ -159,7 +184,36 @@ pub async fn serve(
     background.tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(1), background.tasks.wait()).await;
     tracing::info!("stopped");
-    Ok(())
+    match grpc_failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(AppError::Grpc(e)),
+        None => Ok(()),
+    }
+}
+
+/// The Envoy rate-limit service on the same limiter, policies and drain as the HTTP API,
+/// within the same connection bound and request caps (`api::grpc::Bounds`).
+fn serve_grpc(
+    settings: &Settings,
+    state: &AppState,
+    limits: &server::Limits,
+    listener: TcpListener,
+) -> impl std::future::Future<Output = Result<(), tonic::transport::Error>> + use<> {
+    if let Ok(addr) = listener.local_addr() {
+        tracing::info!(%addr, domains = settings.descriptors.len(), "gRPC rate-limit service listening");
+    }
+    let service = api::grpc::RateLimiter {
+        live: state.live.clone(),
+        limiter: state.limiter.clone(),
+        metrics: state.metrics.clone(),
+        caps: state.caps,
+    };
+    let bounds = api::grpc::Bounds {
+        max_connections: limits.max_connections,
+        max_message_bytes: settings.server.max_body_bytes,
+        max_header_bytes: settings.server.max_header_bytes,
+        timeout: settings.server.body_timeout,
+    };
+    api::grpc::serve(listener, service, bounds, state.drain.clone())
 }
 
 /// The hash of the file the settings came from ("builtin" without one).

@@ -1,5 +1,6 @@
 //! Hot reload: SIGHUP, or a change of the config file seen on disk (checked every second),
-//! reloads the policies, their per-key overrides and their forward-auth settings without a
+//! reloads the policies, their per-key overrides, forward-auth settings and Envoy
+//! descriptors without a
 //! restart. Keys keep their state: it lives in the store, under names that do not change.
 //!
 //! A new file is validated exactly as `quotad validate` does; with errors it is refused,
@@ -16,7 +17,7 @@ use std::time::{Duration, SystemTime};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{ForwardAuths, Settings};
+use crate::config::{Descriptors, ForwardAuths, Settings};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 
@@ -27,6 +28,8 @@ const POLL: Duration = Duration::from_secs(1);
 pub struct Live {
     pub policies: Policies,
     pub forward_auth: ForwardAuths,
+    /// `[[descriptor]]`: what the gRPC service maps Envoy's descriptors to.
+    pub descriptors: Descriptors,
     /// SHA-256 of the config file (hex); "builtin" without one.
     pub hash: String,
 }
@@ -37,6 +40,7 @@ impl Live {
             policies: Policies::new(settings.policies.iter().cloned())
                 .with_overrides(settings.overrides.clone()),
             forward_auth: settings.forward_auth.clone(),
+            descriptors: settings.descriptors.clone(),
             hash,
         }
     }

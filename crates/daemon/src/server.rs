@@ -119,6 +119,11 @@ impl Drain {
         self.stop.is_cancelled()
     }
 
+    /// Resolves once the listeners are to stop accepting (the gRPC listener's signal).
+    pub async fn closing(&self) {
+        self.stop.cancelled().await;
+    }
+
     /// Stops accepting; connections finish as described in the module doc.
     pub fn stop_accepting(&self) {
         self.begin();
@@ -519,4 +524,17 @@ pub fn default_max_connections(file_limit: Option<u64>) -> usize {
         Some(n) => cap.min(n.saturating_sub(RESERVED_FILES).max(64)) as usize,
         None => cap as usize,
     }
+}
+
+/// A listening socket on `addr` with address reuse (a restart need not wait out
+/// TIME_WAIT) and a deep `backlog`: the HTTP listener's, and the gRPC service's.
+pub fn bind(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
 }

@@ -27,6 +27,8 @@ pub struct Config {
     peers: Vec<Peer>,
     #[serde(rename = "policy")]
     policies: Vec<Policy>,
+    #[serde(rename = "descriptor", skip_serializing_if = "Vec::is_empty")]
+    descriptors: Vec<Descriptor>,
 }
 
 impl Config {
@@ -83,6 +85,15 @@ impl Config {
         self
     }
 
+    /// A top-level `[[descriptor]]` (Envoy's rate-limit service; its `domain` set).
+    pub fn descriptor(mut self, domain: &str, descriptor: Descriptor) -> Self {
+        self.descriptors.push(Descriptor {
+            domain: Some(domain.into()),
+            ..descriptor
+        });
+        self
+    }
+
     /// The TOML text.
     pub fn to_toml(&self) -> String {
         toml::to_string(self).expect("a config serializes")
@@ -125,6 +136,51 @@ impl Peer {
     /// The secret shared with this peer (else `[coordinator] secret`).
     pub fn secret(mut self, secret: &str) -> Self {
         self.secret = Some(secret.into());
+        self
+    }
+}
+
+/// A `[[descriptor]]` node: `key`, optional `value` and `policy`, nested descriptors.
+#[derive(Debug, Clone, Serialize)]
+pub struct Descriptor {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    domain: Option<String>,
+    key: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    value: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy: Option<String>,
+    #[serde(rename = "descriptor", skip_serializing_if = "Vec::is_empty")]
+    children: Vec<Descriptor>,
+}
+
+impl Descriptor {
+    /// A descriptor entry with this key and any value.
+    pub fn new(key: &str) -> Self {
+        Descriptor {
+            domain: None,
+            key: key.into(),
+            value: None,
+            policy: None,
+            children: Vec::new(),
+        }
+    }
+
+    /// Only this value.
+    pub fn value(mut self, value: &str) -> Self {
+        self.value = Some(value.into());
+        self
+    }
+
+    /// The policy a request descriptor ending here is limited by.
+    pub fn policy(mut self, policy: &str) -> Self {
+        self.policy = Some(policy.into());
+        self
+    }
+
+    /// A nested descriptor (the request descriptor's next entry).
+    pub fn child(mut self, child: Descriptor) -> Self {
+        self.children.push(child);
         self
     }
 }

@@ -20,7 +20,7 @@ pub mod race;
 pub mod sentinel;
 pub mod tls;
 
-pub use config::{Config, Global, Peer, Policy};
+pub use config::{Config, Descriptor, Global, Peer, Policy};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -30,8 +30,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-/// A two-worker runtime for the kit's background threads (in-process daemons, load).
-fn runtime() -> tokio::runtime::Runtime {
+/// A two-worker runtime for the kit's background threads (in-process daemons, load), and
+/// for tests that drive async clients.
+pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -5,6 +5,7 @@
 pub mod body;
 pub mod error;
 pub mod forward_auth;
+pub mod grpc;
 pub mod headers;
 pub mod request;
 
@@ -122,6 +123,16 @@ async fn check(State(state): State<AppState>, req: Request) -> Result<Response, 
 pub(crate) fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
     headers::rate_limit_headers(resp.headers_mut(), ds);
     resp
+}
+
+/// The same headers as (lower-case name, value) pairs: the gRPC service sends them as
+/// `response_headers_to_add`.
+pub fn ratelimit_headers(ds: &[Decision]) -> Vec<(String, String)> {
+    let mut h = axum::http::HeaderMap::new();
+    headers::rate_limit_headers(&mut h, ds);
+    h.iter()
+        .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
+        .collect()
 }
 
 async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {

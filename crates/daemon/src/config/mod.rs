@@ -12,6 +12,7 @@
 //! and `policy` (`[[policy]]`, `[policy.global]`).
 
 mod coordinator;
+mod descriptor;
 mod forward_auth;
 mod policy;
 mod raw;
@@ -31,6 +32,7 @@ pub use coordinator::{
     DEFAULT_LOCK, DEFAULT_MAX_SKEW, EXCHANGE_BYTES_PER_KEY, EXCHANGE_ENVELOPE_BYTES,
     GlobalSettings, MIN_SECRET_BYTES, PeerSettings, Secret,
 };
+pub use descriptor::{DescriptorNode, Descriptors};
 pub use forward_auth::{ForwardAuth, ForwardAuths, KeySource, MissingKey};
 pub use policy::{MAX_LEASE, MAX_OVERRIDES, MAX_SLIDING_LOG_LIMIT, Overrides};
 pub use server::{
@@ -102,6 +104,8 @@ pub struct Settings {
     pub overrides: Overrides,
     /// The file these settings were loaded from (hot reload watches it).
     pub source: Option<std::path::PathBuf>,
+    /// `[[descriptor]]`: Envoy descriptors by domain (the gRPC rate-limit service).
+    pub descriptors: Descriptors,
 }
 
 impl Settings {
@@ -130,6 +134,7 @@ impl Settings {
             forward_auth: ForwardAuths::new(),
             overrides: Overrides::new(),
             source: None,
+            descriptors: Descriptors::default(),
         }
     }
 
@@ -307,6 +312,12 @@ impl Validator<'_> {
                 Some((p.name.get_ref().clone(), f))
             })
             .collect();
+        let names: Vec<&str> = raw
+            .policy
+            .iter()
+            .map(|p| p.name.get_ref().as_str())
+            .collect();
+        let descriptors = self.descriptors(&raw.descriptor, &names);
         let global = timing.map(|timing| {
             self.global(
                 &coordinator,
@@ -328,6 +339,7 @@ impl Validator<'_> {
             forward_auth,
             overrides,
             source: None,
+            descriptors,
         }
     }
 }

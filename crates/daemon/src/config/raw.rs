@@ -18,6 +18,22 @@ pub struct Config {
     pub peer: Vec<Peer>,
     #[serde(default)]
     pub policy: Vec<Policy>,
+    /// `[[descriptor]]`: Envoy rate-limit descriptors mapped to policies (gRPC).
+    #[serde(default)]
+    pub descriptor: Vec<Descriptor>,
+}
+
+/// `[[descriptor]]` and its nested `[[descriptor.descriptor]]`: one level of an Envoy
+/// descriptor tree (envoyproxy/ratelimit's `descriptors:`). `domain` on the top level only.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Descriptor {
+    pub domain: Option<Spanned<String>>,
+    pub key: Spanned<String>,
+    pub value: Option<Spanned<String>>,
+    pub policy: Option<Spanned<String>>,
+    #[serde(default)]
+    pub descriptor: Vec<Descriptor>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -54,6 +70,7 @@ pub struct Global {
 #[serde(deny_unknown_fields)]
 pub struct Server {
     pub listen: Option<Spanned<String>>,
+    pub grpc_listen: Option<Spanned<String>>,
     pub drain_timeout: Option<Spanned<String>>,
     pub shutdown_delay: Option<Spanned<String>>,
     pub max_body_bytes: Option<Spanned<i64>>,

@@ -11,6 +11,8 @@ use super::{Validator, raw};
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
     pub listen: SocketAddr,
+    /// The Envoy rate-limit service's gRPC listener (`api::grpc`); none when absent.
+    pub grpc_listen: Option<SocketAddr>,
     pub drain_timeout: Duration,
     /// Time between readiness turning 503 and the listener closing.
     pub shutdown_delay: Duration,
@@ -38,6 +40,7 @@ impl ServerSettings {
     pub fn defaults() -> Self {
         ServerSettings {
             listen: default_listen(),
+            grpc_listen: None,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             shutdown_delay: default_shutdown_delay(DEFAULT_DRAIN_TIMEOUT),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES as usize,
@@ -90,9 +93,11 @@ impl Validator<'_> {
     /// the shutdown delay is compared with the drain timeout last, once both are known.
     pub(super) fn server(&mut self, s: raw::Server) -> ServerSettings {
         let listen = self.listen(s.listen.as_ref());
+        let grpc_listen = self.grpc_listen(s.grpc_listen.as_ref(), listen);
         let (drain_timeout, shutdown_delay) = self.shutdown_timings(&s);
         let mut settings = ServerSettings {
             listen,
+            grpc_listen,
             drain_timeout,
             shutdown_delay,
             ..ServerSettings::defaults()
@@ -125,6 +130,32 @@ impl Validator<'_> {
                     "must be an IP address and port, e.g. \"127.0.0.1:8686\"",
                 );
                 default_listen()
+            }
+        }
+    }
+
+    /// `grpc_listen`: an address like `listen`, and not the same one.
+    fn grpc_listen(
+        &mut self,
+        value: Option<&Spanned<String>>,
+        http: SocketAddr,
+    ) -> Option<SocketAddr> {
+        let v = value?;
+        match v.get_ref().parse::<SocketAddr>() {
+            Ok(a) if a == http => {
+                let why =
+                    format!("is server.listen ({http}) too; the gRPC listener needs its own port");
+                self.error(v, "server.grpc_listen", why);
+                None
+            }
+            Ok(a) => Some(a),
+            Err(_) => {
+                self.error(
+                    v,
+                    "server.grpc_listen",
+                    "must be an IP address and port, e.g. \"127.0.0.1:8081\"",
+                );
+                None
             }
         }
     }

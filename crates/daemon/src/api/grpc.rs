@@ -1,0 +1,415 @@
+//! Envoy's rate-limit service (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`)
+//! on its own listener, `[server] grpc_listen` (docs/envoy.md). Like the HTTP handlers it
+//! only translates: each request descriptor is matched against `[[descriptor]]`
+//! (`config::descriptor`), its entries' values joined with `|` are the quotad key, and the
+//! matched descriptors go to the same [`Limiter::check_batch`] as `POST /v1/check` with
+//! `checks`: shadow and fail modes, metrics, and a denied request refunding the others
+//! come from there.
+//!
+//! - Unknown domain, or a descriptor that matches nothing: `OK`, not limited (a status
+//!   with code `OK` and no `current_limit`).
+//! - Cost: the descriptor's `hits_addend` if set (0 = a peek), else the request's
+//!   `hits_addend`, where proto3's 0 means "not set" and so 1 (as Envoy and
+//!   envoyproxy/ratelimit read it).
+//! - `overall_code` is `OVER_LIMIT` if any descriptor is: the most restrictive wins.
+//! - A malformed request (no domain, no descriptors, more than `server.max_batch`, a key
+//!   too long or empty, a cost above the policy's capacity) is `INVALID_ARGUMENT`; quotad
+//!   at capacity is `UNAVAILABLE` (Envoy applies its `failure_mode_deny`).
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::{Request, Response, Status};
+
+use crate::api::ratelimit_headers;
+use crate::api::request::Caps;
+use crate::limiter::{Check, Decision, Limiter};
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+use crate::reload::{Live, LiveConfig};
+use crate::server::Drain;
+
+/// Joins a descriptor's entry values into the quotad key (as forward-auth joins its parts).
+const KEY_JOIN: &str = "|";
+
+/// Streams one HTTP/2 connection may carry at once. Envoy multiplexes every request of a
+/// worker over few connections, so this is well above what one needs, and bounds what one
+/// client can start at once (beyond it the client queues; the store's admission bounds the
+/// work itself).
+pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
+
+/// HTTP/2 pings on an idle connection, and how long an answer may take: a peer that went
+/// away without a FIN is noticed, and its connection slot given back.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The service: what it needs to turn descriptors into checks.
+pub struct RateLimiter {
+    /// Policies, overrides and descriptors: swapped whole by a reload.
+    pub live: Arc<LiveConfig>,
+    pub limiter: Arc<Limiter>,
+    pub metrics: Arc<Metrics>,
+    pub caps: Caps,
+}
+
+/// The gRPC listener's bounds, from `[server]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Connections open at once (`server.max_connections`): beyond it, connects wait in
+    /// the kernel's backlog until one closes.
+    pub max_connections: usize,
+    /// A request message's size (`server.max_body_bytes`): `RESOURCE_EXHAUSTED` beyond.
+    pub max_message_bytes: usize,
+    /// Request headers (`server.max_header_bytes`): HTTP/2's header list size.
+    pub max_header_bytes: usize,
+    /// A call answered or cancelled (`DEADLINE_EXCEEDED`) within this
+    /// (`server.body_timeout`); a shorter `grpc-timeout` from the client wins.
+    pub timeout: Duration,
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimiter {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let started = Instant::now();
+        let req = request.into_inner();
+        let checks = self.checks(&req)?;
+        let matched: Vec<Check> = checks.iter().flatten().cloned().collect();
+        let decisions = if matched.is_empty() {
+            Vec::new()
+        } else {
+            self.limiter
+                .check_batch(&matched)
+                .await
+                .map_err(|shed| Status::unavailable(shed.to_string()))?
+        };
+        let response = respond(&checks, &decisions);
+        self.metrics
+            .check_duration
+            .observe(started.elapsed().as_secs_f64());
+        Ok(Response::new(response))
+    }
+}
+
+impl RateLimiter {
+    /// One entry per request descriptor: its check, or `None` when nothing limits it.
+    fn checks(&self, req: &RateLimitRequest) -> Result<Vec<Option<Check>>, Status> {
+        if req.domain.is_empty() {
+            return Err(Status::invalid_argument("domain: must not be empty"));
+        }
+        if req.descriptors.is_empty() {
+            return Err(Status::invalid_argument(
+                "descriptors: must hold at least one descriptor",
+            ));
+        }
+        if req.descriptors.len() > self.caps.max_batch {
+            return Err(Status::invalid_argument(format!(
+                "descriptors: {} given; at most {} (server.max_batch)",
+                req.descriptors.len(),
+                self.caps.max_batch
+            )));
+        }
+        let live = self.live.get();
+        req.descriptors
+            .iter()
+            .enumerate()
+            .map(|(i, d)| self.check(&live, i, &req.domain, d, req.hits_addend))
+            .collect()
+    }
+
+    fn check(
+        &self,
+        live: &Live,
+        i: usize,
+        domain: &str,
+        d: &RateLimitDescriptor,
+        request_hits: u32,
+    ) -> Result<Option<Check>, Status> {
+        let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+        let Some(name) = live.descriptors.policy_of(domain, entries) else {
+            return Ok(None);
+        };
+        let Some(base) = live.policies.get(name) else {
+            return Ok(None); // validated at load: cannot happen
+        };
+        let key = d
+            .entries
+            .iter()
+            .map(|e| e.value.as_str())
+            .collect::<Vec<_>>()
+            .join(KEY_JOIN);
+        if key.is_empty() || key.len() > self.caps.max_key_bytes {
+            return Err(Status::invalid_argument(format!(
+                "descriptors[{i}]: its key (entry values joined with \"{KEY_JOIN}\") is {} bytes; 1 to {} allowed",
+                key.len(),
+                self.caps.max_key_bytes
+            )));
+        }
+        let policy = live.policies.for_key(base, &key);
+        let cost = match &d.hits_addend {
+            Some(h) => h.value,
+            None if request_hits == 0 => 1,
+            None => u64::from(request_hits),
+        };
+        if cost > policy.capacity() {
+            return Err(Status::invalid_argument(format!(
+                "descriptors[{i}].hits_addend: {cost} exceeds the capacity {} of policy \"{}\"; it could never pass",
+                policy.capacity(),
+                policy.name
+            )));
+        }
+        Ok(Some(Check {
+            policy,
+            key,
+            cost,
+            group: None,
+        }))
+    }
+}
+
+/// The response: a status per request descriptor, in order (the decisions are those of
+/// the matched ones, in order), and the RateLimit headers of them all.
+fn respond(checks: &[Option<Check>], decisions: &[Decision]) -> RateLimitResponse {
+    let mut ds = decisions.iter();
+    let statuses: Vec<DescriptorStatus> = checks
+        .iter()
+        .map(|c| match (c, c.as_ref().and_then(|_| ds.next())) {
+            (Some(c), Some(d)) => status(&c.policy, d),
+            _ => DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let over = decisions.iter().any(|d| !d.allowed);
+    RateLimitResponse {
+        overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+        statuses,
+        response_headers_to_add: ratelimit_headers(decisions)
+            .into_iter()
+            .map(|(k, v)| HeaderValue {
+                key: k.to_owned(),
+                value: v,
+                raw_value: Vec::new(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn status(policy: &Policy, d: &Decision) -> DescriptorStatus {
+    DescriptorStatus {
+        code: if d.allowed { Code::Ok } else { Code::OverLimit } as i32,
+        current_limit: Some(current_limit(policy)),
+        limit_remaining: u32::try_from(d.remaining).unwrap_or(u32::MAX),
+        duration_until_reset: Some(pb_duration(Duration::from_millis(d.reset_after_ms))),
+        quota: None,
+    }
+}
+
+/// Envoy's units with a fixed length (a month or a year has none).
+const UNITS: [(u64, Unit); 5] = [
+    (1, Unit::Second),
+    (60, Unit::Minute),
+    (3_600, Unit::Hour),
+    (86_400, Unit::Day),
+    (604_800, Unit::Week),
+];
+
+/// The policy's limit in Envoy's terms: its window when that is a unit; else the same
+/// rate per the next longer unit when the window divides it (10 per 30s = 20 per MINUTE); else
+/// the limit per `UNKNOWN` (the window is in `/v1/policies`). `name` is the policy's.
+pub fn current_limit(policy: &Policy) -> RateLimit {
+    let limit = policy.limit.get();
+    let window = policy.window.as_nanos();
+    let (per_unit, unit) = UNITS
+        .iter()
+        .map(|&(secs, unit)| (u128::from(secs) * 1_000_000_000, unit))
+        .find(|&(unit_ns, _)| unit_ns >= window)
+        .filter(|&(unit_ns, _)| window > 0 && unit_ns % window == 0)
+        .map_or((u128::from(limit), Unit::Unknown), |(unit_ns, unit)| {
+            (u128::from(limit) * (unit_ns / window), unit)
+        });
+    RateLimit {
+        name: policy.name.clone(),
+        requests_per_unit: u32::try_from(per_unit).unwrap_or(u32::MAX),
+        unit: unit as i32,
+    }
+}
+
+fn pb_duration(d: Duration) -> PbDuration {
+    PbDuration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+/// Serves the rate-limit service on `listener` until the drain stops accepting; then
+/// in-flight calls finish (HTTP/2 GOAWAY) and connections close. The app's drain deadline
+/// bounds the wait.
+pub async fn serve(
+    listener: TcpListener,
+    service: RateLimiter,
+    bounds: Bounds,
+    drain: Drain,
+) -> Result<(), tonic::transport::Error> {
+    let svc =
+        RateLimitServiceServer::new(service).max_decoding_message_size(bounds.max_message_bytes);
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
+        .http2_max_header_list_size(u32::try_from(bounds.max_header_bytes).unwrap_or(u32::MAX))
+        .timeout(bounds.timeout)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .add_service(svc)
+        .serve_with_incoming_shutdown(incoming(listener, bounds.max_connections), drain.closing())
+        .await
+}
+
+/// Accepted connections, at most `max` open at once: a permit is taken before `accept`, so
+/// beyond the bound connects wait in the backlog instead of being accepted and starved.
+fn incoming(
+    listener: TcpListener,
+    max: usize,
+) -> impl futures_util::Stream<Item = std::io::Result<Bounded>> {
+    let permits = Arc::new(Semaphore::new(max.max(1)));
+    futures_util::stream::unfold((listener, permits), |(listener, permits)| async move {
+        let permit = permits.clone().acquire_owned().await.ok()?;
+        let accepted = match listener.accept().await {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                Ok(Bounded {
+                    stream,
+                    _permit: permit,
+                })
+            }
+            Err(e) => {
+                // Out of file descriptors, most likely: give closing connections a moment
+                // rather than spin on accept.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(e)
+            }
+        };
+        Some((accepted, (listener, permits)))
+    })
+}
+
+/// A connection holding its slot until it closes.
+pub struct Bounded {
+    stream: TcpStream,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Connected for Bounded {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl AsyncRead for Bounded {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Bounded {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+}
+
+/// Binds the gRPC address as the HTTP listener is bound ([`crate::server::bind`]).
+pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    crate::server::bind(addr, backlog)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{FailMode, PolicySpec};
+    use quotad_core::algorithm::Algorithm;
+
+    fn limit(n: u64, window: Duration) -> (u32, Unit) {
+        let p = Policy::new(PolicySpec {
+            name: "p",
+            algorithm: Algorithm::FixedWindow,
+            limit: n,
+            window,
+            burst: None,
+            on_store_error: FailMode::Open,
+            shadow: false,
+            global: None,
+        })
+        .unwrap();
+        let r = current_limit(&p);
+        (r.requests_per_unit, Unit::try_from(r.unit).unwrap())
+    }
+
+    #[test]
+    fn windows_map_to_envoy_units() {
+        let s = Duration::from_secs;
+        assert_eq!(limit(10, s(1)), (10, Unit::Second));
+        assert_eq!(limit(10, s(60)), (10, Unit::Minute));
+        assert_eq!(limit(10, s(3600)), (10, Unit::Hour));
+        assert_eq!(limit(10, s(86_400)), (10, Unit::Day));
+        assert_eq!(limit(10, s(604_800)), (10, Unit::Week));
+        assert_eq!(limit(10, s(30)), (20, Unit::Minute), "the same rate");
+        assert_eq!(limit(5, Duration::from_millis(100)), (50, Unit::Second));
+        assert_eq!(
+            limit(10, s(7)),
+            (10, Unit::Unknown),
+            "7 s does not divide a minute"
+        );
+        assert_eq!(limit(10, s(2 * 86_400)), (10, Unit::Unknown));
+    }
+}

@@ -1,0 +1,236 @@
+//! `[[descriptor]]`: Envoy rate-limit descriptors (what Envoy's `rate_limits` actions send
+//! to `ShouldRateLimit`) mapped to quotad policies, in the shape of envoyproxy/ratelimit's
+//! `descriptors:` tree. The gRPC side is `api::grpc`.
+//!
+//! ```toml
+//! [[descriptor]]
+//! domain = "edge"
+//! key = "remote_address"        # any value: one key per address
+//! policy = "per_ip"
+//!
+//! [[descriptor]]
+//! domain = "edge"
+//! key = "plan"
+//! value = "free"                # only this value
+//!   [[descriptor.descriptor]]   # the request's next entry, under plan=free
+//!   key = "user"
+//!   policy = "free_user"
+//! ```
+//!
+//! A request descriptor's entries walk the tree level by level: at each level the node with
+//! the entry's key and value wins, else the node with the key and no value; the node the
+//! last entry lands on names the policy. No node, or a node without a policy: not limited.
+
+use std::collections::HashMap;
+
+use toml::Spanned;
+
+use super::{Validator, raw};
+
+/// One node of a descriptor tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DescriptorNode {
+    pub key: String,
+    /// `None`: any value (each value is its own quotad key).
+    pub value: Option<String>,
+    /// The policy of a request descriptor that ends here; `None`: not limited.
+    pub policy: Option<String>,
+    pub children: Vec<DescriptorNode>,
+}
+
+/// A level's `(key, value)` pairs so far (duplicates are errors).
+type Seen = (String, Option<String>);
+
+/// The descriptor trees by domain.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Descriptors {
+    domains: HashMap<String, Vec<DescriptorNode>>,
+}
+
+impl Descriptors {
+    pub fn is_empty(&self) -> bool {
+        self.domains.is_empty()
+    }
+
+    /// How many domains have descriptors.
+    pub fn len(&self) -> usize {
+        self.domains.len()
+    }
+
+    /// The policy a request descriptor (its entries as `(key, value)`) is limited by, if
+    /// any. Unknown domains and unmatched entries are not limited.
+    pub fn policy_of<'a, 'e>(
+        &'a self,
+        domain: &str,
+        entries: impl IntoIterator<Item = (&'e str, &'e str)>,
+    ) -> Option<&'a str> {
+        let mut level = self.domains.get(domain)?.as_slice();
+        let mut node = None;
+        for (key, value) in entries {
+            let exact = level
+                .iter()
+                .find(|n| n.key == key && n.value.as_deref() == Some(value));
+            let any = || level.iter().find(|n| n.key == key && n.value.is_none());
+            let n = exact.or_else(any)?;
+            level = &n.children;
+            node = Some(n);
+        }
+        node?.policy.as_deref()
+    }
+}
+
+impl Validator<'_> {
+    /// Every `[[descriptor]]` tree; `policies` are the names `[[policy]]` defines.
+    pub(super) fn descriptors(
+        &mut self,
+        raw: &[raw::Descriptor],
+        policies: &[&str],
+    ) -> Descriptors {
+        let mut domains: HashMap<String, Vec<DescriptorNode>> = HashMap::new();
+        let mut seen: HashMap<String, Vec<Seen>> = HashMap::new();
+        for (i, d) in raw.iter().enumerate() {
+            let field = format!("descriptor[{i}]");
+            let domain = match &d.domain {
+                Some(dom) if !dom.get_ref().is_empty() => dom.get_ref().clone(),
+                Some(dom) => {
+                    self.error(dom, &format!("{field}.domain"), "must not be empty");
+                    continue;
+                }
+                None => {
+                    self.error(
+                        &d.key,
+                        &format!("{field}.domain"),
+                        "a top-level descriptor needs its domain (what Envoy's rate limit filter sends as `domain`)",
+                    );
+                    continue;
+                }
+            };
+            let node =
+                self.descriptor_node(d, &field, policies, seen.entry(domain.clone()).or_default());
+            if let Some(node) = node {
+                domains.entry(domain).or_default().push(node);
+            }
+        }
+        Descriptors { domains }
+    }
+
+    /// One node and its children; `None` (with the errors recorded) if any is wrong.
+    fn descriptor_node(
+        &mut self,
+        d: &raw::Descriptor,
+        field: &str,
+        policies: &[&str],
+        seen: &mut Vec<Seen>,
+    ) -> Option<DescriptorNode> {
+        let before = self.errors.len();
+        let key = d.key.get_ref().clone();
+        if key.is_empty() {
+            self.error(&d.key, &format!("{field}.key"), "must not be empty");
+        }
+        let value = d.value.as_ref().map(|v| v.get_ref().clone());
+        if let Some(v) = &d.value
+            && v.get_ref().is_empty()
+        {
+            let why = "must not be empty (leave it out to match any value)";
+            self.error(v, &format!("{field}.value"), why);
+        }
+        let this = (key.clone(), value.clone());
+        if seen.contains(&this) {
+            let what = match &value {
+                Some(v) => format!("key \"{key}\" with value \"{v}\""),
+                None => format!("key \"{key}\" without a value"),
+            };
+            let why = format!("{what} is already a descriptor at this level");
+            self.error(&d.key, &format!("{field}.key"), why);
+        } else {
+            seen.push(this);
+        }
+        let policy = d
+            .policy
+            .as_ref()
+            .and_then(|p| self.descriptor_policy(p, field, policies));
+        if d.policy.is_none() && d.descriptor.is_empty() {
+            let why =
+                "names no policy and holds no [[descriptor.descriptor]]: it would limit nothing";
+            self.error(&d.key, &format!("{field}.policy"), why);
+        }
+        let mut children: Vec<DescriptorNode> = Vec::new();
+        let mut seen_children = Vec::new();
+        for (j, c) in d.descriptor.iter().enumerate() {
+            let cfield = format!("{field}.descriptor[{j}]");
+            if let Some(dom) = &c.domain {
+                let why = "only a top-level descriptor names a domain";
+                self.error(dom, &format!("{cfield}.domain"), why);
+            }
+            if let Some(node) = self.descriptor_node(c, &cfield, policies, &mut seen_children) {
+                children.push(node);
+            }
+        }
+        (self.errors.len() == before).then_some(DescriptorNode {
+            key,
+            value,
+            policy,
+            children,
+        })
+    }
+
+    fn descriptor_policy(
+        &mut self,
+        p: &Spanned<String>,
+        field: &str,
+        policies: &[&str],
+    ) -> Option<String> {
+        if policies.contains(&p.get_ref().as_str()) {
+            return Some(p.get_ref().clone());
+        }
+        let why = format!(
+            "unknown policy \"{}\"; define it with [[policy]]",
+            p.get_ref()
+        );
+        self.error(p, &format!("{field}.policy"), why);
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Settings;
+
+    const POLICIES: &str = "[[policy]]\nname = \"a\"\nalgorithm = \"gcra\"\nlimit = 10\nwindow = \"1s\"\n[[policy]]\nname = \"b\"\nalgorithm = \"gcra\"\nlimit = 5\nwindow = \"1m\"\n";
+
+    #[test]
+    fn entries_walk_the_tree_value_before_wildcard() {
+        let src = format!(
+            "{POLICIES}[[descriptor]]\ndomain = \"d\"\nkey = \"k\"\npolicy = \"a\"\n[[descriptor]]\ndomain = \"d\"\nkey = \"k\"\nvalue = \"vip\"\n[[descriptor.descriptor]]\nkey = \"user\"\npolicy = \"b\"\n"
+        );
+        let s = Settings::parse("t.toml", &src).unwrap_or_else(|e| panic!("{e}"));
+        let d = &s.descriptors;
+        assert_eq!(d.policy_of("d", [("k", "x")]), Some("a"));
+        assert_eq!(d.policy_of("d", [("k", "vip")]), None, "no policy on vip");
+        assert_eq!(d.policy_of("d", [("k", "vip"), ("user", "u1")]), Some("b"));
+        assert_eq!(d.policy_of("d", [("k", "x"), ("user", "u1")]), None);
+        assert_eq!(d.policy_of("other", [("k", "x")]), None);
+        assert_eq!(d.policy_of("d", [("nope", "x")]), None);
+        assert_eq!(d.policy_of("d", []), None);
+    }
+
+    #[test]
+    fn errors_name_the_line_and_the_nested_field() {
+        let src = format!(
+            "{POLICIES}[[descriptor]]\nkey = \"k\"\npolicy = \"a\"\n[[descriptor]]\ndomain = \"d\"\nkey = \"k\"\n[[descriptor.descriptor]]\ndomain = \"x\"\nkey = \"u\"\npolicy = \"zzz\"\n[[descriptor.descriptor]]\nkey = \"u\"\nvalue = \"\"\n"
+        );
+        let e = Settings::parse("t.toml", &src).unwrap_err().to_string();
+        let lines: Vec<&str> = e.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "t.toml:12: descriptor[0].domain: a top-level descriptor needs its domain (what Envoy's rate limit filter sends as `domain`)",
+                "t.toml:18: descriptor[1].descriptor[0].domain: only a top-level descriptor names a domain",
+                "t.toml:20: descriptor[1].descriptor[0].policy: unknown policy \"zzz\"; define it with [[policy]]",
+                "t.toml:22: descriptor[1].descriptor[1].policy: names no policy and holds no [[descriptor.descriptor]]: it would limit nothing",
+                "t.toml:23: descriptor[1].descriptor[1].value: must not be empty (leave it out to match any value)",
+            ],
+            "{e}"
+        );
+    }
+}
