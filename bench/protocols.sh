@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# quotad's three ways in, beside the Redis EVALSHA ceiling, in one alternating run
+# (docs/benchmarks.md: the ratio measured in the same run is the figure):
+#
+#   POST /v1/check                  wrk -t1 -c50 (bench/check.lua)
+#   GET /v1/authz/bench             wrk -t1 -c50, forward-auth with an x-api-key (bench/authz.lua)
+#   gRPC ShouldRateLimit            examples/grpc_load.rs, 50 HTTP/2 connections
+#
+#   bench/protocols.sh            # 3 rounds, 10 s per run
+#   ROUNDS=1 bench/protocols.sh   # quick
+#
+# One quotad (release), one redis-server, the policy of bench/run.sh (token_bucket 100 per
+# 60 s, fail open), keys from 100,000. No Go toolchain here: no ghz and no envoyproxy/
+# ratelimit to compare with; the gRPC client is built from the same envoy-types.
+# Needs: redis-server, redis-benchmark, redis-cli, wrk, curl.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-10s}
+CONNS=${CONNS:-50}
+NKEYS=${NKEYS:-100000}
+OUT=${OUT:-/tmp/quotad-protocols-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+for t in redis-server redis-benchmark redis-cli wrk curl; do
+  command -v "$t" >/dev/null || { echo "missing $t: apt-get install -y redis-server wrk curl" >&2; exit 1; }
+done
+# shellcheck source=bench/lib.sh
+. "$HERE/lib.sh"
+
+(cd "$ROOT" && cargo build --release --locked -q && cargo build --release --locked -q --example grpc_load)
+Q="$ROOT/target/release/quotad"
+LOAD="$ROOT/target/release/examples/grpc_load"
+
+start_redis "$OUT"
+REDIS_PID=$(cat "$OUT/redis.pid")
+QP=$(free_port)
+GP=$(free_port)
+cat >"$OUT/quotad.toml" <<TOML
+[server]
+listen = "127.0.0.1:$QP"
+grpc_listen = "127.0.0.1:$GP"
+[store]
+redis = "redis://127.0.0.1:$RP"
+[[policy]]
+name = "bench"
+algorithm = "token_bucket"
+limit = 100
+window = "60s"
+on_store_error = "open"
+[policy.forward_auth]
+key = ["header:x-api-key"]
+[[descriptor]]
+domain = "bench"
+key = "k"
+policy = "bench"
+TOML
+RUST_LOG=warn "$Q" serve --config "$OUT/quotad.toml" 2>"$OUT/quotad.log" &
+QPID=$!
+for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sleep 0.1; done
+
+"$Q" script token_bucket >"$OUT/token_bucket.lua"
+SHA=$(redis-cli -p "$RP" -x script load <"$OUT/token_bucket.lua" | tr -d '\r')
+EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 -)
+ticks() { sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12+$13}'; }
+CLK=$(getconf CLK_TCK)
+TSV="$OUT/results.tsv"
+printf 'round\trun\trps\tp50_ms\tp99_ms\terrors\tquotad_us_per_op\tredis_us_per_op\n' >"$TSV"
+fail_open() { curl -s "127.0.0.1:$QP/metrics" | awk '/^quotad_decisions_total\{outcome="fail_open"/ {s += $NF} END {print s + 0}'; }
+
+record() { # round label rps p50_us p99_us errors q0 q1 r0 r1
+  local n; n=$(awk -v r="$3" -v d="${DURATION%s}" 'BEGIN{printf "%d", r*d}')
+  local qus rus
+  qus=$(awk -v t=$(($8 - $7)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.1f", t / c * 1e6 / n}')
+  rus=$(awk -v t=$((${10} - $9)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.1f", t / c * 1e6 / n}')
+  local p50 p99
+  p50=$(awk -v u="$4" 'BEGIN{printf "%.3f", u/1000}')
+  p99=$(awk -v u="$5" 'BEGIN{printf "%.3f", u/1000}')
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$p50" "$p99" "$6" "$qus" "$rus" >>"$TSV"
+  printf '  r%s %-16s %10.0f /s  p50 %s ms  p99 %s ms  errors %s  quotad %s us/op  redis %s us/op\n' \
+    "$1" "$2" "$3" "$p50" "$p99" "$6" "$qus" "$rus"
+}
+
+ceiling() { # round
+  redis-cli -p "$RP" flushall >/dev/null
+  local r0 r1 line n=400000
+  r0=$(ticks "$REDIS_PID")
+  line=$(timeout 120 redis-benchmark -p "$RP" -c "$CONNS" -n "$n" -r "$NKEYS" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
+  r1=$(ticks "$REDIS_PID")
+  local rps p50 p99 rus
+  rps=$(echo "$line" | awk -F'","' '{print $2}')
+  p50=$(echo "$line" | awk -F'","' '{print $5}')
+  p99=$(echo "$line" | awk -F'","' '{print $7}')
+  rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.1f", t / c * 1e6 / n}')
+  printf '%s\tevalsha-c50\t%s\t%s\t%s\t0\t-\t%s\n' "$1" "$rps" "$p50" "$p99" "$rus" >>"$TSV"
+  printf '  r%s %-16s %10.0f /s  p50 %s ms  p99 %s ms  redis %s us/op\n' "$1" evalsha-c50 "$rps" "$p50" "$p99" "$rus"
+}
+
+http_run() { # round label script path
+  redis-cli -p "$RP" flushall >/dev/null
+  local q0 r0 f0 res
+  q0=$(ticks "$QPID"); r0=$(ticks "$REDIS_PID"); f0=$(fail_open)
+  res=$(env WRK_KEYS="$NKEYS" timeout 120 wrk -t1 -c"$CONNS" -d"$DURATION" -s "$HERE/$3" "http://127.0.0.1:$QP$4" | grep '^WRK_RESULT')
+  kv() { echo "$res" | tr ' ' '\n' | awk -F= -v k="$1" '$1==k{print $2}'; }
+  local errs=$(( $(kv non2xx) + $(kv socket_errors) + $(fail_open) - f0 ))
+  record "$1" "$2" "$(kv rps)" "$(kv p50_us)" "$(kv p99_us)" "$errs" "$q0" "$(ticks "$QPID")" "$r0" "$(ticks "$REDIS_PID")"
+}
+
+grpc_run() { # round
+  redis-cli -p "$RP" flushall >/dev/null
+  local q0 r0 f0 res
+  q0=$(ticks "$QPID"); r0=$(ticks "$REDIS_PID"); f0=$(fail_open)
+  res=$(timeout 120 "$LOAD" --addr "127.0.0.1:$GP" --domain bench --connections "$CONNS" --duration "$DURATION" --keys "$NKEYS" | grep '^GRPC_RESULT')
+  kv() { echo "$res" | tr ' ' '\n' | awk -F= -v k="$1" '$1==k{print $2}'; }
+  local errs=$(( $(kv errors) + $(fail_open) - f0 ))
+  record "$1" grpc "$(kv rps)" "$(kv p50_us)" "$(kv p99_us)" "$errs" "$q0" "$(ticks "$QPID")" "$r0" "$(ticks "$REDIS_PID")"
+}
+
+{
+  echo "# quotad protocols bench $(date -u +%FT%TZ)"
+  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  redis-server --version | head -1
+  echo "quotad $("$Q" --version) (release), rounds=$ROUNDS duration=$DURATION conns=$CONNS keys=$NKEYS"
+} | tee "$OUT/meta.txt"
+
+for r in $(seq "$ROUNDS"); do
+  ceiling "$r"
+  http_run "$r" check check.lua /v1/check
+  http_run "$r" forward-auth authz.lua /v1/authz/bench
+  grpc_run "$r"
+  ceiling "$r"
+done
+echo "results: $TSV"
+# Medians over rounds, and each way in over the ceiling measured around it in its round.
+python3 - "$TSV" <<'PY' | tee "$OUT/summary.md"
+import csv, statistics, sys
+from collections import defaultdict
+rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
+by = defaultdict(list)
+for r in rows:
+    by[r["run"]].append(r)
+def med(k, rs):
+    v = [float(r[k]) for r in rs if r[k] not in ("-", "")]
+    return f"{statistics.median(v):.3g}" if v else "-"
+print("| run | decisions/s median [min-max] | p50 ms | p99 ms | quotad CPU us/op | Redis CPU us/op | errors + fail_open |")
+print("|---|---|---|---|---|---|---|")
+for run, rs in by.items():
+    rps = [float(r["rps"]) for r in rs]
+    errs = sum(int(r["errors"]) for r in rs)
+    print(f"| {run} ({len(rs)} runs) | {statistics.median(rps):,.0f} [{min(rps):,.0f}-{max(rps):,.0f}] | {med('p50_ms', rs)} | {med('p99_ms', rs)} | {med('quotad_us_per_op', rs)} | {med('redis_us_per_op', rs)} | {errs} |")
+print()
+for run in [r for r in by if r != "evalsha-c50"]:
+    ratios = []
+    for rd in sorted({r["round"] for r in rows}):
+        q = [float(r["rps"]) for r in rows if r["round"] == rd and r["run"] == run]
+        c = [float(r["rps"]) for r in rows if r["round"] == rd and r["run"] == "evalsha-c50"]
+        if q and c:
+            ratios.append(q[0] / statistics.mean(c))
+    if ratios:
+        print(f"{run} / evalsha-c50 (same round): median {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
+PY
