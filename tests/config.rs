@@ -147,6 +147,13 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "descriptor_problems.toml",
+        &[
+            "10: descriptor[0].policy: unknown policy \"nope\"",
+            "13: descriptor[1].domain: a top-level descriptor needs its domain",
+        ],
+    ),
+    (
         "tls_without_rediss.toml",
         &["3: store.tls_ca_file: TLS files are set but no URL is rediss://"],
     ),

@@ -7,7 +7,7 @@ use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 
-use common::{Config, Descriptor, Policy, Quotad, RedisServer, free_port, runtime};
+use common::{Config, Descriptor, Policy, Quotad, RedisServer, free_port, runtime, wait_for};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
@@ -523,4 +523,45 @@ fn redis_killed_mid_load_each_policy_fails_its_way_in_time() {
         ));
         assert!(n > 0.0, "{policy}: no {outcome} counted");
     }
+}
+
+/// The gRPC listener holds at most `server.max_connections` connections
+/// (`quotad_grpc_connections_open`); one more waits in the backlog, unanswered, and is
+/// served as soon as a slot frees.
+#[test]
+fn the_grpc_listener_holds_at_most_max_connections() {
+    let redis = RedisServer::start();
+    let port = free_port();
+    let server = format!("grpc_listen = \"127.0.0.1:{port}\"\nmax_connections = 2");
+    let q = Quotad::serve_with(&config(&redis), &server);
+    let rt = runtime();
+    rt.block_on(async {
+        let ip = || vec![desc(&[("remote_address", "10.9.9.9")])];
+        let mut a = client(port).await;
+        let mut b = client(port).await;
+        ask(&mut a, DOMAIN, ip()).await;
+        ask(&mut b, DOMAIN, ip()).await;
+        assert_eq!(q.metric("quotad_grpc_connections_open"), 2.0);
+        // A third connection: TCP connects (the backlog), but nothing answers it.
+        let third = tokio::spawn(async move {
+            let mut c = client(port).await;
+            ask(
+                &mut c,
+                DOMAIN,
+                vec![desc(&[("remote_address", "10.8.8.8")])],
+            )
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!third.is_finished(), "a third connection was served");
+        drop(a);
+        let r = tokio::time::timeout(Duration::from_secs(10), third)
+            .await
+            .expect("served once a slot freed")
+            .unwrap();
+        assert_eq!(code(&r), Code::Ok);
+    });
+    wait_for("the count to follow", Duration::from_secs(5), || {
+        (q.metric("quotad_grpc_connections_open") <= 2.0).then_some(())
+    });
 }

@@ -45,6 +45,9 @@ pub struct Metrics {
     pub breaker_opens: IntCounter,
     /// `quotad_connections_open`: HTTP connections open now.
     pub connections_open: IntGauge,
+    /// `quotad_grpc_connections_open`: connections to the gRPC rate-limit service open now
+    /// (at most `server.max_connections`; beyond, connects wait in the backlog).
+    pub grpc_connections_open: IntGauge,
     /// `quotad_connections_closed_total{reason}`: connections the server closed
     /// (`header_timeout`, `idle_timeout`, `evicted`, `rejected`, `drained`); clients'
     /// own closes are not counted.
@@ -248,6 +251,10 @@ impl Metrics {
             breaker_opens: c.counter(Opts::new(
                 "quotad_store_breaker_opens_total",
                 "Times the store circuit breaker opened.",
+            )),
+            grpc_connections_open: c.int_gauge(Opts::new(
+                "quotad_grpc_connections_open",
+                "Connections to the gRPC rate-limit service open now.",
             )),
             connections_open: c.int_gauge(Opts::new(
                 "quotad_connections_open",

@@ -273,6 +273,7 @@ pub async fn serve(
     bounds: Bounds,
     drain: Drain,
 ) -> Result<(), tonic::transport::Error> {
+    let open = service.metrics.grpc_connections_open.clone();
     let svc =
         RateLimitServiceServer::new(service).max_decoding_message_size(bounds.max_message_bytes);
     tonic::transport::Server::builder()
@@ -282,7 +283,10 @@ pub async fn serve(
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(svc)
-        .serve_with_incoming_shutdown(incoming(listener, bounds.max_connections), drain.closing())
+        .serve_with_incoming_shutdown(
+            incoming(listener, bounds.max_connections, open),
+            drain.closing(),
+        )
         .await
 }
 
@@ -291,16 +295,20 @@ pub async fn serve(
 fn incoming(
     listener: TcpListener,
     max: usize,
+    open: prometheus::IntGauge,
 ) -> impl futures_util::Stream<Item = std::io::Result<Bounded>> {
     let permits = Arc::new(Semaphore::new(max.max(1)));
-    futures_util::stream::unfold((listener, permits), |(listener, permits)| async move {
+    let state = (listener, permits, open);
+    futures_util::stream::unfold(state, |(listener, permits, open)| async move {
         let permit = permits.clone().acquire_owned().await.ok()?;
         let accepted = match listener.accept().await {
             Ok((stream, _)) => {
                 let _ = stream.set_nodelay(true);
+                open.inc();
                 Ok(Bounded {
                     stream,
                     _permit: permit,
+                    open: open.clone(),
                 })
             }
             Err(e) => {
@@ -310,14 +318,21 @@ fn incoming(
                 Err(e)
             }
         };
-        Some((accepted, (listener, permits)))
+        Some((accepted, (listener, permits, open)))
     })
 }
 
-/// A connection holding its slot until it closes.
+/// A connection holding its slot until it closes (`quotad_grpc_connections_open`).
 pub struct Bounded {
     stream: TcpStream,
     _permit: OwnedSemaphorePermit,
+    open: prometheus::IntGauge,
+}
+
+impl Drop for Bounded {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
 }
 
 impl Connected for Bounded {
