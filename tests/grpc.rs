@@ -86,14 +86,14 @@ fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
         .map(|h| h.value.as_str())
 }
 
-/// `per_ip` 3/min on any remote address; `path` 2/min on `path=/login` only; plan=free →
+/// `per_ip` 3/min on any remote address (5 for 10.7.7.7, an override); `path` 2/min on `path=/login` only; plan=free →
 /// user: `free_user` 2/h (plan=free alone: not limited); `big` 10/h; `shadowed` 1/min in
 /// shadow. Token buckets: no window boundary can reset a count in the middle of a test.
 fn config(redis: &RedisServer) -> String {
     let tb =
         |name: &str, limit: u64, window: &str| Policy::new(name, "token_bucket", limit, window);
     Config::redis(&redis.url())
-        .policy(tb("per_ip", 3, "1m"))
+        .policy(tb("per_ip", 3, "1m").with_override("key", "10.7.7.7", 5))
         .policy(tb("path", 2, "1m"))
         .policy(tb("free_user", 2, "1h"))
         .policy(tb("big", 10, "1h"))
@@ -563,5 +563,31 @@ fn the_grpc_listener_holds_at_most_max_connections() {
     });
     wait_for("the count to follow", Duration::from_secs(5), || {
         (q.metric("quotad_grpc_connections_open") <= 2.0).then_some(())
+    });
+}
+
+/// A per-key override applies to gRPC checks as to HTTP ones: the overridden address gets
+/// its own limit, reported in `current_limit`.
+#[test]
+fn an_overridden_key_gets_its_own_limit() {
+    let redis = RedisServer::start();
+    let (_q, port) = serve(&config(&redis));
+    runtime().block_on(async {
+        let mut c = client(port).await;
+        let mut codes = Vec::new();
+        for _ in 0..6 {
+            let r = ask(
+                &mut c,
+                DOMAIN,
+                vec![desc(&[("remote_address", "10.7.7.7")])],
+            )
+            .await;
+            codes.push(code(&r));
+            let limit = r.statuses[0].current_limit.as_ref().expect("a limit");
+            assert_eq!(limit.requests_per_unit, 5, "{r:?}");
+        }
+        let mut want = vec![Code::Ok; 5];
+        want.push(Code::OverLimit);
+        assert_eq!(codes, want);
     });
 }
