@@ -15,6 +15,11 @@ start_redis() {
   for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
 }
 
+# CPU time of process $1 so far, in clock ticks (user + system, /proc/PID/stat), and the
+# ticks per second: CPU per decision is the difference over a run divided by decisions.
+ticks() { sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12+$13}'; }
+CLK=$(getconf CLK_TCK)
+
 bench_cleanup() {
   [ -n "$QPID" ] && kill -TERM "$QPID" 2>/dev/null || true
   [ -n "${RP:-}" ] && redis-cli -p "$RP" shutdown nosave >/dev/null 2>&1 || true

@@ -62,8 +62,6 @@ for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sle
 "$Q" script token_bucket >"$OUT/token_bucket.lua"
 SHA=$(redis-cli -p "$RP" -x script load <"$OUT/token_bucket.lua" | tr -d '\r')
 EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 -)
-ticks() { sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12+$13}'; }
-CLK=$(getconf CLK_TCK)
 TSV="$OUT/results.tsv"
 printf 'round\trun\trps\tp50_ms\tp99_ms\terrors\tquotad_us_per_op\tredis_us_per_op\n' >"$TSV"
 fail_open() { curl -s "127.0.0.1:$QP/metrics" | awk '/^quotad_decisions_total\{outcome="fail_open"/ {s += $NF} END {print s + 0}'; }

@@ -61,9 +61,7 @@ trap 'exit 143' TERM
 
 # redis-cli that cannot hang (every call is bounded).
 rcli() { timeout 10 redis-cli "$@"; }
-ticks() { sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12+$13}'; }
 sum_ticks() { local s=0 p; for p in "$@"; do s=$((s + $(ticks "$p"))); done; echo "$s"; }
-CLK=$(getconf CLK_TCK)
 
 (cd "$ROOT" && cargo build --release --locked -q)
 Q="$ROOT/target/release/quotad"

@@ -10,7 +10,6 @@
 
 use std::process::ExitCode;
 
-use libtest_mimic::{Arguments, Trial};
 use quotad_testkit::race::{self, Race};
 use quotad_testkit::{Config, RedisServer};
 
@@ -50,18 +49,8 @@ fn main() -> ExitCode {
     if race::child_main() {
         return ExitCode::SUCCESS;
     }
-    // A test is named by its function, as under libtest; a panic fails it.
-    macro_rules! trial {
-        ($test:ident) => {
-            Trial::test(stringify!($test), || {
-                $test();
-                Ok(())
-            })
-        };
-    }
-    let tests = vec![
-        trial!(five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm),
-        trial!(naive_get_then_incr_over_admits_under_the_same_load),
-    ];
-    libtest_mimic::run(&Arguments::from_args(), tests).exit_code()
+    quotad_testkit::run_tests!(
+        five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm,
+        naive_get_then_incr_over_admits_under_the_same_load,
+    )
 }

@@ -10,7 +10,6 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use libtest_mimic::{Arguments, Trial};
 use quotad_testkit::cluster::RedisCluster;
 use quotad_testkit::race::{self, Race};
 use quotad_testkit::{Config, Policy, Quotad, RedisServer, wait_for};
@@ -238,18 +237,9 @@ fn main() -> ExitCode {
     if race::child_main() {
         return ExitCode::SUCCESS;
     }
-    macro_rules! trial {
-        ($test:ident) => {
-            Trial::test(stringify!($test), || {
-                $test();
-                Ok(())
-            })
-        };
-    }
-    let tests = vec![
-        trial!(five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm),
-        trial!(ten_thousand_keys_spread_over_every_master_each_with_a_ttl),
-        trial!(the_janitor_gives_persisted_keys_their_ttl_back_on_every_master),
-    ];
-    libtest_mimic::run(&Arguments::from_args(), tests).exit_code()
+    quotad_testkit::run_tests!(
+        five_hundred_parallel_requests_admit_exactly_the_limit_for_every_algorithm,
+        ten_thousand_keys_spread_over_every_master_each_with_a_ttl,
+        the_janitor_gives_persisted_keys_their_ttl_back_on_every_master,
+    )
 }

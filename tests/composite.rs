@@ -17,7 +17,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use common::cluster::RedisCluster;
 use common::{Config, Policy, Quotad, RedisServer};
-use libtest_mimic::{Arguments, Trial};
 
 const PROCESSES: usize = 4;
 const PER_PROCESS: usize = 125;
@@ -189,19 +188,10 @@ fn main() -> ExitCode {
         child_load();
         return ExitCode::SUCCESS;
     }
-    macro_rules! trial {
-        ($test:ident) => {
-            Trial::test(stringify!($test), || {
-                $test();
-                Ok(())
-            })
-        };
-    }
-    let tests = vec![
-        trial!(a_tenant_and_its_users_are_charged_together_on_a_cluster),
-        trial!(a_tenant_and_its_users_are_charged_together_on_one_redis),
-    ];
-    libtest_mimic::run(&Arguments::from_args(), tests).exit_code()
+    quotad_testkit::run_tests!(
+        a_tenant_and_its_users_are_charged_together_on_a_cluster,
+        a_tenant_and_its_users_are_charged_together_on_one_redis,
+    )
 }
 
 /// One child's share: PER_PROCESS batches (tenant + one of the users, in turn), all in

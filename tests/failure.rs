@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Config, Policy, Quotad, RedisServer, http, wait_for};
+use common::{Config, Policy, Quotad, RedisServer, check_outcome, wait_for};
 
 const TIMEOUT_MS: u64 = 50;
 /// Allowance on top of the store timeout for HTTP, scheduling and a debug build on 2 cores.
@@ -63,16 +63,8 @@ impl Load {
                         i += 1;
                         let body = format!(r#"{{"policy":"{policy}","key":"k{}"}}"#, i % 50);
                         let start = Instant::now();
-                        let r = http(port, "POST", "/v1/check", Some("application/json"), &body);
+                        let (status, outcome) = check_outcome(port, &body);
                         let latency = start.elapsed();
-                        let (status, outcome) = match r {
-                            Ok((s, _, text)) => {
-                                let v: serde_json::Value =
-                                    serde_json::from_str(&text).unwrap_or_default();
-                                (s, v["outcome"].as_str().unwrap_or("?").to_owned())
-                            }
-                            Err(e) => (0, format!("transport error: {e}")),
-                        };
                         samples.lock().unwrap().push(Sample {
                             at: start,
                             policy,

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::sentinel::{MASTER_NAME, SentinelSetup};
-use common::{Config, Policy, Quotad, RedisServer, http, wait_for};
+use common::{Config, Policy, Quotad, RedisServer, check_outcome, wait_for};
 use serde_json::json;
 
 /// Enforcement must be back this soon after the failover is asked for.
@@ -54,15 +54,7 @@ impl Load {
                 let mut next = Instant::now();
                 while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                     let at = Instant::now();
-                    let r = http(port, "POST", "/v1/check", Some("application/json"), &body);
-                    let (status, outcome) = match r {
-                        Ok((s, _, text)) => {
-                            let v: serde_json::Value =
-                                serde_json::from_str(&text).unwrap_or_default();
-                            (s, v["outcome"].as_str().unwrap_or("?").to_owned())
-                        }
-                        Err(e) => (0, format!("transport error: {e}")),
-                    };
+                    let (status, outcome) = check_outcome(port, &body);
                     samples.lock().unwrap().push(Sample {
                         at,
                         policy,

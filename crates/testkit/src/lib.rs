@@ -577,6 +577,19 @@ pub fn http(
     request(port, method, path, &ct, body)
 }
 
+/// `POST /v1/check` with `body` on `port`: (status, outcome); status 0 and the error as
+/// the outcome when the exchange failed. What the load loops of the kit and the fault
+/// tests record per request.
+pub fn check_outcome(port: u16, body: &str) -> (u16, String) {
+    match http(port, "POST", "/v1/check", Some("application/json"), body) {
+        Ok((s, _, text)) => {
+            let v: Value = serde_json::from_str(&text).unwrap_or_default();
+            (s, v["outcome"].as_str().unwrap_or("?").to_owned())
+        }
+        Err(e) => (0, format!("transport error: {e}")),
+    }
+}
+
 /// [`http`] with any request headers (a proxy's, a client's API key).
 pub fn request(
     port: u16,

@@ -233,3 +233,27 @@ pub fn assert_every_algorithm_admits_exactly_the_limit(
     assert_eq!(total, (limit as usize * ALGORITHMS.len()) as f64);
     q
 }
+
+/// Runs `tests` under libtest's command line (libtest-mimic), for the test binaries with
+/// their own harness: a test is named by its function, and a panic fails it. Use it
+/// through [`crate::run_tests!`].
+pub fn run_tests(tests: &[(&'static str, fn())]) -> std::process::ExitCode {
+    let trials = tests
+        .iter()
+        .map(|&(name, f)| {
+            libtest_mimic::Trial::test(name, move || {
+                f();
+                Ok(())
+            })
+        })
+        .collect();
+    libtest_mimic::run(&libtest_mimic::Arguments::from_args(), trials).exit_code()
+}
+
+/// `run_tests!(a, b)`: [`run_tests`] on the functions `a` and `b`, named after them.
+#[macro_export]
+macro_rules! run_tests {
+    ($($test:ident),+ $(,)?) => {
+        $crate::race::run_tests(&[$((stringify!($test), $test as fn())),+])
+    };
+}

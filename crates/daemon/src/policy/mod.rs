@@ -223,6 +223,11 @@ pub struct Policies {
     by_name: BTreeMap<String, Arc<Policy>>,
     /// Per-key overrides, by policy name, in config order.
     overrides: BTreeMap<String, Vec<Override>>,
+    /// The exact-key overrides, by (policy, key): a check finds its own in O(1), however
+    /// many a policy has; only prefixes and globs are scanned.
+    exact: BTreeMap<String, std::collections::HashMap<String, Arc<Policy>>>,
+    /// The prefix and glob overrides, by policy name, in config order.
+    patterns: BTreeMap<String, Vec<Override>>,
 }
 
 /// Which keys an override applies to.
@@ -260,11 +265,32 @@ impl Policies {
                 .map(|p| (p.name.clone(), Arc::new(p)))
                 .collect(),
             overrides: BTreeMap::new(),
+            exact: BTreeMap::new(),
+            patterns: BTreeMap::new(),
         }
     }
 
     /// With per-key overrides, by policy name (validated by the config).
     pub fn with_overrides(mut self, overrides: BTreeMap<String, Vec<Override>>) -> Self {
+        for (name, list) in &overrides {
+            for o in list {
+                match &o.keys {
+                    KeyMatch::Exact(k) => {
+                        // The first of two for one key wins, as in a scan in file order.
+                        self.exact
+                            .entry(name.clone())
+                            .or_default()
+                            .entry(k.clone())
+                            .or_insert_with(|| o.policy.clone());
+                    }
+                    _ => self
+                        .patterns
+                        .entry(name.clone())
+                        .or_default()
+                        .push(o.clone()),
+                }
+            }
+        }
         self.overrides = overrides;
         self
     }
@@ -285,12 +311,12 @@ impl Policies {
     /// The policy as it applies to `key`: an exact override first, then the first prefix
     /// or glob that matches, else `policy` itself.
     pub fn for_key(&self, policy: &Arc<Policy>, key: &str) -> Arc<Policy> {
-        let list = self.overrides(&policy.name);
-        let exact = list
-            .iter()
-            .find(|o| matches!(&o.keys, KeyMatch::Exact(k) if k == key));
-        exact
-            .or_else(|| list.iter().find(|o| o.keys.matches(key)))
+        if let Some(p) = self.exact.get(&policy.name).and_then(|m| m.get(key)) {
+            return p.clone();
+        }
+        self.patterns
+            .get(&policy.name)
+            .and_then(|list| list.iter().find(|o| o.keys.matches(key)))
             .map_or_else(|| policy.clone(), |o| o.policy.clone())
     }
 }
