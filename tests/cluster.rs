@@ -154,14 +154,7 @@ fn the_janitor_gives_persisted_keys_their_ttl_back_on_every_master() {
         .to_toml();
     let masters = cluster.masters();
     for m in &masters {
-        let mut conn = m.conn();
-        let _: () = redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("slowlog-log-slower-than")
-            .arg(1000)
-            .query(&mut conn)
-            .unwrap();
-        let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+        m.watch_slowlog();
     }
     let q = Quotad::serve(&config);
     check_distinct_keys(&q, "fw", "k", 3000);

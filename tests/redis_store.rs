@@ -147,18 +147,8 @@ fn shadow_mode_allows_what_it_would_deny_and_counts_it() {
 #[test]
 fn slowlog_shows_no_limiter_script_after_a_load() {
     let redis = RedisServer::start();
-    let mut conn = redis.conn();
-    // 25 ms: a limiter script takes tens of microseconds, so anything near this is a stall
-    // worth finding. Lower thresholds caught a preempted Redis on a loaded 2-core CI run
-    // (one O(1) fixed-window call logged at 17 ms); this test also runs in nextest's serial
-    // "heavy" group for that reason.
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("slowlog-log-slower-than")
-        .arg(25_000)
-        .query(&mut conn)
-        .unwrap();
-    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut conn).unwrap();
+    // Runs in nextest's serial "heavy" group too, so a stall it finds is Redis's.
+    redis.watch_slowlog();
     let q = Quotad::serve(&config(&redis));
     for i in 0..300 {
         for p in ALGS {
