@@ -669,3 +669,134 @@ fn assert_bound_with(answers: &[Answer], rho: f64, burst: f64) {
         "{max} admitted in the 1 s window from {at:.2}s"
     );
 }
+
+/// Region r's policy `g` as its coordinator runs it (`in_force` of `/v1/status`).
+fn in_force(d: &Deployment, r: usize) -> Option<Value> {
+    let s = d.leader_status(r)?;
+    let p = s["policies"][0]["in_force"].clone();
+    (!p.is_null()).then_some(p)
+}
+
+/// Rewrites region r's config file with escrow `weights` at `version` and sends SIGHUP.
+fn resplit(d: &Deployment, r: usize, weights: [i64; 3], version: i64) {
+    let q = &d.regions[r].daemons[0];
+    let file = q.dir.path().join("quotad.toml");
+    let mut doc: common::toml::Table = std::fs::read_to_string(&file).unwrap().parse().unwrap();
+    let global = doc["policy"].as_array_mut().unwrap()[0]
+        .as_table_mut()
+        .unwrap()
+        .get_mut("global")
+        .unwrap()
+        .as_table_mut()
+        .unwrap();
+    let escrow: common::toml::Table = REGIONS
+        .iter()
+        .zip(weights)
+        .map(|(r, w)| (r.to_string(), common::toml::Value::Integer(w)))
+        .collect();
+    global.insert("escrow".into(), escrow.into());
+    global.insert("version".into(), common::toml::Value::Integer(version));
+    std::fs::write(&file, doc.to_string()).unwrap();
+    q.hup();
+}
+
+/// The sum of the escrows in force, read increasing region first (ap), so that a raise
+/// seen there was preceded by the lowering read after it.
+fn escrow_sum(d: &Deployment) -> f64 {
+    (0..3)
+        .map(|r| in_force(d, r).map_or(0.0, |p| p["escrow"].as_f64().unwrap()))
+        .sum()
+}
+
+/// A re-split by hot reload, ap 100 -> 600, us 600 -> 100 (ρ = 1000), rolled out
+/// increasing region first: ap installs version 2 but keeps 100 while the others run
+/// version 1; a re-split without a version bump is refused; us lowers to 100 the moment
+/// it reloads; ap rises to 600 once every region reported version 2 applied. The escrows
+/// in force never sum above ρ, and checks under load answer decisions throughout.
+#[test]
+fn a_resplit_rolls_out_by_reload_decrease_first() {
+    let d = Deployment::start([1, 1, 1]);
+    let applied = |d: &Deployment, r: usize, v: u64| {
+        in_force(d, r).filter(|p| p["applied"] == v && p["resplit_pending"] == false)
+    };
+    for r in 0..3 {
+        wait_for("version 1 in force", Duration::from_secs(20), || {
+            applied(&d, r, 1)
+        });
+    }
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loads: Vec<_> = (0..3)
+        .map(|r| {
+            let (port, stop) = (d.regions[r].daemons[0].port, stop.clone());
+            std::thread::spawn(move || {
+                let body = serde_json::json!({"policy": "g", "key": "k"}).to_string();
+                let mut bad = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let (status, _, text) =
+                        common::http(port, "POST", "/v1/check", Some("application/json"), &body)
+                            .unwrap();
+                    if status != 200 || text.contains("fail_") {
+                        bad.push(format!("{status} {text}"));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                bad
+            })
+        })
+        .collect();
+
+    resplit(&d, 0, [6, 3, 1], 2);
+    wait_for("ap installs version 2", Duration::from_secs(5), || {
+        in_force(&d, 0).filter(|p| p["version"] == 2)
+    });
+    // Four rounds: ap stays at 100 (an increase waits for every region).
+    let until = Instant::now() + ROUND * 4;
+    while Instant::now() < until {
+        let p = in_force(&d, 0).unwrap();
+        assert_eq!(p["escrow"], 100.0, "ap raised before us lowered: {p}");
+        assert!(escrow_sum(&d) <= RHO + 1e-6);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // eu's file gets the new split without a version bump: refused, eu keeps running v1.
+    resplit(&d, 1, [6, 3, 1], 1);
+    let eu = &d.regions[1].daemons[0];
+    wait_for("the refusal counted", Duration::from_secs(5), || {
+        (eu.metric("quotad_config_reloads_total{result=\"refused\"}") >= 1.0).then_some(())
+    });
+    assert!(eu.log().contains("needs a higher policy.global.version"));
+
+    resplit(&d, 2, [6, 3, 1], 2);
+    wait_for("us lowers to 100 at once", Duration::from_secs(3), || {
+        in_force(&d, 2).filter(|p| p["version"] == 2 && p["escrow"] == 100.0)
+    });
+    resplit(&d, 1, [6, 3, 1], 2);
+    let raised = Instant::now();
+    let p = wait_for("ap at 600", Duration::from_secs(10), || {
+        assert!(escrow_sum(&d) <= RHO + 1e-6);
+        in_force(&d, 0).filter(|p| p["escrow"] == 600.0)
+    });
+    println!(
+        "ap raised {:?} after the last region reloaded: {p}",
+        raised.elapsed()
+    );
+    assert_eq!(
+        p["regions_applied"],
+        serde_json::json!({"ap": 2, "eu": 2, "us": 2})
+    );
+    for r in 0..3 {
+        wait_for("version 2 applied", Duration::from_secs(5), || {
+            applied(&d, r, 2)
+        });
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for l in loads {
+        let bad = l.join().unwrap();
+        assert!(
+            bad.is_empty(),
+            "{} bad answers: {:?}",
+            bad.len(),
+            bad.first()
+        );
+    }
+}

@@ -11,15 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::{Config, Policy, Quotad, RedisServer, wait_for};
 
-fn hup(q: &mut Quotad) {
-    let ok = std::process::Command::new("kill")
-        .args(["-HUP", &q.pid().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
-}
-
 fn limit_of(q: &Quotad) -> u64 {
     q.json("/v1/policies")["policies"][0]["limit"]
         .as_u64()
@@ -66,7 +57,7 @@ fn a_reload_applies_new_limits_and_keeps_every_count() {
         + "\n[[policy.override]]\nkey = \"vip\"\nlimit = 20\n";
     std::fs::write(&file, &new).unwrap();
     let asked = Instant::now();
-    hup(&mut q);
+    q.hup();
     wait_for("the new limit", Duration::from_secs(5), || {
         (limit_of(&q) == 10).then_some(())
     });
@@ -88,7 +79,7 @@ fn a_reload_applies_new_limits_and_keeps_every_count() {
 
     // A broken file: refused with file, line and field, counted; the old config serves.
     std::fs::write(&file, new.replace("limit = 10", "limit = -1")).unwrap();
-    hup(&mut q);
+    q.hup();
     wait_for("the refusal counted", Duration::from_secs(5), || {
         (q.metric("quotad_config_reloads_total{result=\"invalid\"}") >= 1.0).then_some(())
     });
@@ -107,7 +98,7 @@ fn a_reload_applies_new_limits_and_keeps_every_count() {
             .replace("[store]", "[store]\nkey_prefix = \"other\""),
     )
     .unwrap();
-    hup(&mut q);
+    q.hup();
     wait_for("the refusal counted", Duration::from_secs(5), || {
         (q.metric("quotad_config_reloads_total{result=\"refused\"}") >= 1.0).then_some(())
     });

@@ -127,11 +127,18 @@ pub async fn serve_both(
     )));
     let federation = start_federation(&settings, &live.get().policies, &layouts, &store, &metrics)?;
     if let Some(path) = settings.source.clone() {
+        let coordinator = federation.clone();
+        let on_reload: reload::OnReload = Box::new(move |live: &Live| {
+            if let Some(f) = &coordinator {
+                f.reload(live.policies.iter().cloned().collect());
+            }
+        });
         let task = reload::watch(
             path,
             settings.clone(),
             live.clone(),
             metrics.clone(),
+            on_reload,
             background.stop.clone(),
         );
         background.tasks.spawn(task);

@@ -21,6 +21,8 @@ pub mod sentinel;
 pub mod tls;
 
 pub use config::{Config, Descriptor, Global, Peer, Policy};
+/// The TOML crate the configs are built with, for tests that edit a written config.
+pub use toml;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -491,6 +493,15 @@ impl Quotad {
             return inproc::panics();
         }
         std::fs::read_to_string(self.dir.path().join("quotad.log")).unwrap_or_default()
+    }
+
+    /// Sends SIGHUP: the daemon reloads its config file (a process daemon only).
+    pub fn hup(&self) {
+        let status = Command::new("kill")
+            .args(["-HUP", &self.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -HUP failed");
     }
 
     pub fn pid(&self) -> u32 {

@@ -192,6 +192,12 @@ pub struct GlobalPolicy {
     pub mode: Mode,
 }
 
+/// Region `i`'s escrow of a rate `rho` split by `weights` (0 past the last region).
+pub fn escrow_share(rho: f64, weights: &[f64], i: usize) -> f64 {
+    let total: f64 = weights.iter().sum();
+    weights.get(i).map_or(0.0, |w| rho * w / total)
+}
+
 impl GlobalPolicy {
     /// Escrow from weights (`{us-east = 6, eu-west = 3, ap-south = 1}` in the config).
     pub fn from_weights(
@@ -202,13 +208,14 @@ impl GlobalPolicy {
         weights: &[f64],
         mode: Mode,
     ) -> Self {
-        let total: f64 = weights.iter().sum();
         GlobalPolicy {
             name: name.to_owned(),
             version,
             rho,
             burst,
-            escrow: weights.iter().map(|w| rho * w / total).collect(),
+            escrow: (0..weights.len())
+                .map(|i| escrow_share(rho, weights, i))
+                .collect(),
             mode,
         }
     }

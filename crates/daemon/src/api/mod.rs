@@ -270,12 +270,31 @@ fn status_json(region: &str, r: StatusReport) -> Value {
                 .zip(&g.escrow)
                 .map(|(r, e)| (r.clone(), json!(e)))
                 .collect();
+            // What the coordinator runs (only while this instance leads): the version
+            // installed, the one applied, this region's escrow now, and the versions the
+            // regions reported applied: a re-split's rollout, region by region.
+            let in_force = st.policies.iter().find(|p| p.policy == g.name).map(|p| {
+                let applied: serde_json::Map<String, Value> = r
+                    .regions
+                    .iter()
+                    .zip(&p.peers_applied)
+                    .map(|(r, v)| (r.clone(), json!(v)))
+                    .collect();
+                json!({
+                    "version": p.version,
+                    "applied": p.applied,
+                    "escrow": p.escrow_in_force,
+                    "resplit_pending": p.resplit_pending,
+                    "regions_applied": applied,
+                })
+            });
             json!({
                 "name": g.name,
                 "version": g.version,
                 "rho": g.rho,
                 "burst": g.burst,
                 "escrow": escrow,
+                "in_force": in_force,
                 "keys": keys.map(|k| json!({
                     "key": k.key,
                     "escrow": k.escrow,

@@ -84,7 +84,8 @@ pub struct PolicyEntry {
     pub global: Arc<GlobalLayout>,
 }
 
-/// The global policies by name, laid out by `layouts`.
+/// The global policies by name, laid out by `layouts`, with the numbers of the policies
+/// as loaded now (a reload may have re-split one).
 pub fn global_policies(
     policies: &[Arc<Policy>],
     layouts: &Layouts,
@@ -93,7 +94,11 @@ pub fn global_policies(
         .iter()
         .filter_map(|p| {
             let layout = layouts.of(p).into_owned();
-            let global = layout.global.clone()?;
+            let started = layout.global.as_deref()?;
+            let global = Arc::new(GlobalLayout {
+                shape: started.shape_for(p),
+                ..started.clone()
+            });
             Some((p.name.clone(), PolicyEntry { layout, global }))
         })
         .collect()
@@ -169,7 +174,7 @@ impl Backend for RedisBackend {
         if self.conn.is_none() {
             self.conn = self.connect();
         }
-        let policies = global_policies(&shared.policies, &shared.layouts);
+        let policies = global_policies(&shared.policies(), &shared.layouts);
         if !self.evicts_nothing(&policies) {
             return None;
         }

@@ -40,7 +40,7 @@ impl Backend for MemoryBackend {
         let token = (SystemClock.now_us() / 1000).max(1) as u64;
         let store = MemoryLeaseStore {
             store: self.store.clone(),
-            policies: global_policies(&shared.policies, &shared.layouts),
+            policies: global_policies(&shared.policies(), &shared.layouts),
             active_since: HashMap::new(),
         };
         Some((store, SystemClock, token))

@@ -34,7 +34,7 @@ use crate::policy::Policy;
 use crate::store::layout::Layouts;
 use auth::{Rejection, Signed};
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
-use quotad_core::coordinator::node::{KeyStatus, Link, NodeStats};
+use quotad_core::coordinator::node::{KeyStatus, Link, NodeStats, PolicyStatus};
 use quotad_core::coordinator::{GlobalPolicy, RegionId};
 use runtime::Event;
 
@@ -47,6 +47,8 @@ pub struct Status {
     pub keys: Vec<KeyStatus>,
     /// Keys the coordinator tracks.
     pub keys_total: usize,
+    /// Each global policy's version and escrow in force here (a re-split's progress).
+    pub policies: Vec<PolicyStatus>,
 }
 
 /// Keys listed in `/v1/status` at most.
@@ -62,7 +64,8 @@ pub struct PeerStatus {
 /// State shared by the HTTP handlers, the coordinator thread and the peer client.
 pub struct Shared {
     pub settings: GlobalSettings,
-    pub policies: Vec<Arc<Policy>>,
+    /// The policies as loaded now (a reload may install a new version of a global one).
+    policies: RwLock<Vec<Arc<Policy>>>,
     /// Where the policies' keys live (the store's layout).
     pub layouts: Arc<Layouts>,
     pub metrics: Arc<Metrics>,
@@ -87,7 +90,7 @@ impl Shared {
         let n = settings.regions.len();
         Shared {
             settings,
-            policies,
+            policies: RwLock::new(policies),
             layouts,
             metrics,
             instance: format!("{:016x}", rand::random::<u64>()),
@@ -97,6 +100,13 @@ impl Shared {
             rtt_us: (0..n).map(|_| AtomicI64::new(-1)).collect(),
             url: (0..n).map(|_| AtomicUsize::new(0)).collect(),
         }
+    }
+
+    pub fn policies(&self) -> Vec<Arc<Policy>> {
+        self.policies
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn stopping(&self) -> bool {
@@ -353,6 +363,19 @@ impl Federation {
         }))
     }
 
+    /// A reload's policies. The config layer let through no change of a global policy's
+    /// rate, burst, algorithm or mode, and a re-split only with a higher version: the
+    /// coordinator installs each new version decrease-first (`Node::set_policy`), and a
+    /// takeover starts from these.
+    pub fn reload(&self, policies: Vec<Arc<Policy>>) {
+        *self
+            .shared
+            .policies
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = policies;
+        let _ = self.events.send(Event::Reloaded);
+    }
+
     /// Stops the coordinator thread (releasing the lock) and waits for it, bounded.
     pub async fn stop(&self) {
         self.shared.stopping.store(true, Ordering::Release);
@@ -470,7 +493,7 @@ impl Federation {
             status: self.shared.status(),
             policies: self
                 .shared
-                .policies
+                .policies()
                 .iter()
                 .filter_map(|p| p.global_policy())
                 .collect(),

@@ -53,6 +53,10 @@ pub enum Event {
     },
     /// A peer's reply to one of our exchanges, authenticated.
     Reply(ExchangeReply),
+    /// A reload changed the shared policies: the holder installs any new version now
+    /// (and every round, should this event find the store failing; a non-leader ignores
+    /// it: a takeover starts from the shared policies).
+    Reloaded,
 }
 
 pub struct Runtime<B: Backend> {
@@ -129,7 +133,7 @@ impl<B: Backend> Runtime<B> {
                 Ok(Event::Exchange { reply, .. }) => {
                     let _ = reply.send(None);
                 }
-                Ok(Event::Reply(_)) => {}
+                Ok(Event::Reply(_) | Event::Reloaded) => {}
                 Err(RecvTimeoutError::Timeout) => break,
                 Err(RecvTimeoutError::Disconnected) => return Step::Closed,
             }
@@ -151,7 +155,7 @@ impl<B: Backend> Runtime<B> {
         }
         let policies: Vec<GlobalPolicy> = self
             .shared
-            .policies
+            .policies()
             .iter()
             .filter_map(|p| p.global_policy())
             .collect();
@@ -274,6 +278,32 @@ impl<B: Backend> Runtime<B> {
                     l.unpublished = true;
                 }
             }
+            Event::Reloaded => {
+                if l.store.begin(false).is_ok() {
+                    self.install_new_versions(l);
+                }
+            }
+        }
+    }
+
+    /// Installs every global policy whose loaded version is newer than the node's
+    /// (`Node::set_policy` ignores the others, so this is cheap and idempotent: called on
+    /// a reload and at every round, so a reload that met a failing store still lands).
+    fn install_new_versions(&self, l: &mut Leading<B>) {
+        let running: std::collections::HashMap<String, u64> = l
+            .node
+            .policy_status()
+            .into_iter()
+            .map(|p| (p.policy, p.version))
+            .collect();
+        for p in self.shared.policies() {
+            let Some(g) = p.global_policy() else { continue };
+            if running.get(&g.name).is_some_and(|v| *v >= g.version) {
+                continue;
+            }
+            tracing::info!(policy = %g.name, version = g.version, "installing a new version of a global policy");
+            l.node.set_policy(g, &mut l.store);
+            l.unpublished = true;
         }
     }
 
@@ -304,6 +334,7 @@ impl<B: Backend> Runtime<B> {
             return;
         }
         let started = Instant::now();
+        self.install_new_versions(l);
         let msgs = l.node.round(&mut l.store);
         if l.store.failure().is_none() {
             self.send(msgs);
@@ -357,6 +388,7 @@ impl<B: Backend> Runtime<B> {
             peers: Vec::new(),
             keys: node.key_status(),
             keys_total: 0,
+            policies: node.policy_status(),
         };
         let m = &self.shared.metrics.global;
         for p in &s.peers {
@@ -377,7 +409,7 @@ impl<B: Backend> Runtime<B> {
                 rtt_ms: rtt.map(|r| r as f64 / 1000.0),
             });
         }
-        for policy in self.shared.policies.iter().filter(|p| p.global.is_some()) {
+        for policy in self.shared.policies().iter().filter(|p| p.global.is_some()) {
             let keys = status.keys.iter().filter(|k| k.policy == policy.name);
             let (mut share, mut lent, mut borrowed, mut demand, mut n) = (0.0, 0.0, 0.0, 0.0, 0);
             for k in keys {

@@ -510,7 +510,7 @@ fn store_call<'a>(check: &'a Check, key: &'a Target, op: Op, member: &'a str) ->
         global: key.global.as_deref().map(|g| GlobalCall {
             user_key: &check.key,
             keys: &g.keys,
-            shape: g.shape,
+            shape: g.shape_for(&check.policy),
         }),
     }
 }

@@ -33,7 +33,7 @@ use std::sync::Arc;
 
 use crate::policy::Policy;
 use crate::store::memory::TTL_GRACE_MS;
-use quotad_core::coordinator::RegionId;
+use quotad_core::coordinator::{RegionId, escrow_share};
 
 /// How long every key of a global policy lives after its last touch, in ms: longer than
 /// any lease, so a book outlives what it records.
@@ -103,6 +103,7 @@ impl Layout {
                     fence: format!("{stem}{FENCE}"),
                     replid: format!("{stem}replid"),
                 },
+                region: region.map(|r| r.me.index()),
                 shape: ScriptShape {
                     rho: policy.rate_per_second(),
                     burst: policy.burst.get() as f64,
@@ -198,7 +199,28 @@ pub struct PolicyLayout {
 #[derive(Debug, Clone, PartialEq)]
 pub struct GlobalLayout {
     pub keys: PolicyKeys,
+    /// The numbers of the policy as loaded at start-up; see [`GlobalLayout::shape_for`].
     pub shape: ScriptShape,
+    /// This region's index (None where no region is known: layouts for tools and tests).
+    pub region: Option<usize>,
+}
+
+impl GlobalLayout {
+    /// The scripts' numbers for `policy` as loaded now. A reload may re-split a global
+    /// policy (a new version with other weights; its rate and burst cannot change live),
+    /// and the fallback escrow, used only until the coordinator first writes a default,
+    /// is then the lower of the start-up and the new one: decrease first, as the
+    /// coordinator does.
+    pub fn shape_for(&self, policy: &Policy) -> ScriptShape {
+        let now = match (&policy.global, self.region) {
+            (Some(g), Some(i)) => escrow_share(policy.rate_per_second(), &g.weights, i),
+            _ => self.shape.fallback_escrow,
+        };
+        ScriptShape {
+            fallback_escrow: self.shape.fallback_escrow.min(now),
+            ..self.shape
+        }
+    }
 }
 
 impl PolicyLayout {

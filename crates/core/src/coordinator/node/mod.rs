@@ -137,6 +137,23 @@ pub struct KeyStatus {
     pub target: f64,
 }
 
+/// One global policy as the coordinator runs it: which version, and how far a re-split
+/// to it has come (for status pages: an operator rolling out a new split watches this).
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyStatus {
+    pub policy: String,
+    /// The version installed here.
+    pub version: u64,
+    /// The newest version this region is durably at or below (what it reports to peers).
+    pub applied: u64,
+    /// This region's escrow now: min(old, new) while a re-split waits for its peers.
+    pub escrow_in_force: f64,
+    /// Whether a re-split is still waiting for a peer to report this version applied.
+    pub resplit_pending: bool,
+    /// Per region (this one's entry is its own `applied`): the version it reported applied.
+    pub peers_applied: Vec<u64>,
+}
+
 pub struct Node<C: Clock> {
     me: RegionId,
     params: Params,
@@ -279,6 +296,26 @@ impl<C: Clock> Node<C> {
             }
         }
         out
+    }
+
+    pub fn policy_status(&self) -> Vec<PolicyStatus> {
+        let me = self.me.index();
+        self.policies
+            .values()
+            .map(|ps| {
+                let applied = ps.applied_version(me);
+                let mut peers_applied = ps.peer_applied.clone();
+                peers_applied[me] = applied;
+                PolicyStatus {
+                    policy: ps.policy.name.clone(),
+                    version: ps.policy.version,
+                    applied,
+                    escrow_in_force: ps.escrow_in_force(me),
+                    resplit_pending: ps.previous_escrow.is_some(),
+                    peers_applied,
+                }
+            })
+            .collect()
     }
 
     /// Microseconds (node clock) until the next instant some tracked key's enforced rate

@@ -432,3 +432,63 @@ fn a_grant_older_than_the_announced_watermark_is_refused() {
     let sum = rate(&stores[0], now) + rate(&stores[1], now);
     assert!(sum <= 100.0 + 1e-9, "Σ R = {sum}");
 }
+
+/// A re-split (version 2, 50/50 -> 80/20) rolled out region 0 first: region 0 waits at
+/// its old escrow while region 1 runs version 1 (an increase waits for every peer),
+/// region 1 lowers to 20 the moment it installs version 2 (a decrease applies at once),
+/// and region 0 rises to 80 once region 1 reports version 2 applied. At no step does the
+/// sum of the escrows in force exceed ρ.
+#[test]
+fn a_resplit_lowers_at_once_and_raises_after_every_peer_applied_it() {
+    let mut pair = pair();
+    round_trip(&mut pair, 0);
+    let v2 = GlobalPolicy::from_weights("g", 2, 100.0, 100.0, &[4.0, 1.0], Mode::Proportional);
+    let status = |pair: &Pair, i: usize| pair.2[i].policy_status().remove(0);
+    let sum = |pair: &Pair| status(pair, 0).escrow_in_force + status(pair, 1).escrow_in_force;
+
+    {
+        let (_, stores, nodes) = &mut pair;
+        nodes[0].set_policy(v2.clone(), &mut stores[0]);
+    }
+    for _ in 0..3 {
+        round_trip(&mut pair, 0);
+        let s0 = status(&pair, 0);
+        assert_eq!((s0.version, s0.escrow_in_force), (2, 50.0));
+        assert!(s0.resplit_pending, "region 1 still runs version 1");
+        assert_eq!(s0.peers_applied[1], 1);
+        assert!(sum(&pair) <= 100.0 + 1e-9);
+    }
+
+    {
+        let (_, stores, nodes) = &mut pair;
+        nodes[1].set_policy(v2.clone(), &mut stores[1]);
+    }
+    let s1 = status(&pair, 1);
+    assert_eq!(
+        (s1.version, s1.escrow_in_force),
+        (2, 20.0),
+        "lowered at once"
+    );
+    assert_eq!(
+        pair.1[1].escrow,
+        Some(20.0),
+        "and the store's default with it"
+    );
+    assert!(sum(&pair) <= 100.0 + 1e-9);
+
+    for _ in 0..3 {
+        round_trip(&mut pair, 0);
+        assert!(sum(&pair) <= 100.0 + 1e-9);
+    }
+    let s0 = status(&pair, 0);
+    assert_eq!(s0.escrow_in_force, 80.0, "raised once region 1 applied v2");
+    assert!(!s0.resplit_pending);
+    assert_eq!(s0.peers_applied, vec![2, 2]);
+    assert_eq!(pair.1[0].escrow, Some(80.0));
+
+    // A delayed push of the old config changes nothing.
+    let v1 = GlobalPolicy::from_weights("g", 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional);
+    let (_, stores, nodes) = &mut pair;
+    nodes[0].set_policy(v1, &mut stores[0]);
+    assert_eq!(nodes[0].policy_status()[0].version, 2);
+}
