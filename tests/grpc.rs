@@ -525,14 +525,14 @@ fn redis_killed_mid_load_each_policy_fails_its_way_in_time() {
     }
 }
 
-/// The gRPC listener holds at most `server.max_connections` connections
+/// The gRPC listener holds at most `server.grpc_max_connections` connections
 /// (`quotad_grpc_connections_open`); one more waits in the backlog, unanswered, and is
 /// served as soon as a slot frees.
 #[test]
-fn the_grpc_listener_holds_at_most_max_connections() {
+fn the_grpc_listener_holds_at_most_grpc_max_connections() {
     let redis = RedisServer::start();
     let port = free_port();
-    let server = format!("grpc_listen = \"127.0.0.1:{port}\"\nmax_connections = 2");
+    let server = format!("grpc_listen = \"127.0.0.1:{port}\"\ngrpc_max_connections = 2");
     let q = Quotad::serve_with(&config(&redis), &server);
     let rt = runtime();
     rt.block_on(async {
@@ -564,6 +564,49 @@ fn the_grpc_listener_holds_at_most_max_connections() {
     wait_for("the count to follow", Duration::from_secs(5), || {
         (q.metric("quotad_grpc_connections_open") <= 2.0).then_some(())
     });
+}
+
+/// Sockets that never send the HTTP/2 preface hold their slots only until
+/// `server.header_timeout`: with both slots taken by silent sockets, a real client is
+/// served once the server has closed them, and each is counted.
+#[test]
+fn silent_sockets_lose_their_slot_after_the_header_timeout() {
+    use std::io::Read;
+    let redis = RedisServer::start();
+    let port = free_port();
+    let server = format!(
+        "grpc_listen = \"127.0.0.1:{port}\"\ngrpc_max_connections = 2\nheader_timeout = \"1s\""
+    );
+    let q = Quotad::serve_with(&config(&redis), &server);
+    let silent: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    wait_for("both slots taken", Duration::from_secs(5), || {
+        (q.metric("quotad_grpc_connections_open") == 2.0).then_some(())
+    });
+    let r = runtime().block_on(async {
+        let mut c = client(port).await;
+        let ask = ask(
+            &mut c,
+            DOMAIN,
+            vec![desc(&[("remote_address", "10.7.7.7")])],
+        );
+        tokio::time::timeout(Duration::from_secs(10), ask)
+            .await
+            .expect("served once the silent sockets were closed")
+    });
+    assert_eq!(code(&r), Code::Ok);
+    // Closed by the server: whatever it sent (its SETTINGS, maybe a GOAWAY), then EOF.
+    for mut s in silent {
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut rest = Vec::new();
+        match s.read_to_end(&mut rest) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(e) => panic!("a silent socket is still open: {e}"),
+        }
+    }
+    assert_eq!(q.metric("quotad_grpc_handshake_timeouts_total"), 2.0);
 }
 
 /// A per-key override applies to gRPC checks as to HTTP ones: the overridden address gets

@@ -169,7 +169,7 @@ pub async fn serve_both(
     let addr = listener.local_addr().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
     let limits = connection_limits(&settings);
-    let grpc_server = grpc.map(|l| serve_grpc(&settings, &state, &limits, l));
+    let grpc_server = grpc.map(|l| serve_grpc(&settings, &state, l));
     let http = server::serve(listener, api::router(state), limits, metrics, drain.clone());
     let grpc_failed = std::sync::Mutex::new(None);
     let servers = async {
@@ -198,11 +198,10 @@ pub async fn serve_both(
 }
 
 /// The Envoy rate-limit service on the same limiter, policies and drain as the HTTP API,
-/// within the same connection bound and request caps (`api::grpc::Bounds`).
+/// with the HTTP API's request caps and its own connection bound (`api::grpc::Bounds`).
 fn serve_grpc(
     settings: &Settings,
     state: &AppState,
-    limits: &server::Limits,
     listener: TcpListener,
 ) -> impl std::future::Future<Output = Result<(), tonic::transport::Error>> + use<> {
     if let Ok(addr) = listener.local_addr() {
@@ -215,7 +214,8 @@ fn serve_grpc(
         caps: state.caps,
     };
     let bounds = api::grpc::Bounds {
-        max_connections: limits.max_connections,
+        max_connections: settings.server.grpc_max_connections,
+        handshake_timeout: settings.server.header_timeout,
         max_message_bytes: settings.server.max_body_bytes,
         max_header_bytes: settings.server.max_header_bytes,
         timeout: settings.server.body_timeout,
@@ -374,13 +374,19 @@ fn connection_limits(settings: &Settings) -> server::Limits {
         idle_timeout: settings.server.idle_timeout,
         max_header_bytes: settings.server.max_header_bytes,
     };
+    // The gRPC listener's connections take descriptors too, when it is configured.
+    let grpc = match settings.server.grpc_listen {
+        Some(_) => settings.server.grpc_max_connections as u64,
+        None => 0,
+    };
     if let Some(n) = file_limit
-        && limits.max_connections as u64 + server::RESERVED_FILES > n
+        && limits.max_connections as u64 + grpc + server::RESERVED_FILES > n
     {
         tracing::warn!(
             max_connections = limits.max_connections,
+            grpc_max_connections = grpc,
             open_files_limit = n,
-            "server.max_connections is above what the open-files limit leaves; accepts will fail first"
+            "server.max_connections (plus grpc_max_connections) is above what the open-files limit leaves; accepts will fail first"
         );
     }
     tracing::info!(

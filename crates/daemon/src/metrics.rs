@@ -48,6 +48,9 @@ pub struct Metrics {
     /// `quotad_grpc_connections_open`: connections to the gRPC rate-limit service open now
     /// (at most `server.max_connections`; beyond, connects wait in the backlog).
     pub grpc_connections_open: IntGauge,
+    /// `quotad_grpc_handshake_timeouts_total`: gRPC connections closed because the HTTP/2
+    /// preface did not arrive within `server.header_timeout`.
+    pub grpc_handshake_timeouts: IntCounter,
     /// `quotad_connections_closed_total{reason}`: connections the server closed
     /// (`header_timeout`, `idle_timeout`, `evicted`, `rejected`, `drained`); clients'
     /// own closes are not counted.
@@ -255,6 +258,10 @@ impl Metrics {
             grpc_connections_open: c.int_gauge(Opts::new(
                 "quotad_grpc_connections_open",
                 "Connections to the gRPC rate-limit service open now.",
+            )),
+            grpc_handshake_timeouts: c.counter(Opts::new(
+                "quotad_grpc_handshake_timeouts_total",
+                "gRPC connections closed for sending nothing within server.header_timeout.",
             )),
             connections_open: c.int_gauge(Opts::new(
                 "quotad_connections_open",

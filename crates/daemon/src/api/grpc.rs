@@ -61,6 +61,16 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A connection's lifetime: then GOAWAY, calls in flight finish (within the call timeout)
+/// and the client reconnects. No client holds a slot for ever, however it behaves, and
+/// after a scale-out Envoy's connections spread over the new instances within this.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(600);
+
+/// The HTTP/2 client preface (RFC 9113 section 3.4): a connection has until the header
+/// timeout to send it whole, so a socket that sends nothing (or dribbles) holds its slot
+/// for seconds, as on the HTTP listener.
+const PREFACE_BYTES: usize = 24;
+
 /// The service: what it needs to turn descriptors into checks.
 pub struct RateLimiter {
     /// Policies, overrides and descriptors: swapped whole by a reload.
@@ -73,9 +83,11 @@ pub struct RateLimiter {
 /// The gRPC listener's bounds, from `[server]`.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
-    /// Connections open at once (`server.max_connections`): beyond it, connects wait in
-    /// the kernel's backlog until one closes.
+    /// Connections open at once (`server.grpc_max_connections`): beyond it, connects wait
+    /// in the kernel's backlog until one closes.
     pub max_connections: usize,
+    /// From accept to the whole HTTP/2 preface (`server.header_timeout`).
+    pub handshake_timeout: Duration,
     /// A request message's size (`server.max_body_bytes`): `RESOURCE_EXHAUSTED` beyond.
     pub max_message_bytes: usize,
     /// Request headers (`server.max_header_bytes`): HTTP/2's header list size.
@@ -273,7 +285,10 @@ pub async fn serve(
     bounds: Bounds,
     drain: Drain,
 ) -> Result<(), tonic::transport::Error> {
-    let open = service.metrics.grpc_connections_open.clone();
+    let counters = Counters {
+        open: service.metrics.grpc_connections_open.clone(),
+        handshake_timeouts: service.metrics.grpc_handshake_timeouts.clone(),
+    };
     let svc =
         RateLimitServiceServer::new(service).max_decoding_message_size(bounds.max_message_bytes);
     tonic::transport::Server::builder()
@@ -282,33 +297,41 @@ pub async fn serve(
         .timeout(bounds.timeout)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .max_connection_age(MAX_CONNECTION_AGE)
+        .max_connection_age_grace(bounds.timeout)
         .add_service(svc)
-        .serve_with_incoming_shutdown(
-            incoming(listener, bounds.max_connections, open),
-            drain.closing(),
-        )
+        .serve_with_incoming_shutdown(incoming(listener, bounds, counters), drain.closing())
         .await
 }
 
-/// Accepted connections, at most `max` open at once: a permit is taken before `accept`, so
-/// beyond the bound connects wait in the backlog instead of being accepted and starved.
+/// What the listener counts: connections open, and those closed without a preface.
+#[derive(Clone)]
+struct Counters {
+    open: prometheus::IntGauge,
+    handshake_timeouts: prometheus::IntCounter,
+}
+
+/// Accepted connections, at most `bounds.max_connections` open at once: a permit is taken
+/// before `accept`, so beyond the bound connects wait in the backlog instead of being
+/// accepted and starved.
 fn incoming(
     listener: TcpListener,
-    max: usize,
-    open: prometheus::IntGauge,
+    bounds: Bounds,
+    counters: Counters,
 ) -> impl futures_util::Stream<Item = std::io::Result<Bounded>> {
-    let permits = Arc::new(Semaphore::new(max.max(1)));
-    let state = (listener, permits, open);
-    futures_util::stream::unfold(state, |(listener, permits, open)| async move {
+    let permits = Arc::new(Semaphore::new(bounds.max_connections.max(1)));
+    let state = (listener, permits, counters);
+    futures_util::stream::unfold(state, move |(listener, permits, counters)| async move {
         let permit = permits.clone().acquire_owned().await.ok()?;
         let accepted = match listener.accept().await {
             Ok((stream, _)) => {
                 let _ = stream.set_nodelay(true);
-                open.inc();
+                counters.open.inc();
                 Ok(Bounded {
                     stream,
                     _permit: permit,
-                    open: open.clone(),
+                    preface: Some((0, Box::pin(tokio::time::sleep(bounds.handshake_timeout)))),
+                    counters: counters.clone(),
                 })
             }
             Err(e) => {
@@ -318,7 +341,7 @@ fn incoming(
                 Err(e)
             }
         };
-        Some((accepted, (listener, permits, open)))
+        Some((accepted, (listener, permits, counters)))
     })
 }
 
@@ -326,12 +349,14 @@ fn incoming(
 pub struct Bounded {
     stream: TcpStream,
     _permit: OwnedSemaphorePermit,
-    open: prometheus::IntGauge,
+    /// Until the preface is in: the bytes read so far, and the deadline for the rest.
+    preface: Option<(usize, Pin<Box<tokio::time::Sleep>>)>,
+    counters: Counters,
 }
 
 impl Drop for Bounded {
     fn drop(&mut self) {
-        self.open.dec();
+        self.counters.open.dec();
     }
 }
 
@@ -344,12 +369,37 @@ impl Connected for Bounded {
 }
 
 impl AsyncRead for Bounded {
+    /// Reads; until the preface is in, a read that would wait past its deadline fails
+    /// instead, which closes the connection (counted).
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        let this = &mut *self;
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
+        let Some((read, deadline)) = this.preface.as_mut() else {
+            return polled;
+        };
+        match polled {
+            Poll::Ready(Ok(())) => {
+                *read += buf.filled().len() - before;
+                if *read >= PREFACE_BYTES {
+                    this.preface = None;
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending if deadline.as_mut().poll(cx).is_ready() => {
+                this.preface = None;
+                this.counters.handshake_timeouts.inc();
+                Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no HTTP/2 preface within server.header_timeout",
+                )))
+            }
+            other => other,
+        }
     }
 }
 

@@ -71,6 +71,7 @@ pub struct Global {
 pub struct Server {
     pub listen: Option<Spanned<String>>,
     pub grpc_listen: Option<Spanned<String>>,
+    pub grpc_max_connections: Option<Spanned<i64>>,
     pub drain_timeout: Option<Spanned<String>>,
     pub shutdown_delay: Option<Spanned<String>>,
     pub max_body_bytes: Option<Spanned<i64>>,

@@ -13,6 +13,9 @@ pub struct ServerSettings {
     pub listen: SocketAddr,
     /// The Envoy rate-limit service's gRPC listener (`api::grpc`); none when absent.
     pub grpc_listen: Option<SocketAddr>,
+    /// Connections the gRPC listener keeps open at once, apart from `max_connections`
+    /// (Envoy holds a few long-lived ones per proxy; an HTTP flood must not starve them).
+    pub grpc_max_connections: usize,
     pub drain_timeout: Duration,
     /// Time between readiness turning 503 and the listener closing.
     pub shutdown_delay: Duration,
@@ -41,6 +44,7 @@ impl ServerSettings {
         ServerSettings {
             listen: default_listen(),
             grpc_listen: None,
+            grpc_max_connections: DEFAULT_GRPC_MAX_CONNECTIONS as usize,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
             shutdown_delay: default_shutdown_delay(DEFAULT_DRAIN_TIMEOUT),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES as usize,
@@ -71,6 +75,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8686";
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_MAX_BODY_BYTES: i64 = 64 * 1024;
 pub const DEFAULT_MAX_BATCH: i64 = 64;
+/// Envoy opens about one HTTP/2 connection per worker thread to its rate-limit cluster:
+/// 1,024 serve a hundred 8-worker proxies with room to spare.
+pub const DEFAULT_GRPC_MAX_CONNECTIONS: i64 = 1024;
 pub const DEFAULT_MAX_KEY_BYTES: i64 = 512;
 pub const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
 /// Request headers (request line included): 431 beyond. nginx holds 8 KiB per line;
@@ -206,6 +213,13 @@ impl Validator<'_> {
         settings.max_connections = s.max_connections.as_ref().map(|m| {
             self.integer(Some(m), "server.max_connections", 10_000, 1, 1_000_000) as usize
         });
+        settings.grpc_max_connections = self.integer(
+            s.grpc_max_connections.as_ref(),
+            "server.grpc_max_connections",
+            DEFAULT_GRPC_MAX_CONNECTIONS,
+            1,
+            1_000_000,
+        ) as usize;
         settings.max_header_bytes = self.integer(
             s.max_header_bytes.as_ref(),
             "server.max_header_bytes",
