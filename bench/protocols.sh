@@ -4,7 +4,9 @@
 #
 #   POST /v1/check                  wrk -t1 -c50 (bench/check.lua)
 #   GET /v1/authz/bench             wrk -t1 -c50, forward-auth with an x-api-key (bench/authz.lua)
-#   gRPC ShouldRateLimit            examples/grpc_load.rs, 50 HTTP/2 connections
+#   gRPC ShouldRateLimit            examples/grpc_load.rs, twice: 2 HTTP/2 connections
+#                                   with 25 calls in flight on each (as Envoy multiplexes
+#                                   a worker's calls), and 50 connections with one each
 #
 #   bench/protocols.sh            # 3 rounds, 10 s per run
 #   ROUNDS=1 bench/protocols.sh   # quick
@@ -104,14 +106,14 @@ http_run() { # round label script path
   record "$1" "$2" "$(kv rps)" "$(kv p50_us)" "$(kv p99_us)" "$errs" "$q0" "$(ticks "$QPID")" "$r0" "$(ticks "$REDIS_PID")"
 }
 
-grpc_run() { # round
+grpc_run() { # round connections streams (connections x streams = $CONNS calls in flight)
   redis-cli -p "$RP" flushall >/dev/null
   local q0 r0 f0 res
   q0=$(ticks "$QPID"); r0=$(ticks "$REDIS_PID"); f0=$(fail_open)
-  res=$(timeout 120 "$LOAD" --addr "127.0.0.1:$GP" --domain bench --connections "$CONNS" --duration "$DURATION" --keys "$NKEYS" | grep '^GRPC_RESULT')
+  res=$(timeout 120 "$LOAD" --addr "127.0.0.1:$GP" --domain bench --connections "$2" --streams "$3" --duration "$DURATION" --keys "$NKEYS" | grep '^GRPC_RESULT')
   kv() { echo "$res" | tr ' ' '\n' | awk -F= -v k="$1" '$1==k{print $2}'; }
   local errs=$(( $(kv errors) + $(fail_open) - f0 ))
-  record "$1" grpc "$(kv rps)" "$(kv p50_us)" "$(kv p99_us)" "$errs" "$q0" "$(ticks "$QPID")" "$r0" "$(ticks "$REDIS_PID")"
+  record "$1" "grpc-$2x$3" "$(kv rps)" "$(kv p50_us)" "$(kv p99_us)" "$errs" "$q0" "$(ticks "$QPID")" "$r0" "$(ticks "$REDIS_PID")"
 }
 
 {
@@ -125,7 +127,8 @@ for r in $(seq "$ROUNDS"); do
   ceiling "$r"
   http_run "$r" check check.lua /v1/check
   http_run "$r" forward-auth authz.lua /v1/authz/bench
-  grpc_run "$r"
+  grpc_run "$r" 2 $((CONNS / 2))
+  grpc_run "$r" "$CONNS" 1
   ceiling "$r"
 done
 echo "results: $TSV"

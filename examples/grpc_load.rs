@@ -1,12 +1,13 @@
 //! gRPC load: `ShouldRateLimit` calls on Envoy's rate-limit service as fast as quotad
-//! answers (closed loop, like `wrk`), from `--connections` HTTP/2 connections, one call in
-//! flight on each, one descriptor `{key: "k", value: k1..kN}` per call in `--domain`.
+//! answers (closed loop, like `wrk`), from `--connections` HTTP/2 connections with
+//! `--streams` calls in flight on each (Envoy multiplexes a worker's calls over one
+//! connection), one descriptor `{key: "k", value: k1..kN}` per call in `--domain`.
 //! Prints one line that bench/protocols.sh reads:
 //! `GRPC_RESULT rps=… p50_us=… p99_us=… p999_us=… errors=… over_limit=…`.
 //!
 //! ```sh
 //! cargo run --release --example grpc_load -- --addr 127.0.0.1:8081 --domain bench \
-//!     --connections 50 --duration 10s --keys 100000
+//!     --connections 2 --streams 25 --duration 10s --keys 100000
 //! ```
 //!
 //! There is no Go toolchain here for ghz, so the client is built from the same
@@ -24,6 +25,7 @@ struct Args {
     addr: String,
     domain: String,
     connections: usize,
+    streams: usize,
     duration: Duration,
     keys: u64,
 }
@@ -33,6 +35,7 @@ fn parse_args() -> Result<Args, String> {
         addr: "127.0.0.1:8081".into(),
         domain: "bench".into(),
         connections: 50,
+        streams: 1,
         duration: Duration::from_secs(10),
         keys: 100_000,
     };
@@ -43,6 +46,7 @@ fn parse_args() -> Result<Args, String> {
             "--addr" => a.addr = v,
             "--domain" => a.domain = v,
             "--connections" => a.connections = v.parse().map_err(|e| format!("{flag}: {e}"))?,
+            "--streams" => a.streams = v.parse().map_err(|e| format!("{flag}: {e}"))?,
             "--duration" => {
                 a.duration = humantime::parse_duration(&v).map_err(|e| format!("{flag}: {e}"))?
             }
@@ -53,11 +57,31 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-/// One connection's loop: latencies in µs, errors, over-limit answers.
-async fn connection(a: &Args, seed: u64) -> Result<(Vec<u64>, u64, u64), String> {
-    let mut client = RateLimitServiceClient::connect(format!("http://{}", a.addr))
+type Client = RateLimitServiceClient<tonic::transport::Channel>;
+
+/// Latencies in µs, errors, over-limit answers.
+type Stats = (Vec<u64>, u64, u64);
+
+/// One connection: `--streams` loops of calls over it at once.
+async fn connection(a: std::sync::Arc<Args>, seed: u64) -> Result<Stats, String> {
+    let client = RateLimitServiceClient::connect(format!("http://{}", a.addr))
         .await
         .map_err(|e| e.to_string())?;
+    let loops: Vec<_> = (0..a.streams as u64)
+        .map(|s| tokio::spawn(calls(a.clone(), client.clone(), seed * 1_000_003 + s)))
+        .collect();
+    let mut out: Stats = (Vec::new(), 0, 0);
+    for l in futures_util::future::join_all(loops).await {
+        let (lat, errors, over) = l.map_err(|e| e.to_string())?;
+        out.0.extend(lat);
+        out.1 += errors;
+        out.2 += over;
+    }
+    Ok(out)
+}
+
+/// One loop of calls, the next sent when the last is answered.
+async fn calls(a: std::sync::Arc<Args>, mut client: Client, seed: u64) -> Stats {
     let (mut lat, mut errors, mut over) = (Vec::new(), 0, 0);
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let end = Instant::now() + a.duration;
@@ -88,7 +112,7 @@ async fn connection(a: &Args, seed: u64) -> Result<(Vec<u64>, u64, u64), String>
             Err(_) => errors += 1,
         }
     }
-    Ok((lat, errors, over))
+    (lat, errors, over)
 }
 
 fn main() {
@@ -107,10 +131,7 @@ fn main() {
     let started = Instant::now();
     let results = rt.block_on(async {
         let tasks: Vec<_> = (0..a.connections)
-            .map(|i| {
-                let a = a.clone();
-                tokio::spawn(async move { connection(&a, i as u64 + 1).await })
-            })
+            .map(|i| tokio::spawn(connection(a.clone(), i as u64 + 1)))
             .collect();
         futures_util::future::join_all(tasks).await
     });
