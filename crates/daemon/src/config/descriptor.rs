@@ -17,9 +17,13 @@
 //!   policy = "free_user"
 //! ```
 //!
+//! A value ending in `*` (`value = "api-*"`) matches every value with that prefix, as in
+//! envoyproxy/ratelimit; each matching value is its own quotad key, as with no value.
+//!
 //! A request descriptor's entries walk the tree level by level: at each level the node with
-//! the entry's key and value wins, else the node with the key and no value; the node the
-//! last entry lands on names the policy. No node, or a node without a policy: not limited.
+//! the entry's key and exact value wins, else the one whose wildcard value is the longest
+//! prefix of it, else the node with the key and no value; the node the last entry lands
+//! on names the policy. No node, or a node without a policy: not limited.
 
 use std::collections::HashMap;
 
@@ -31,7 +35,8 @@ use super::{Validator, raw};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DescriptorNode {
     pub key: String,
-    /// `None`: any value (each value is its own quotad key).
+    /// `None`: any value (each value is its own quotad key). A value ending in `*`: any
+    /// value with the prefix before it (likewise).
     pub value: Option<String>,
     /// The policy of a request descriptor that ends here; `None`: not limited.
     pub policy: Option<String>,
@@ -67,15 +72,39 @@ impl Descriptors {
         let mut level = self.domains.get(domain)?.as_slice();
         let mut node = None;
         for (key, value) in entries {
-            let exact = level
+            let n = level
                 .iter()
-                .find(|n| n.key == key && n.value.as_deref() == Some(value));
-            let any = || level.iter().find(|n| n.key == key && n.value.is_none());
-            let n = exact.or_else(any)?;
+                .filter(|n| n.key == key)
+                .filter_map(|n| Some((n.matches(value)?, n)))
+                .max_by_key(|(rank, _)| *rank)?
+                .1;
             level = &n.children;
             node = Some(n);
         }
         node?.policy.as_deref()
+    }
+}
+
+/// How well a node matches a value, best highest: exact beats a longer wildcard prefix
+/// beats a shorter one beats any value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Rank {
+    Any,
+    Prefix(usize),
+    Exact,
+}
+
+impl DescriptorNode {
+    fn matches(&self, value: &str) -> Option<Rank> {
+        match self.value.as_deref() {
+            None => Some(Rank::Any),
+            Some(v) => match v.strip_suffix('*') {
+                Some(prefix) => value
+                    .starts_with(prefix)
+                    .then_some(Rank::Prefix(prefix.len())),
+                None => (v == value).then_some(Rank::Exact),
+            },
+        }
     }
 }
 
@@ -128,11 +157,18 @@ impl Validator<'_> {
             self.error(&d.key, &format!("{field}.key"), "must not be empty");
         }
         let value = d.value.as_ref().map(|v| v.get_ref().clone());
-        if let Some(v) = &d.value
-            && v.get_ref().is_empty()
-        {
-            let why = "must not be empty (leave it out to match any value)";
-            self.error(v, &format!("{field}.value"), why);
+        if let Some(v) = &d.value {
+            let text = v.get_ref();
+            let why = if text.is_empty() || text == "*" {
+                Some("must not be empty or \"*\" (leave it out to match any value)")
+            } else if text.trim_end_matches('*').contains('*') || text.ends_with("**") {
+                Some("a `*` may only end the value (a prefix wildcard, e.g. \"api-*\")")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                self.error(v, &format!("{field}.value"), why);
+            }
         }
         let this = (key.clone(), value.clone());
         if seen.contains(&this) {
@@ -215,6 +251,40 @@ mod tests {
     }
 
     #[test]
+    fn a_wildcard_value_matches_its_prefix_exact_and_longer_prefixes_first() {
+        let node = |value: &str, policy: &str| {
+            format!(
+                "[[descriptor]]\ndomain = \"d\"\nkey = \"path\"\nvalue = \"{value}\"\npolicy = \"{policy}\"\n"
+            )
+        };
+        let src = format!(
+            "{POLICIES}{}{}{}[[descriptor]]\ndomain = \"d\"\nkey = \"path\"\npolicy = \"b\"\n",
+            node("/api/*", "a"),
+            node("/api/admin/*", "b"),
+            node("/api/health", "b"),
+        );
+        let s = Settings::parse("t.toml", &src).unwrap_or_else(|e| panic!("{e}"));
+        let d = &s.descriptors;
+        let path = |p: &'static str| d.policy_of("d", [("path", p)]);
+        assert_eq!(path("/api/users"), Some("a"));
+        assert_eq!(path("/api/"), Some("a"), "an empty rest matches");
+        assert_eq!(path("/api/admin/x"), Some("b"), "the longer prefix");
+        assert_eq!(path("/api/health"), Some("b"), "exact first");
+        assert_eq!(path("/other"), Some("b"), "no value: anything else");
+    }
+
+    #[test]
+    fn a_star_only_ends_a_value() {
+        for bad in ["*", "a*b", "a**", "*a"] {
+            let src = format!(
+                "{POLICIES}[[descriptor]]\ndomain = \"d\"\nkey = \"k\"\nvalue = \"{bad}\"\npolicy = \"a\"\n"
+            );
+            let e = Settings::parse("t.toml", &src).unwrap_err().to_string();
+            assert!(e.contains("descriptor[0].value"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn errors_name_the_line_and_the_nested_field() {
         let src = format!(
             "{POLICIES}[[descriptor]]\nkey = \"k\"\npolicy = \"a\"\n[[descriptor]]\ndomain = \"d\"\nkey = \"k\"\n[[descriptor.descriptor]]\ndomain = \"x\"\nkey = \"u\"\npolicy = \"zzz\"\n[[descriptor.descriptor]]\nkey = \"u\"\nvalue = \"\"\n"
@@ -228,7 +298,7 @@ mod tests {
                 "t.toml:18: descriptor[1].descriptor[0].domain: only a top-level descriptor names a domain",
                 "t.toml:20: descriptor[1].descriptor[0].policy: unknown policy \"zzz\"; define it with [[policy]]",
                 "t.toml:22: descriptor[1].descriptor[1].policy: names no policy and holds no [[descriptor.descriptor]]: it would limit nothing",
-                "t.toml:23: descriptor[1].descriptor[1].value: must not be empty (leave it out to match any value)",
+                "t.toml:23: descriptor[1].descriptor[1].value: must not be empty or \"*\" (leave it out to match any value)",
             ],
             "{e}"
         );
