@@ -634,3 +634,47 @@ fn an_overridden_key_gets_its_own_limit() {
         assert_eq!(codes, want);
     });
 }
+
+/// Descriptors reload with the config: a descriptor added to the file (a wildcard value)
+/// limits its requests after SIGHUP, over the same connection, and one removed stops
+/// limiting; the policy's counts carry over.
+#[test]
+fn descriptors_reload_with_the_config() {
+    let redis = RedisServer::start();
+    let port = free_port();
+    let q = Quotad::start_with(
+        &config(&redis),
+        &format!("grpc_listen = \"127.0.0.1:{port}\""),
+    );
+    let file = q.dir.path().join("quotad.toml");
+    let original = std::fs::read_to_string(&file).unwrap();
+    let rt = runtime();
+    let mut c = rt.block_on(client(port));
+    let tenant = || vec![desc(&[("tenant", "acme-1")])];
+    let r = rt.block_on(ask(&mut c, DOMAIN, tenant()));
+    assert_eq!(code(&r), Code::Ok);
+    assert!(r.statuses[0].current_limit.is_none(), "not limited yet");
+
+    let added = format!(
+        "{original}\n[[descriptor]]\ndomain = \"{DOMAIN}\"\nkey = \"tenant\"\nvalue = \"acme-*\"\npolicy = \"path\"\n"
+    );
+    std::fs::write(&file, added).unwrap();
+    q.hup();
+    wait_for("the new descriptor limits", Duration::from_secs(5), || {
+        let r = rt.block_on(ask(&mut c, DOMAIN, tenant()));
+        r.statuses[0].current_limit.is_some().then_some(())
+    });
+    // `path` allows 2 a minute: the request that saw the limit was the first.
+    let r = rt.block_on(ask(&mut c, DOMAIN, tenant()));
+    assert_eq!((code(&r), r.statuses[0].limit_remaining), (Code::Ok, 0));
+    let r = rt.block_on(ask(&mut c, DOMAIN, tenant()));
+    assert_eq!(code(&r), Code::OverLimit);
+
+    std::fs::write(&file, &original).unwrap();
+    q.hup();
+    wait_for("the descriptor is gone", Duration::from_secs(5), || {
+        let r = rt.block_on(ask(&mut c, DOMAIN, tenant()));
+        (code(&r) == Code::Ok && r.statuses[0].current_limit.is_none()).then_some(())
+    });
+    assert_eq!(q.metric("quotad_config_reloads_total{result=\"ok\"}"), 2.0);
+}
