@@ -45,7 +45,8 @@ fn all_refs_resolve(spec: &Value, v: &Value) {
     }
 }
 
-/// The JSON Schema keywords the spec uses: type, required, properties, items, enum, oneOf.
+/// The JSON Schema keywords the spec uses: type (a name or a list), required, properties,
+/// items, enum, oneOf.
 fn conforms(spec: &Value, schema: &Value, v: &Value) -> Result<(), String> {
     let schema = resolve(spec, schema);
     if let Some(alts) = schema.get("oneOf").and_then(Value::as_array) {
@@ -59,16 +60,27 @@ fn conforms(spec: &Value, schema: &Value, v: &Value) -> Result<(), String> {
             return Err(format!("{v} not in {values:?}"));
         }
     }
-    let ok = match schema.get("type").and_then(Value::as_str) {
-        Some("object") => v.is_object(),
-        Some("array") => v.is_array(),
-        Some("string") => v.is_string(),
-        Some("integer") => v.is_u64() || v.is_i64(),
-        Some("boolean") => v.is_boolean(),
+    let is = |t: &str| match t {
+        "object" => v.is_object(),
+        "array" => v.is_array(),
+        "string" => v.is_string(),
+        "integer" => v.is_u64() || v.is_i64(),
+        "number" => v.is_number(),
+        "boolean" => v.is_boolean(),
+        "null" => v.is_null(),
+        _ => true,
+    };
+    // `type` is a name, or (3.1) a list of them: `["object", "null"]`.
+    let ok = match schema.get("type") {
+        Some(Value::String(t)) => is(t),
+        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).any(is),
         _ => true,
     };
     if !ok {
         return Err(format!("{v} is not a {}", schema["type"]));
+    }
+    if v.is_null() {
+        return Ok(());
     }
     for r in schema
         .get("required")
