@@ -1,6 +1,8 @@
 -- wrk script: forward-auth, GET /v1/authz/bench with an x-api-key from k1..kN (N =
 -- WRK_KEYS, default 100,000), as a proxy would ask. Prints one WRK_RESULT line (as
--- check.lua does).
+-- check.lua does). Keys are drawn with math.random, seeded per thread from os.time and
+-- the thread's number (seed.lua, beside this file), as in check.lua.
+dofile(debug.getinfo(1, "S").source:match("^@(.-)[^/]*$") .. "seed.lua")
 local nkeys = tonumber(os.getenv("WRK_KEYS") or "100000")
 
 request = function()

@@ -1,5 +1,8 @@
 -- wrk script: POST /v1/check for policy "bench" on keys k1..kN (N = WRK_KEYS, default
 -- 100,000), or on one key when WRK_HOT=1 (the hot-deny path). Prints one WRK_RESULT line.
+-- Keys are drawn with math.random, seeded per thread from os.time and the thread's
+-- number (seed.lua, beside this file): every run and every thread draws its own sequence.
+dofile(debug.getinfo(1, "S").source:match("^@(.-)[^/]*$") .. "seed.lua")
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 local nkeys = tonumber(os.getenv("WRK_KEYS") or "100000")

@@ -182,12 +182,25 @@ fn parse_algorithm(s: &str) -> Result<Algorithm, String> {
         })
 }
 
+/// What `validate` found, in English: "1 policy", "N policies" ("1 policies" read as a
+/// typo in operators' CI logs).
+fn policies_found(n: usize) -> String {
+    match n {
+        1 => "1 policy".to_owned(),
+        n => format!("{n} policies"),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Validate { path } => match Settings::load(&path) {
             Ok(s) => {
-                println!("{}: ok ({} policies)", path.display(), s.policies.len());
+                println!(
+                    "{}: ok ({})",
+                    path.display(),
+                    policies_found(s.policies.len())
+                );
                 ExitCode::SUCCESS
             }
             Err(errors) => {

@@ -274,11 +274,12 @@ fn every_rejected_config_names_file_line_and_field() {
 
 #[test]
 fn shipped_configs_validate() {
-    for f in [
-        "config/quotad.toml",
-        "config/examples/login.toml",
-        "config/examples/api.toml",
-        "config/examples/envoy.toml",
+    // With what `validate` says it found: singular and plural.
+    for (f, found) in [
+        ("config/quotad.toml", "1 policy"),
+        ("config/examples/login.toml", "2 policies"),
+        ("config/examples/api.toml", "1 policy"),
+        ("config/examples/envoy.toml", "3 policies"),
     ] {
         let out = Command::new(quotad_binary())
             .arg("validate")
@@ -290,7 +291,11 @@ fn shipped_configs_validate() {
             "{f}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(String::from_utf8_lossy(&out.stdout).contains(": ok ("));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.ends_with(&format!(": ok ({found})\n")),
+            "{f}: {stdout}"
+        );
     }
 }
 

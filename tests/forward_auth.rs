@@ -83,6 +83,25 @@ fn the_contract_a_proxy_relies_on() {
         429,
         "keyless requests share a key"
     );
+    // Every keyless request counted, by the answer it got: deny and allow decide nothing.
+    let missing = |policy: &str, answer: &str| {
+        q.metric(&format!(
+            "quotad_forward_auth_missing_key_total{{answer=\"{answer}\",policy=\"{policy}\"}}"
+        ))
+    };
+    assert_eq!(missing("edge", "deny"), 1.0);
+    assert_eq!(missing("ip", "allow"), 1.0);
+    assert_eq!(missing("anon", "key"), (LIMIT + 1) as f64);
+    let too_long = "k".repeat(1000); // over server.max_key_bytes (512)
+    assert_eq!(
+        get(q.port, "/v1/authz/edge", &[("x-api-key", &too_long)]).0,
+        429
+    );
+    assert_eq!(
+        missing("edge", "deny"),
+        2.0,
+        "a key too long to be one is missing"
+    );
 
     // The client address the trusted proxy appended; what the client sent is not trusted.
     for spoof in ["6.6.6.6", "7.7.7.7", "8.8.8.8"] {

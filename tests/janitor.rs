@@ -101,15 +101,21 @@ fn keys_that_lost_their_ttl_get_one_back_and_nothing_else_changes() {
     redis.assert_every_key_has_ttl();
 }
 
+/// A config on `redis` whose janitor sweeps every second (tests wait for sweeps), with
+/// one policy `fw`: a fixed window of `window`.
+fn swept_every_second(redis: &RedisServer, window: &str) -> String {
+    Config::redis(&redis.url())
+        .store("janitor_interval", "1s")
+        .policy(Policy::new("fw", "fixed_window", 10, window))
+        .to_toml()
+}
+
 /// The daemon runs the janitor: 1,000 keys PERSISTed behind its back have TTLs again
 /// within two intervals, and its metrics say so.
 #[test]
 fn the_daemon_gives_persisted_keys_their_ttl_back_within_two_intervals() {
     let redis = RedisServer::start();
-    let config = Config::redis(&redis.url())
-        .store("janitor_interval", "1s")
-        .policy(Policy::new("fw", "fixed_window", 10, "1h"))
-        .to_toml();
+    let config = swept_every_second(&redis, "1h");
     let q = Quotad::serve(&config);
     let mut conn = redis.conn();
     for i in 0..1000 {
@@ -140,5 +146,54 @@ fn the_daemon_gives_persisted_keys_their_ttl_back_within_two_intervals() {
     });
     // Before the harness's own SCAN.
     assert_swept_in_small_steps(&redis, 1000);
+    redis.assert_every_key_has_ttl();
+}
+
+/// After a reload that lengthens a window and adds a policy, keys of both PERSISTed
+/// behind the daemon's back get the TTL their policy writes now (an hour's window), not
+/// the start-up window's minute nor the orphan's: the janitor lays out the config in
+/// force before each sweep.
+#[test]
+fn after_a_reload_persisted_keys_get_the_ttl_of_the_config_in_force() {
+    let redis = RedisServer::start();
+    let config = swept_every_second(&redis, "1m");
+    let q = Quotad::start(&config);
+    let file = q.dir.path().join("quotad.toml");
+    let started = std::fs::read_to_string(&file).unwrap();
+    assert!(started.contains("window = \"1m\""), "{started}");
+    let reloaded = started.replace("window = \"1m\"", "window = \"1h\"")
+        + "\n[[policy]]\nname = \"added\"\nalgorithm = \"fixed_window\"\nlimit = 10\nwindow = \"1h\"\n";
+    std::fs::write(&file, reloaded).unwrap();
+    q.hup();
+    wait_for("the reload", Duration::from_secs(10), || {
+        (q.metric("quotad_config_reloads_total{result=\"ok\"}") == 1.0).then_some(())
+    });
+    // Two sweeps ending in later seconds: the second began after the reload was in force.
+    for _ in 0..2 {
+        let last = q.metric("quotad_janitor_last_scan_timestamp_seconds");
+        wait_for("a sweep after the reload", Duration::from_secs(10), || {
+            (q.metric("quotad_janitor_last_scan_timestamp_seconds") > last).then_some(())
+        });
+    }
+    q.check1("fw", "k");
+    q.check1("added", "k");
+    let keys = ["rl:fw:fw:{k}", "rl:added:fw:{k}"];
+    let mut conn = redis.conn();
+    for k in keys {
+        let persisted: i64 = redis::cmd("PERSIST").arg(k).query(&mut conn).unwrap();
+        assert_eq!(persisted, 1, "{k} had a TTL to lose");
+    }
+    wait_for(
+        "both keys with a TTL again",
+        Duration::from_secs(10),
+        || keys.iter().all(|k| pttl(&mut conn, k) > 0).then_some(()),
+    );
+    for k in keys {
+        let t = pttl(&mut conn, k);
+        assert!(
+            t > 3_500_000 && t <= 3_601_000,
+            "{k}: the reloaded hour plus grace (not {ORPHAN_TTL_MS} ms, nor a minute), got {t}"
+        );
+    }
     redis.assert_every_key_has_ttl();
 }

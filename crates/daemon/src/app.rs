@@ -53,18 +53,37 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 /// they are connected to a socket nobody will read; the kernel caps it at somaxconn.
 const LISTEN_BACKLOG: u32 = 4096;
 
-/// Where the policies' state lives in the store: the key layout under the configured
-/// prefix, with this region's place among its peers for global policies.
+/// Where the policies' state lives in the store as the daemon starts: the key layout
+/// under the configured prefix, with this region's place among its peers for global
+/// policies.
 pub fn layouts(settings: &Settings) -> Layouts {
+    layouts_in_force(settings, &reload::policies(settings))
+}
+
+/// Where the state of `policies` lives: those of the config in force, the start-up one or
+/// a reload's, which may have added policies or changed windows (the janitor lays them
+/// out again before each sweep, so a repaired key gets the TTL its policy writes now).
+/// Global policies are always laid out as `settings` started them: a reload can neither
+/// add, remove nor reshape one, and the escrow of a re-split reaches the scripts through
+/// [`GlobalLayout::shape_for`](crate::store::layout::GlobalLayout::shape_for), never
+/// through a new layout.
+pub fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layouts {
     let region = settings.global.as_ref().map(|g| RegionPlace {
         me: g.me,
         step_tolerance_us: g.params.step_tolerance_us(),
     });
+    let globals = settings.policies.iter().filter(|p| p.global.is_some());
     // Overrides share their policy's keys: the layout keeps the longest repair TTL of all.
-    let overrides = settings.overrides.values().flatten().map(|o| &*o.policy);
+    let local = policies
+        .iter()
+        .filter(|p| p.global.is_none())
+        .flat_map(|p| {
+            let overrides = policies.overrides(&p.name).iter();
+            std::iter::once(&**p).chain(overrides.map(|o| &*o.policy))
+        });
     Layouts::new(
         Layout::new(&settings.key_prefix),
-        settings.policies.iter().chain(overrides),
+        globals.chain(local),
         region.as_ref(),
     )
 }
@@ -112,8 +131,12 @@ pub async fn serve_both(
         Arc::new(SystemClock),
         settings.memory_max_keys,
     ));
-    let Some(store) = open_store(&settings, &layouts, &metrics, &background, &shutdown).await?
-    else {
+    let live = Arc::new(LiveConfig::new(Live::from_settings(
+        &settings,
+        config_hash(&settings),
+    )));
+    let opened = open_store(&settings, &layouts, &live, &metrics, &background, &shutdown);
+    let Some(store) = opened.await? else {
         return Ok(()); // shut down before the store answered
     };
     count_memory_keys(
@@ -121,10 +144,6 @@ pub async fn serve_both(
         &metrics,
         [("local", Some(local.clone())), ("primary", store.memory())],
     );
-    let live = Arc::new(LiveConfig::new(Live::from_settings(
-        &settings,
-        config_hash(&settings),
-    )));
     let federation = start_federation(&settings, &live.get().policies, &layouts, &store, &metrics)?;
     if let Some(path) = settings.source.clone() {
         let coordinator = federation.clone();
@@ -257,11 +276,12 @@ impl Background {
 
 /// The store decisions go to: the embedded one, or Redis with its supervisor (reconnects,
 /// script loads), its invalidation follower (deny cache), its sweep and the region's TTL
-/// janitor. `None` when the
+/// janitor, which lays out the policies of `live` before each sweep. `None` when the
 /// daemon was told to stop before Redis answered its first probe.
 async fn open_store(
     settings: &Settings,
     layouts: &Arc<Layouts>,
+    live: &Arc<LiveConfig>,
     metrics: &Arc<Metrics>,
     background: &Background,
     shutdown: &CancellationToken,
@@ -299,9 +319,10 @@ async fn open_store(
         .spawn(redis.clone().follow_invalidations(stop.clone()));
     let swept = redis.clone();
     background.every(SWEEP_INTERVAL, move || swept.sweep());
+    let (started, live) = (settings.clone(), live.clone());
     background.tasks.spawn(janitor::run(
         rs.target.clone(),
-        layouts.clone(),
+        move || layouts_in_force(&started, &live.get().policies),
         rs.janitor_interval,
         metrics.clone(),
         stop.clone(),

@@ -70,6 +70,11 @@ pub struct Metrics {
     /// `quotad_janitor_last_scan_timestamp_seconds`: when this instance last finished a
     /// sweep (Unix time); stale when no instance of the region sweeps.
     pub janitor_last_scan: IntGauge,
+    /// `quotad_forward_auth_missing_key_total{policy,answer}`: forward-auth requests that
+    /// carried no key (or one too long to be a key), by the `on_missing_key` answer they
+    /// got: `deny` and `allow` decide nothing, so no other metric counts them; `key` is
+    /// counted here too, so this is every keyless request of the policy.
+    pub forward_auth_missing_key: IntCounterVec,
     /// `quotad_config_reloads_total{result}`: reloads of the config file (SIGHUP or a
     /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
     /// that cannot apply without a restart). The running config stays on all but `ok`.
@@ -292,6 +297,10 @@ impl Metrics {
             janitor_last_scan: c.int_gauge(Opts::new(
                 "quotad_janitor_last_scan_timestamp_seconds",
                 "When this instance last finished a janitor sweep.",
+            )),
+            forward_auth_missing_key: c.labels(&["policy", "answer"]).counter(Opts::new(
+                "quotad_forward_auth_missing_key_total",
+                "Forward-auth requests without their key, by policy and on_missing_key answer.",
             )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",

@@ -39,13 +39,17 @@ pub struct Live {
 impl Live {
     pub fn from_settings(settings: &Settings, hash: String) -> Live {
         Live {
-            policies: Policies::new(settings.policies.iter().cloned())
-                .with_overrides(settings.overrides.clone()),
+            policies: policies(settings),
             forward_auth: settings.forward_auth.clone(),
             descriptors: settings.descriptors.clone(),
             hash,
         }
     }
+}
+
+/// The policies of `settings` with their per-key overrides, as a reload puts them in force.
+pub fn policies(settings: &Settings) -> Policies {
+    Policies::new(settings.policies.iter().cloned()).with_overrides(settings.overrides.clone())
 }
 
 /// The live config, swapped whole by a reload. A std RwLock: held only to clone the Arc.
@@ -339,5 +343,22 @@ version = 1
         assert!(added.contains("`h` is new"), "{added}");
         let removed = refusal(&config(100, EVEN, 1, "", another), &old).unwrap();
         assert!(removed.contains("`h` is gone"), "{removed}");
+    }
+
+    /// The janitor's layouts after a live re-split that also adds a local policy: the
+    /// global policy keeps its start-up layout (escrow included), the new one has its own.
+    #[test]
+    fn the_layouts_in_force_keep_global_policies_as_started() {
+        let started = split(EVEN, 1);
+        let local =
+            "[[policy]]\nname = \"l\"\nalgorithm = \"fixed_window\"\nlimit = 5\nwindow = \"1h\"";
+        let reloaded = config(100, SKEWED, 2, "", local);
+        assert_eq!(refusal(&started, &reloaded), None);
+        let at_start = crate::app::layouts(&started);
+        let in_force = crate::app::layouts_in_force(&started, &policies(&reloaded));
+        assert_eq!(in_force.by_name("g"), at_start.by_name("g"));
+        assert!(at_start.by_name("l").is_none());
+        let ttl = in_force.by_name("l").map(|l| l.repair_ttl_ms);
+        assert_eq!(ttl, Some(3_600_000 + 1000), "an hour plus grace");
     }
 }

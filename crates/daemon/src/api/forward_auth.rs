@@ -5,7 +5,8 @@
 //! - allowed (or `fail_open`, `shadow`): `200`, with the RateLimit headers;
 //! - denied (or `fail_closed`): the policy's `denied_status` (429 by default), with
 //!   `Retry-After` and the RateLimit headers;
-//! - no key in the request: `on_missing_key` (deny, allow, or a fixed key), never a 5xx.
+//! - no key in the request: `on_missing_key` (deny, allow, or a fixed key), never a 5xx;
+//!   counted in `quotad_forward_auth_missing_key_total{policy,answer}`.
 //!
 //! The key is built from the original request's headers as `[policy.forward_auth]` says
 //! (`config::forward_auth`); the decision is the same limiter's as `POST /v1/check`.
@@ -46,11 +47,22 @@ pub async fn authz(
     let key = match key_of(auth, &headers) {
         Some(k) if k.len() <= state.caps.max_key_bytes => k,
         // Too long to be a key: as good as none.
-        _ => match &auth.on_missing_key {
-            MissingKey::Key(k) => k.clone(),
-            MissingKey::Allow => return Ok(missing(StatusCode::OK, &name)),
-            MissingKey::Deny => return Ok(missing(denied_status(auth), &name)),
-        },
+        _ => {
+            // Counted whatever the answer: deny and allow decide nothing, so no other
+            // metric would show a proxy that stopped forwarding the key. The policy is
+            // a configured one (looked up above), so the label set stays bounded.
+            let answer = &auth.on_missing_key;
+            state
+                .metrics
+                .forward_auth_missing_key
+                .with_label_values(&[name.as_str(), answer.answer()])
+                .inc();
+            match answer {
+                MissingKey::Key(k) => k.clone(),
+                MissingKey::Allow => return Ok(missing(StatusCode::OK, &name)),
+                MissingKey::Deny => return Ok(missing(denied_status(auth), &name)),
+            }
+        }
     };
     let check = Check {
         policy: live.policies.for_key(&policy, &key),

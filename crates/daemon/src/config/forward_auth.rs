@@ -30,6 +30,18 @@ pub enum MissingKey {
     Key(String),
 }
 
+impl MissingKey {
+    /// The `answer` label of `quotad_forward_auth_missing_key_total`: the config's word
+    /// for it, without the fixed key (a label value from a bounded set, never a key).
+    pub fn answer(&self) -> &'static str {
+        match self {
+            MissingKey::Deny => "deny",
+            MissingKey::Allow => "allow",
+            MissingKey::Key(_) => "key",
+        }
+    }
+}
+
 /// One policy's forward-auth settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ForwardAuth {

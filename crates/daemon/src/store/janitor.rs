@@ -127,9 +127,14 @@ async fn repair<C: ConnectionLike + Send>(
 /// [`Layout::janitor_key`](crate::store::layout::Layout::janitor_key)) sweeps, and the
 /// others skip it; one that dies mid-sweep leaves the next interval to whoever claims it.
 /// Errors are logged and retried the next interval: a janitor never stops the daemon.
+///
+/// `layouts` lays out the config in force and is asked again before each sweep: a reload
+/// may add a policy or lengthen a window since the start, and a key repaired with the
+/// start-up layouts would get the orphan's minute or the old, shorter window's TTL, and
+/// expire while its policy still counts on it.
 pub async fn run(
     target: Target,
-    layouts: Arc<Layouts>,
+    layouts: impl Fn() -> Layouts + Send + 'static,
     interval: Duration,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
@@ -140,9 +145,10 @@ pub async fn run(
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
+        let in_force = layouts();
         let swept = tokio::select! {
             _ = stop.cancelled() => return,
-            r = claim_and_sweep(&target, &layouts, interval, &me) => r,
+            r = claim_and_sweep(&target, &in_force, interval, &me) => r,
         };
         match swept {
             Ok(None) => {}

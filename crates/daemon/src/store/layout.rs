@@ -293,7 +293,8 @@ pub struct ScriptShape {
     pub keep_ms: i64,
 }
 
-/// The layouts of the loaded policies, by name: built once when the app is assembled.
+/// The layouts of the loaded policies, by name: built when the app is assembled, and by
+/// the janitor before each sweep from the config in force.
 #[derive(Debug, Clone)]
 pub struct Layouts {
     layout: Layout,
