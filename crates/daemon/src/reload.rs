@@ -344,21 +344,4 @@ version = 1
         let removed = refusal(&config(100, EVEN, 1, "", another), &old).unwrap();
         assert!(removed.contains("`h` is gone"), "{removed}");
     }
-
-    /// The janitor's layouts after a live re-split that also adds a local policy: the
-    /// global policy keeps its start-up layout (escrow included), the new one has its own.
-    #[test]
-    fn the_layouts_in_force_keep_global_policies_as_started() {
-        let started = split(EVEN, 1);
-        let local =
-            "[[policy]]\nname = \"l\"\nalgorithm = \"fixed_window\"\nlimit = 5\nwindow = \"1h\"";
-        let reloaded = config(100, SKEWED, 2, "", local);
-        assert_eq!(refusal(&started, &reloaded), None);
-        let at_start = crate::app::layouts(&started);
-        let in_force = crate::app::layouts_in_force(&started, &policies(&reloaded));
-        assert_eq!(in_force.by_name("g"), at_start.by_name("g"));
-        assert!(at_start.by_name("l").is_none());
-        let ttl = in_force.by_name("l").map(|l| l.repair_ttl_ms);
-        assert_eq!(ttl, Some(3_600_000 + 1000), "an hour plus grace");
-    }
 }
