@@ -454,43 +454,16 @@ async fn until_drained(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Region `eu` (peer `us`) with global policy `g` split `escrow` at `version`, and
-    /// `more` after it.
-    fn settings(escrow: &str, version: u64, more: &str) -> Settings {
-        let text = format!(
-            r#"
-region = "eu"
-[store]
-redis = "redis://127.0.0.1:6379"
-[coordinator]
-secret = "0123456789abcdef0123456789abcdef"
-[[peer]]
-region = "us"
-url = "http://127.0.0.1:9"
-[[policy]]
-name = "g"
-algorithm = "token_bucket"
-limit = 100
-window = "1s"
-on_store_error = "closed"
-[policy.global]
-escrow = {{ {escrow} }}
-version = {version}
-{more}
-"#
-        );
-        Settings::parse("t.toml", &text).unwrap_or_else(|e| panic!("{e}"))
-    }
+    use crate::reload::tests::config;
 
     /// The janitor's layouts after a live re-split that also adds a local policy: the
     /// global policy keeps its start-up layout (escrow included), the new one has its own.
     #[test]
     fn the_layouts_in_force_keep_global_policies_as_started() {
-        let started = settings("eu = 1, us = 1", 1, "");
+        let started = config(100, "escrow = { eu = 1, us = 1 }", 1, "", "");
         let local =
             "[[policy]]\nname = \"l\"\nalgorithm = \"fixed_window\"\nlimit = 5\nwindow = \"1h\"";
-        let reloaded = settings("eu = 4, us = 1", 2, local);
+        let reloaded = config(100, "escrow = { eu = 4, us = 1 }", 2, "", local);
         assert_eq!(reload::refusal(&started, &reloaded), None);
         let at_start = layouts(&started);
         let in_force = layouts_in_force(&started, &reload::policies(&reloaded));

@@ -259,13 +259,19 @@ fn reload(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Region `eu` with peer `us` and global policy `g` (limit 100/s, burst `burst`,
     /// `escrow` lines in its `[policy.global]`, `version`), its `[[policy]]` ending with
     /// `extra` lines; `more` after it all (another policy).
-    fn config(burst: u64, escrow: &str, version: u64, extra: &str, more: &str) -> Settings {
+    pub(crate) fn config(
+        burst: u64,
+        escrow: &str,
+        version: u64,
+        extra: &str,
+        more: &str,
+    ) -> Settings {
         let text = format!(
             r#"
 region = "eu"
