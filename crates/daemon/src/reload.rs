@@ -78,7 +78,12 @@ pub fn hash(bytes: &[u8]) -> String {
 pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
     let same =
         |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") == format!("{b:?}");
-    let fixed: [(&str, bool); 4] = [
+    let timing = |s: &Settings| {
+        s.global
+            .as_ref()
+            .map(|g| (g.params.lease_us, g.params.round_us))
+    };
+    let fixed: [(&str, bool); 5] = [
         ("region", old.region == new.region),
         ("[server]", same(&old.server, &new.server)),
         (
@@ -86,6 +91,11 @@ pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
             same(&old.store, &new.store)
                 && old.key_prefix == new.key_prefix
                 && old.memory_max_keys == new.memory_max_keys,
+        ),
+        // Set in [policy.global] but one for the whole coordinator: named as written.
+        (
+            "a global policy's lease and round",
+            timing(old) == timing(new),
         ),
         ("[coordinator] and [[peer]]", same(&old.global, &new.global)),
     ];
@@ -331,6 +341,12 @@ version = {version}
         let old = split(EVEN, 1);
         let burst = refusal(&old, &config(50, EVEN, 2, "", "")).unwrap();
         assert!(burst.contains("only through a restart"), "{burst}");
+        let lease = format!("{EVEN}\nlease = \"20s\"");
+        let timing = refusal(&old, &config(100, &lease, 2, "", "")).unwrap();
+        assert!(
+            timing.starts_with("a global policy's lease and round"),
+            "{timing}"
+        );
         let maxmin = format!("{EVEN}\nallocation = \"maxmin\"");
         let mode = refusal(&old, &config(100, &maxmin, 2, "", "")).unwrap();
         assert!(mode.contains("only through a restart"), "{mode}");
