@@ -133,30 +133,4 @@ for r in $(seq "$ROUNDS"); do
 done
 echo "results: $TSV"
 # Medians over rounds, and each way in over the ceiling measured around it in its round.
-python3 - "$TSV" <<'PY' | tee "$OUT/summary.md"
-import csv, statistics, sys
-from collections import defaultdict
-rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
-by = defaultdict(list)
-for r in rows:
-    by[r["run"]].append(r)
-def med(k, rs):
-    v = [float(r[k]) for r in rs if r[k] not in ("-", "")]
-    return f"{statistics.median(v):.3g}" if v else "-"
-print("| run | decisions/s median [min-max] | p50 ms | p99 ms | quotad CPU us/op | Redis CPU us/op | errors + fail_open |")
-print("|---|---|---|---|---|---|---|")
-for run, rs in by.items():
-    rps = [float(r["rps"]) for r in rs]
-    errs = sum(int(r["errors"]) for r in rs)
-    print(f"| {run} ({len(rs)} runs) | {statistics.median(rps):,.0f} [{min(rps):,.0f}-{max(rps):,.0f}] | {med('p50_ms', rs)} | {med('p99_ms', rs)} | {med('quotad_us_per_op', rs)} | {med('redis_us_per_op', rs)} | {errs} |")
-print()
-for run in [r for r in by if r != "evalsha-c50"]:
-    ratios = []
-    for rd in sorted({r["round"] for r in rows}):
-        q = [float(r["rps"]) for r in rows if r["round"] == rd and r["run"] == run]
-        c = [float(r["rps"]) for r in rows if r["round"] == rd and r["run"] == "evalsha-c50"]
-        if q and c:
-            ratios.append(q[0] / statistics.mean(c))
-    if ratios:
-        print(f"{run} / evalsha-c50 (same round): median {statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]")
-PY
+python3 "$HERE/summarize.py" "$TSV" | tee "$OUT/summary.md"

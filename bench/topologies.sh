@@ -279,39 +279,11 @@ for r in $(seq "$ROUNDS"); do
 done
 
 echo "results: $TSV"
-python3 - "$TSV" <<'PY' | tee "$OUT/summary.md"
-import csv, statistics, sys
-from collections import defaultdict
-
+python3 "$HERE/summarize.py" "$TSV" | tee "$OUT/summary.md"
+# What only this bench measures: how the cluster spread the calls, and store errors.
+python3 - "$TSV" <<'PY' | tee -a "$OUT/summary.md"
+import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
-by = defaultdict(list)
-for r in rows:
-    by[r["run"]].append(r)
-med = statistics.median
-
-def col(rs, k, fmt="{:.2f}"):
-    v = [float(r[k]) for r in rs if r[k] not in ("-", "", "nan")]
-    return f"{fmt.format(med(v))} [{fmt.format(min(v))}-{fmt.format(max(v))}]" if v else "-"
-
-print("| run | decisions/s median [min-max] | p50 ms | p99 ms | quotad CPU µs/decision | Redis CPU µs/decision | errors | fail_open |")
-print("|---|---|---|---|---|---|---|---|")
-for run, rs in by.items():
-    errs = sum(int(r["errors"]) for r in rs)
-    fo = "-" if run.startswith("evalsha") else str(sum(int(r["fail_open"]) for r in rs))
-    print(f"| {run} ({len(rs)} runs) | {col(rs, 'rps', '{:,.0f}')} | {col(rs, 'p50_ms')} | {col(rs, 'p99_ms')} "
-          f"| {col(rs, 'quotad_us_per_op', '{:.1f}')} | {col(rs, 'redis_us_per_op', '{:.1f}')} | {errs} | {fo} |")
-
-print()
-ratios = defaultdict(list)
-for rd in sorted({r["round"] for r in rows}, key=int):
-    rr = [r for r in rows if r["round"] == rd]
-    cs = [float(r["rps"]) for r in rr if r["run"] == "evalsha-c50"]
-    for r in rr:
-        if r["run"].startswith("quotad-") and cs:
-            ratios[r["run"]].append(float(r["rps"]) / statistics.mean(cs))
-for run, v in ratios.items():
-    print(f"{run} / evalsha-c50 (same round): median {med(v):.3f} [{min(v):.3f}-{max(v):.3f}]")
-
 cl = [r["master_share_pct"] for r in rows if r["run"] == "quotad-cluster"]
 if cl:
     print(f"cluster, share of EVALSHA calls per master (%, per round): {', '.join(cl)}")

@@ -134,8 +134,8 @@ fn global_refusal(old: &Settings, new: &Settings) -> Option<String> {
         };
         let (og, ng) = (o.global.as_ref()?, n.global.as_ref()?);
         let shape = |p: &crate::policy::Policy| {
-            let g = p.global.as_ref().map(|g| g.mode);
-            format!("{:?}", (p.algorithm, p.limit, p.window, p.burst, g))
+            let mode = p.global.as_ref().map(|g| g.mode);
+            (p.algorithm, p.limit, p.window, p.burst, mode)
         };
         if shape(o) != shape(n) {
             return Some(format!(

@@ -290,17 +290,14 @@ impl<B: Backend> Runtime<B> {
     /// (`Node::set_policy` ignores the others, so this is cheap and idempotent: called on
     /// a reload and at every round, so a reload that met a failing store still lands).
     fn install_new_versions(&self, l: &mut Leading<B>) {
-        let running: std::collections::HashMap<String, u64> = l
-            .node
-            .policy_status()
-            .into_iter()
-            .map(|p| (p.policy, p.version))
-            .collect();
         for p in self.shared.policies() {
-            let Some(g) = p.global_policy() else { continue };
-            if running.get(&g.name).is_some_and(|v| *v >= g.version) {
+            let Some(loaded) = p.global.as_ref().map(|g| g.version) else {
+                continue;
+            };
+            if l.node.version(&p.name).is_some_and(|v| v >= loaded) {
                 continue;
             }
+            let Some(g) = p.global_policy() else { continue };
             tracing::info!(policy = %g.name, version = g.version, "installing a new version of a global policy");
             l.node.set_policy(g, &mut l.store);
             l.unpublished = true;

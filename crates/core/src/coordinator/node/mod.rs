@@ -298,6 +298,11 @@ impl<C: Clock> Node<C> {
         out
     }
 
+    /// The version of `policy` installed here, if it is one of the node's.
+    pub fn version(&self, policy: &str) -> Option<u64> {
+        self.policies.get(policy).map(|ps| ps.policy.version)
+    }
+
     pub fn policy_status(&self) -> Vec<PolicyStatus> {
         let me = self.me.index();
         self.policies
