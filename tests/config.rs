@@ -138,6 +138,9 @@ const BAD: &[(&str, &[&str])] = &[
         &[
             "8: policy[0].override[0].key: name exactly one of key, prefix or glob",
             "13: policy[0].override[1].burst: burst applies only to token_bucket and gcra",
+            "15: policy[0].override[2].key: must not be empty",
+            "24: policy[0].override[5].key: duplicate override: override[4] names the same key; this one would never apply",
+            "27: policy[0].override[6].prefix: duplicate override: override[3] names the same prefix",
         ],
     ),
     (

@@ -17,6 +17,97 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::UInt64Value;
 use tonic::transport::Channel;
 
+mod raw {
+    //! A client that sends bytes Envoy's types cannot hold (values that are not UTF-8, a
+    //! message that is not protobuf), through tonic's generic client.
+    use prost::Message;
+    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+    use tonic::transport::Channel;
+
+    use super::RateLimitResponse;
+
+    /// `RateLimitRequest` with `bytes` where Envoy's has `string` (the same wire format).
+    #[derive(Clone, PartialEq, Message)]
+    pub struct Request {
+        #[prost(bytes = "vec", tag = "1")]
+        pub domain: Vec<u8>,
+        #[prost(message, repeated, tag = "2")]
+        pub descriptors: Vec<Descriptor>,
+    }
+
+    #[derive(Clone, PartialEq, Message)]
+    pub struct Descriptor {
+        #[prost(message, repeated, tag = "1")]
+        pub entries: Vec<Entry>,
+    }
+
+    #[derive(Clone, PartialEq, Message)]
+    pub struct Entry {
+        #[prost(bytes = "vec", tag = "1")]
+        pub key: Vec<u8>,
+        #[prost(bytes = "vec", tag = "2")]
+        pub value: Vec<u8>,
+    }
+
+    /// Sends `body` as the message bytes.
+    #[derive(Default)]
+    struct Bytes;
+    struct Enc;
+    struct Dec;
+
+    impl Codec for Bytes {
+        type Encode = Vec<u8>;
+        type Decode = RateLimitResponse;
+        type Encoder = Enc;
+        type Decoder = Dec;
+        fn encoder(&mut self) -> Enc {
+            Enc
+        }
+        fn decoder(&mut self) -> Dec {
+            Dec
+        }
+    }
+
+    impl Encoder for Enc {
+        type Item = Vec<u8>;
+        type Error = tonic::Status;
+        fn encode(&mut self, item: Vec<u8>, buf: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+            prost::bytes::BufMut::put_slice(buf, &item);
+            Ok(())
+        }
+    }
+
+    impl Decoder for Dec {
+        type Item = RateLimitResponse;
+        type Error = tonic::Status;
+        fn decode(
+            &mut self,
+            buf: &mut DecodeBuf<'_>,
+        ) -> Result<Option<RateLimitResponse>, tonic::Status> {
+            RateLimitResponse::decode(buf)
+                .map(Some)
+                .map_err(|e| tonic::Status::internal(e.to_string()))
+        }
+    }
+
+    /// `ShouldRateLimit` with `body` as the request message.
+    pub async fn call(port: u16, body: Vec<u8>) -> Result<RateLimitResponse, tonic::Status> {
+        let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
+            .expect("uri")
+            .connect()
+            .await
+            .expect("connect");
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.expect("ready");
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+            "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+        );
+        grpc.unary(tonic::Request::new(body), path, Bytes)
+            .await
+            .map(|r| r.into_inner())
+    }
+}
+
 const DOMAIN: &str = "edge";
 
 /// A daemon serving `config` with its gRPC listener; the port it listens on.
@@ -263,16 +354,10 @@ fn hits_addend_is_the_cost_and_zero_peeks() {
             (Code::Ok, 0),
             "the denial charged nothing"
         );
-        // A cost no window could hold is a malformed request.
-        let e = c
-            .should_rate_limit(RateLimitRequest {
-                domain: DOMAIN.into(),
-                descriptors: vec![with_hits(bulk(), 11)],
-                hits_addend: 0,
-            })
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        // A cost no window could hold can never pass: that descriptor is over its limit
+        // (not the whole call an error, which Envoy may turn into a pass).
+        let r = ask(&mut c, DOMAIN, vec![with_hits(bulk(), 11)]).await;
+        assert_eq!(code(&r), Code::OverLimit, "{r:?}");
     });
 }
 
@@ -677,4 +762,99 @@ fn descriptors_reload_with_the_config() {
         (code(&r) == Code::Ok && r.statuses[0].current_limit.is_none()).then_some(())
     });
     assert_eq!(q.metric("quotad_config_reloads_total{result=\"ok\"}"), 2.0);
+}
+
+/// What a client chooses (one header value) fails only its own descriptor: a value of
+/// 600 bytes, an empty one, or one that is not UTF-8 is OVER_LIMIT for its policy, the
+/// request's other descriptors are decided without being charged, and the call itself
+/// succeeds (an error would let Envoy with `failure_mode_deny: false` pass the request
+/// past every limit). A message that is not protobuf is INVALID_ARGUMENT, not INTERNAL.
+#[test]
+fn a_bad_descriptor_value_fails_only_its_own_descriptor() {
+    use prost::Message;
+    let redis = RedisServer::start();
+    let (q, port) = serve(&config(&redis));
+    runtime().block_on(async {
+        let mut c = client(port).await;
+        let ip = || desc(&[("remote_address", "192.0.2.1")]);
+        let long = "x".repeat(600);
+        for bad in [long.as_str(), ""] {
+            let r = ask(&mut c, DOMAIN, vec![ip(), desc(&[("bulk", bad)])]).await;
+            assert_eq!(code(&r), Code::OverLimit, "{r:?}");
+            assert_eq!(r.statuses[1].code, Code::OverLimit as i32, "{r:?}");
+            assert_eq!(r.statuses[0].code, Code::Ok as i32, "{r:?}");
+        }
+        // Not UTF-8: sent as raw bytes.
+        let entry = |k: &str, v: &[u8]| raw::Entry {
+            key: k.into(),
+            value: v.to_vec(),
+        };
+        let req = raw::Request {
+            domain: DOMAIN.into(),
+            descriptors: vec![
+                raw::Descriptor {
+                    entries: vec![entry("remote_address", b"192.0.2.1")],
+                },
+                raw::Descriptor {
+                    entries: vec![entry("bulk", b"job-\xff")],
+                },
+            ],
+        };
+        let r = raw::call(port, req.encode_to_vec())
+            .await
+            .expect("a bad value is an answer, not an error");
+        assert_eq!(code(&r), Code::OverLimit, "{r:?}");
+        assert_eq!(r.statuses[1].code, Code::OverLimit as i32, "{r:?}");
+        // Nothing of the three requests was charged: per_ip still has its 3.
+        for i in 0..3 {
+            let r = ask(&mut c, DOMAIN, vec![ip()]).await;
+            assert_eq!(code(&r), Code::Ok, "admission {i}: {r:?}");
+        }
+        assert_eq!(
+            code(&ask(&mut c, DOMAIN, vec![ip()]).await),
+            Code::OverLimit
+        );
+        let e = raw::call(port, vec![0xff, 0xff, 0xff])
+            .await
+            .expect_err("not protobuf");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    });
+    assert!(
+        q.metric("quotad_grpc_invalid_descriptors_total{policy=\"big\"}") >= 3.0,
+        "each bad descriptor counted"
+    );
+}
+
+/// An entry value holding the separator cannot pose as two entries: `user = "free|ann"`
+/// alone and `plan = "free", user = "ann"` are two keys of one policy.
+#[test]
+fn a_value_with_the_separator_is_not_two_entries() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(Policy::new("per_user", "token_bucket", 2, "1h"))
+        .descriptor(DOMAIN, Descriptor::new("user").policy("per_user"))
+        .descriptor(
+            DOMAIN,
+            Descriptor::new("plan")
+                .value("free")
+                .child(Descriptor::new("user").policy("per_user")),
+        )
+        .to_toml();
+    let (_q, port) = serve(&config);
+    runtime().block_on(async {
+        let mut c = client(port).await;
+        for _ in 0..2 {
+            let r = ask(&mut c, DOMAIN, vec![desc(&[("user", "free|ann")])]).await;
+            assert_eq!(code(&r), Code::Ok);
+        }
+        let r = ask(&mut c, DOMAIN, vec![desc(&[("user", "free|ann")])]).await;
+        assert_eq!(code(&r), Code::OverLimit);
+        let r = ask(
+            &mut c,
+            DOMAIN,
+            vec![desc(&[("plan", "free"), ("user", "ann")])],
+        )
+        .await;
+        assert_eq!(code(&r), Code::Ok, "another key: {r:?}");
+    });
 }

@@ -7,6 +7,11 @@ use quotad_testkit as common;
 use common::{Config, Policy, Quotad, RedisServer, request};
 use serde_json::json;
 
+fn hex_sha256(s: &str) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(s.as_bytes()))
+}
+
 fn allowed_in_a_row(q: &Quotad, key: &str) -> usize {
     (0..20)
         .take_while(|_| q.check1("api", key)["allowed"] == true)
@@ -83,11 +88,42 @@ fn overridden_keys_get_their_own_limits() {
     let policies = q.json("/v1/policies");
     let listed = &policies["policies"][0]["overrides"];
     assert_eq!(listed.as_array().unwrap().len(), 4, "{listed}");
+    // An exact key may be an API key: listed by its SHA-256 only, never as written.
+    let premium_sha = hex_sha256("premium-1");
     assert_eq!(
         listed[0],
-        json!({"key": "premium-1", "limit": 10, "window_ms": 3_600_000, "burst": 10})
+        json!({"key_sha256": premium_sha, "limit": 10, "window_ms": 3_600_000, "burst": 10})
+    );
+    let (_, text) = q.get("/v1/policies");
+    assert!(
+        !text.contains("premium-1") && !text.contains("gold-vip"),
+        "exact override keys leak through /v1/policies: {text}"
     );
     assert_eq!(listed[1]["prefix"], "gold-");
     assert_eq!(listed[2]["glob"], "*-trial");
     redis.assert_every_key_has_ttl();
+}
+
+/// An override without `burst` keeps the policy's burst (docs/api.md): a premium key with
+/// a higher rate must not get a smaller bucket than an ordinary key.
+#[test]
+fn an_override_without_burst_keeps_the_policys_burst() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(
+            Policy::new("api", "token_bucket", 5, "1h")
+                .burst(10)
+                .with_override("key", "premium", 8),
+        )
+        .to_toml();
+    let q = Quotad::serve(&config);
+    assert_eq!(allowed_in_a_row(&q, "ordinary"), 10);
+    assert_eq!(
+        allowed_in_a_row(&q, "premium"),
+        10,
+        "the premium key's bucket holds the policy's burst, not its own limit"
+    );
+    let listed = &q.json("/v1/policies")["policies"][0]["overrides"][0];
+    assert_eq!(listed["burst"], 10, "{listed}");
+    assert_eq!(listed["limit"], 8, "{listed}");
 }

@@ -75,6 +75,11 @@ pub struct Metrics {
     /// got: `deny` and `allow` decide nothing, so no other metric counts them; `key` is
     /// counted here too, so this is every keyless request of the policy.
     pub forward_auth_missing_key: IntCounterVec,
+    /// `quotad_grpc_invalid_descriptors_total{policy}`: gRPC request descriptors that
+    /// matched a policy but carried no usable key (a value empty, not UTF-8, or over
+    /// `server.max_key_bytes`) or a cost above the policy's capacity: each answered
+    /// `OVER_LIMIT`, the request's other descriptors peeked, nothing charged.
+    pub grpc_invalid_descriptors: IntCounterVec,
     /// `quotad_config_reloads_total{result}`: reloads of the config file (SIGHUP or a
     /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
     /// that cannot apply without a restart). The running config stays on all but `ok`.
@@ -301,6 +306,10 @@ impl Metrics {
             forward_auth_missing_key: c.labels(&["policy", "answer"]).counter(Opts::new(
                 "quotad_forward_auth_missing_key_total",
                 "Forward-auth requests without their key, by policy and on_missing_key answer.",
+            )),
+            grpc_invalid_descriptors: c.labels(&["policy"]).counter(Opts::new(
+                "quotad_grpc_invalid_descriptors_total",
+                "gRPC descriptors of a policy without a usable key or with a cost over its capacity: answered OVER_LIMIT.",
             )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",

@@ -14,6 +14,7 @@
 use std::net::IpAddr;
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -24,14 +25,19 @@ use crate::api::{AppState, with_headers};
 use crate::config::{ForwardAuth, KeySource, MissingKey};
 use crate::limiter::Check;
 
-/// Joins the parts of a key made of several sources.
-const KEY_JOIN: &str = "|";
-
 pub async fn authz(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    path: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
+    // A name that is not UTF-8 once percent-decoded (`/v1/authz/%FF`) names no policy:
+    // the API's JSON error, not the extractor's plain text.
+    let Path(name) = path.map_err(|_| {
+        ApiError::invalid(
+            "policy",
+            "the policy name in the path is not valid UTF-8 after percent-decoding",
+        )
+    })?;
     let unknown = || ApiError::UnknownPolicy {
         field: "policy".into(),
         name: name.chars().take(80).collect(),
@@ -94,7 +100,8 @@ fn missing(status: StatusCode, policy: &str) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// The key the policy's sources give, parts joined with `|`; `None` if any is missing.
+/// The key the policy's sources give, parts joined by [`crate::api::key::join`] (so no
+/// value can pose as two parts); `None` if any is missing.
 pub fn key_of(auth: &ForwardAuth, headers: &HeaderMap) -> Option<String> {
     let parts: Option<Vec<String>> = auth
         .key
@@ -107,7 +114,7 @@ pub fn key_of(auth: &ForwardAuth, headers: &HeaderMap) -> Option<String> {
             KeySource::ClientIp => client_ip(headers, auth.trusted_hops).map(|ip| ip.to_string()),
         })
         .collect();
-    parts.map(|p| p.join(KEY_JOIN))
+    parts.map(|p| crate::api::key::join(p.iter().map(String::as_str)))
 }
 
 fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
@@ -116,23 +123,34 @@ fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
 
 /// The client's address as the outermost trusted proxy saw it: with `hops` trusted
 /// proxies appending to `X-Forwarded-For`, the `hops`-th entry from the right (entries
-/// further left came from the client and prove nothing); without one, `X-Real-IP` (set by
-/// the proxy). Several `X-Forwarded-For` headers read as one list, in order.
+/// further left came from the client and prove nothing). When `X-Forwarded-For` is there,
+/// it alone decides: if that entry is missing or not an address, there is no client
+/// address (the request has no key); `X-Real-IP`, which a client can send too, is read
+/// only when no proxy wrote `X-Forwarded-For` at all. Several `X-Forwarded-For` headers
+/// read as one list, in order. An IPv4 address written as IPv6 (`::ffff:1.2.3.4`) is
+/// the IPv4 address: one client, one key.
 pub fn client_ip(headers: &HeaderMap, hops: usize) -> Option<IpAddr> {
-    let entries: Vec<&str> = headers
+    let xff: Vec<&str> = headers
         .get_all("x-forwarded-for")
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
+        .map(|v| v.to_str().unwrap_or(""))
         .collect();
-    let from_xff = entries
-        .len()
-        .checked_sub(hops)
-        .and_then(|i| entries.get(i))
-        .and_then(|e| parse_ip(e));
-    from_xff.or_else(|| header(headers, "x-real-ip").and_then(|v| parse_ip(v.trim())))
+    let ip = if xff.is_empty() {
+        header(headers, "x-real-ip").and_then(|v| parse_ip(v.trim()))
+    } else {
+        let entries: Vec<&str> = xff
+            .iter()
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .collect();
+        entries
+            .len()
+            .checked_sub(hops)
+            .and_then(|i| entries.get(i))
+            .and_then(|e| parse_ip(e))
+    };
+    ip.map(|ip| ip.to_canonical())
 }
 
 /// An address as proxies write it: bare, or `[v6]` / `v4:port` forms some add.
@@ -189,6 +207,24 @@ mod tests {
     }
 
     #[test]
+    fn a_client_cannot_choose_its_address_past_a_broken_trusted_entry() {
+        // The trusted entry is not an address: no key, not the client's X-Real-IP.
+        let h = headers(&[
+            ("x-forwarded-for", "unknown"),
+            ("x-real-ip", "198.51.100.99"),
+        ]);
+        assert_eq!(client_ip(&h, 1), None);
+        // Too few entries for the trusted hops: no key either.
+        let h = headers(&[("x-forwarded-for", "203.0.113.7"), ("x-real-ip", "1.1.1.1")]);
+        assert_eq!(client_ip(&h, 2), None);
+        // One client, one key, however its address is written.
+        let mapped = headers(&[("x-forwarded-for", "::ffff:203.0.113.7")]);
+        let plain = headers(&[("x-forwarded-for", "203.0.113.7")]);
+        assert_eq!(client_ip(&mapped, 1), client_ip(&plain, 1));
+        assert_eq!(client_ip(&mapped, 1), "203.0.113.7".parse().ok());
+    }
+
+    #[test]
     fn a_key_needs_every_part() {
         let auth = ForwardAuth {
             key: vec![KeySource::Header("x-api-key".into()), KeySource::ClientIp],
@@ -198,6 +234,15 @@ mod tests {
         };
         let h = headers(&[("x-api-key", " abc "), ("x-forwarded-for", "203.0.113.7")]);
         assert_eq!(key_of(&auth, &h).as_deref(), Some("abc|203.0.113.7"));
+        // A value holding the separator cannot pose as two parts.
+        let h = headers(&[
+            ("x-api-key", "abc|203.0.113.7"),
+            ("x-forwarded-for", "10.0.0.1"),
+        ]);
+        assert_eq!(
+            key_of(&auth, &h).as_deref(),
+            Some("abc\\|203.0.113.7|10.0.0.1")
+        );
         assert_eq!(key_of(&auth, &headers(&[("x-api-key", "abc")])), None);
         assert_eq!(
             key_of(&auth, &headers(&[("x-api-key", " "), ("x-real-ip", "::1")])),

@@ -7,6 +7,7 @@ pub mod error;
 pub mod forward_auth;
 pub mod grpc;
 pub mod headers;
+pub mod key;
 pub mod request;
 
 use std::sync::Arc;
@@ -166,10 +167,13 @@ async fn policies(State(state): State<AppState>) -> Response {
                 // The limit this region enforces (global shares arrive with multi-region).
                 "effective_limit": p.limit.get(),
                 "overrides": live.policies.overrides(&p.name).iter().map(|o| {
+                    // An exact key may be a customer's API key: any caller of this
+                    // endpoint gets its SHA-256 (hex), enough to tell which override is
+                    // which, never the key. Prefixes and globs are patterns, shown as set.
                     let (kind, pattern) = match &o.keys {
-                        KeyMatch::Exact(k) => ("key", k),
-                        KeyMatch::Prefix(k) => ("prefix", k),
-                        KeyMatch::Glob(k) => ("glob", k),
+                        KeyMatch::Exact(k) => ("key_sha256", crate::reload::hash(k.as_bytes())),
+                        KeyMatch::Prefix(k) => ("prefix", k.clone()),
+                        KeyMatch::Glob(k) => ("glob", k.clone()),
                     };
                     json!({
                         kind: pattern,

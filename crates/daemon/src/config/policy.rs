@@ -64,8 +64,24 @@ impl Validator<'_> {
             );
         }
         let mut out = Vec::new();
+        let mut seen = std::collections::BTreeMap::new();
         for (j, o) in p.overrides.iter().enumerate().take(MAX_OVERRIDES) {
             let errors_before = self.errors.len();
+            let named = [("key", &o.key), ("prefix", &o.prefix), ("glob", &o.glob)];
+            if let Some((kind, v)) = named.iter().find_map(|(k, v)| Some((*k, v.as_ref()?))) {
+                // An empty key matches no request (a prefix or glob "" every one): a typo
+                // either way. Two for the same keys: the second would never apply.
+                if v.get_ref().is_empty() {
+                    self.error(v, &field(j, kind), "must not be empty");
+                } else if let Some(first) = seen.insert((kind, v.get_ref().as_str()), j) {
+                    // The value is not repeated: an exact key may be an API key.
+                    let why = format!(
+                        "duplicate override: override[{first}] names the same {kind}; this one would never apply"
+                    );
+                    self.error(v, &field(j, kind), why);
+                    seen.insert((kind, v.get_ref().as_str()), first);
+                }
+            }
             let keys = match (&o.key, &o.prefix, &o.glob) {
                 (Some(k), None, None) => KeyMatch::Exact(k.get_ref().clone()),
                 (None, Some(k), None) => KeyMatch::Prefix(k.get_ref().clone()),
@@ -107,7 +123,11 @@ impl Validator<'_> {
                             as u64,
                     )
                 }
-                (None, _) => None,
+                // The policy's burst when it sets one (docs/api.md): a premium key must
+                // not burst less than an ordinary one. Without one, burst is the limit at
+                // both levels, so the override's own.
+                (None, true) => p.burst.as_ref().map(|_| base.burst.get()),
+                (None, false) => None,
             };
             if self.errors.len() > errors_before {
                 continue;

@@ -1,10 +1,10 @@
 //! Envoy's rate-limit service (`envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`)
 //! on its own listener, `[server] grpc_listen` (docs/envoy.md). Like the HTTP handlers it
 //! only translates: each request descriptor is matched against `[[descriptor]]`
-//! (`config::descriptor`), its entries' values joined with `|` are the quotad key, and the
-//! matched descriptors go to the same [`Limiter::check_batch`] as `POST /v1/check` with
-//! `checks`: shadow and fail modes, metrics, and a denied request refunding the others
-//! come from there.
+//! (`config::descriptor`), its entries' values joined by [`key::join`] are the quotad
+//! key, and the matched descriptors go to the same [`Limiter::check_batch`] as
+//! `POST /v1/check` with `checks`: shadow and fail modes, metrics, and a denied request
+//! refunding the others come from there.
 //!
 //! - Unknown domain, or a descriptor that matches nothing: `OK`, not limited (a status
 //!   with code `OK` and no `current_limit`).
@@ -12,9 +12,14 @@
 //!   `hits_addend`, where proto3's 0 means "not set" and so 1 (as Envoy and
 //!   envoyproxy/ratelimit read it).
 //! - `overall_code` is `OVER_LIMIT` if any descriptor is: the most restrictive wins.
-//! - A malformed request (no domain, no descriptors, more than `server.max_batch`, a key
-//!   too long or empty, a cost above the policy's capacity) is `INVALID_ARGUMENT`; quotad
-//!   at capacity is `UNAVAILABLE` (Envoy applies its `failure_mode_deny`).
+//! - What a client chooses fails only its own descriptor: a descriptor of a policy whose
+//!   value is empty, not UTF-8 or over `server.max_key_bytes`, or whose cost is above the
+//!   policy's capacity, is `OVER_LIMIT` (counted in
+//!   `quotad_grpc_invalid_descriptors_total`), and the others are peeked, not charged.
+//! - What Envoy's configuration decides fails the call with `INVALID_ARGUMENT`: no domain,
+//!   no descriptors, more than `server.max_batch`; so does a message that is not a
+//!   `RateLimitRequest` ([`wire`]). quotad at capacity is `UNAVAILABLE` (Envoy applies its
+//!   `failure_mode_deny`).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -23,22 +28,23 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
-    RateLimitService, RateLimitServiceServer,
-};
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::Status;
 use tonic::transport::server::{Connected, TcpConnectInfo};
-use tonic::{Request, Response, Status};
 
+mod wire;
+
+use std::borrow::Cow;
+
+use crate::api::key;
 use crate::api::ratelimit_headers;
 use crate::api::request::Caps;
 use crate::limiter::{Check, Decision, Limiter};
@@ -46,9 +52,7 @@ use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::reload::{Live, LiveConfig};
 use crate::server::Drain;
-
-/// Joins a descriptor's entry values into the quotad key (as forward-auth joins its parts).
-const KEY_JOIN: &str = "|";
+use wire::{WireDescriptor, WireRequest};
 
 /// Streams one HTTP/2 connection may carry at once. Envoy multiplexes every request of a
 /// worker over few connections, so this is well above what one needs, and bounds what one
@@ -97,16 +101,40 @@ pub struct Bounds {
     pub timeout: Duration,
 }
 
-#[tonic::async_trait]
-impl RateLimitService for RateLimiter {
-    async fn should_rate_limit(
+/// What one request descriptor asks.
+enum Slot {
+    /// Matches no policy: not limited.
+    NotLimited,
+    Check(Check),
+    /// Matches `policy` but has no usable key (a value empty, not UTF-8, or over
+    /// `server.max_key_bytes`) or asks more than the policy's capacity: `OVER_LIMIT`, as a
+    /// forward-auth request without its key is denied. The value is the client's to
+    /// choose, so it may cost the client its own request, never lift a limit: the other
+    /// descriptors are only peeked and nothing is charged.
+    Invalid(Arc<Policy>),
+}
+
+impl RateLimiter {
+    /// One call: each descriptor to a [`Slot`], the checks to the limiter as one batch
+    /// (peeks only when a descriptor is invalid), the answers to Envoy's response.
+    pub(crate) async fn should_rate_limit(
         &self,
-        request: Request<RateLimitRequest>,
-    ) -> Result<Response<RateLimitResponse>, Status> {
+        req: WireRequest,
+    ) -> Result<RateLimitResponse, Status> {
         let started = Instant::now();
-        let req = request.into_inner();
-        let checks = self.checks(&req)?;
-        let matched: Vec<Check> = checks.iter().flatten().cloned().collect();
+        let slots = self.slots(&req)?;
+        let invalid = slots.iter().any(|s| matches!(s, Slot::Invalid(_)));
+        let matched: Vec<Check> = slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Check(c) if invalid => Some(Check {
+                    cost: 0,
+                    ..c.clone()
+                }),
+                Slot::Check(c) => Some(c.clone()),
+                _ => None,
+            })
+            .collect();
         let decisions = if matched.is_empty() {
             Vec::new()
         } else {
@@ -115,18 +143,28 @@ impl RateLimitService for RateLimiter {
                 .await
                 .map_err(|shed| Status::unavailable(shed.to_string()))?
         };
-        let response = respond(&checks, &decisions);
+        for s in &slots {
+            if let Slot::Invalid(p) = s {
+                self.metrics
+                    .grpc_invalid_descriptors
+                    .with_label_values(&[p.name.as_str()])
+                    .inc();
+            }
+        }
+        let response = respond(&slots, &decisions);
         self.metrics
             .check_duration
             .observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(response))
+        Ok(response)
     }
-}
 
-impl RateLimiter {
-    /// One entry per request descriptor: its check, or `None` when nothing limits it.
-    fn checks(&self, req: &RateLimitRequest) -> Result<Vec<Option<Check>>, Status> {
-        if req.domain.is_empty() {
+    /// One slot per request descriptor. Only what Envoy's configuration decides (the
+    /// domain, how many descriptors) can fail the whole call.
+    fn slots(&self, req: &WireRequest) -> Result<Vec<Slot>, Status> {
+        let Ok(domain) = std::str::from_utf8(&req.domain) else {
+            return Err(Status::invalid_argument("domain: not UTF-8"));
+        };
+        if domain.is_empty() {
             return Err(Status::invalid_argument("domain: must not be empty"));
         }
         if req.descriptors.is_empty() {
@@ -142,40 +180,44 @@ impl RateLimiter {
             )));
         }
         let live = self.live.get();
-        req.descriptors
+        Ok(req
+            .descriptors
             .iter()
-            .enumerate()
-            .map(|(i, d)| self.check(&live, i, &req.domain, d, req.hits_addend))
-            .collect()
+            .map(|d| self.slot(&live, domain, d, req.hits_addend))
+            .collect())
     }
 
-    fn check(
-        &self,
-        live: &Live,
-        i: usize,
-        domain: &str,
-        d: &RateLimitDescriptor,
-        request_hits: u32,
-    ) -> Result<Option<Check>, Status> {
-        let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
-        let Some(name) = live.descriptors.policy_of(domain, entries) else {
-            return Ok(None);
-        };
-        let Some(base) = live.policies.get(name) else {
-            return Ok(None); // validated at load: cannot happen
-        };
-        let key = d
+    fn slot(&self, live: &Live, domain: &str, d: &WireDescriptor, request_hits: u32) -> Slot {
+        // Matching reads bytes that are not UTF-8 as U+FFFD: the descriptor still finds
+        // its policy (and fails as invalid there) instead of escaping every limit.
+        let lossy: Vec<(Cow<'_, str>, Cow<'_, str>)> = d
             .entries
             .iter()
-            .map(|e| e.value.as_str())
-            .collect::<Vec<_>>()
-            .join(KEY_JOIN);
-        if key.is_empty() || key.len() > self.caps.max_key_bytes {
-            return Err(Status::invalid_argument(format!(
-                "descriptors[{i}]: its key (entry values joined with \"{KEY_JOIN}\") is {} bytes; 1 to {} allowed",
-                key.len(),
-                self.caps.max_key_bytes
-            )));
+            .map(|e| {
+                (
+                    String::from_utf8_lossy(&e.key),
+                    String::from_utf8_lossy(&e.value),
+                )
+            })
+            .collect();
+        let entries = lossy.iter().map(|(k, v)| (k.as_ref(), v.as_ref()));
+        let Some(name) = live.descriptors.policy_of(domain, entries) else {
+            return Slot::NotLimited;
+        };
+        let Some(base) = live.policies.get(name) else {
+            return Slot::NotLimited; // validated at load: cannot happen
+        };
+        let values: Option<Vec<&str>> = d
+            .entries
+            .iter()
+            .map(|e| std::str::from_utf8(&e.value).ok().filter(|v| !v.is_empty()))
+            .collect();
+        let Some(values) = values else {
+            return Slot::Invalid(base.clone());
+        };
+        let key = key::join(values);
+        if key.len() > self.caps.max_key_bytes {
+            return Slot::Invalid(base.clone());
         }
         let policy = live.policies.for_key(base, &key);
         let cost = match &d.hits_addend {
@@ -184,36 +226,40 @@ impl RateLimiter {
             None => u64::from(request_hits),
         };
         if cost > policy.capacity() {
-            return Err(Status::invalid_argument(format!(
-                "descriptors[{i}].hits_addend: {cost} exceeds the capacity {} of policy \"{}\"; it could never pass",
-                policy.capacity(),
-                policy.name
-            )));
+            return Slot::Invalid(policy);
         }
-        Ok(Some(Check {
+        Slot::Check(Check {
             policy,
             key,
             cost,
             group: None,
-        }))
+        })
     }
 }
 
 /// The response: a status per request descriptor, in order (the decisions are those of
-/// the matched ones, in order), and the RateLimit headers of them all.
-fn respond(checks: &[Option<Check>], decisions: &[Decision]) -> RateLimitResponse {
+/// the checks, in order), and the RateLimit headers of the decisions.
+fn respond(slots: &[Slot], decisions: &[Decision]) -> RateLimitResponse {
     let mut ds = decisions.iter();
-    let statuses: Vec<DescriptorStatus> = checks
+    let statuses: Vec<DescriptorStatus> = slots
         .iter()
-        .map(|c| match (c, c.as_ref().and_then(|_| ds.next())) {
-            (Some(c), Some(d)) => status(&c.policy, d),
-            _ => DescriptorStatus {
+        .map(|s| match s {
+            Slot::Check(c) => match ds.next() {
+                Some(d) => status(&c.policy, d),
+                None => DescriptorStatus::default(),
+            },
+            Slot::Invalid(p) => DescriptorStatus {
+                code: Code::OverLimit as i32,
+                current_limit: Some(current_limit(p)),
+                ..Default::default()
+            },
+            Slot::NotLimited => DescriptorStatus {
                 code: Code::Ok as i32,
                 ..Default::default()
             },
         })
         .collect();
-    let over = decisions.iter().any(|d| !d.allowed);
+    let over = statuses.iter().any(|s| s.code == Code::OverLimit as i32);
     RateLimitResponse {
         overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
         statuses,
@@ -289,8 +335,7 @@ pub async fn serve(
         open: service.metrics.grpc_connections_open.clone(),
         handshake_timeouts: service.metrics.grpc_handshake_timeouts.clone(),
     };
-    let svc =
-        RateLimitServiceServer::new(service).max_decoding_message_size(bounds.max_message_bytes);
+    let svc = wire::Server::new(service, bounds.max_message_bytes);
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
         .http2_max_header_list_size(u32::try_from(bounds.max_header_bytes).unwrap_or(u32::MAX))

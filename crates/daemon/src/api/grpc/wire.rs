@@ -1,0 +1,199 @@
+//! `ShouldRateLimit` as it arrives on the wire: the request decoded with `bytes` where
+//! Envoy's `RateLimitRequest` has `string` (the two are the same on the wire), the codec,
+//! and the tonic service that routes the one method to [`super::RateLimiter`].
+//!
+//! Why not the generated `RateLimitServiceServer`: prost refuses a whole message when one
+//! string field is not UTF-8, and tonic answers a decode error `INTERNAL`. A header value
+//! is the client's to choose, so one bad byte would fail every descriptor of the call, and
+//! Envoy with `failure_mode_deny: false` lets such a request through unlimited. Here a
+//! value that is not UTF-8 fails only its own descriptor (`super::Slot::Invalid`), and a
+//! message that is not protobuf at all is `INVALID_ARGUMENT`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::google::protobuf::UInt64Value;
+use prost::Message;
+use tonic::Status;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codegen::{Body, BoxFuture, StdError, http};
+use tonic::server::{Grpc, NamedService, UnaryService};
+
+use super::RateLimiter;
+
+/// `envoy.service.ratelimit.v3.RateLimitRequest`, strings as bytes.
+#[derive(Clone, PartialEq, Message)]
+pub struct WireRequest {
+    #[prost(bytes = "vec", tag = "1")]
+    pub domain: Vec<u8>,
+    #[prost(message, repeated, tag = "2")]
+    pub descriptors: Vec<WireDescriptor>,
+    #[prost(uint32, tag = "3")]
+    pub hits_addend: u32,
+}
+
+/// `envoy.extensions.common.ratelimit.v3.RateLimitDescriptor`, without the `limit`
+/// override (tag 2), which quotad ignores (docs/envoy.md) and prost skips.
+#[derive(Clone, PartialEq, Message)]
+pub struct WireDescriptor {
+    #[prost(message, repeated, tag = "1")]
+    pub entries: Vec<WireEntry>,
+    #[prost(message, optional, tag = "3")]
+    pub hits_addend: Option<UInt64Value>,
+}
+
+/// One descriptor entry: `key` and `value` as sent.
+#[derive(Clone, PartialEq, Message)]
+pub struct WireEntry {
+    #[prost(bytes = "vec", tag = "1")]
+    pub key: Vec<u8>,
+    #[prost(bytes = "vec", tag = "2")]
+    pub value: Vec<u8>,
+}
+
+/// The method's full path.
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// Decodes [`WireRequest`] (a decode error is the client's: `INVALID_ARGUMENT`), encodes
+/// Envoy's response.
+#[derive(Debug, Clone, Copy, Default)]
+struct WireCodec;
+
+struct WireDecoder;
+struct WireEncoder;
+
+impl Codec for WireCodec {
+    type Encode = RateLimitResponse;
+    type Decode = WireRequest;
+    type Encoder = WireEncoder;
+    type Decoder = WireDecoder;
+
+    fn encoder(&mut self) -> WireEncoder {
+        WireEncoder
+    }
+
+    fn decoder(&mut self) -> WireDecoder {
+        WireDecoder
+    }
+}
+
+impl Encoder for WireEncoder {
+    type Item = RateLimitResponse;
+    type Error = Status;
+
+    fn encode(&mut self, item: RateLimitResponse, buf: &mut EncodeBuf<'_>) -> Result<(), Status> {
+        item.encode(buf)
+            .map_err(|e| Status::internal(format!("cannot encode the response: {e}")))
+    }
+}
+
+impl Decoder for WireDecoder {
+    type Item = WireRequest;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<WireRequest>, Status> {
+        WireRequest::decode(buf)
+            .map(Some)
+            .map_err(|e| Status::invalid_argument(format!("not a RateLimitRequest: {e}")))
+    }
+}
+
+/// The rate-limit service as tonic serves it.
+#[derive(Clone)]
+pub struct Server {
+    inner: Arc<RateLimiter>,
+    max_message_bytes: usize,
+}
+
+impl Server {
+    pub fn new(inner: RateLimiter, max_message_bytes: usize) -> Self {
+        Server {
+            inner: Arc::new(inner),
+            max_message_bytes,
+        }
+    }
+}
+
+impl NamedService for Server {
+    const NAME: &'static str = "envoy.service.ratelimit.v3.RateLimitService";
+}
+
+/// One `ShouldRateLimit` call.
+struct Method(Arc<RateLimiter>);
+
+impl UnaryService<WireRequest> for Method {
+    type Response = RateLimitResponse;
+    type Future = BoxFuture<tonic::Response<RateLimitResponse>, Status>;
+
+    fn call(&mut self, request: tonic::Request<WireRequest>) -> Self::Future {
+        let inner = self.0.clone();
+        Box::pin(async move {
+            inner
+                .should_rate_limit(request.into_inner())
+                .await
+                .map(tonic::Response::new)
+        })
+    }
+}
+
+impl<B> tower_service::Service<http::Request<B>> for Server
+where
+    B: Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        if req.uri().path() != SHOULD_RATE_LIMIT {
+            return Box::pin(async {
+                Ok(Status::unimplemented("only ShouldRateLimit is served").into_http())
+            });
+        }
+        let (inner, max) = (self.inner.clone(), self.max_message_bytes);
+        Box::pin(async move {
+            let mut grpc = Grpc::new(WireCodec).apply_max_message_size_config(Some(max), None);
+            Ok(grpc.unary(Method(inner), req).await)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
+    #[test]
+    fn envoys_request_decodes_as_the_wire_request() {
+        let sent = RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: "user".into(),
+                    value: "ann".into(),
+                }],
+                hits_addend: Some(UInt64Value { value: 3 }),
+                ..Default::default()
+            }],
+            hits_addend: 2,
+        };
+        let got = WireRequest::decode(sent.encode_to_vec().as_slice()).unwrap();
+        assert_eq!(got.domain, b"edge");
+        assert_eq!(got.hits_addend, 2);
+        let d = &got.descriptors[0];
+        assert_eq!(
+            (&d.entries[0].key[..], &d.entries[0].value[..]),
+            (&b"user"[..], &b"ann"[..])
+        );
+        assert_eq!(d.hits_addend, Some(UInt64Value { value: 3 }));
+    }
+}
