@@ -181,3 +181,45 @@ fn caddy_forward_auth_enforces_the_limit() {
     let caddy = Edge::caddy(q.port, "edge");
     through(&caddy);
 }
+
+/// What the client writes cannot choose its key: with a trusted `X-Forwarded-For` entry
+/// that is not an address, the client's `X-Real-IP` is not read (the request has no
+/// client address: `ip` answers its `on_missing_key`, allow, without counting anyone);
+/// an IPv4 address written as IPv6 is the same client. A path that is not UTF-8 is a
+/// JSON error naming the field.
+#[test]
+fn the_client_cannot_choose_its_address_key() {
+    let redis = RedisServer::start();
+    let q = Quotad::serve(&config(&redis, 429));
+    // Spend the victim's whole budget through a spoofed X-Real-IP: none of it may land.
+    let spoof = [
+        ("x-forwarded-for", "unknown"),
+        ("x-real-ip", "198.51.100.7"),
+    ];
+    for _ in 0..(LIMIT + 2) {
+        let (status, _, body) = get(q.port, "/v1/authz/ip", &spoof);
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("missing_key"), "no address, no key: {body}");
+    }
+    let victim = [("x-forwarded-for", "198.51.100.7")];
+    let (status, _, body) = get(q.port, "/v1/authz/ip", &victim);
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["remaining"],
+        LIMIT - 1,
+        "the victim's budget is whole: {v}"
+    );
+    // ::ffff:198.51.100.7 is the same client.
+    let mapped = [("x-forwarded-for", "::ffff:198.51.100.7")];
+    let (_, _, body) = get(q.port, "/v1/authz/ip", &mapped);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["key"], "198.51.100.7", "{v}");
+    assert_eq!(v["remaining"], LIMIT - 2, "{v}");
+
+    let (status, h, body) = get(q.port, "/v1/authz/%FF", &[]);
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(header(&h, "content-type"), Some("application/json"));
+    let v: Value = serde_json::from_str(&body).expect("a JSON error");
+    assert_eq!(v["error"]["field"], "policy", "{v}");
+}

@@ -1,16 +1,22 @@
-//! Hot reload: SIGHUP, or a change of the config file seen on disk (checked every second),
-//! reloads the policies, their per-key overrides, forward-auth settings and Envoy
-//! descriptors without a restart. Keys keep their state: it lives in the store, under
-//! names that do not change.
+//! Hot reload: SIGHUP, or a change of the config file seen on disk (checked every second,
+//! applied once the file has stayed unchanged for [`SETTLE`]), reloads the policies,
+//! their per-key overrides, forward-auth settings and Envoy descriptors without a
+//! restart. Keys keep their state: it lives in the store, under names that do not change,
+//! and a change that would alter what that state means (a local policy's algorithm or a
+//! window) applies only with a higher `policy.version` ([`refusal`]).
 //!
 //! A new file is validated exactly as `quotad validate` does; with errors it is refused,
 //! each error logged with file, line and field, and the running config stays. A valid
 //! file that changes what cannot change live (listen addresses and other `[server]`
-//! settings, `[store]`, the region, peers and coordinator, a global policy's rate, or a
-//! re-split without a new version) is refused with the reason. A re-split with a higher
-//! `policy.global.version` goes to the coordinator, which applies it decrease-first.
-//! Every attempt is counted in `quotad_config_reloads_total{result}`; the loaded file's
-//! hash is in `GET /v1/policies`.
+//! settings, `[store]` and its credentials, the region, peers and coordinator and their
+//! secrets, a global policy's rate, or a re-split without a new version) is refused with
+//! the reason. A re-split with a higher `policy.global.version` goes to the coordinator,
+//! which applies it decrease-first. Every attempt is counted in
+//! `quotad_config_reloads_total{result}`; the loaded file's hash is in `GET /v1/policies`.
+//!
+//! Nothing derived from the old config outlives it: a remembered denial answers only a
+//! check under the same numbers (`store::deny_cache`), and layouts for the janitor are
+//! built from the config in force. docs/architecture.md lists every such pair.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -19,12 +25,20 @@ use std::time::{Duration, SystemTime};
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Descriptors, ForwardAuths, Settings};
+use crate::config::{Descriptors, ForwardAuths, GlobalSettings, Secret, Settings, StoreBackend};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
+use crate::policy::{KeyMatch, Policy};
+use quotad_core::algorithm::Algorithm;
 
 /// How often the file's modification time and length are looked at.
 const POLL: Duration = Duration::from_secs(1);
+
+/// How long a changed file must stay unchanged before the watcher applies it: a file
+/// written in place passes through prefixes that may parse (2 of 13 policies), and one
+/// of those must never serve. A SIGHUP applies the file at once (the operator says it is
+/// whole); an atomic rename (what a ConfigMap does) is whole at once too, and settles.
+pub const SETTLE: Duration = Duration::from_secs(2);
 
 /// What a reload replaces: read by every request.
 pub struct Live {
@@ -74,36 +88,113 @@ pub fn hash(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
-/// Why `new` cannot replace `old` in a running daemon; `None` when it can.
+/// Why `new` cannot replace `old` in a running daemon; `None` when it can. Settings are
+/// compared by value, secrets included (their `Debug` text hides them): a rotated
+/// password or secret is refused with the reason, never reported applied while the old
+/// one stays in use.
 pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
-    let same =
-        |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") == format!("{b:?}");
     let timing = |s: &Settings| {
         s.global
             .as_ref()
             .map(|g| (g.params.lease_us, g.params.round_us))
     };
-    let fixed: [(&str, bool); 5] = [
+    let fixed: [(&str, bool); 7] = [
         ("region", old.region == new.region),
-        ("[server]", same(&old.server, &new.server)),
+        ("[server]", old.server == new.server),
+        // Named apart: the message must say a rotation did not happen.
         (
-            "[store]",
-            same(&old.store, &new.store)
-                && old.key_prefix == new.key_prefix
-                && old.memory_max_keys == new.memory_max_keys,
+            "[store] credentials (username, password, TLS files)",
+            store(old) == store(new) || without_credentials(old) != without_credentials(new),
         ),
+        ("[store]", store(old) == store(new)),
         // Set in [policy.global] but one for the whole coordinator: named as written.
         (
             "a global policy's lease and round",
             timing(old) == timing(new),
         ),
-        ("[coordinator] and [[peer]]", same(&old.global, &new.global)),
+        (
+            "the [coordinator] and [[peer]] secrets",
+            old.global == new.global || without_secrets(old) != without_secrets(new),
+        ),
+        ("[coordinator] and [[peer]]", old.global == new.global),
     ];
     fixed
         .iter()
         .find(|(_, ok)| !ok)
         .map(|(what, _)| format!("{what} cannot change without a restart"))
         .or_else(|| global_refusal(old, new))
+        .or_else(|| state_refusal(old, new))
+}
+
+/// `[store]`, its key prefix and the embedded store's bound.
+fn store(s: &Settings) -> (&StoreBackend, &String, usize) {
+    (&s.store, &s.key_prefix, s.memory_max_keys)
+}
+
+/// `[store]` with its credentials blanked: equal for two settings that differ in those
+/// alone.
+fn without_credentials(s: &Settings) -> StoreBackend {
+    let mut store = s.store.clone();
+    if let StoreBackend::Redis(r) = &mut store {
+        r.target.username = None;
+        r.target.password = None;
+        r.target.tls = Default::default();
+    }
+    store
+}
+
+/// `[coordinator]` and `[[peer]]` with every secret blanked.
+fn without_secrets(s: &Settings) -> Option<GlobalSettings> {
+    let mut g = s.global.clone()?;
+    for p in &mut g.peers {
+        p.secret = Secret(Vec::new());
+    }
+    Some(g)
+}
+
+/// What the stored state of a local policy's keys means: its algorithm and window, and
+/// the keys an override gives another window. A reload that changes it would move or
+/// reset state (another algorithm's keys start empty; a shorter sliding log drops its
+/// history for good; a fixed window's count is read against another window), so it
+/// applies only with a higher `policy.version`: the operator's word that this is meant.
+fn state_meaning(s: &Settings, p: &Policy) -> (Algorithm, Duration, Vec<(KeyMatch, Duration)>) {
+    let windowed = s
+        .overrides
+        .get(&p.name)
+        .into_iter()
+        .flatten()
+        .filter(|o| o.policy.window != p.window)
+        .map(|o| (o.keys.clone(), o.policy.window))
+        .collect();
+    (p.algorithm, p.window, windowed)
+}
+
+/// Why a local policy of `new` cannot replace its namesake in `old` (see
+/// [`state_meaning`]).
+fn state_refusal(old: &Settings, new: &Settings) -> Option<String> {
+    let version = |s: &Settings, name: &str| s.versions.get(name).copied().unwrap_or(1);
+    for n in new.policies.iter().filter(|p| p.global.is_none()) {
+        let Some(o) = old
+            .policies
+            .iter()
+            .find(|o| o.name == n.name && o.global.is_none())
+        else {
+            continue;
+        };
+        let (ov, nv) = (version(old, &o.name), version(new, &n.name));
+        let name = &n.name;
+        if nv < ov {
+            return Some(format!(
+                "policy `{name}`: version {nv} is below the running {ov}"
+            ));
+        }
+        if nv == ov && state_meaning(old, o) != state_meaning(new, n) {
+            return Some(format!(
+                "policy `{name}`: a new algorithm or window (its own or an override's) changes what its keys' stored counts mean (another algorithm starts every key empty; a shorter window drops or misreads history); raise policy.version above {ov} to apply it anyway"
+            ));
+        }
+    }
+    None
 }
 
 /// Why the global policies of `new` cannot replace those of `old` live. A re-split (new
@@ -188,7 +279,10 @@ pub async fn watch(
             None
         }
     };
+    // `seen`: the stamp of the file last read. `latest`: the stamp at the last poll, and
+    // since when it has not changed.
     let mut seen = stamp(&path);
+    let mut latest = (seen, tokio::time::Instant::now());
     loop {
         #[cfg(unix)]
         let hangup = async {
@@ -205,7 +299,11 @@ pub async fn watch(
             _ = tokio::time::sleep(POLL) => false,
         };
         let now = stamp(&path);
-        if asked || now != seen {
+        if now != latest.0 {
+            latest = (now, tokio::time::Instant::now());
+        }
+        let settled = now != seen && latest.1.elapsed() >= SETTLE;
+        if asked || settled {
             seen = now;
             if let Some(new) = reload(&path, &running, &live, &metrics, asked) {
                 on_reload(&live.get());
@@ -365,5 +463,76 @@ version = 1
         assert!(added.contains("`h` is new"), "{added}");
         let removed = refusal(&config(100, EVEN, 1, "", another), &old).unwrap();
         assert!(removed.contains("`h` is gone"), "{removed}");
+    }
+
+    fn local(text: &str) -> Settings {
+        Settings::parse("t.toml", text).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    const STORE: &str = "[store]\nredis = \"redis://127.0.0.1:6379\"\n";
+
+    #[test]
+    fn a_credential_change_is_refused_by_name_not_reported_applied() {
+        let policy = "[[policy]]\nname = \"p\"\nalgorithm = \"gcra\"\nlimit = 5\nwindow = \"1s\"\n";
+        let with = |extra: &str| local(&format!("{STORE}{extra}\n{policy}"));
+        let old = with("password = \"one\"");
+        assert_eq!(refusal(&old, &with("password = \"one\"")), None);
+        for new in [
+            with("password = \"two\""),
+            with("password = \"one\"\nusername = \"u\""),
+        ] {
+            let why = refusal(&old, &new).expect("refused");
+            assert!(why.starts_with("[store] credentials"), "{why}");
+            assert!(
+                !why.contains("one") && !why.contains("two"),
+                "no secret in the reason: {why}"
+            );
+        }
+        let other = with("password = \"one\"\ntimeout = \"70ms\"");
+        assert!(refusal(&old, &other).unwrap().starts_with("[store] cannot"));
+        // A peer's secret: named as a secret.
+        let rotated = config(100, "escrow = { eu = 1, us = 1 }", 1, "", "").clone();
+        let mut rotated_secret = rotated.clone();
+        if let Some(g) = rotated_secret.global.as_mut() {
+            g.peers[0].secret = Secret(b"another-secret-of-32-bytes-length".to_vec());
+        }
+        let why = refusal(&rotated, &rotated_secret).expect("refused");
+        assert!(
+            why.starts_with("the [coordinator] and [[peer]] secrets"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn what_a_keys_state_means_changes_only_with_a_higher_version() {
+        let p = |alg: &str, window: &str, extra: &str| {
+            local(&format!(
+                "{STORE}[[policy]]\nname = \"p\"\nalgorithm = \"{alg}\"\nlimit = 5\nwindow = \"{window}\"\n{extra}"
+            ))
+        };
+        let old = p("sliding_log", "1h", "");
+        assert_eq!(refusal(&old, &p("sliding_log", "1h", "")), None);
+        let limit = local(&format!(
+            "{STORE}[[policy]]\nname = \"p\"\nalgorithm = \"sliding_log\"\nlimit = 9\nwindow = \"1h\"\n"
+        ));
+        assert_eq!(
+            refusal(&old, &limit),
+            None,
+            "a limit keeps the state's meaning"
+        );
+        for new in [p("fixed_window", "1h", ""), p("sliding_log", "1m", "")] {
+            let why = refusal(&old, &new).expect("refused");
+            assert!(why.contains("raise policy.version above 1"), "{why}");
+        }
+        assert_eq!(refusal(&old, &p("sliding_log", "1m", "version = 2")), None);
+        let v2 = p("sliding_log", "1m", "version = 2");
+        let back = refusal(&v2, &p("sliding_log", "1m", "")).expect("refused");
+        assert!(back.contains("version 1 is below the running 2"), "{back}");
+        // An override with its own window: adding, changing or removing it is the same.
+        let windowed = "[[policy.override]]\nkey = \"vip\"\nlimit = 50\nwindow = \"1m\"";
+        assert!(refusal(&old, &p("sliding_log", "1h", windowed)).is_some());
+        assert!(refusal(&p("sliding_log", "1h", windowed), &old).is_some());
+        let same_window = "[[policy.override]]\nkey = \"vip\"\nlimit = 50";
+        assert_eq!(refusal(&old, &p("sliding_log", "1h", same_window)), None);
     }
 }

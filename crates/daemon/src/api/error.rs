@@ -36,6 +36,12 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("the store is unreachable; nothing was changed")]
     StoreUnavailable,
+    /// Redis answered the reset with an error (an ACL without PUBLISH, most likely): the
+    /// reset and its invalidation are one script, so neither happened.
+    #[error(
+        "the reset was refused by the store (quotad's Redis user needs PUBLISH on the invalidation channel: docs/operations.md); nothing was changed"
+    )]
+    ResetRefused,
     /// Shed by admission control (see `store::admission`): quotad is at its Redis
     /// concurrency limit. Not a decision; nothing was charged. 503 with `Retry-After`.
     #[error("overloaded ({0}): nothing was charged; retry after the Retry-After delay")]
@@ -61,7 +67,9 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::StoreUnavailable | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::StoreUnavailable | ApiError::ResetRefused | ApiError::Overloaded(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
         }
     }
 
@@ -78,6 +86,7 @@ impl ApiError {
             ApiError::NotFound => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::StoreUnavailable => "store_unavailable",
+            ApiError::ResetRefused => "reset_refused",
             ApiError::Overloaded(_) => "overloaded",
         }
     }

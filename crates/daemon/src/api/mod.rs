@@ -27,7 +27,7 @@ use crate::limiter::{Decision, Limiter, ResetError};
 use crate::metrics::Metrics;
 use crate::policy::KeyMatch;
 use crate::server::Drain;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use error::ApiError;
 use request::{Caps, CheckRequest};
 
@@ -145,7 +145,10 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
         Err(ResetError::Shed(s)) => Err(s.into()),
         Err(ResetError::Store(e)) => {
             state.metrics.store_error(e.kind());
-            Err(ApiError::StoreUnavailable)
+            match e {
+                StoreError::Command(_) => Err(ApiError::ResetRefused),
+                _ => Err(ApiError::StoreUnavailable),
+            }
         }
     }
 }

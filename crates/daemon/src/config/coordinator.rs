@@ -22,7 +22,7 @@ impl fmt::Debug for Secret {
 
 /// A peer region: where its quotad instances answer exchanges, and the secret both sides
 /// sign them with.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PeerSettings {
     pub region: String,
     pub id: RegionId,
@@ -33,7 +33,7 @@ pub struct PeerSettings {
 }
 
 /// Global budgets: this region among the others, and the protocol's timings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct GlobalSettings {
     /// Every region, sorted by name: a region's index here is its id in messages.
     pub regions: Vec<String>,

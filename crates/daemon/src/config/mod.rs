@@ -86,7 +86,7 @@ impl fmt::Display for ConfigErrors {
 }
 
 /// Everything the daemon needs, validated.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     pub region: String,
     pub server: ServerSettings,
@@ -102,6 +102,10 @@ pub struct Settings {
     pub forward_auth: ForwardAuths,
     /// `[[policy.override]]`: per-key limits, by policy name.
     pub overrides: Overrides,
+    /// `policy.version` of each local policy (1 when not set): raised by the operator to
+    /// let a reload change what the stored state of the policy's keys means (its
+    /// algorithm, a window). Global policies have `policy.global.version` instead.
+    pub versions: std::collections::BTreeMap<String, u64>,
     /// The file these settings were loaded from (hot reload watches it).
     pub source: Option<std::path::PathBuf>,
     /// `[[descriptor]]`: Envoy descriptors by domain (the gRPC rate-limit service).
@@ -133,6 +137,7 @@ impl Settings {
             global: None,
             forward_auth: ForwardAuths::new(),
             overrides: Overrides::new(),
+            versions: Default::default(),
             source: None,
             descriptors: Descriptors::default(),
         }
@@ -277,6 +282,16 @@ impl Validator<'_> {
         }
     }
 
+    /// `policy.version` of policy `i`: at least 1; a global policy's is in `[policy.global]`.
+    fn version(&mut self, i: usize, p: &raw::Policy) -> u64 {
+        let field = format!("policy[{i}].version");
+        if let (Some(v), Some(_)) = (&p.version, &p.global) {
+            let why = "a global policy's version is policy.global.version";
+            self.error(v, &field, why);
+        }
+        self.integer(p.version.as_ref(), &field, 1, 1, i64::MAX) as u64
+    }
+
     /// The whole file, table by table; peers come before policies because a global policy's
     /// escrow must name exactly the regions they define.
     fn settings(&mut self, raw: raw::Config) -> Settings {
@@ -312,6 +327,12 @@ impl Validator<'_> {
                 Some((p.name.get_ref().clone(), f))
             })
             .collect();
+        let versions = raw
+            .policy
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.get_ref().clone(), self.version(i, p)))
+            .collect();
         let names: Vec<&str> = raw
             .policy
             .iter()
@@ -338,6 +359,7 @@ impl Validator<'_> {
             global,
             forward_auth,
             overrides,
+            versions,
             source: None,
             descriptors,
         }

@@ -121,6 +121,8 @@ pub struct Policy {
     pub burst: Option<Spanned<i64>>,
     pub on_store_error: Option<Spanned<String>>,
     pub shadow: Option<bool>,
+    /// A local policy's state version (see `reload::state_refusal`).
+    pub version: Option<Spanned<i64>>,
     pub global: Option<Global>,
     pub forward_auth: Option<ForwardAuth>,
     #[serde(rename = "override", default)]

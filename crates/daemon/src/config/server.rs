@@ -8,7 +8,7 @@ use toml::Spanned;
 
 use super::{Validator, raw};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ServerSettings {
     pub listen: SocketAddr,
     /// The Envoy rate-limit service's gRPC listener (`api::grpc`); none when absent.

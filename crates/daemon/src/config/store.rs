@@ -11,7 +11,7 @@ use crate::store::admission::AdmissionSettings;
 use crate::store::connect::{Target, TlsFiles, Topology};
 use crate::store::redis::RedisSettings;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 #[allow(clippy::large_enum_variant)] // built once, at start-up
 pub enum StoreBackend {
     Memory,

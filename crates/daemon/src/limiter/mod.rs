@@ -17,7 +17,7 @@ use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
 use crate::store::layout::{GlobalLayout, Layouts};
 use crate::store::memory::MemoryStore;
-use crate::store::{GlobalCall, Store, StoreCall, StoreError};
+use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
 /// How a decision was reached: the API's `outcome` and the metrics' label.
@@ -353,7 +353,10 @@ impl Limiter {
             .collect()
     }
 
-    /// Forgets a key's state in this region's store and in the local fallback.
+    /// Forgets what a key's user spent, in this region's store and in the local fallback:
+    /// a local policy's key whole; a global policy's bucket only (its lease book and
+    /// counters are the coordinator's: deleting them would let the region lend again what
+    /// it already lent).
     pub async fn reset(
         &self,
         policy: &Policy,
@@ -365,11 +368,16 @@ impl Limiter {
             Some(g) => layout.grouped_key(g, key),
             None => layout.storage_key(key),
         };
+        // A global key: what the user spent, never the coordinator's books.
+        let forget = match layout.global {
+            Some(_) => Forget::Spent,
+            None => Forget::All,
+        };
         let _admitted = self.store.admit(1).await?;
         // The store first: when it fails the caller is told nothing changed, so the local
         // fallback's state must not have changed either.
-        self.store.delete(&storage_key).await?;
-        self.local.delete(&storage_key);
+        self.store.reset(&storage_key, forget).await?;
+        self.local.reset(&storage_key, forget);
         Ok(())
     }
 

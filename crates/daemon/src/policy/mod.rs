@@ -251,7 +251,7 @@ impl KeyMatch {
 
 /// A policy's own limits for some keys (a premium customer): the same policy (name,
 /// algorithm, fail mode, keys in the store) with another limit, window or burst.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Override {
     pub keys: KeyMatch,
     pub policy: Arc<Policy>,

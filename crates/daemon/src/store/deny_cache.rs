@@ -19,6 +19,16 @@
 //! entry expires at the instant the call was *sent* plus `r`, shortened by the clock-rate
 //! bound ([`RATE_MARGIN`]), so it never outlives the store's own retry time.
 //!
+//! An entry answers only the question it was the answer to: the same key, decided
+//! under the same algorithm and numbers (a reload that changes a policy's limit, window
+//! or burst, or gives the key an override, asks another question, so the store is asked
+//! again), and the same cost. The answer is then the store's own: `remaining` does not
+//! change while the key stays denied for that cost (a cost-1 denial leaves 0 whole units
+//! for every algorithm; a fixed window's count holds until the window ends), and the
+//! retry and reset times are instants, reported as what is left of them now. A denial of
+//! a cost above 1 is remembered only for a fixed window: elsewhere its `remaining` grows
+//! with time while it stays denied, and a remembered one would report the past.
+//!
 //! Not cached: peeks whose answer would be "allowed", global policies (a loan arriving
 //! raises a key's rate, so its retry time is not final), and anything from the embedded
 //! store (in memory already). Bounded: at most `max_keys` entries (beyond, new denials
@@ -30,7 +40,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use quotad_core::algorithm::Verdict;
+use quotad_core::algorithm::{Algorithm, Limits, Verdict};
 
 /// Bound on the rate error between quotad's monotonic clock and Redis's (the same bound
 /// ε the coordinator assumes): an entry lives `r (1 - RATE_MARGIN)`.
@@ -38,9 +48,27 @@ pub const RATE_MARGIN: f64 = 1e-3;
 
 const SHARDS: usize = 16;
 
+/// What a check asks the store: its storage key, the rules it is decided under, and its
+/// cost (a peek counts as 1).
+#[derive(Debug, Clone, Copy)]
+pub struct Question<'a> {
+    pub key: &'a str,
+    pub algorithm: Algorithm,
+    pub limits: Limits,
+    pub cost: u64,
+}
+
+impl Question<'_> {
+    fn cost(&self) -> u64 {
+        self.cost.max(1)
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Entry {
-    /// The smallest cost denied: checks of this cost or more are denied until `retry_at`.
+    /// The question this denial answered: only the same one gets it.
+    algorithm: Algorithm,
+    limits: Limits,
     cost: u64,
     remaining: u64,
     retry_at: Instant,
@@ -79,15 +107,14 @@ impl DenyCache {
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The store's denial of a check of `cost` (a peek counts as 1) on `key`, if one is
-    /// remembered and still in force at `now`.
-    pub fn lookup(&self, key: &str, cost: u64, now: Instant) -> Option<Verdict> {
+    /// The store's denial of `q`, if one is remembered and still in force at `now`.
+    pub fn lookup(&self, q: &Question<'_>, now: Instant) -> Option<Verdict> {
         if self.max_per_shard == 0 || !self.live.load(Ordering::Acquire) {
             return None;
         }
-        let cost = cost.max(1);
-        let e = *self.shard(key).get(key)?;
-        if cost < e.cost || now >= e.retry_at {
+        let e = *self.shard(q.key).get(q.key)?;
+        let same = e.cost == q.cost() && e.algorithm == q.algorithm && e.limits == q.limits;
+        if !same || now >= e.retry_at {
             return None;
         }
         let us = |t: Instant| t.saturating_duration_since(now).as_micros() as i64;
@@ -99,10 +126,14 @@ impl DenyCache {
         })
     }
 
-    /// Remembers a denial the store gave for a call sent at `sent`, when the cache's
-    /// epoch then was `epoch`.
-    pub fn remember(&self, key: &str, cost: u64, v: &Verdict, sent: Instant, epoch: u64) {
+    /// Remembers the store's denial `v` of `q`, for a call sent at `sent`, when the
+    /// cache's epoch then was `epoch`.
+    pub fn remember(&self, q: &Question<'_>, v: &Verdict, sent: Instant, epoch: u64) {
         if self.max_per_shard == 0 || v.allowed || !self.live.load(Ordering::Acquire) {
+            return;
+        }
+        // Above cost 1, only a fixed window's `remaining` holds while the key is denied.
+        if q.cost() > 1 && q.algorithm != Algorithm::FixedWindow {
             return;
         }
         let after = |us: i64| {
@@ -110,19 +141,21 @@ impl DenyCache {
             sent + Duration::from_micros(us)
         };
         let entry = Entry {
-            cost: cost.max(1),
+            algorithm: q.algorithm,
+            limits: q.limits,
+            cost: q.cost(),
             remaining: v.remaining,
             retry_at: after(v.retry_after_us),
             reset_at: after(v.reset_after_us),
         };
+        let key = q.key;
         let mut shard = self.shard(key);
         // (Checked under the shard's lock: an invalidation of this key takes it too.)
         if self.epoch.load(Ordering::Acquire) != epoch {
             return;
         }
         // A key already there is replaced: its entry came from an earlier answer, and a
-        // check reaches the store again only once that no longer covers it (expired, or a
-        // smaller cost).
+        // check reaches the store again only once that no longer covers it.
         if shard.contains_key(key) || shard.len() < self.max_per_shard {
             shard.insert(key.to_owned(), entry);
         }
@@ -171,34 +204,78 @@ mod tests {
         }
     }
 
+    const LIMITS: Limits = Limits {
+        limit: 5,
+        window_us: 1_000_000,
+        burst: 5,
+    };
+
+    fn q(key: &str, algorithm: Algorithm, cost: u64) -> Question<'_> {
+        Question {
+            key,
+            algorithm,
+            limits: LIMITS,
+            cost,
+        }
+    }
+
     #[test]
-    fn a_denial_answers_equal_or_larger_costs_until_just_before_its_retry_time() {
+    fn a_denial_answers_the_same_question_until_just_before_its_retry_time() {
         let c = DenyCache::new(100);
         c.set_live(true);
         let t0 = Instant::now();
-        c.remember("k", 3, &denial(2, 1_000_000, 5_000_000), t0, c.epoch());
-        let v = c.lookup("k", 3, t0 + Duration::from_millis(400)).unwrap();
+        let fw = |cost| q("k", Algorithm::FixedWindow, cost);
+        c.remember(&fw(3), &denial(2, 1_000_000, 5_000_000), t0, c.epoch());
+        let v = c.lookup(&fw(3), t0 + Duration::from_millis(400)).unwrap();
         assert!(!v.allowed && v.remaining == 2);
         assert!((599_000..=600_000).contains(&v.retry_after_us), "{v:?}");
         assert!(
-            c.lookup("k", 10, t0).is_some(),
-            "a larger cost is denied too"
+            c.lookup(&fw(10), t0).is_none(),
+            "another cost: ask the store"
         );
-        assert!(
-            c.lookup("k", 2, t0).is_none(),
-            "a smaller one may fit: ask the store"
-        );
+        assert!(c.lookup(&fw(2), t0).is_none());
         // Expires a tenth of a percent early, never late.
-        assert!(
-            c.lookup("k", 3, t0 + Duration::from_micros(998_999))
-                .is_some()
-        );
-        assert!(
-            c.lookup("k", 3, t0 + Duration::from_micros(999_000))
-                .is_none()
-        );
+        let at = |us| t0 + Duration::from_micros(us);
+        assert!(c.lookup(&fw(3), at(998_999)).is_some());
+        assert!(c.lookup(&fw(3), at(999_000)).is_none());
         c.invalidate("k");
-        assert!(c.lookup("k", 3, t0).is_none());
+        assert!(c.lookup(&fw(3), t0).is_none());
+    }
+
+    #[test]
+    fn other_rules_for_the_key_are_another_question() {
+        let c = DenyCache::new(100);
+        c.set_live(true);
+        let t0 = Instant::now();
+        c.remember(
+            &q("k", Algorithm::SlidingLog, 1),
+            &denial(0, 1_000_000, 1_000_000),
+            t0,
+            c.epoch(),
+        );
+        assert!(c.lookup(&q("k", Algorithm::SlidingLog, 1), t0).is_some());
+        let raised = Question {
+            limits: Limits { limit: 6, ..LIMITS },
+            ..q("k", Algorithm::SlidingLog, 1)
+        };
+        assert!(c.lookup(&raised, t0).is_none(), "a reload raised the limit");
+        assert!(c.lookup(&q("k", Algorithm::Gcra, 1), t0).is_none());
+    }
+
+    #[test]
+    fn a_costly_denial_is_remembered_only_where_remaining_holds() {
+        let c = DenyCache::new(100);
+        c.set_live(true);
+        let t0 = Instant::now();
+        let tb = q("k", Algorithm::TokenBucket, 3);
+        c.remember(&tb, &denial(2, 1_000_000, 1_000_000), t0, c.epoch());
+        assert!(
+            c.lookup(&tb, t0).is_none(),
+            "a bucket refills: remaining grows"
+        );
+        let fw = q("k", Algorithm::FixedWindow, 3);
+        c.remember(&fw, &denial(2, 1_000_000, 1_000_000), t0, c.epoch());
+        assert!(c.lookup(&fw, t0).is_some());
     }
 
     #[test]
@@ -206,32 +283,27 @@ mod tests {
         let c = DenyCache::new(100);
         c.set_live(true);
         let t0 = Instant::now();
+        let k = q("k", Algorithm::FixedWindow, 1);
         let sent = c.epoch();
         c.invalidate("other-or-same"); // a refund or reset lands while our call is out
-        c.remember("k", 1, &denial(0, 1_000_000, 1_000_000), t0, sent);
-        assert!(c.lookup("k", 1, t0).is_none());
-        c.remember("k", 1, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
-        assert!(c.lookup("k", 1, t0).is_some());
+        c.remember(&k, &denial(0, 1_000_000, 1_000_000), t0, sent);
+        assert!(c.lookup(&k, t0).is_none());
+        c.remember(&k, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
+        assert!(c.lookup(&k, t0).is_some());
     }
 
     #[test]
     fn nothing_is_used_while_invalidations_cannot_arrive_and_the_bound_holds() {
         let c = DenyCache::new(SHARDS); // one per shard
         let t0 = Instant::now();
-        c.remember("k", 1, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
-        assert!(
-            c.lookup("k", 1, t0).is_none(),
-            "not live: not even remembered"
-        );
+        let k = q("k", Algorithm::FixedWindow, 1);
+        c.remember(&k, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
+        assert!(c.lookup(&k, t0).is_none(), "not live: not even remembered");
         c.set_live(true);
         for i in 0..1000 {
-            c.remember(
-                &format!("k{i}"),
-                1,
-                &denial(0, 1_000_000, 1_000_000),
-                t0,
-                c.epoch(),
-            );
+            let key = format!("k{i}");
+            let k = q(&key, Algorithm::FixedWindow, 1);
+            c.remember(&k, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
         }
         assert!(c.sweep(t0) <= SHARDS);
         c.set_live(false);

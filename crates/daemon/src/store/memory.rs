@@ -271,6 +271,19 @@ impl MemoryStore {
         }
     }
 
+    /// Forgets what `key`'s user spent: the key (a local policy's), or a global key's
+    /// bucket only (its book and counters are the coordinator's).
+    pub fn reset(&self, key: &str, forget: crate::store::Forget) {
+        match forget {
+            crate::store::Forget::All => self.delete(key),
+            crate::store::Forget::Spent => {
+                if let Some(slot) = self.global().slots.get_mut(key) {
+                    slot.bucket = None;
+                }
+            }
+        }
+    }
+
     pub fn delete(&self, key: &str) {
         if self.shard(key).remove(key).is_some() {
             self.released(1);

@@ -83,6 +83,26 @@ impl StoreError {
     ];
 }
 
+/// What a reset forgets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forget {
+    /// The key's whole state (a local policy's key).
+    All,
+    /// What the user spent: a global policy's bucket, never its lease book or counters,
+    /// which are the coordinator's (the region would lend again what it already lent).
+    Spent,
+}
+
+impl Forget {
+    /// The word `lua/reset.lua` takes.
+    pub fn word(self) -> &'static str {
+        match self {
+            Forget::All => "all",
+            Forget::Spent => "spent",
+        }
+    }
+}
+
 /// A script's reply past 2^53 microseconds means "never" (a global key at a zero rate).
 pub const NEVER_US: i64 = 1 << 53;
 
@@ -162,12 +182,13 @@ impl Store {
         }
     }
 
-    /// Forgets a key's state.
-    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
+    /// Forgets what a key's user spent, and (Redis) tells every instance in the same
+    /// script, so no remembered denial outlives a reset reported done.
+    pub async fn reset(&self, key: &str, forget: Forget) -> Result<(), StoreError> {
         match self {
-            Store::Redis(r) => r.delete(key).await,
+            Store::Redis(r) => r.reset(key, forget).await,
             Store::Memory(m) => {
-                m.delete(key);
+                m.reset(key, forget);
                 Ok(())
             }
         }

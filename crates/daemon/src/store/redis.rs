@@ -34,13 +34,13 @@ use crate::metrics::Metrics;
 use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
 use crate::store::connect::{AsyncConn, Target};
-use crate::store::deny_cache::DenyCache;
+use crate::store::deny_cache::{DenyCache, Question};
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{StoreCall, StoreError, global, parse_verdict};
 use quotad_core::algorithm::{Op, Verdict};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RedisSettings {
     /// Where Redis is (standalone, cluster, Sentinel) and how to reach it (TLS, ACL).
     pub target: Target,
@@ -70,6 +70,8 @@ pub struct RedisStore {
     global_check: redis::Script,
     /// The all-or-nothing script of co-location groups.
     composite: redis::Script,
+    /// A reset and its invalidation in one step (`lua/reset.lua`).
+    reset: redis::Script,
     settings: RedisSettings,
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
@@ -113,6 +115,7 @@ impl RedisStore {
             scripts: Scripts::default(),
             global_check: scripts::Global::Check.script(),
             composite: redis::Script::new(scripts::COMPOSITE),
+            reset: redis::Script::new(scripts::RESET),
             breaker,
             loaded: AtomicBool::new(false),
             tripped: tokio::sync::Notify::new(),
@@ -127,7 +130,7 @@ impl RedisStore {
     /// A denial of this call's check remembered and still in force (see [`DenyCache`]).
     pub fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
         match (call.op, &call.global) {
-            (Op::Check { cost }, None) => self.deny.lookup(call.key, cost, Instant::now()),
+            (Op::Check { cost }, None) => self.deny.lookup(&question(call, cost), Instant::now()),
             _ => None,
         }
     }
@@ -300,7 +303,9 @@ impl RedisStore {
             .await?;
         let v = parse_verdict(&reply)?;
         match call.op {
-            Op::Check { cost } if !v.allowed => self.deny.remember(call.key, cost, &v, sent, epoch),
+            Op::Check { cost } if !v.allowed => {
+                self.deny.remember(&question(call, cost), &v, sent, epoch)
+            }
             Op::Refund { .. } => self.gave_back(call.key).await,
             Op::Check { .. } => {}
         }
@@ -352,15 +357,19 @@ impl RedisStore {
         reply.chunks(4).map(parse_verdict).collect()
     }
 
-    pub async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.guarded(|mut conn| async move {
-            redis::cmd("DEL")
-                .arg(key)
-                .query_async::<i64>(&mut conn)
-                .await
-        })
-        .await?;
-        self.gave_back(key).await;
+    /// Forgets what `key`'s user spent (see [`super::Forget`]) and publishes the
+    /// invalidation in the same script: if Redis refuses the PUBLISH, nothing changed and
+    /// the error says so.
+    pub async fn reset(&self, key: &str, forget: super::Forget) -> Result<(), StoreError> {
+        self.deny.invalidate(key);
+        let inv = {
+            let mut inv = self.reset.key(key);
+            inv.arg(&self.channel).arg(forget.word());
+            inv
+        };
+        let inv = &inv;
+        self.guarded(|mut conn| async move { inv.invoke_async::<i64>(&mut conn).await })
+            .await?;
         Ok(())
     }
 
@@ -583,6 +592,16 @@ impl RedisStore {
                 _ = tokio::time::sleep(wait) => {}
             }
         }
+    }
+}
+
+/// What `call`, a check of `cost`, asks the deny cache.
+fn question<'a>(call: &StoreCall<'a>, cost: u64) -> Question<'a> {
+    Question {
+        key: call.key,
+        algorithm: call.algorithm,
+        limits: call.limits,
+        cost,
     }
 }
 

@@ -43,6 +43,10 @@ pub const COMPOSITE: &str = concat!(
     include_str!("../../lua/composite.lua"),
 );
 
+/// A reset: the key's state forgotten and the invalidation published, atomically (see
+/// `lua/reset.lua`).
+pub const RESET: &str = include_str!("../../lua/reset.lua");
+
 /// The full source sent to Redis for `algorithm`.
 pub fn source(algorithm: Algorithm) -> &'static str {
     match algorithm {
