@@ -61,12 +61,14 @@ fn a_hammered_denied_key_costs_no_redis_call_until_its_retry_time() {
     eprintln!("200 denials, {answered} from memory, {asked} scripts run");
     assert_eq!(asked, 0, "Redis calls for 200 hammered denials");
     assert_eq!(answered, 200.0);
-    // Larger costs are denied from memory too, and so is a peek.
-    let (_, v) = q.check(&json!({"policy": "login", "key": "mallory", "cost": 2}));
-    assert_eq!(v["outcome"], "denied");
+    // A peek asks what a cost-1 check asks: from memory. Another cost is another
+    // question, with its own answer: the store's.
     let (_, v) = q.check(&json!({"policy": "login", "key": "mallory", "cost": 0}));
     assert_eq!(v["allowed"], false);
     assert_eq!(evalsha_calls(&redis) - before, 0);
+    let (_, v) = q.check(&json!({"policy": "login", "key": "mallory", "cost": 2}));
+    assert_eq!(v["outcome"], "denied");
+    assert_eq!(evalsha_calls(&redis) - before, 1);
 }
 
 #[test]

@@ -161,7 +161,8 @@ fn after_a_reload_persisted_keys_get_the_ttl_of_the_config_in_force() {
     let file = q.dir.path().join("quotad.toml");
     let started = std::fs::read_to_string(&file).unwrap();
     assert!(started.contains("window = \"1m\""), "{started}");
-    let reloaded = started.replace("window = \"1m\"", "window = \"1h\"")
+    // A new window changes what stored counts mean: it needs a higher policy version.
+    let reloaded = started.replace("window = \"1m\"", "window = \"1h\"\nversion = 2")
         + "\n[[policy]]\nname = \"added\"\nalgorithm = \"fixed_window\"\nlimit = 10\nwindow = \"1h\"\n";
     std::fs::write(&file, reloaded).unwrap();
     q.hup();

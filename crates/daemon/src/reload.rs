@@ -131,16 +131,16 @@ fn store(s: &Settings) -> (&StoreBackend, &String, usize) {
     (&s.store, &s.key_prefix, s.memory_max_keys)
 }
 
-/// `[store]` with its credentials blanked: equal for two settings that differ in those
+/// [`store`] with the credentials blanked: equal for two settings that differ in those
 /// alone.
-fn without_credentials(s: &Settings) -> StoreBackend {
-    let mut store = s.store.clone();
-    if let StoreBackend::Redis(r) = &mut store {
+fn without_credentials(s: &Settings) -> (StoreBackend, &String, usize) {
+    let mut backend = s.store.clone();
+    if let StoreBackend::Redis(r) = &mut backend {
         r.target.username = None;
         r.target.password = None;
         r.target.tls = Default::default();
     }
-    store
+    (backend, &s.key_prefix, s.memory_max_keys)
 }
 
 /// `[coordinator]` and `[[peer]]` with every secret blanked.

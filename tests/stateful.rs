@@ -1,0 +1,665 @@
+//! Stateful tests that look for the next place where features meet: random interleavings
+//! of what clients and operators do, against real daemons and real redis-servers, with
+//! the answer or the bound checked after every step.
+//!
+//! - Two instances on one Redis (`two_instances_answer_every_step_as_the_model_does`):
+//!   checks, peeks, batches, resets through either instance, and reloads of both
+//!   (limits, a window with and without a version bump, an override added and removed);
+//!   every answer is compared with a reference model of the counts. Instance B's Redis
+//!   user may not PUBLISH: a reset through it is either done (the model resets) or
+//!   refused with nothing changed, and every later answer of either instance must agree.
+//!   Each case uses keys of its own; proptest shrinks a failure to its shortest sequence.
+//! - Two regions sharing one global budget
+//!   (`two_regions_keep_the_bound_through_resets_and_reloads`): demand moving between
+//!   the regions (so loans are made), resets of the key in either region, and re-splits
+//!   rolled out by reload in either order; after every step the rates the two regions'
+//!   books allow at Redis time must sum to at most ρ.
+
+use quotad_testkit as common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::proxy::{Leg, LegHandle, Proxy};
+use common::{Config, Global, Peer, Policy, Quotad, RedisServer, wait_for};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
+use quotad_core::coordinator::Params;
+use quotad_core::coordinator::bucket::Shape;
+use quotad_daemon::store::global::{SLOT_FIELDS, decode_default, decode_slot};
+use serde_json::{Value, json};
+
+/// `config` as the test kit writes it for a daemon listening on `port`: `[server]` after
+/// the top-level keys (the file a reload rewrites must keep the daemon's address).
+fn with_listen(config: &str, port: u16) -> String {
+    let split = config
+        .lines()
+        .position(|l| l.trim_start().starts_with('['))
+        .unwrap_or(config.lines().count());
+    let top: Vec<&str> = config.lines().take(split).collect();
+    let rest: Vec<&str> = config.lines().skip(split).collect();
+    format!(
+        "{}\n[server]\nlisten = \"127.0.0.1:{port}\"\n\n{}",
+        top.join("\n"),
+        rest.join("\n")
+    )
+}
+
+/// Writes `text` as `q`'s config file, sends SIGHUP and waits until the reload is
+/// counted; the result (`ok`, `refused`, `invalid`).
+fn reload_file(q: &Quotad, text: &str) -> &'static str {
+    let reloads = |r: &str| q.metric(&format!("quotad_config_reloads_total{{result=\"{r}\"}}"));
+    let before = ["ok", "refused", "invalid"].map(reloads);
+    std::fs::write(q.dir.path().join("quotad.toml"), text).unwrap();
+    q.hup();
+    wait_for("the reload counted", Duration::from_secs(10), || {
+        ["ok", "refused", "invalid"]
+            .into_iter()
+            .zip(before)
+            .find(|(r, b)| reloads(r) > *b)
+            .map(|(r, _)| r)
+    })
+}
+
+// ------------------------------------------------------------------ two instances
+
+const PASSWORD: &str = "stateful-test-password";
+/// Cases of the two-instance test, and the steps of each.
+const CASES: u32 = 64;
+const MAX_STEPS: usize = 50;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Pol {
+    /// sliding_log, 1 h or 2 h: a count that time does not change within the test.
+    Log,
+    /// token_bucket refilling per day: whole tokens that time does not change either.
+    Bucket,
+}
+
+impl Pol {
+    fn name(self) -> &'static str {
+        match self {
+            Pol::Log => "log",
+            Pol::Bucket => "bucket",
+        }
+    }
+}
+
+/// The keys a case draws from; `vip` may get an override of `log`.
+const KEYS: [&str; 3] = ["k0", "k1", "vip"];
+
+/// What the two daemons run: the reference model's parameters, written as their config.
+#[derive(Debug, Clone, PartialEq)]
+struct Rules {
+    log_limit: u64,
+    log_hours: u64,
+    /// `log`'s override for `vip` (same window).
+    vip: Option<u64>,
+    bucket_limit: u64,
+}
+
+const START: Rules = Rules {
+    log_limit: 3,
+    log_hours: 1,
+    vip: None,
+    bucket_limit: 3,
+};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Check {
+        on: usize,
+        pol: Pol,
+        key: usize,
+        cost: u64,
+    },
+    /// Distinct (policy, key) pairs.
+    Batch {
+        on: usize,
+        items: Vec<(Pol, usize, u64)>,
+    },
+    Reset {
+        on: usize,
+        pol: Pol,
+        key: usize,
+    },
+    /// Both daemons reload `rules`; `bump`: with a higher `log` version.
+    Reload {
+        rules: Rules,
+        bump: bool,
+    },
+}
+
+fn pol() -> impl Strategy<Value = Pol> {
+    prop_oneof![Just(Pol::Log), Just(Pol::Bucket)]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let rules = (2u64..=6, 1u64..=2, prop::option::of(2u64..=8), 2u64..=6).prop_map(
+        |(log_limit, log_hours, vip, bucket_limit)| Rules {
+            log_limit,
+            log_hours,
+            vip,
+            bucket_limit,
+        },
+    );
+    prop_oneof![
+        8 => (0usize..2, pol(), 0usize..3, 0u64..=2)
+            .prop_map(|(on, pol, key, cost)| Op::Check { on, pol, key, cost }),
+        2 => (0usize..2, prop::collection::vec((pol(), 0usize..3, 1u64..=2), 2..=3))
+            .prop_map(|(on, mut items)| {
+                let mut seen = Vec::new();
+                items.retain(|(p, k, _)| {
+                    let new = !seen.contains(&(*p, *k));
+                    seen.push((*p, *k));
+                    new
+                });
+                Op::Batch { on, items }
+            }),
+        2 => (0usize..2, pol(), 0usize..3).prop_map(|(on, pol, key)| Op::Reset { on, pol, key }),
+        2 => (rules, any::<bool>()).prop_map(|(rules, bump)| Op::Reload { rules, bump }),
+    ]
+}
+
+/// The counts as the store should hold them.
+#[derive(Default)]
+struct Model {
+    /// `log`: entries in the window, by key.
+    log: HashMap<String, u64>,
+    /// `bucket`: tokens as last written (whole: the refill per day is negligible), by key.
+    bucket: HashMap<String, u64>,
+}
+
+impl Model {
+    fn capacity(rules: &Rules, pol: Pol, key: &str) -> u64 {
+        match (pol, rules.vip) {
+            (Pol::Log, Some(v)) if key == "vip" => v,
+            (Pol::Log, _) => rules.log_limit,
+            (Pol::Bucket, _) => rules.bucket_limit,
+        }
+    }
+
+    /// (allowed, remaining) of a check, and the state it would write.
+    fn decide(&self, rules: &Rules, pol: Pol, key: &str, cost: u64) -> (bool, u64, Option<u64>) {
+        let cap = Self::capacity(rules, pol, key);
+        let need = cost.max(1);
+        match pol {
+            Pol::Log => {
+                let n = self.log.get(key).copied().unwrap_or(0);
+                if n + need <= cap {
+                    (true, cap - n - cost, (cost > 0).then_some(n + cost))
+                } else {
+                    (false, cap.saturating_sub(n), None)
+                }
+            }
+            Pol::Bucket => {
+                let t = self.bucket.get(key).copied().unwrap_or(cap).min(cap);
+                if t >= need {
+                    (true, t - cost, (cost > 0).then_some(t - cost))
+                } else {
+                    (false, t, None)
+                }
+            }
+        }
+    }
+
+    fn write(&mut self, pol: Pol, key: &str, value: u64) {
+        let map = match pol {
+            Pol::Log => &mut self.log,
+            Pol::Bucket => &mut self.bucket,
+        };
+        map.insert(key.to_owned(), value);
+    }
+
+    fn reset(&mut self, pol: Pol, key: &str) {
+        match pol {
+            Pol::Log => self.log.remove(key),
+            Pol::Bucket => self.bucket.remove(key),
+        };
+    }
+}
+
+/// Two daemons on one Redis, A as a user that may PUBLISH and B as one that may not.
+struct Pair {
+    redis: RedisServer,
+    daemons: [Quotad; 2],
+    users: [&'static str; 2],
+    rules: Rules,
+    /// `log`'s `version`: only ever raised, across cases.
+    version: u64,
+}
+
+impl Pair {
+    fn config(url: &str, user: &str, rules: &Rules, version: u64) -> String {
+        let window = format!("{}h", rules.log_hours);
+        let mut log = Policy::new("log", "sliding_log", rules.log_limit, &window)
+            .set("version", version as i64);
+        if let Some(v) = rules.vip {
+            // Every case's own `…-vip` key.
+            log = log.with_override("glob", "*-vip", v);
+        }
+        Config::redis(url)
+            .store("username", user)
+            .store("password", PASSWORD)
+            .policy(log)
+            .policy(Policy::new(
+                "bucket",
+                "token_bucket",
+                rules.bucket_limit,
+                "1d",
+            ))
+            .to_toml()
+    }
+
+    fn start() -> Pair {
+        let pass = format!(">{PASSWORD}");
+        let redis = RedisServer::start_with_args(
+            false,
+            &[
+                "--user", "a", "on", &pass, "~*", "&*", "+@all", "--user", "b", "on", &pass, "~*",
+                "&*", "+@all", "-publish",
+            ],
+        );
+        let users = ["a", "b"];
+        let daemons = users.map(|u| Quotad::start(&Self::config(&redis.url(), u, &START, 1)));
+        Pair {
+            redis,
+            daemons,
+            users,
+            rules: START,
+            version: 1,
+        }
+    }
+
+    /// Both daemons reload `rules` (with a higher `log` version when `bump`); the result
+    /// both counted (they run the same file but for the user).
+    fn reload(&mut self, rules: &Rules, bump: bool) -> &'static str {
+        let version = self.version + u64::from(bump);
+        let mut results = Vec::new();
+        for (q, user) in self.daemons.iter().zip(self.users) {
+            let text = with_listen(
+                &Self::config(&self.redis.url(), user, rules, version),
+                q.port,
+            );
+            let file = q.dir.path().join("quotad.toml");
+            let old = std::fs::read_to_string(&file).unwrap();
+            if text == old {
+                results.push("ok");
+                continue;
+            }
+            let result = reload_file(q, &text);
+            if result != "ok" {
+                // The file again says what runs, so the next reload starts from it.
+                std::fs::write(&file, old).unwrap();
+            }
+            results.push(result);
+        }
+        assert_eq!(
+            results[0], results[1],
+            "the two daemons disagree on a reload"
+        );
+        if results[0] == "ok" {
+            self.rules = rules.clone();
+            self.version = version;
+        }
+        results[0]
+    }
+}
+
+fn check_body(pol: Pol, key: &str, cost: u64) -> Value {
+    json!({"policy": pol.name(), "key": key, "cost": cost})
+}
+
+/// Runs `ops` on keys of their own (`tag`); an error names the step.
+fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> {
+    // Every case starts from the same rules (a window back to START needs a version).
+    if pair.rules != START {
+        let bump = pair.rules.log_hours != START.log_hours;
+        let r = pair.reload(&START, bump);
+        prop_assert_eq!(r, "ok", "back to the start rules");
+    }
+    let key = |k: usize| format!("c{tag}-{}", KEYS[k]);
+    let mut model = Model::default();
+    for (step, op) in ops.iter().enumerate() {
+        let at = format!("step {step}: {op:?}");
+        match op {
+            Op::Check {
+                on,
+                pol,
+                key: k,
+                cost,
+            } => {
+                let (allowed, remaining, write) = model.decide(&pair.rules, *pol, KEYS[*k], *cost);
+                let (status, v) = pair.daemons[*on].check(&check_body(*pol, &key(*k), *cost));
+                prop_assert_eq!(status, 200, "{}: {}", at, v);
+                prop_assert_eq!(&v["allowed"], &json!(allowed), "{}: {}", at, v);
+                prop_assert_eq!(&v["remaining"], &json!(remaining), "{}: {}", at, v);
+                if let Some(w) = write {
+                    model.write(*pol, KEYS[*k], w);
+                }
+            }
+            Op::Batch { on, items } => {
+                let checks: Vec<Value> = items
+                    .iter()
+                    .map(|(p, k, c)| check_body(*p, &key(*k), *c))
+                    .collect();
+                let (status, v) = pair.daemons[*on].check(&json!({"checks": checks}));
+                prop_assert_eq!(status, 200, "{}: {}", at, v);
+                let decided: Vec<(bool, u64, Option<u64>)> = items
+                    .iter()
+                    .map(|(p, k, c)| model.decide(&pair.rules, *p, KEYS[*k], *c))
+                    .collect();
+                let passed = decided.iter().all(|d| d.0);
+                prop_assert_eq!(&v["allowed"], &json!(passed), "{}: {}", at, v);
+                for (i, ((p, k, c), d)) in items.iter().zip(&decided).enumerate() {
+                    let r = &v["results"][i];
+                    prop_assert_eq!(&r["allowed"], &json!(d.0), "{} [{}]: {}", at, i, v);
+                    prop_assert_eq!(&r["remaining"], &json!(d.1), "{} [{}]: {}", at, i, v);
+                    match (passed, d.2, p) {
+                        (true, Some(w), _) => model.write(*p, KEYS[*k], w),
+                        // Refunded: a bucket holds what it held before, now written down
+                        // (a key the batch created stays, full at the burst in force).
+                        (false, Some(_), Pol::Bucket) => model.write(*p, KEYS[*k], d.1 + c),
+                        _ => {}
+                    }
+                }
+            }
+            Op::Reset { on, pol, key: k } => {
+                let body = json!({"policy": pol.name(), "key": key(*k)});
+                let (status, _, v) = pair.daemons[*on].post("/v1/reset", &body);
+                // Done, or refused with nothing changed (B may not PUBLISH); either way
+                // every later answer, from either instance, must agree with the model.
+                match status {
+                    204 => model.reset(*pol, KEYS[*k]),
+                    503 => prop_assert_eq!(&v["error"]["code"], "reset_refused", "{}: {}", at, v),
+                    _ => prop_assert!(false, "{}: {} {}", at, status, v),
+                }
+                if *on == 0 {
+                    prop_assert_eq!(status, 204, "{}: A may publish: {}", at, v);
+                }
+            }
+            Op::Reload { rules, bump } => {
+                let window = rules.log_hours != pair.rules.log_hours;
+                let result = pair.reload(rules, *bump);
+                let want = if window && !bump { "refused" } else { "ok" };
+                prop_assert_eq!(result, want, "{}", at);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every answer of two instances sharing one Redis (checks, peeks, batches, resets
+/// through either, reloads of both) is the reference model's.
+#[test]
+fn two_instances_answer_every_step_as_the_model_does() {
+    let mut pair = Pair::start();
+    let mut runner = TestRunner::new(RunnerConfig {
+        cases: CASES,
+        max_shrink_iters: 256,
+        failure_persistence: None,
+        ..RunnerConfig::default()
+    });
+    // The runner takes an `Fn`: the daemons and counters behind a RefCell.
+    let state = std::cell::RefCell::new((0u64, 0usize));
+    let pair = std::cell::RefCell::new(&mut pair);
+    let started = Instant::now();
+    let result = runner.run(&prop::collection::vec(op(), 1..=MAX_STEPS), |ops| {
+        let tag = {
+            let mut s = state.borrow_mut();
+            s.0 += 1;
+            s.1 += ops.len();
+            s.0
+        };
+        run_case(&mut pair.borrow_mut(), tag, &ops)
+    });
+    let (runs, steps) = *state.borrow();
+    eprintln!(
+        "{runs} runs ({CASES} cases and any shrinking), {steps} steps in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+}
+
+// ------------------------------------------------------------------ two regions
+
+const REGIONS: [&str; 2] = ["eu", "us"];
+const RHO: f64 = 100.0;
+const SECRET: &str = "stateful-test-secret-0123456789abcdef";
+const SEEDS: u64 = 3;
+const GLOBAL_STEPS: usize = 24;
+
+struct Regions {
+    redis: [RedisServer; 2],
+    daemons: Vec<Quotad>,
+    /// Each region's URL for its peer (through a proxy).
+    peer_urls: [String; 2],
+    _proxies: Vec<Proxy>,
+    weights: [u32; 2],
+    version: u64,
+}
+
+fn region_config(
+    me: usize,
+    redis: &str,
+    peer_url: &str,
+    weights: [u32; 2],
+    version: u64,
+) -> String {
+    let escrow: Vec<(&str, u32)> = REGIONS.into_iter().zip(weights).collect();
+    Config::redis(redis)
+        .region(REGIONS[me])
+        .coordinator("secret", SECRET)
+        .coordinator("lock", "1s")
+        .peer(Peer::new(REGIONS[1 - me], peer_url))
+        .policy(
+            Policy::new("g", "token_bucket", RHO as u64, "1s")
+                .burst(RHO as u64)
+                .on_store_error("closed")
+                .global(
+                    Global::escrow(&escrow)
+                        .set("lease", "2s")
+                        .set("round", "200ms")
+                        .set("version", version as i64),
+                ),
+        )
+        .policy(Policy::new("local", "sliding_log", 5, "1h"))
+        .to_toml()
+}
+
+impl Regions {
+    fn start() -> Regions {
+        let leg = || -> LegHandle { std::sync::Arc::new(std::sync::Mutex::new(Leg::default())) };
+        let (ab, ba) = (leg(), leg());
+        // proxies[r]: region r's peer URL (the other region, through a proxy).
+        let proxies = vec![Proxy::start(ab.clone(), ba.clone()), Proxy::start(ba, ab)];
+        let redis = [RedisServer::start(), RedisServer::start()];
+        let weights = [1, 1];
+        let daemons: Vec<Quotad> = (0..2)
+            .map(|r| {
+                Quotad::start(&region_config(
+                    r,
+                    &redis[r].url(),
+                    &proxies[r].url(),
+                    weights,
+                    1,
+                ))
+            })
+            .collect();
+        proxies[0].set_target(daemons[1].port);
+        proxies[1].set_target(daemons[0].port);
+        Regions {
+            redis,
+            daemons,
+            peer_urls: [proxies[0].url(), proxies[1].url()],
+            _proxies: proxies,
+            weights,
+            version: 1,
+        }
+    }
+
+    /// The rate region r's book (or default escrow) allows `key` now, at Redis time, and
+    /// whether a loan or reservation is in force in that book.
+    fn rate(&self, r: usize, key: &str) -> (f64, bool) {
+        let mut conn = self.redis[r].conn();
+        let stem = "rl:g:g:{rl:g}:";
+        let slot: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(format!("{stem}{{{key}}}"))
+            .arg(&SLOT_FIELDS[..])
+            .query(&mut conn)
+            .unwrap();
+        let meta: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(format!("{stem}meta"))
+            .arg(&["d", "dp", "dt"])
+            .query(&mut conn)
+            .unwrap();
+        let (secs, us): (i64, i64) = redis::cmd("TIME").query(&mut conn).unwrap();
+        let now = secs * 1_000_000 + us;
+        let slot = decode_slot(&slot).expect("a key's hash");
+        let default = decode_default(&meta)
+            .expect("the meta hash")
+            .expect("written before the first step");
+        let shape = Shape {
+            rho: RHO,
+            burst: RHO,
+            step_tolerance: Params::default().step_tolerance_us(),
+        };
+        let leased = slot.book.as_ref().is_some_and(|b| {
+            b.borrowed.iter().any(|l| l.until > now) || b.reserved.iter().any(|x| x.until > now)
+        });
+        (slot.rate(&default, &shape, now), leased)
+    }
+
+    /// Region r's checks of `key`, as fast as they come, for `ms`.
+    fn hot(&self, r: usize, key: &str, ms: u64) -> usize {
+        let until = Instant::now() + Duration::from_millis(ms);
+        let body = json!({"policy": "g", "key": key});
+        let mut n = 0;
+        while Instant::now() < until {
+            let (status, v) = self.daemons[r].check(&body);
+            assert_eq!(status, 200, "{v}");
+            n += 1;
+        }
+        n
+    }
+
+    fn reset(&self, r: usize, key: &str) {
+        let (status, _, v) = self.daemons[r].post("/v1/reset", &json!({"policy": "g", "key": key}));
+        assert_eq!(status, 204, "{v}");
+    }
+
+    /// Region r reloads its file with the current weights and version, and another limit
+    /// for its local policy.
+    fn reload(&self, r: usize, local_limit: u64) {
+        let q = &self.daemons[r];
+        let text = region_config(
+            r,
+            &self.redis[r].url(),
+            &self.peer_urls[r],
+            self.weights,
+            self.version,
+        )
+        .replace("limit = 5\n", &format!("limit = {local_limit}\n"));
+        let result = reload_file(q, &with_listen(&text, q.port));
+        assert_eq!(result, "ok", "{}", q.log());
+    }
+
+    /// Until both regions' coordinators have written their default escrow (the rate of
+    /// keys without a book).
+    fn wait_for_defaults(&self) {
+        for r in 0..2 {
+            wait_for(
+                "the default escrow written",
+                Duration::from_secs(20),
+                || {
+                    let d: Option<String> = redis::cmd("HGET")
+                        .arg("rl:g:g:{rl:g}:meta")
+                        .arg("d")
+                        .query(&mut self.redis[r].conn())
+                        .unwrap();
+                    d.map(|_| ())
+                },
+            );
+        }
+    }
+}
+
+/// A global key across two regions: demand moves (loans are made), the key is reset in
+/// either region, and re-splits roll out by reload in either order; after every step the
+/// rates the two regions' books allow sum to at most ρ.
+#[test]
+fn two_regions_keep_the_bound_through_resets_and_reloads() {
+    use rand::{Rng, SeedableRng};
+    let mut regions = Regions::start();
+    regions.wait_for_defaults();
+    let mut steps = 0;
+    let mut loans_seen = 0;
+    for seed in 0..SEEDS {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let key = format!("k{seed}");
+        let mut hot = rng.random_range(0..2);
+        let mut pending_reload: Option<usize> = None;
+        for step in 0..GLOBAL_STEPS {
+            let what = rng.random_range(0..10);
+            let done = match what {
+                0..=4 => {
+                    if rng.random_bool(0.2) {
+                        hot = 1 - hot;
+                    }
+                    let n = regions.hot(hot, &key, 300);
+                    format!("region {hot} hot for 300 ms ({n} checks)")
+                }
+                5..=6 => {
+                    let r = rng.random_range(0..2);
+                    regions.reset(r, &key);
+                    format!("reset in region {r}")
+                }
+                7..=8 => match pending_reload {
+                    // The other region follows a re-split rolled out half-way.
+                    Some(r) => {
+                        regions.reload(1 - r, rng.random_range(3..9));
+                        pending_reload = None;
+                        format!("region {} reloads version {}", 1 - r, regions.version)
+                    }
+                    None => {
+                        let r = rng.random_range(0..2);
+                        regions.weights = [rng.random_range(1..5), rng.random_range(1..5)];
+                        regions.version += 1;
+                        regions.reload(r, rng.random_range(3..9));
+                        pending_reload = Some(r);
+                        format!(
+                            "region {r} reloads version {} (weights {:?})",
+                            regions.version, regions.weights
+                        )
+                    }
+                },
+                _ => {
+                    std::thread::sleep(Duration::from_millis(200));
+                    "a round passes".to_owned()
+                }
+            };
+            steps += 1;
+            let [(a, la), (b, lb)] = [regions.rate(0, &key), regions.rate(1, &key)];
+            let rates = [a, b];
+            if la || lb {
+                loans_seen += 1;
+            }
+            assert!(
+                rates[0] + rates[1] <= RHO * 1.001,
+                "seed {seed} step {step} ({done}): the regions' rates {rates:?} sum above ρ = {RHO}"
+            );
+        }
+        if let Some(r) = pending_reload {
+            regions.reload(1 - r, 5);
+        }
+    }
+    eprintln!(
+        "{SEEDS} seeds, {steps} steps, the bound checked after each; a loan in force at {loans_seen} of them"
+    );
+    assert!(
+        loans_seen > 0,
+        "no step saw a loan: the test proved nothing"
+    );
+}
