@@ -14,8 +14,8 @@ pub enum KeySource {
     /// A header of the original request (the proxy forwards it), by lower-case name.
     Header(String),
     /// The client's address: the `X-Forwarded-For` entry appended by the outermost of
-    /// the `trusted_hops` proxies (entries further left are the client's to forge), else
-    /// `X-Real-IP`.
+    /// the `trusted_hops` proxies (entries further left are the client's to forge); only
+    /// when no proxy wrote `X-Forwarded-For`, `X-Real-IP` (`api::forward_auth::client_ip`).
     ClientIp,
 }
 
@@ -45,7 +45,7 @@ impl MissingKey {
 /// One policy's forward-auth settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ForwardAuth {
-    /// The parts of the key, joined with `|` in this order.
+    /// The parts of the key, joined in this order by `api::key::join` (`|`, escaped).
     pub key: Vec<KeySource>,
     /// Proxies in front of quotad that append to `X-Forwarded-For` and are trusted.
     pub trusted_hops: usize,

@@ -431,6 +431,58 @@ mod tests {
     }
 
     #[test]
+    fn a_reset_of_a_global_key_forgets_its_bucket_and_keeps_its_book() {
+        use quotad_core::coordinator::lease::LeaseBook;
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone(), 1000);
+        let keys = PolicyKeys {
+            meta: "m".into(),
+            active: "a".into(),
+            books: "b".into(),
+            fence: "f".into(),
+            replid: "r".into(),
+        };
+        let global = GlobalCall {
+            user_key: "k",
+            keys: &keys,
+            shape: ScriptShape {
+                rho: 10.0,
+                burst: 10.0,
+                step_tolerance_us: 50_000,
+                fallback_escrow: 5.0,
+                keep_ms: GLOBAL_KEEP_MS,
+            },
+        };
+        let call = StoreCall {
+            algorithm: Algorithm::TokenBucket,
+            limits: Limits {
+                limit: 10,
+                window_us: 1_000_000,
+                burst: 10,
+            },
+            key: "g:{k}",
+            op: Op::Check { cost: 5 },
+            member: "",
+            global: Some(global),
+        };
+        assert!(store.apply_global(&call, &global).unwrap().allowed);
+        assert!(
+            !store.apply_global(&call, &global).unwrap().allowed,
+            "spent"
+        );
+        let book = LeaseBook::new(3.0);
+        store.global().slots.get_mut("g:{k}").unwrap().book = Some(book.clone());
+        store.reset("g:{k}", crate::store::Forget::Spent);
+        let slot = store.global().slots.get("g:{k}").cloned().unwrap();
+        assert_eq!(slot.book, Some(book), "the coordinator's book stays");
+        assert!(slot.bucket.is_none(), "what the user spent is forgotten");
+        assert_eq!(
+            slot.counters.admitted, 5,
+            "and the offered load with it stays"
+        );
+    }
+
+    #[test]
     fn idle_global_keys_are_swept_like_their_redis_keys_expire() {
         let clock = Arc::new(ManualClock::new(1_000_000_000));
         let store = MemoryStore::new(clock.clone(), 1000);
