@@ -29,38 +29,6 @@ use quotad_core::coordinator::bucket::Shape;
 use quotad_daemon::store::global::{SLOT_FIELDS, decode_default, decode_slot};
 use serde_json::{Value, json};
 
-/// `config` as the test kit writes it for a daemon listening on `port`: `[server]` after
-/// the top-level keys (the file a reload rewrites must keep the daemon's address).
-fn with_listen(config: &str, port: u16) -> String {
-    let split = config
-        .lines()
-        .position(|l| l.trim_start().starts_with('['))
-        .unwrap_or(config.lines().count());
-    let top: Vec<&str> = config.lines().take(split).collect();
-    let rest: Vec<&str> = config.lines().skip(split).collect();
-    format!(
-        "{}\n[server]\nlisten = \"127.0.0.1:{port}\"\n\n{}",
-        top.join("\n"),
-        rest.join("\n")
-    )
-}
-
-/// Writes `text` as `q`'s config file, sends SIGHUP and waits until the reload is
-/// counted; the result (`ok`, `refused`, `invalid`).
-fn reload_file(q: &Quotad, text: &str) -> &'static str {
-    let reloads = |r: &str| q.metric(&format!("quotad_config_reloads_total{{result=\"{r}\"}}"));
-    let before = ["ok", "refused", "invalid"].map(reloads);
-    std::fs::write(q.dir.path().join("quotad.toml"), text).unwrap();
-    q.hup();
-    wait_for("the reload counted", Duration::from_secs(10), || {
-        ["ok", "refused", "invalid"]
-            .into_iter()
-            .zip(before)
-            .find(|(r, b)| reloads(r) > *b)
-            .map(|(r, _)| r)
-    })
-}
-
 // ------------------------------------------------------------------ two instances
 
 const PASSWORD: &str = "stateful-test-password";
@@ -277,17 +245,14 @@ impl Pair {
         let version = self.version + u64::from(bump);
         let mut results = Vec::new();
         for (q, user) in self.daemons.iter().zip(self.users) {
-            let text = with_listen(
-                &Self::config(&self.redis.url(), user, rules, version),
-                q.port,
-            );
+            let text = q.config_file_text(&Self::config(&self.redis.url(), user, rules, version));
             let file = q.dir.path().join("quotad.toml");
             let old = std::fs::read_to_string(&file).unwrap();
             if text == old {
                 results.push("ok");
                 continue;
             }
-            let result = reload_file(q, &text);
+            let result = q.reload(&text);
             if result != "ok" {
                 // The file again says what runs, so the next reload starts from it.
                 std::fs::write(&file, old).unwrap();
@@ -562,7 +527,7 @@ impl Regions {
             self.version,
         )
         .replace("limit = 5\n", &format!("limit = {local_limit}\n"));
-        let result = reload_file(q, &with_listen(&text, q.port));
+        let result = q.reload(&q.config_file_text(&text));
         assert_eq!(result, "ok", "{}", q.log());
     }
 

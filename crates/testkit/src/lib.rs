@@ -495,6 +495,31 @@ impl Quotad {
         std::fs::read_to_string(self.dir.path().join("quotad.log")).unwrap_or_default()
     }
 
+    /// The config file this daemon would run `config` from (TOML without a `[server]
+    /// listen`, as given to [`Quotad::start`]): the harness's listen address added, so a
+    /// reload keeps it.
+    pub fn config_file_text(&self, config: &str) -> String {
+        with_listen(config, "", self.port)
+    }
+
+    /// Writes `text` as the daemon's config file, sends SIGHUP and waits until the reload
+    /// is counted; its result: `ok`, `invalid` or `refused` (a process daemon only).
+    pub fn reload(&self, text: &str) -> &'static str {
+        const RESULTS: [&str; 3] = ["ok", "invalid", "refused"];
+        let count =
+            |r: &str| self.metric(&format!("quotad_config_reloads_total{{result=\"{r}\"}}"));
+        let before = RESULTS.map(count);
+        std::fs::write(self.dir.path().join("quotad.toml"), text).expect("write config");
+        self.hup();
+        wait_for("the reload counted", Duration::from_secs(10), || {
+            RESULTS
+                .into_iter()
+                .zip(before)
+                .find(|(r, b)| count(r) > *b)
+                .map(|(r, _)| r)
+        })
+    }
+
     /// Sends SIGHUP: the daemon reloads its config file (a process daemon only).
     pub fn hup(&self) {
         let status = Command::new("kill")

@@ -430,21 +430,12 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_reset_of_a_global_key_forgets_its_bucket_and_keeps_its_book() {
-        use quotad_core::coordinator::lease::LeaseBook;
-        let clock = Arc::new(ManualClock::new(1_000_000_000));
-        let store = MemoryStore::new(clock.clone(), 1000);
-        let keys = PolicyKeys {
-            meta: "m".into(),
-            active: "a".into(),
-            books: "b".into(),
-            fence: "f".into(),
-            replid: "r".into(),
-        };
+    /// A global policy's keys (10/s, burst 10, fallback escrow 5) and a cost-5 check of
+    /// user key `k` stored at `key`.
+    fn global_check<'a>(keys: &'a PolicyKeys, key: &'a str) -> StoreCall<'a> {
         let global = GlobalCall {
             user_key: "k",
-            keys: &keys,
+            keys,
             shape: ScriptShape {
                 rho: 10.0,
                 burst: 10.0,
@@ -453,18 +444,38 @@ mod tests {
                 keep_ms: GLOBAL_KEEP_MS,
             },
         };
-        let call = StoreCall {
+        StoreCall {
             algorithm: Algorithm::TokenBucket,
             limits: Limits {
                 limit: 10,
                 window_us: 1_000_000,
                 burst: 10,
             },
-            key: "g:{k}",
+            key,
             op: Op::Check { cost: 5 },
             member: "",
             global: Some(global),
-        };
+        }
+    }
+
+    fn policy_keys() -> PolicyKeys {
+        PolicyKeys {
+            meta: "rl:g:g:meta".into(),
+            active: "rl:g:g:active".into(),
+            books: "rl:g:g:books".into(),
+            fence: "rl:g:g:fence".into(),
+            replid: "rl:g:g:replid".into(),
+        }
+    }
+
+    #[test]
+    fn a_reset_of_a_global_key_forgets_its_bucket_and_keeps_its_book() {
+        use quotad_core::coordinator::lease::LeaseBook;
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone(), 1000);
+        let keys = policy_keys();
+        let call = global_check(&keys, "g:{k}");
+        let global = call.global.unwrap();
         assert!(store.apply_global(&call, &global).unwrap().allowed);
         assert!(
             !store.apply_global(&call, &global).unwrap().allowed,
@@ -486,36 +497,9 @@ mod tests {
     fn idle_global_keys_are_swept_like_their_redis_keys_expire() {
         let clock = Arc::new(ManualClock::new(1_000_000_000));
         let store = MemoryStore::new(clock.clone(), 1000);
-        let keys = PolicyKeys {
-            meta: "rl:g:g:meta".into(),
-            active: "rl:g:g:active".into(),
-            books: "rl:g:g:books".into(),
-            fence: "rl:g:g:fence".into(),
-            replid: "rl:g:g:replid".into(),
-        };
-        let global = GlobalCall {
-            user_key: "k",
-            keys: &keys,
-            shape: ScriptShape {
-                rho: 10.0,
-                burst: 10.0,
-                step_tolerance_us: 50_000,
-                fallback_escrow: 5.0,
-                keep_ms: GLOBAL_KEEP_MS,
-            },
-        };
-        let call = StoreCall {
-            algorithm: Algorithm::TokenBucket,
-            limits: Limits {
-                limit: 10,
-                window_us: 1_000_000,
-                burst: 10,
-            },
-            key: "rl:g:g:{k}",
-            op: Op::Check { cost: 5 },
-            member: "",
-            global: Some(global),
-        };
+        let keys = policy_keys();
+        let call = global_check(&keys, "rl:g:g:{k}");
+        let global = call.global.unwrap();
         assert!(
             store.apply_global(&call, &global).unwrap().allowed,
             "5 of the escrow's 5"
