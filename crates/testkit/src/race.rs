@@ -39,10 +39,24 @@ impl Race {
     /// checks of `policy` on `key`; a Redis URL in `naive` mode: GET-then-INCR of `key`
     /// up to `limit`), and sums their tallies. Panics if any request failed.
     pub fn run(&self, mode: &str, target: &str, policy: &str, key: &str, limit: u64) -> Tally {
+        self.run_across(mode, &[target], policy, key, limit)
+    }
+
+    /// [`Race::run`] with the children spread over `targets` (child i sends to target
+    /// i mod their number): several daemons on one store, all racing for one key.
+    pub fn run_across(
+        &self,
+        mode: &str,
+        targets: &[&str],
+        policy: &str,
+        key: &str,
+        limit: u64,
+    ) -> Tally {
         let go_at = unix_ms() + 1500; // every child is connected and waiting by then
         let exe = std::env::current_exe().unwrap();
         let children: Vec<_> = (0..self.processes)
-            .map(|_| {
+            .map(|i| {
+                let target = targets[i % targets.len()];
                 Command::new(&exe)
                     .env(MODE, mode)
                     .env("QUOTAD_CHILD_TARGET", target)
