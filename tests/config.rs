@@ -110,7 +110,10 @@ const BAD: &[(&str, &[&str])] = &[
     ("no_policies.toml", &["1: policy: no [[policy]] is defined"]),
     (
         "bad_listen.toml",
-        &["2: server.listen: must be an IP address and port"],
+        &[
+            "2: server.listen: must be an IP address and port (\"127.0.0.1:8686\") or a Unix socket",
+            "3: server.grpc_listen: a Unix socket needs an absolute path",
+        ],
     ),
     (
         "bad_redis_url.toml",

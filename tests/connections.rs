@@ -3,7 +3,7 @@
 //! connection after `idle_timeout`; oversized headers get 431, broken chunked framing 400;
 //! at `max_connections` a new connection evicts the one that waited longest without a
 //! request in progress, or is turned away when every connection is busy. Each closing is
-//! counted in `quotad_connections_closed_total{reason}`.
+//! counted in `quotad_connections_closed_total{listener="http",reason}`.
 //!
 //! In-process daemons (`Quotad::serve_with`). The bounds under test are the server's own
 //! (`max_connections` is set wherever it matters, so the open-files limit the in-process
@@ -82,7 +82,7 @@ fn keep_alive_check(s: &mut TcpStream, key: &str) -> String {
 
 fn closed(q: &Quotad, reason: &str) -> f64 {
     q.metric(&format!(
-        "quotad_connections_closed_total{{reason=\"{reason}\"}}"
+        "quotad_connections_closed_total{{listener=\"http\",reason=\"{reason}\"}}"
     ))
 }
 
@@ -212,7 +212,7 @@ fn at_the_connection_bound_the_longest_waiting_connection_makes_room() {
     assert!(keep_alive_check(&mut served, "still").starts_with("HTTP/1.1 200"));
     // This very request took a slot too (evicting the next oldest silent connection).
     assert!(closed(&q, "evicted") >= 1.0);
-    assert!(q.metric("quotad_connections_open") <= 4.0);
+    assert!(q.metric("quotad_connections_open{listener=\"http\"}") <= 4.0);
 }
 
 #[test]

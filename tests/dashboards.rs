@@ -293,8 +293,12 @@ fn kubernetes_configmap_config_validates() {
     let settings = quotad_daemon::config::Settings::parse("quotad.toml", &config)
         .expect("valid, as quotad validate said");
     let listen = settings.server.listen;
+    let pod_address = match &listen {
+        quotad_daemon::server::Endpoint::Tcp(a) => a.ip().is_unspecified() && a.port() == 8686,
+        quotad_daemon::server::Endpoint::Unix(_) => false,
+    };
     assert!(
-        listen.ip().is_unspecified() && listen.port() == 8686,
+        pod_address,
         "server.listen is {listen}: in a pod it must be 0.0.0.0:8686 (the probes, the \
          Service and the scrape annotations use port 8686; loopback is unreachable)"
     );

@@ -611,7 +611,7 @@ fn redis_killed_mid_load_each_policy_fails_its_way_in_time() {
 }
 
 /// The gRPC listener holds at most `server.grpc_max_connections` connections
-/// (`quotad_grpc_connections_open`); one more waits in the backlog, unanswered, and is
+/// (`quotad_connections_open{listener="grpc"}`); one more waits in the backlog, unanswered, and is
 /// served as soon as a slot frees.
 #[test]
 fn the_grpc_listener_holds_at_most_grpc_max_connections() {
@@ -626,7 +626,7 @@ fn the_grpc_listener_holds_at_most_grpc_max_connections() {
         let mut b = client(port).await;
         ask(&mut a, DOMAIN, ip()).await;
         ask(&mut b, DOMAIN, ip()).await;
-        assert_eq!(q.metric("quotad_grpc_connections_open"), 2.0);
+        assert_eq!(q.metric("quotad_connections_open{listener=\"grpc\"}"), 2.0);
         // A third connection: TCP connects (the backlog), but nothing answers it.
         let third = tokio::spawn(async move {
             let mut c = client(port).await;
@@ -647,7 +647,7 @@ fn the_grpc_listener_holds_at_most_grpc_max_connections() {
         assert_eq!(code(&r), Code::Ok);
     });
     wait_for("the count to follow", Duration::from_secs(5), || {
-        (q.metric("quotad_grpc_connections_open") <= 2.0).then_some(())
+        (q.metric("quotad_connections_open{listener=\"grpc\"}") <= 2.0).then_some(())
     });
 }
 
@@ -667,7 +667,7 @@ fn silent_sockets_lose_their_slot_after_the_header_timeout() {
         .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
         .collect();
     wait_for("both slots taken", Duration::from_secs(5), || {
-        (q.metric("quotad_grpc_connections_open") == 2.0).then_some(())
+        (q.metric("quotad_connections_open{listener=\"grpc\"}") == 2.0).then_some(())
     });
     let r = runtime().block_on(async {
         let mut c = client(port).await;
@@ -691,7 +691,10 @@ fn silent_sockets_lose_their_slot_after_the_header_timeout() {
             Err(e) => panic!("a silent socket is still open: {e}"),
         }
     }
-    assert_eq!(q.metric("quotad_grpc_handshake_timeouts_total"), 2.0);
+    assert_eq!(
+        q.metric("quotad_connections_closed_total{listener=\"grpc\",reason=\"header_timeout\"}"),
+        2.0
+    );
 }
 
 /// A per-key override applies to gRPC checks as to HTTP ones: the overridden address gets

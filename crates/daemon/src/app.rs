@@ -7,11 +7,9 @@
 //! connections close (see [`crate::server`]); the process exits once they are gone, and
 //! no later than `server.drain_timeout` after the signal, whatever is still open.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -22,7 +20,7 @@ use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::reload::{self, Live, LiveConfig};
-use crate::server::{self, Drain};
+use crate::server::{self, Drain, Endpoint, Listener};
 use crate::store::janitor;
 use crate::store::layout::{Layout, Layouts, RegionPlace};
 use crate::store::memory::MemoryStore;
@@ -34,7 +32,7 @@ use quotad_core::clock::SystemClock;
 pub enum AppError {
     #[error("cannot listen on {addr}: {source}")]
     Bind {
-        addr: SocketAddr,
+        addr: Endpoint,
         source: std::io::Error,
     },
     #[error("invalid Redis URL: {0}")]
@@ -88,37 +86,40 @@ pub fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layouts {
     )
 }
 
-/// Binds the configured address and serves until `shutdown` is cancelled.
+/// Binds the configured endpoint and serves until `shutdown` is cancelled.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
-    let addr = settings.server.listen;
-    let listener =
-        server::bind(addr, LISTEN_BACKLOG).map_err(|source| AppError::Bind { addr, source })?;
+    let listener = bind(&settings.server.listen)?;
     serve(settings, listener, shutdown).await
+}
+
+/// Binds `addr` (a TCP address or a Unix socket) with the daemon's backlog.
+fn bind(addr: &Endpoint) -> Result<Listener, AppError> {
+    Listener::bind(addr, LISTEN_BACKLOG).map_err(|source| AppError::Bind {
+        addr: addr.clone(),
+        source,
+    })
 }
 
 /// Serves on an already-bound listener (tests bind port 0); binds `[server] grpc_listen`
 /// when set.
 pub async fn serve(
     settings: Settings,
-    listener: TcpListener,
+    listener: impl Into<Listener>,
     shutdown: CancellationToken,
 ) -> Result<(), AppError> {
-    let grpc = match settings.server.grpc_listen {
-        Some(addr) => Some(
-            api::grpc::bind(addr, LISTEN_BACKLOG)
-                .map_err(|source| AppError::Bind { addr, source })?,
-        ),
+    let grpc = match &settings.server.grpc_listen {
+        Some(addr) => Some(bind(addr)?),
         None => None,
     };
-    serve_both(settings, listener, grpc, shutdown).await
+    serve_both(settings, listener.into(), grpc, shutdown).await
 }
 
 /// Serves HTTP on `listener` and, when given, the Envoy rate-limit service on `grpc`; both
 /// drain together.
 pub async fn serve_both(
     settings: Settings,
-    listener: TcpListener,
-    grpc: Option<TcpListener>,
+    listener: Listener,
+    grpc: Option<Listener>,
     shutdown: CancellationToken,
 ) -> Result<(), AppError> {
     let metrics = Arc::new(Metrics::new(
@@ -185,7 +186,7 @@ pub async fn serve_both(
         region: settings.region.as_str().into(),
         federation: federation.clone(),
     };
-    let addr = listener.local_addr().map_err(AppError::Serve)?;
+    let addr = listener.endpoint().map_err(AppError::Serve)?;
     tracing::info!(%addr, region = %settings.region, policies = settings.policies.len(), "quotad listening");
     let limits = connection_limits(&settings);
     let grpc_server = grpc.map(|l| serve_grpc(&settings, &state, l));
@@ -221,9 +222,9 @@ pub async fn serve_both(
 fn serve_grpc(
     settings: &Settings,
     state: &AppState,
-    listener: TcpListener,
+    listener: Listener,
 ) -> impl std::future::Future<Output = Result<(), tonic::transport::Error>> + use<> {
-    if let Ok(addr) = listener.local_addr() {
+    if let Ok(addr) = listener.endpoint() {
         tracing::info!(%addr, domains = settings.descriptors.len(), "gRPC rate-limit service listening");
     }
     let service = api::grpc::RateLimiter {
@@ -396,7 +397,7 @@ fn connection_limits(settings: &Settings) -> server::Limits {
         max_header_bytes: settings.server.max_header_bytes,
     };
     // The gRPC listener's connections take descriptors too, when it is configured.
-    let grpc = match settings.server.grpc_listen {
+    let grpc = match &settings.server.grpc_listen {
         Some(_) => settings.server.grpc_max_connections as u64,
         None => 0,
     };

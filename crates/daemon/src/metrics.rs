@@ -43,20 +43,17 @@ pub struct Metrics {
     /// `quotad_store_breaker_opens_total`: times the circuit breaker opened (a lost
     /// connection, or timeouts confirmed by an unanswered PING).
     pub breaker_opens: IntCounter,
-    /// `quotad_connections_open`: HTTP connections open now.
-    pub connections_open: IntGauge,
-    /// `quotad_grpc_connections_open`: connections to the gRPC rate-limit service open now
-    /// (at most `server.max_connections`; beyond, connects wait in the backlog).
-    pub grpc_connections_open: IntGauge,
-    /// `quotad_grpc_handshake_timeouts_total`: gRPC connections closed because the HTTP/2
-    /// preface did not arrive within `server.header_timeout`.
-    pub grpc_handshake_timeouts: IntCounter,
-    /// `quotad_connections_closed_total{reason}`: connections the server closed
-    /// (`header_timeout`, `idle_timeout`, `evicted`, `rejected`, `drained`); clients'
-    /// own closes are not counted.
+    /// `quotad_connections_open{listener}`: connections open now, by listener (`http`,
+    /// `grpc`), whatever carries them (TCP or a Unix socket); each listener holds at most
+    /// its own bound (`server.max_connections`, `server.grpc_max_connections`).
+    pub connections_open: IntGaugeVec,
+    /// `quotad_connections_closed_total{listener,reason}`: connections the server closed
+    /// (`header_timeout`: nothing, or no whole request or HTTP/2 preface, within
+    /// `server.header_timeout`; `idle_timeout`, `evicted`, `rejected`, `drained`: HTTP);
+    /// clients' own closes are not counted.
     pub connections_closed: IntCounterVec,
-    /// `quotad_accept_errors_total`: failed accepts (a full file table, usually).
-    pub accept_errors: IntCounter,
+    /// `quotad_accept_errors_total{listener}`: failed accepts (a full file table, usually).
+    pub accept_errors: IntCounterVec,
     /// `quotad_deny_cache_hits_total{policy}`: denials answered from memory, without a
     /// Redis call (a key hammered while over its limit).
     pub deny_cache_hits: IntCounterVec,
@@ -265,25 +262,17 @@ impl Metrics {
                 "quotad_store_breaker_opens_total",
                 "Times the store circuit breaker opened.",
             )),
-            grpc_connections_open: c.int_gauge(Opts::new(
-                "quotad_grpc_connections_open",
-                "Connections to the gRPC rate-limit service open now.",
-            )),
-            grpc_handshake_timeouts: c.counter(Opts::new(
-                "quotad_grpc_handshake_timeouts_total",
-                "gRPC connections closed for sending nothing within server.header_timeout.",
-            )),
-            connections_open: c.int_gauge(Opts::new(
+            connections_open: c.labels(&["listener"]).int_gauge(Opts::new(
                 "quotad_connections_open",
-                "HTTP connections open.",
+                "Connections open, by listener (http, grpc).",
             )),
-            connections_closed: c.labels(&["reason"]).counter(Opts::new(
+            connections_closed: c.labels(&["listener", "reason"]).counter(Opts::new(
                 "quotad_connections_closed_total",
-                "HTTP connections closed by the server, by reason.",
+                "Connections closed by the server, by listener and reason.",
             )),
-            accept_errors: c.counter(Opts::new(
+            accept_errors: c.labels(&["listener"]).counter(Opts::new(
                 "quotad_accept_errors_total",
-                "Failed accepts on the listener.",
+                "Failed accepts, by listener.",
             )),
             deny_cache_hits: c.labels(&["policy"]).counter(Opts::new(
                 "quotad_deny_cache_hits_total",

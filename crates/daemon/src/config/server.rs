@@ -7,12 +7,15 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::{Validator, raw};
+use crate::server::Endpoint;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerSettings {
-    pub listen: SocketAddr,
-    /// The Envoy rate-limit service's gRPC listener (`api::grpc`); none when absent.
-    pub grpc_listen: Option<SocketAddr>,
+    /// An address and port, or a Unix socket (`unix:/path`) for a sidecar on the host.
+    pub listen: Endpoint,
+    /// The Envoy rate-limit service's gRPC listener (`api::grpc`), an address or a Unix
+    /// socket; none when absent.
+    pub grpc_listen: Option<Endpoint>,
     /// Connections the gRPC listener keeps open at once, apart from `max_connections`
     /// (Envoy holds a few long-lived ones per proxy; an HTTP flood must not starve them).
     pub grpc_max_connections: usize,
@@ -42,7 +45,7 @@ impl ServerSettings {
     /// The defaults of `[server]`.
     pub fn defaults() -> Self {
         ServerSettings {
-            listen: default_listen(),
+            listen: Endpoint::Tcp(default_listen()),
             grpc_listen: None,
             grpc_max_connections: DEFAULT_GRPC_MAX_CONNECTIONS as usize,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
@@ -100,7 +103,7 @@ impl Validator<'_> {
     /// the shutdown delay is compared with the drain timeout last, once both are known.
     pub(super) fn server(&mut self, s: raw::Server) -> ServerSettings {
         let listen = self.listen(s.listen.as_ref());
-        let grpc_listen = self.grpc_listen(s.grpc_listen.as_ref(), listen);
+        let grpc_listen = self.grpc_listen(s.grpc_listen.as_ref(), &listen);
         let (drain_timeout, shutdown_delay) = self.shutdown_timings(&s);
         let mut settings = ServerSettings {
             listen,
@@ -124,44 +127,34 @@ impl Validator<'_> {
     }
 
     /// `listen`: parsed here so that a typo is a config error, not a failed bind at start-up.
-    fn listen(&mut self, listen: Option<&Spanned<String>>) -> SocketAddr {
+    fn listen(&mut self, listen: Option<&Spanned<String>>) -> Endpoint {
         let Some(l) = listen else {
-            return default_listen();
+            return Endpoint::Tcp(default_listen());
         };
-        match l.get_ref().parse::<SocketAddr>() {
-            Ok(a) => a,
-            Err(_) => {
-                self.error(
-                    l,
-                    "server.listen",
-                    "must be an IP address and port, e.g. \"127.0.0.1:8686\"",
-                );
-                default_listen()
-            }
-        }
+        Endpoint::parse(l.get_ref()).unwrap_or_else(|why| {
+            self.error(l, "server.listen", why);
+            Endpoint::Tcp(default_listen())
+        })
     }
 
-    /// `grpc_listen`: an address like `listen`, and not the same one.
+    /// `grpc_listen`: an endpoint like `listen`, and not the same one.
     fn grpc_listen(
         &mut self,
         value: Option<&Spanned<String>>,
-        http: SocketAddr,
-    ) -> Option<SocketAddr> {
+        http: &Endpoint,
+    ) -> Option<Endpoint> {
         let v = value?;
-        match v.get_ref().parse::<SocketAddr>() {
-            Ok(a) if a == http => {
-                let why =
-                    format!("is server.listen ({http}) too; the gRPC listener needs its own port");
+        match Endpoint::parse(v.get_ref()) {
+            Ok(a) if &a == http => {
+                let why = format!(
+                    "is server.listen ({http}) too; the gRPC listener needs its own port or socket"
+                );
                 self.error(v, "server.grpc_listen", why);
                 None
             }
             Ok(a) => Some(a),
-            Err(_) => {
-                self.error(
-                    v,
-                    "server.grpc_listen",
-                    "must be an IP address and port, e.g. \"127.0.0.1:8081\"",
-                );
+            Err(why) => {
+                self.error(v, "server.grpc_listen", why);
                 None
             }
         }

@@ -21,10 +21,7 @@
 //!   `RateLimitRequest` ([`wire`]). quotad at capacity is `UNAVAILABLE` (Envoy applies its
 //!   `failure_mode_deny`).
 
-use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -34,11 +31,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit,
 };
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Status;
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
 
 mod wire;
 
@@ -51,7 +45,7 @@ use crate::limiter::{Check, Decision, Limiter};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::reload::{Live, LiveConfig};
-use crate::server::Drain;
+use crate::server::{self, Drain, Handed, Handoff, Listener, ListenerMetrics};
 use wire::{WireDescriptor, WireRequest};
 
 /// Streams one HTTP/2 connection may carry at once. Envoy multiplexes every request of a
@@ -74,6 +68,14 @@ pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(600);
 /// timeout to send it whole, so a socket that sends nothing (or dribbles) holds its slot
 /// for seconds, as on the HTTP listener.
 const PREFACE_BYTES: usize = 24;
+
+/// tonic asks each connection who is at the other end; the service answers from the
+/// request alone.
+impl Connected for Handed {
+    type ConnectInfo = ();
+
+    fn connect_info(&self) {}
+}
 
 /// The service: what it needs to turn descriptors into checks.
 pub struct RateLimiter {
@@ -326,14 +328,16 @@ fn pb_duration(d: Duration) -> PbDuration {
 /// in-flight calls finish (HTTP/2 GOAWAY) and connections close. The app's drain deadline
 /// bounds the wait.
 pub async fn serve(
-    listener: TcpListener,
+    listener: Listener,
     service: RateLimiter,
     bounds: Bounds,
     drain: Drain,
 ) -> Result<(), tonic::transport::Error> {
-    let counters = Counters {
-        open: service.metrics.grpc_connections_open.clone(),
-        handshake_timeouts: service.metrics.grpc_handshake_timeouts.clone(),
+    let metrics = ListenerMetrics::new(&service.metrics, "grpc");
+    let accept = Handoff {
+        max_connections: bounds.max_connections,
+        first_bytes: PREFACE_BYTES,
+        first_bytes_timeout: bounds.handshake_timeout,
     };
     let svc = wire::Server::new(service, bounds.max_message_bytes);
     tonic::transport::Server::builder()
@@ -345,142 +349,8 @@ pub async fn serve(
         .max_connection_age(MAX_CONNECTION_AGE)
         .max_connection_age_grace(bounds.timeout)
         .add_service(svc)
-        .serve_with_incoming_shutdown(incoming(listener, bounds, counters), drain.closing())
+        .serve_with_incoming_shutdown(server::incoming(listener, accept, metrics), drain.closing())
         .await
-}
-
-/// What the listener counts: connections open, and those closed without a preface.
-#[derive(Clone)]
-struct Counters {
-    open: prometheus::IntGauge,
-    handshake_timeouts: prometheus::IntCounter,
-}
-
-/// Accepted connections, at most `bounds.max_connections` open at once: a permit is taken
-/// before `accept`, so beyond the bound connects wait in the backlog instead of being
-/// accepted and starved.
-fn incoming(
-    listener: TcpListener,
-    bounds: Bounds,
-    counters: Counters,
-) -> impl futures_util::Stream<Item = std::io::Result<Bounded>> {
-    let permits = Arc::new(Semaphore::new(bounds.max_connections.max(1)));
-    let state = (listener, permits, counters);
-    futures_util::stream::unfold(state, move |(listener, permits, counters)| async move {
-        let permit = permits.clone().acquire_owned().await.ok()?;
-        let accepted = match listener.accept().await {
-            Ok((stream, _)) => {
-                let _ = stream.set_nodelay(true);
-                counters.open.inc();
-                Ok(Bounded {
-                    stream,
-                    _permit: permit,
-                    preface: Some((0, Box::pin(tokio::time::sleep(bounds.handshake_timeout)))),
-                    counters: counters.clone(),
-                })
-            }
-            Err(e) => {
-                // Out of file descriptors, most likely: give closing connections a moment
-                // rather than spin on accept.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                Err(e)
-            }
-        };
-        Some((accepted, (listener, permits, counters)))
-    })
-}
-
-/// A connection holding its slot until it closes (`quotad_grpc_connections_open`).
-pub struct Bounded {
-    stream: TcpStream,
-    _permit: OwnedSemaphorePermit,
-    /// Until the preface is in: the bytes read so far, and the deadline for the rest.
-    preface: Option<(usize, Pin<Box<tokio::time::Sleep>>)>,
-    counters: Counters,
-}
-
-impl Drop for Bounded {
-    fn drop(&mut self) {
-        self.counters.open.dec();
-    }
-}
-
-impl Connected for Bounded {
-    type ConnectInfo = TcpConnectInfo;
-
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.stream.connect_info()
-    }
-}
-
-impl AsyncRead for Bounded {
-    /// Reads; until the preface is in, a read that would wait past its deadline fails
-    /// instead, which closes the connection (counted).
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let this = &mut *self;
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
-        let Some((read, deadline)) = this.preface.as_mut() else {
-            return polled;
-        };
-        match polled {
-            Poll::Ready(Ok(())) => {
-                *read += buf.filled().len() - before;
-                if *read >= PREFACE_BYTES {
-                    this.preface = None;
-                }
-                Poll::Ready(Ok(()))
-            }
-            Poll::Pending if deadline.as_mut().poll(cx).is_ready() => {
-                this.preface = None;
-                this.counters.handshake_timeouts.inc();
-                Poll::Ready(Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "no HTTP/2 preface within server.header_timeout",
-                )))
-            }
-            other => other,
-        }
-    }
-}
-
-impl AsyncWrite for Bounded {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-}
-
-/// Binds the gRPC address as the HTTP listener is bound ([`crate::server::bind`]).
-pub fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
-    crate::server::bind(addr, backlog)
 }
 
 #[cfg(test)]

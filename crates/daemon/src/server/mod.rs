@@ -39,13 +39,18 @@ use axum::Router;
 use axum::http::{HeaderValue, Request, header};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, ReadBuf};
 use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::metrics::Metrics;
+
+pub mod handoff;
+pub mod listener;
+
+pub use handoff::{Handed, Handoff, incoming};
+pub use listener::{Endpoint, Listener, Stream};
 
 /// Bounds from `[server]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +98,34 @@ impl Closed {
         "rejected",
         "drained",
     ];
+}
+
+/// One listener's connection metrics, its label values resolved once (not per
+/// connection): `quotad_connections_open{listener}`,
+/// `quotad_connections_closed_total{listener,reason}`, `quotad_accept_errors_total{listener}`.
+#[derive(Clone)]
+pub struct ListenerMetrics {
+    pub open: prometheus::IntGauge,
+    pub accept_errors: prometheus::IntCounter,
+    /// Indexed like [`Closed::REASONS`].
+    closed: [prometheus::IntCounter; 5],
+}
+
+impl ListenerMetrics {
+    /// The series of the listener named `listener` (`http`, `grpc`), all created now so
+    /// that each shows 0 from the start.
+    pub fn new(metrics: &Metrics, listener: &str) -> Self {
+        ListenerMetrics {
+            open: metrics.connections_open.with_label_values(&[listener]),
+            accept_errors: metrics.accept_errors.with_label_values(&[listener]),
+            closed: Closed::REASONS
+                .map(|r| metrics.connections_closed.with_label_values(&[listener, r])),
+        }
+    }
+
+    pub fn closed(&self, why: Closed) {
+        self.closed[why as usize].inc();
+    }
 }
 
 /// The shutdown sequence as the server sees it; the app drives it.
@@ -170,7 +203,7 @@ impl Conn {
 
 struct Shared {
     limits: Limits,
-    metrics: Arc<Metrics>,
+    metrics: ListenerMetrics,
     drain: Drain,
     epoch: Instant,
     slots: Arc<Semaphore>,
@@ -186,10 +219,7 @@ impl Shared {
     }
 
     fn closed(&self, why: Closed) {
-        self.metrics
-            .connections_closed
-            .with_label_values(&[why.reason()])
-            .inc();
+        self.metrics.closed(why);
     }
 
     /// Closes a connection without a request in progress: one that never completed a
@@ -226,26 +256,23 @@ impl Shared {
 /// closed. Accept errors (a full file table, a connection reset before accept) are
 /// logged, counted and retried after a short pause: they never stop the server.
 pub async fn serve(
-    listener: TcpListener,
+    listener: Listener,
     router: Router,
     limits: Limits,
     metrics: Arc<Metrics>,
     drain: Drain,
 ) {
-    for r in Closed::REASONS {
-        metrics.connections_closed.with_label_values(&[r]);
-    }
     let shared = Arc::new(Shared {
         slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
         limits,
-        metrics,
+        metrics: ListenerMetrics::new(&metrics, "http"),
         drain: drain.clone(),
         epoch: Instant::now(),
         conns: Mutex::new(Vec::new()),
     });
     let tasks = TaskTracker::new();
     let mut accept_errors = 0u64;
-    let spawn = |stream: TcpStream| {
+    let spawn = |stream: Stream| {
         let shared = shared.clone();
         let router = router.clone();
         tasks.spawn(async move {
@@ -253,9 +280,9 @@ pub async fn serve(
                 shared.closed(Closed::Rejected);
                 return;
             };
-            shared.metrics.connections_open.inc();
+            shared.metrics.open.inc();
             connection(&shared, stream, router).await;
-            shared.metrics.connections_open.dec();
+            shared.metrics.open.dec();
         });
     };
     loop {
@@ -264,7 +291,7 @@ pub async fn serve(
             r = listener.accept() => r,
         };
         match accepted {
-            Ok((stream, _)) => spawn(stream),
+            Ok(stream) => spawn(stream),
             Err(e) => {
                 accept_errors += 1;
                 shared.metrics.accept_errors.inc();
@@ -285,7 +312,7 @@ pub async fn serve(
     let until = Instant::now() + Duration::from_millis(50);
     while Instant::now() < until {
         match tokio::time::timeout(Duration::ZERO, listener.accept()).await {
-            Ok(Ok((stream, _))) => spawn(stream),
+            Ok(Ok(stream)) => spawn(stream),
             _ => break,
         }
     }
@@ -312,8 +339,7 @@ async fn slot(shared: &Shared) -> Option<tokio::sync::OwnedSemaphorePermit> {
     .ok()
 }
 
-async fn connection(shared: &Arc<Shared>, stream: TcpStream, router: Router) {
-    let _ = stream.set_nodelay(true);
+async fn connection(shared: &Arc<Shared>, stream: Stream, router: Router) {
     let conn = Arc::new(Conn {
         phase: AtomicU8::new(FRESH),
         since: AtomicU64::new(shared.now_ms()),
@@ -344,16 +370,14 @@ async fn connection(shared: &Arc<Shared>, stream: TcpStream, router: Router) {
 async fn serve_connection(
     shared: &Arc<Shared>,
     conn: &Arc<Conn>,
-    stream: TcpStream,
+    stream: Stream,
     router: Router,
 ) -> Option<Closed> {
     // Until its first byte a connection gets no hyper state at all: its buffers (8 KiB
     // each way) and the connection's state machine live in a box made only then, so an
     // idle socket costs its task and little more.
-    // (`readable()` may complete spuriously; a peek of one byte waits for a real one.)
-    let mut first = [0u8; 1];
     tokio::select! {
-        r = stream.peek(&mut first) => if !matches!(r, Ok(1..)) { return None },
+        r = stream.first_byte() => if !matches!(r, Ok(1..)) { return None },
         why = watchdog(shared, conn) => return Some(why),
     }
     Box::pin(serve_http(shared, conn, stream, router)).await
@@ -363,7 +387,7 @@ async fn serve_connection(
 async fn serve_http(
     shared: &Arc<Shared>,
     conn: &Arc<Conn>,
-    stream: TcpStream,
+    stream: Stream,
     router: Router,
 ) -> Option<Closed> {
     let io = TokioIo::new(Tracked {
@@ -447,7 +471,7 @@ async fn watchdog(shared: &Shared, conn: &Conn) -> Closed {
 
 /// The socket, noting when the first byte of a request arrives on a waiting connection.
 struct Tracked {
-    inner: TcpStream,
+    inner: Stream,
     conn: Arc<Conn>,
     shared: Arc<Shared>,
 }
@@ -472,35 +496,7 @@ impl AsyncRead for Tracked {
     }
 }
 
-impl AsyncWrite for Tracked {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-}
+listener::writes_through!(Tracked, inner);
 
 /// Raises the soft limit on open files to the hard limit (where allowed) and returns the
 /// limit in force, for sizing `max_connections`.
@@ -524,17 +520,4 @@ pub fn default_max_connections(file_limit: Option<u64>) -> usize {
         Some(n) => cap.min(n.saturating_sub(RESERVED_FILES).max(64)) as usize,
         None => cap as usize,
     }
-}
-
-/// A listening socket on `addr` with address reuse (a restart need not wait out
-/// TIME_WAIT) and a deep `backlog`: the HTTP listener's, and the gRPC service's.
-pub fn bind(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(backlog)
 }
