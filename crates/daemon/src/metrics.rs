@@ -40,6 +40,12 @@ pub struct Metrics {
     pub store_in_flight: IntGauge,
     /// `quotad_store_queued`: requests waiting for Redis permits.
     pub store_queued: IntGauge,
+    /// `quotad_store_pipelines_total`: pipelines the request path sent to Redis (one
+    /// socket write each; `store::coalesce`).
+    pub store_pipelines: IntCounter,
+    /// `quotad_store_pipelined_commands_total`: commands sent in them; over
+    /// `quotad_store_pipelines_total`, the commands per write.
+    pub store_pipelined_commands: IntCounter,
     /// `quotad_store_breaker_opens_total`: times the circuit breaker opened (a lost
     /// connection, or timeouts confirmed by an unanswered PING).
     pub breaker_opens: IntCounter,
@@ -257,6 +263,14 @@ impl Metrics {
             store_queued: c.int_gauge(Opts::new(
                 "quotad_store_queued",
                 "Requests waiting for Redis call permits.",
+            )),
+            store_pipelines: c.counter(Opts::new(
+                "quotad_store_pipelines_total",
+                "Pipelines the request path sent to Redis (one write each).",
+            )),
+            store_pipelined_commands: c.counter(Opts::new(
+                "quotad_store_pipelined_commands_total",
+                "Commands the request path sent to Redis in those pipelines.",
             )),
             breaker_opens: c.counter(Opts::new(
                 "quotad_store_breaker_opens_total",

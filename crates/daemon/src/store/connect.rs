@@ -447,13 +447,29 @@ mod tests {
 #[derive(Clone)]
 pub enum AsyncConn {
     Single(MultiplexedConnection),
+    /// One server's connection whose commands leave in one write per scheduler turn
+    /// (`store::coalesce`): the request path's.
+    Coalesced(crate::store::coalesce::Coalescing),
     Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl AsyncConn {
+    /// This connection, its single commands coalesced where it is one server's.
+    pub fn coalesced(self, counters: crate::store::coalesce::Counters) -> AsyncConn {
+        match self {
+            AsyncConn::Single(c) => {
+                AsyncConn::Coalesced(crate::store::coalesce::Coalescing::new(c, counters))
+            }
+            other => other,
+        }
+    }
 }
 
 impl redis::aio::ConnectionLike for AsyncConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             AsyncConn::Single(c) => c.req_packed_command(cmd),
+            AsyncConn::Coalesced(c) => c.req_packed_command(cmd),
             AsyncConn::Cluster(c) => Box::pin(cluster_command(c, cmd)),
         }
     }
@@ -466,6 +482,7 @@ impl redis::aio::ConnectionLike for AsyncConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             AsyncConn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            AsyncConn::Coalesced(c) => c.req_packed_commands(cmd, offset, count),
             AsyncConn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
         }
     }
@@ -473,6 +490,7 @@ impl redis::aio::ConnectionLike for AsyncConn {
     fn get_db(&self) -> i64 {
         match self {
             AsyncConn::Single(c) => c.get_db(),
+            AsyncConn::Coalesced(c) => c.get_db(),
             AsyncConn::Cluster(c) => c.get_db(),
         }
     }

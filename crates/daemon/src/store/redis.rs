@@ -501,7 +501,10 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.settings.connect_timeout + t * 7, attempt).await {
             Ok(Ok((conn, master))) => {
-                self.install(conn);
+                self.install(conn.coalesced(crate::store::coalesce::Counters {
+                    pipelines: self.metrics.store_pipelines.clone(),
+                    commands: self.metrics.store_pipelined_commands.clone(),
+                }));
                 *self.master.lock().unwrap_or_else(|p| p.into_inner()) = master;
                 self.loaded.store(true, Ordering::Release);
                 self.breaker.close();

@@ -1,0 +1,148 @@
+//! Coalesced Redis I/O (`store::coalesce`): the commands that requests issue in the same
+//! turn leave as one pipeline (`quotad_store_pipelines_total` against
+//! `quotad_store_pipelined_commands_total`), so Redis reads far fewer times than it runs
+//! decisions (its `total_reads_processed` against `cmdstat_evalsha`); a lone check still
+//! gets its answer, and a script error answers only the command that caused it.
+
+use quotad_testkit as common;
+
+use common::{Config, Policy, Quotad, RedisServer, runtime};
+use serde_json::json;
+
+/// (reads Redis processed, EVALSHAs it ran) so far.
+fn reads_and_scripts(redis: &RedisServer) -> (u64, u64) {
+    let info: String = redis::cmd("INFO")
+        .arg("all")
+        .query(&mut redis.conn())
+        .unwrap();
+    let field = |prefix: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .and_then(|v| v.split(',').next()?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (
+        field("total_reads_processed:"),
+        field("cmdstat_evalsha:calls="),
+    )
+}
+
+/// A daemon whose policy `api` never denies here (a million an hour), after one check
+/// alone was answered.
+fn roomy(redis: &RedisServer) -> Quotad {
+    let config = Config::redis(&redis.url())
+        .store("timeout", "5s")
+        .policy(Policy::new("api", "fixed_window", 1_000_000, "1h"))
+        .to_toml();
+    let q = Quotad::serve(&config);
+    assert_eq!(q.check1("api", "warm")["allowed"], true, "one check alone");
+    q
+}
+
+#[test]
+fn concurrent_checks_reach_redis_as_pipelines() {
+    const TASKS: usize = 50;
+    const EACH: usize = 60;
+    let redis = RedisServer::start();
+    let q = roomy(&redis);
+    let (reads0, scripts0) = reads_and_scripts(&redis);
+    let url = format!("{}/v1/check", q.url());
+    runtime().block_on(async {
+        let client = reqwest::Client::new();
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|t| {
+                let (client, url) = (client.clone(), url.clone());
+                tokio::spawn(async move {
+                    for i in 0..EACH {
+                        let body = json!({"policy": "api", "key": format!("k{t}-{i}")});
+                        let r = client.post(&url).json(&body).send().await.unwrap();
+                        assert_eq!(r.status(), 200);
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    let (reads1, scripts1) = reads_and_scripts(&redis);
+    let pipelines = q.metric("quotad_store_pipelines_total");
+    let commands = q.metric("quotad_store_pipelined_commands_total");
+    eprintln!(
+        "{commands} commands in {pipelines} pipelines ({:.1} per write)",
+        commands / pipelines
+    );
+    assert!(
+        commands >= (TASKS * EACH) as f64,
+        "{commands} commands counted"
+    );
+    let scripts = scripts1 - scripts0;
+    let reads = reads1 - reads0;
+    assert!(scripts >= (TASKS * EACH) as u64, "{scripts} scripts");
+    let ratio = reads as f64 / scripts as f64;
+    eprintln!(
+        "{scripts} decisions from {TASKS} concurrent clients reached Redis in {reads} reads ({ratio:.3} per decision)"
+    );
+    assert!(
+        ratio < 0.5,
+        "Redis read {reads} times for {scripts} decisions: commands are not coalesced"
+    );
+}
+
+/// A script error (a policy whose numbers the script refuses is impossible through the
+/// config, so: a key of another type under the policy's key) fails that check alone, even
+/// when it shares a pipeline with others.
+#[test]
+fn an_error_answers_only_its_own_command_in_a_pipeline() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(Policy::new("api", "fixed_window", 10, "1h").on_store_error("closed"))
+        .to_toml();
+    let q = Quotad::serve(&config);
+    // The fixed window keeps a hash; a string there makes its script fail (WRONGTYPE).
+    let _: () = redis::cmd("SET")
+        .arg("rl:api:fw:{broken}")
+        .arg("x")
+        .query(&mut redis.conn())
+        .unwrap();
+    let checks: Vec<_> = (0..16)
+        .map(|i| json!({"policy": "api", "key": if i == 7 { "broken".to_owned() } else { format!("ok{i}") }}))
+        .collect();
+    // A batch: its checks are issued in one turn, so they share a pipeline.
+    let (status, body) = q.check(&json!({"checks": checks}));
+    assert_eq!(status, 200, "{body}");
+    let results = body["results"].as_array().unwrap();
+    for (i, r) in results.iter().enumerate() {
+        let want = if i == 7 { "fail_closed" } else { "allowed" };
+        assert_eq!(r["outcome"], want, "check {i}: {body}");
+    }
+}
+
+/// The checks of one batch are issued in one turn: they leave in one pipeline (a few at
+/// most, when the flusher runs on another worker while they are still being issued),
+/// not one write each.
+#[test]
+fn a_batchs_checks_leave_in_one_write() {
+    let redis = RedisServer::start();
+    let q = roomy(&redis);
+    const BATCHES: usize = 20;
+    const CHECKS: usize = 32;
+    let p0 = q.metric("quotad_store_pipelines_total");
+    let c0 = q.metric("quotad_store_pipelined_commands_total");
+    for b in 0..BATCHES {
+        let checks: Vec<_> = (0..CHECKS)
+            .map(|i| json!({"policy": "api", "key": format!("b{b}-{i}")}))
+            .collect();
+        let (status, body) = q.check(&json!({"checks": checks}));
+        assert_eq!(status, 200, "{body}");
+    }
+    let pipelines = q.metric("quotad_store_pipelines_total") - p0;
+    let commands = q.metric("quotad_store_pipelined_commands_total") - c0;
+    eprintln!("{BATCHES} batches of {CHECKS}: {commands} commands in {pipelines} pipelines");
+    assert!(commands >= (BATCHES * CHECKS) as f64);
+    // The supervisor's PINGs share the counters: a few pipelines of one.
+    assert!(
+        commands / pipelines >= 8.0,
+        "{commands} commands in {pipelines} pipelines: a batch's checks left one by one"
+    );
+}
