@@ -1,5 +1,7 @@
 -- wrk script: POST /v1/check for policy "bench" on keys k1..kN (N = WRK_KEYS, default
--- 100,000), or on one key when WRK_HOT=1 (the hot-deny path). Prints one WRK_RESULT line.
+-- 100,000), or on one key when WRK_HOT=1 (the hot-deny path); with WRK_BATCH=n, each
+-- request is a batch of n checks on n keys drawn the same way. Prints one WRK_RESULT line
+-- (its rates are requests: a batch's decisions are n times them).
 -- Keys are drawn with math.random, seeded per thread: wrk_common.lua (beside this file)
 -- seeds it and prints the WRK_RESULT line.
 dofile(debug.getinfo(1, "S").source:match("^@(.-)[^/]*$") .. "wrk_common.lua")
@@ -8,9 +10,20 @@ wrk.headers["Content-Type"] = "application/json"
 local nkeys = tonumber(os.getenv("WRK_KEYS") or "100000")
 local hot = os.getenv("WRK_HOT") == "1"
 
-request = function()
+local batch = tonumber(os.getenv("WRK_BATCH") or "0")
+
+local function check()
   local key = hot and "hot" or ("k" .. math.random(1, nkeys))
-  return wrk.format(nil, nil, nil, '{"policy":"bench","key":"' .. key .. '","cost":1}')
+  return '{"policy":"bench","key":"' .. key .. '","cost":1}'
+end
+
+request = function()
+  if batch > 0 then
+    local checks = {}
+    for i = 1, batch do checks[i] = check() end
+    return wrk.format(nil, nil, nil, '{"checks":[' .. table.concat(checks, ",") .. "]}")
+  end
+  return wrk.format(nil, nil, nil, check())
 end
 
 local denied, allowed = 0, 0

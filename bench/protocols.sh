@@ -3,6 +3,8 @@
 # (docs/benchmarks.md: the ratio measured in the same run is the figure):
 #
 #   POST /v1/check                  wrk -t1 -c50 (bench/check.lua)
+#   POST /v1/check, batches of 32   the same with WRK_BATCH=32: decisions/s is 32 x the
+#                                   requests/s (beside the EVALSHA -P 32 ceiling)
 #   GET /v1/authz/bench             wrk -t1 -c50, forward-auth with an x-api-key (bench/authz.lua)
 #   gRPC ShouldRateLimit            examples/grpc_load.rs, twice: 2 HTTP/2 connections
 #                                   with 25 calls in flight on each (as Envoy multiplexes
@@ -81,29 +83,32 @@ record() { # round label rps p50_us p99_us errors q0 q1 r0 r1
     "$1" "$2" "$3" "$p50" "$p99" "$6" "$qus" "$rus"
 }
 
-ceiling() { # round
+ceiling() { # round [label n redis-benchmark options...]
   redis-cli -p "$RP" flushall >/dev/null
-  local r0 r1 line n=400000
+  local round=$1 label=${2:-evalsha-c50} n=${3:-400000}
+  shift; shift || true; shift || true
+  local r0 r1 line
   r0=$(ticks "$REDIS_PID")
-  line=$(timeout 120 redis-benchmark -p "$RP" -c "$CONNS" -n "$n" -r "$NKEYS" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
+  line=$(timeout 120 redis-benchmark -p "$RP" -c "$CONNS" -n "$n" -r "$NKEYS" "$@" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
   r1=$(ticks "$REDIS_PID")
   local rps p50 p99 rus
   rps=$(echo "$line" | awk -F'","' '{print $2}')
   p50=$(echo "$line" | awk -F'","' '{print $5}')
   p99=$(echo "$line" | awk -F'","' '{print $7}')
   rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.1f", t / c * 1e6 / n}')
-  printf '%s\tevalsha-c50\t%s\t%s\t%s\t0\t-\t%s\n' "$1" "$rps" "$p50" "$p99" "$rus" >>"$TSV"
-  printf '  r%s %-16s %10.0f /s  p50 %s ms  p99 %s ms  redis %s us/op\n' "$1" evalsha-c50 "$rps" "$p50" "$p99" "$rus"
+  printf '%s\t%s\t%s\t%s\t%s\t0\t-\t%s\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus" >>"$TSV"
+  printf '  r%s %-16s %10.0f /s  p50 %s ms  p99 %s ms  redis %s us/op\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus"
 }
 
-http_run() { # round label script path
+http_run() { # round label script path [checks per request]
   redis-cli -p "$RP" flushall >/dev/null
-  local q0 r0 f0 res
+  local q0 r0 f0 res per=${5:-1}
   q0=$(ticks "$QPID"); r0=$(ticks "$REDIS_PID"); f0=$(fail_open)
-  res=$(env WRK_KEYS="$NKEYS" timeout 120 wrk -t1 -c"$CONNS" -d"$DURATION" -s "$HERE/$3" "http://127.0.0.1:$QP$4" | grep '^WRK_RESULT')
+  res=$(env WRK_KEYS="$NKEYS" WRK_BATCH="$((per > 1 ? per : 0))" timeout 120 wrk -t1 -c"$CONNS" -d"$DURATION" -s "$HERE/$3" "http://127.0.0.1:$QP$4" | grep '^WRK_RESULT')
   kv() { echo "$res" | tr ' ' '\n' | awk -F= -v k="$1" '$1==k{print $2}'; }
   local errs=$(( $(kv non2xx) + $(kv socket_errors) + $(fail_open) - f0 ))
-  record "$1" "$2" "$(kv rps)" "$(kv p50_us)" "$(kv p99_us)" "$errs" "$q0" "$(ticks "$QPID")" "$r0" "$(ticks "$REDIS_PID")"
+  local decisions; decisions=$(awk -v r="$(kv rps)" -v p="$per" 'BEGIN{printf "%.2f", r * p}')
+  record "$1" "$2" "$decisions" "$(kv p50_us)" "$(kv p99_us)" "$errs" "$q0" "$(ticks "$QPID")" "$r0" "$(ticks "$REDIS_PID")"
 }
 
 grpc_run() { # round connections streams (connections x streams = $CONNS calls in flight)
@@ -125,11 +130,14 @@ grpc_run() { # round connections streams (connections x streams = $CONNS calls i
 
 for r in $(seq "$ROUNDS"); do
   ceiling "$r"
+  ceiling "$r" evalsha-P32 1000000 -P 32
   http_run "$r" check check.lua /v1/check
+  http_run "$r" check-batch32 check.lua /v1/check 32
   http_run "$r" forward-auth authz.lua /v1/authz/bench
   grpc_run "$r" 2 $((CONNS / 2))
   grpc_run "$r" "$CONNS" 1
   ceiling "$r"
+  ceiling "$r" evalsha-P32 1000000 -P 32
 done
 echo "results: $TSV"
 # Medians over rounds, and each way in over the ceiling measured around it in its round.
