@@ -1,6 +1,11 @@
-//! The HTTP server: accepts connections and bounds everything a client can make quotad hold
-//! through one. The API's routes are the [`axum::Router`] it is given; this module owns
-//! sockets, their count, their timeouts and the drain on shutdown, and nothing else.
+//! The socket layer: every listener (the HTTP API and the gRPC service, each on a TCP
+//! address or a Unix socket: [`listener`]) is bound and accepted here, and everything a
+//! client can make quotad hold through a connection is bounded here, with the same
+//! per-listener metrics ([`ListenerMetrics`]). HTTP connections are served by this module
+//! (below); the gRPC service's are handed to tonic with a slot, a first-bytes deadline and
+//! the counters around them ([`handoff`]). The API's routes are the [`axum::Router`] it is
+//! given; this module owns sockets, their count, their timeouts and the drain on shutdown,
+//! and nothing else.
 //!
 //! Every connection is in one of four phases, and each phase but one has a deadline:
 //!

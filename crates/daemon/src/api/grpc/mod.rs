@@ -18,7 +18,7 @@
 //!   `quotad_grpc_invalid_descriptors_total`), and the others are peeked, not charged.
 //! - What Envoy's configuration decides fails the call with `INVALID_ARGUMENT`: no domain,
 //!   no descriptors, more than `server.max_batch`; so does a message that is not a
-//!   `RateLimitRequest` ([`wire`]). quotad at capacity is `UNAVAILABLE` (Envoy applies its
+//!   `RateLimitRequest` (`wire.rs`). quotad at capacity is `UNAVAILABLE` (Envoy applies its
 //!   `failure_mode_deny`).
 
 use std::sync::Arc;
