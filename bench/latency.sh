@@ -27,27 +27,12 @@ LOAD="$ROOT/target/release/examples/fixed_rate"
 start_redis "$OUT"
 REDIS_PID=$(cat "$OUT/redis.pid")
 QP=$(free_port)
-cat >"$OUT/quotad.toml" <<TOML
-[server]
-listen = "127.0.0.1:$QP"
-[store]
-redis = "redis://127.0.0.1:$RP"
-[[policy]]
-name = "bench"
-algorithm = "token_bucket"
-limit = 100
-window = "60s"
-on_store_error = "open"
-TOML
-RUST_LOG=warn "$Q" serve --config "$OUT/quotad.toml" 2>"$OUT/quotad.log" &
-QPID=$!
-for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sleep 0.1; done
-"$Q" script token_bucket >"$OUT/token_bucket.lua"
-SHA=$(redis-cli -p "$RP" -x script load <"$OUT/token_bucket.lua" | tr -d '\r')
+start_quotad "$OUT" </dev/null
+load_token_bucket "$OUT"
 
 # Capacity, closed loop: wrk for quotad, redis-benchmark -c 50 for EVALSHA.
 CAP_Q=$(env WRK_KEYS="$NKEYS" wrk -t1 -c"$CONNS" -d5s -s "$HERE/check.lua" "http://127.0.0.1:$QP/v1/check" | awk -F'rps=' '/^WRK_RESULT/ {split($2, a, " "); print int(a[1])}')
-CAP_R=$(redis-benchmark -p "$RP" -c "$CONNS" -n 300000 -r "$NKEYS" --csv evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 - 2>/dev/null | grep -i '^"evalsha' | tail -1 | awk -F'","' '{print int($2)}')
+CAP_R=$(redis-benchmark -p "$RP" -c "$CONNS" -n 300000 -r "$NKEYS" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1 | awk -F'","' '{print int($2)}')
 {
   echo "# quotad latency bench $(date -u +%FT%TZ)"
   echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"

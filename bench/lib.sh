@@ -15,6 +15,40 @@ start_redis() {
   for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
 }
 
+# Starts quotad ($Q) on 127.0.0.1:$QP against the redis-server of start_redis, with the
+# benchmarks' policy "bench" (token_bucket, 100 per 60 s, fail open), the gRPC listener at
+# $GRPC_LISTEN when set, and any further config lines on stdin; its files in $1. Sets QPID and waits until it is ready.
+start_quotad() {
+  local grpc=""
+  [ -n "${GRPC_LISTEN:-}" ] && grpc="grpc_listen = \"$GRPC_LISTEN\""
+  { cat <<TOML
+[server]
+listen = "127.0.0.1:$QP"
+$grpc
+[store]
+redis = "redis://127.0.0.1:$RP"
+[[policy]]
+name = "bench"
+algorithm = "token_bucket"
+limit = 100
+window = "60s"
+on_store_error = "open"
+TOML
+    cat; } >"$1/quotad.toml"
+  RUST_LOG=warn "$Q" serve --config "$1/quotad.toml" 2>"$1/quotad.log" &
+  QPID=$!
+  for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sleep 0.1; done
+}
+
+# Loads quotad's token-bucket script into the redis-server at $RP (files in $1) and sets
+# SHA and EVAL_ARGS: the EVALSHA quotad sends for policy "bench" on keys
+# rl:bench:tb:{k<random>} (redis-benchmark fills __rand_int__).
+load_token_bucket() {
+  "$Q" script token_bucket >"$1/token_bucket.lua"
+  SHA=$(redis-cli -p "$RP" -x script load <"$1/token_bucket.lua" | tr -d '\r')
+  EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 -)
+}
+
 # CPU time of process $1 so far, in clock ticks (user + system, /proc/PID/stat), and the
 # ticks per second: CPU per decision is the difference over a run divided by decisions.
 ticks() { sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12+$13}'; }

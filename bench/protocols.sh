@@ -40,18 +40,7 @@ start_redis "$OUT"
 REDIS_PID=$(cat "$OUT/redis.pid")
 QP=$(free_port)
 GP=$(free_port)
-cat >"$OUT/quotad.toml" <<TOML
-[server]
-listen = "127.0.0.1:$QP"
-grpc_listen = "127.0.0.1:$GP"
-[store]
-redis = "redis://127.0.0.1:$RP"
-[[policy]]
-name = "bench"
-algorithm = "token_bucket"
-limit = 100
-window = "60s"
-on_store_error = "open"
+GRPC_LISTEN="127.0.0.1:$GP" start_quotad "$OUT" <<TOML
 [policy.forward_auth]
 key = ["header:x-api-key"]
 [[descriptor]]
@@ -59,13 +48,7 @@ domain = "bench"
 key = "k"
 policy = "bench"
 TOML
-RUST_LOG=warn "$Q" serve --config "$OUT/quotad.toml" 2>"$OUT/quotad.log" &
-QPID=$!
-for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sleep 0.1; done
-
-"$Q" script token_bucket >"$OUT/token_bucket.lua"
-SHA=$(redis-cli -p "$RP" -x script load <"$OUT/token_bucket.lua" | tr -d '\r')
-EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 -)
+load_token_bucket "$OUT"
 TSV="$OUT/results.tsv"
 printf 'round\trun\trps\tp50_ms\tp99_ms\terrors\tquotad_us_per_op\tredis_us_per_op\n' >"$TSV"
 fail_open() { curl -s "127.0.0.1:$QP/metrics" | awk '/^quotad_decisions_total\{outcome="fail_open"/ {s += $NF} END {print s + 0}'; }

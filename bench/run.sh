@@ -25,48 +25,19 @@ for t in redis-server redis-benchmark redis-cli wrk; do
   command -v "$t" >/dev/null || { echo "missing $t: apt-get install -y redis-server wrk" >&2; exit 1; }
 done
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-RP=$(free_port)
-QP=$(free_port)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  redis-cli -p "$RP" shutdown nosave >/dev/null 2>&1 || true
-}
-trap cleanup EXIT
+# shellcheck source=bench/lib.sh
+. "$HERE/lib.sh"
 
 (cd "$ROOT" && cargo build --release --locked -q)
 Q="$ROOT/target/release/quotad"
 
-redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
-  --dir "$OUT" --pidfile "$OUT/redis.pid" >/dev/null
-for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
+start_redis "$OUT"
 REDIS_PID=$(cat "$OUT/redis.pid")
+QP=$(free_port)
+start_quotad "$OUT" </dev/null
+# The same EVALSHA quotad sends: key, mode, limit, window_us, burst, cost, member.
+load_token_bucket "$OUT"
 
-cat >"$OUT/quotad.toml" <<TOML
-[server]
-listen = "127.0.0.1:$QP"
-[store]
-redis = "redis://127.0.0.1:$RP"
-[[policy]]
-name = "bench"
-algorithm = "token_bucket"
-limit = 100
-window = "60s"
-on_store_error = "open"
-TOML
-RUST_LOG=warn "$Q" serve --config "$OUT/quotad.toml" 2>"$OUT/quotad.log" &
-QPID=$!
-PIDS+=("$QPID")
-for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sleep 0.1; done
-
-"$Q" script token_bucket >"$OUT/token_bucket.lua"
-SHA=$(redis-cli -p "$RP" -x script load <"$OUT/token_bucket.lua" | tr -d '\r')
-# The same arguments quotad sends: key, mode, limit, window_us, burst, cost, member.
-EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 -)
-
-ticks() { sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12+$13}'; }
-CLK=$(getconf CLK_TCK)
 TSV="$OUT/results.tsv"
 printf 'round\trun\trps\tp50_ms\tp99_ms\tp999_ms\terrors\tquotad_us_per_op\tredis_us_per_op\n' >"$TSV"
 

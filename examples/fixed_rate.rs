@@ -119,7 +119,7 @@ async fn worker(
                     "POST /v1/check HTTP/1.1\r\nHost: q\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
                     body.len()
                 );
-                http_exchange(&mut s, &mut buf, req.as_bytes()).await
+                exchange(&mut s, &mut buf, req.as_bytes(), http_answer).await
             }
             Target::Redis { sha, .. } => {
                 let k = format!("rl:bench:tb:{{k{}}}", key());
@@ -130,7 +130,7 @@ async fn worker(
                 for a in args {
                     cmd.push_str(&format!("${}\r\n{a}\r\n", a.len()));
                 }
-                resp_exchange(&mut s, &mut buf, cmd.as_bytes()).await
+                exchange(&mut s, &mut buf, cmd.as_bytes(), resp_answer).await
             }
         };
         if ok {
@@ -144,59 +144,49 @@ async fn worker(
     (lat, errors)
 }
 
-/// One HTTP/1.1 request and its answer (headers, then Content-Length bytes); true on 200.
-async fn http_exchange(s: &mut TcpStream, buf: &mut Vec<u8>, req: &[u8]) -> bool {
-    if s.write_all(req).await.is_err() {
+/// Sends `msg` and reads until `answered` says the reply in `buf` is whole: `Some(ok)`.
+/// False on a write or read error, or a connection closed first.
+async fn exchange(
+    s: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    msg: &[u8],
+    answered: impl Fn(&[u8]) -> Option<bool>,
+) -> bool {
+    if s.write_all(msg).await.is_err() {
         return false;
     }
     buf.clear();
     let mut chunk = [0u8; 4096];
     loop {
-        let Ok(n) = s.read(&mut chunk).await else {
-            return false;
-        };
-        if n == 0 {
-            return false;
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
-        buf.extend_from_slice(&chunk[..n]);
-        let Some(end) = find(buf, b"\r\n\r\n") else {
-            continue;
-        };
-        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-        let len: usize = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0);
-        if buf.len() >= end + 4 + len {
-            return head.starts_with("http/1.1 200");
+        if let Some(ok) = answered(buf) {
+            return ok;
         }
     }
 }
 
-/// One RESP command and its array reply (four integers, as the limiter scripts answer).
-async fn resp_exchange(s: &mut TcpStream, buf: &mut Vec<u8>, cmd: &[u8]) -> bool {
-    if s.write_all(cmd).await.is_err() {
-        return false;
+/// An HTTP/1.1 answer once whole (headers, then Content-Length bytes): 200 or not.
+fn http_answer(buf: &[u8]) -> Option<bool> {
+    let end = find(buf, b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    (buf.len() >= end + 4 + len).then(|| head.starts_with("http/1.1 200"))
+}
+
+/// A RESP answer once whole: an error line (false), or the limiter scripts' array of four
+/// integers, `*4` and four `:n` lines (true).
+fn resp_answer(buf: &[u8]) -> Option<bool> {
+    if buf.first() == Some(&b'-') && buf.ends_with(b"\r\n") {
+        return Some(false);
     }
-    buf.clear();
-    let mut chunk = [0u8; 1024];
-    loop {
-        let Ok(n) = s.read(&mut chunk).await else {
-            return false;
-        };
-        if n == 0 {
-            return false;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if buf.first() == Some(&b'-') && buf.ends_with(b"\r\n") {
-            return false; // an error reply
-        }
-        // "*4\r\n" and four ":n\r\n" lines.
-        if buf.starts_with(b"*") && buf.iter().filter(|&&b| b == b'\n').count() >= 5 {
-            return true;
-        }
-    }
+    (buf.starts_with(b"*") && buf.iter().filter(|&&b| b == b'\n').count() >= 5).then_some(true)
 }
 
 fn find(h: &[u8], n: &[u8]) -> Option<usize> {

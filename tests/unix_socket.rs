@@ -176,19 +176,14 @@ fn the_api_answers_over_a_unix_socket_with_the_same_limits_and_bounds() {
 
 /// A tonic client whose connections are to the Unix socket at `path`.
 async fn unix_grpc_client(path: PathBuf) -> RateLimitServiceClient<tonic::transport::Channel> {
-    let connector = tower_service_fn(path);
     let channel = tonic::transport::Endpoint::from_static("http://quotad.sock")
-        .connect_with_connector(connector)
+        .connect_with_connector(Connector(path))
         .await
         .expect("connect over the socket");
     RateLimitServiceClient::new(channel)
 }
 
-/// A connector: every URI is the socket at `path`.
-fn tower_service_fn(path: PathBuf) -> Connector {
-    Connector(path)
-}
-
+/// A connector: every URI is the Unix socket at its path.
 #[derive(Clone)]
 struct Connector(PathBuf);
 

@@ -96,12 +96,13 @@ impl Closed {
         }
     }
 
-    pub const REASONS: [&'static str; 5] = [
-        "header_timeout",
-        "idle_timeout",
-        "evicted",
-        "rejected",
-        "drained",
+    /// Every reason, in declaration order: `ALL[why as usize] == why`.
+    pub const ALL: [Closed; 5] = [
+        Closed::HeaderTimeout,
+        Closed::IdleTimeout,
+        Closed::Evicted,
+        Closed::Rejected,
+        Closed::Drained,
     ];
 }
 
@@ -112,7 +113,7 @@ impl Closed {
 pub struct ListenerMetrics {
     pub open: prometheus::IntGauge,
     pub accept_errors: prometheus::IntCounter,
-    /// Indexed like [`Closed::REASONS`].
+    /// Indexed like [`Closed::ALL`].
     closed: [prometheus::IntCounter; 5],
 }
 
@@ -123,8 +124,11 @@ impl ListenerMetrics {
         ListenerMetrics {
             open: metrics.connections_open.with_label_values(&[listener]),
             accept_errors: metrics.accept_errors.with_label_values(&[listener]),
-            closed: Closed::REASONS
-                .map(|r| metrics.connections_closed.with_label_values(&[listener, r])),
+            closed: Closed::ALL.map(|c| {
+                metrics
+                    .connections_closed
+                    .with_label_values(&[listener, c.reason()])
+            }),
         }
     }
 
@@ -524,5 +528,27 @@ pub fn default_max_connections(file_limit: Option<u64>) -> usize {
     match file_limit {
         Some(n) => cap.min(n.saturating_sub(RESERVED_FILES).max(64)) as usize,
         None => cap as usize,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_closing_reason_counts_in_its_own_series() {
+        for (i, c) in Closed::ALL.iter().enumerate() {
+            assert_eq!(*c as usize, i, "ALL is in declaration order");
+        }
+        let metrics = Metrics::new(["p"], &[]);
+        let m = ListenerMetrics::new(&metrics, "http");
+        m.closed(Closed::Evicted);
+        let text = metrics.render();
+        assert!(
+            text.contains(
+                "quotad_connections_closed_total{listener=\"http\",reason=\"evicted\"} 1"
+            ),
+            "{text}"
+        );
     }
 }

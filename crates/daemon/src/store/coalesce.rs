@@ -121,42 +121,33 @@ async fn flusher(shared: Weak<Shared>, wake: Arc<Notify>, counters: Counters) {
 
 /// One pipeline: every command's reply to its caller.
 async fn send(mut conn: MultiplexedConnection, batch: Vec<(Cmd, Reply)>) {
-    {
-        if let [(cmd, _)] = batch.as_slice() {
-            let r = conn.send_packed_command(cmd).await;
-            if let Some((_, reply)) = batch.into_iter().next() {
-                let _ = reply.send(r);
-            }
-            return;
+    if let [(cmd, _)] = batch.as_slice() {
+        let r = conn.send_packed_command(cmd).await;
+        if let Some((_, reply)) = batch.into_iter().next() {
+            let _ = reply.send(r);
         }
-        let mut pipe = Pipeline::with_capacity(batch.len());
-        let mut replies = Vec::with_capacity(batch.len());
-        for (cmd, reply) in batch {
-            pipe.add_command(cmd);
-            replies.push(reply);
+        return;
+    }
+    let mut pipe = Pipeline::with_capacity(batch.len());
+    let mut replies = Vec::with_capacity(batch.len());
+    for (cmd, reply) in batch {
+        pipe.add_command(cmd);
+        replies.push(reply);
+    }
+    let answers = match conn.send_packed_commands(&pipe, 0, replies.len()).await {
+        Ok(values) if values.len() == replies.len() => values.into_iter().map(Ok).collect(),
+        Ok(values) => {
+            let e = RedisError::from(std::io::Error::other(format!(
+                "{} replies to a pipeline of {}",
+                values.len(),
+                replies.len()
+            )));
+            vec![Err(e); replies.len()]
         }
-        match conn.send_packed_commands(&pipe, 0, replies.len()).await {
-            Ok(values) if values.len() == replies.len() => {
-                for (reply, v) in replies.into_iter().zip(values) {
-                    let _ = reply.send(Ok(v));
-                }
-            }
-            Ok(values) => {
-                let e = RedisError::from(std::io::Error::other(format!(
-                    "{} replies to a pipeline of {}",
-                    values.len(),
-                    replies.len()
-                )));
-                for reply in replies {
-                    let _ = reply.send(Err(e.clone()));
-                }
-            }
-            Err(e) => {
-                for reply in replies {
-                    let _ = reply.send(Err(e.clone()));
-                }
-            }
-        }
+        Err(e) => vec![Err(e); replies.len()],
+    };
+    for (reply, answer) in replies.into_iter().zip(answers) {
+        let _ = reply.send(answer);
     }
 }
 

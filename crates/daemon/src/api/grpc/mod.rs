@@ -21,6 +21,7 @@
 //!   `RateLimitRequest` (`wire.rs`). quotad at capacity is `UNAVAILABLE` (Envoy applies its
 //!   `failure_mode_deny`).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,8 +36,6 @@ use tonic::Status;
 use tonic::transport::server::Connected;
 
 mod wire;
-
-use std::borrow::Cow;
 
 use crate::api::key;
 use crate::api::ratelimit_headers;
