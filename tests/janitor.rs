@@ -123,9 +123,17 @@ fn the_daemon_gives_persisted_keys_their_ttl_back_within_two_intervals() {
     }
     let keys: Vec<String> = (0..1000).map(|i| format!("rl:fw:fw:{{k{i}}}")).collect();
     // Wait out a sweep first, so the PERSISTs land between two of them.
-    wait_for("a first sweep", Duration::from_secs(20), || {
-        (q.metric("quotad_janitor_last_scan_timestamp_seconds") > 0.0).then_some(())
-    });
+    let start = std::time::Instant::now();
+    while q.metric("quotad_janitor_last_scan_timestamp_seconds") == 0.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no sweep in 20 s: failed {}, skipped {}",
+            q.metric("quotad_janitor_sweeps_total{result=\"failed\"}"),
+            q.metric("quotad_janitor_sweeps_total{result=\"skipped\"}"),
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(q.metric("quotad_janitor_sweeps_total{result=\"swept\"}") >= 1.0);
     for k in &keys {
         let _: i64 = redis::cmd("PERSIST").arg(k).query(&mut conn).unwrap();
     }

@@ -73,6 +73,10 @@ pub struct Metrics {
     /// `quotad_janitor_last_scan_timestamp_seconds`: when this instance last finished a
     /// sweep (Unix time); stale when no instance of the region sweeps.
     pub janitor_last_scan: IntGauge,
+    /// `quotad_janitor_sweeps_total{result}`: this instance's janitor intervals by what
+    /// came of them: `swept`, `skipped` (another instance claimed the interval) or
+    /// `failed` (Redis refused or timed out; retried the next interval, and logged).
+    pub janitor_sweeps: IntCounterVec,
     /// `quotad_forward_auth_missing_key_total{policy,answer}`: forward-auth requests that
     /// carried no key (or one too long to be a key), by the `on_missing_key` answer they
     /// got: `deny` and `allow` decide nothing, so no other metric counts them; `key` is
@@ -305,6 +309,10 @@ impl Metrics {
             janitor_last_scan: c.int_gauge(Opts::new(
                 "quotad_janitor_last_scan_timestamp_seconds",
                 "When this instance last finished a janitor sweep.",
+            )),
+            janitor_sweeps: c.labels(&["result"]).counter(Opts::new(
+                "quotad_janitor_sweeps_total",
+                "Janitor intervals of this instance by result: swept, skipped or failed.",
             )),
             forward_auth_missing_key: c.labels(&["policy", "answer"]).counter(Opts::new(
                 "quotad_forward_auth_missing_key_total",

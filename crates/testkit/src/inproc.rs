@@ -23,9 +23,18 @@ static PANICS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 static HOOK: Once = Once::new();
 
 /// Records every panic (a handler task's panic does not fail the test by itself: tokio
-/// contains it), then lets the default hook print it.
+/// contains it), then lets the default hook print it; and sends the daemon's log to the
+/// test's output.
 fn record_panics() {
     HOOK.call_once(|| {
+        // The daemon's warnings (a janitor's failed sweep, a refused reload) in the test's
+        // captured output, which the runner prints when the test fails. `RUST_LOG` widens it.
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_test_writer()
+            .try_init();
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
             if let Ok(mut p) = PANICS.lock() {

@@ -150,6 +150,12 @@ pub async fn run(
             _ = stop.cancelled() => return,
             r = claim_and_sweep(&target, &in_force, interval, &me) => r,
         };
+        let result = match &swept {
+            Ok(None) => "skipped",
+            Ok(Some(_)) => "swept",
+            Err(_) => "failed",
+        };
+        metrics.janitor_sweeps.with_label_values(&[result]).inc();
         match swept {
             Ok(None) => {}
             Ok(Some(report)) => {
@@ -167,7 +173,7 @@ pub async fn run(
                     );
                 }
             }
-            Err(e) => tracing::debug!(error = %e, "janitor: sweep failed; retrying next interval"),
+            Err(e) => tracing::warn!(error = %e, "janitor: sweep failed; retrying next interval"),
         }
     }
 }
@@ -193,8 +199,15 @@ async fn claim_and_sweep(
         return Ok(None);
     }
     let mut total = SweepReport::default();
+    // The same bounds as the claim's connection (the crate's default reply bound is
+    // 500 ms, which a loaded machine's Redis can pass on a pipeline of 100 PTTLs).
+    let node_config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(CONNECT_TIMEOUT));
     for master in target.masters(CONNECT_TIMEOUT).await? {
-        let mut node = master.get_multiplexed_async_connection().await?;
+        let mut node = master
+            .get_multiplexed_async_connection_with_config(&node_config)
+            .await?;
         let r = sweep(&mut node, layouts, STEP_PAUSE).await?;
         total.scanned += r.scanned;
         total.without_ttl += r.without_ttl;
