@@ -70,6 +70,10 @@ pub struct Metrics {
     pub keys_without_ttl: IntGauge,
     /// `quotad_janitor_repaired_total`: TTLs the janitor gave back.
     pub janitor_repaired: IntCounter,
+    /// `quotad_store_late_replies_total`: Redis replies taken after the call's timer
+    /// fired, in the scheduler turns `store::deadline` allows: quotad's runtime was behind
+    /// in reading them (they are answers, not timeouts).
+    pub store_late_replies: IntCounter,
     /// `quotad_janitor_last_scan_timestamp_seconds`: when this instance last finished a
     /// sweep (Unix time); stale when no instance of the region sweeps.
     pub janitor_last_scan: IntGauge,
@@ -301,6 +305,10 @@ impl Metrics {
             keys_without_ttl: c.int_gauge(Opts::new(
                 "quotad_keys_without_ttl",
                 "quotad keys found without a TTL by the last janitor sweep.",
+            )),
+            store_late_replies: c.counter(Opts::new(
+                "quotad_store_late_replies_total",
+                "Redis replies taken in the turns after their timer fired: quotad was behind, Redis was not.",
             )),
             janitor_repaired: c.counter(Opts::new(
                 "quotad_janitor_repaired_total",

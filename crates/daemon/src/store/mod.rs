@@ -9,6 +9,7 @@ pub mod admission;
 pub mod breaker;
 pub mod coalesce;
 pub mod connect;
+pub mod deadline;
 pub mod deny_cache;
 pub mod global;
 pub mod janitor;

@@ -8,7 +8,8 @@
 //! - At most `max_in_flight` calls are in flight ([`Admission`]); a request waits for its
 //!   permits in a bounded queue with its own deadline, or is shed. Every call is then
 //!   bounded by `timeout`, timed from when it is sent, so the timeout judges Redis and not
-//!   quotad's own queue.
+//!   quotad's own queue; a reply that was there when the timer fired, unread because the
+//!   runtime was behind, still counts ([`deadline`]).
 //! - Failures feed the [`Breaker`]: a dropped or refused connection opens it at once;
 //!   `breaker_threshold` timeouts in a row make the supervisor PING Redis, and only an
 //!   unanswered PING opens it. While it is open, calls fail in microseconds.
@@ -34,6 +35,7 @@ use crate::metrics::Metrics;
 use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
 use crate::store::connect::{AsyncConn, Target};
+use crate::store::deadline::{self, Within};
 use crate::store::deny_cache::{DenyCache, Question};
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
@@ -404,18 +406,26 @@ impl RedisStore {
         let Some((generation, conn)) = self.conn() else {
             return Err(StoreError::CircuitOpen);
         };
-        let result = match tokio::time::timeout(self.settings.timeout, f(conn)).await {
-            Err(_) => Err(StoreError::Timeout(self.settings.timeout)),
-            Ok(Ok(v)) => {
+        let answer = match deadline::within(self.settings.timeout, f(conn)).await {
+            Within::InTime(r) => Some(r),
+            Within::Late(r) => {
+                self.metrics.store_late_replies.inc();
+                Some(r)
+            }
+            Within::TimedOut => None,
+        };
+        let result = match answer {
+            None => Err(StoreError::Timeout(self.settings.timeout)),
+            Some(Ok(v)) => {
                 self.breaker.record_success();
                 return Ok(v);
             }
-            Ok(Err(e)) if is_connection_error(&e) => {
+            Some(Err(e)) if is_connection_error(&e) => {
                 self.lose_connection(generation, "redis connection lost");
                 Err(StoreError::Connection(e.to_string()))
             }
             // The server answered: the connection is fine, the command was not.
-            Ok(Err(e)) => return Err(StoreError::Command(e.to_string())),
+            Some(Err(e)) => return Err(StoreError::Command(e.to_string())),
         };
         if self.breaker.record_failure() {
             tracing::info!(
