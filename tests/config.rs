@@ -209,6 +209,10 @@ const BAD: &[(&str, &[&str])] = &[
         &["4: policy[0].limit: refilling burst 1000 at 1 per 1day takes longer than a year"],
     ),
     (
+        "hot_key_rate_on_a_token_bucket.toml",
+        &["6: policy[0].hot_key_rate: hot-key slices need fixed_window, not token_bucket"],
+    ),
+    (
         "sliding_log_too_big.toml",
         &["4: policy[0].limit: sliding_log keeps one entry per admission"],
     ),

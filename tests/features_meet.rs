@@ -139,3 +139,128 @@ fn a_remembered_denial_answers_only_its_own_cost() {
         "5 tokens at 1/s take over 3 s, not the cost-1 denial's 1 s: {v}"
     );
 }
+
+/// Redis's count of `key` in policy `policy`'s current fixed window (`n` of its hash).
+fn window_count(redis: &RedisServer, policy: &str, key: &str) -> u64 {
+    let n: Option<u64> = redis::cmd("HGET")
+        .arg(format!("rl:{policy}:fw:{{{key}}}"))
+        .arg("n")
+        .query(&mut redis.conn())
+        .unwrap();
+    n.unwrap_or(0)
+}
+
+/// A policy whose keys turn hot at 5 checks a second and take slices of an hour's window.
+fn hot_policy(limit: u64) -> Policy {
+    Policy::new("hot", "fixed_window", limit, "1h").set("hot_key_rate", 5)
+}
+
+/// Checks `key` one after the other for `how_long`; the number admitted.
+fn drive(q: &Quotad, key: &str, how_long: Duration) -> u64 {
+    let start = std::time::Instant::now();
+    let mut admitted = 0;
+    while start.elapsed() < how_long {
+        if q.check1("hot", key)["allowed"] == true {
+            admitted += 1;
+        }
+    }
+    admitted
+}
+
+/// Hot-key slices (units taken in Redis and admitted from in memory) meet a reload and
+/// cooling: a reload that raises the limit takes a new slice under the new limit and
+/// gives the old one back; a key left alone cools and gives back what it holds. Once
+/// every slice is back, Redis's count of the window is exactly what was admitted:
+/// nothing lost (under-admission) and nothing spent that Redis did not count.
+#[test]
+fn a_hot_keys_slices_go_back_on_reload_and_cooling_and_the_count_is_exact() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url()).policy(hot_policy(100_000));
+    let q = Quotad::start(&config.to_toml());
+    // Hot for more than a second: a lone taker then prefetches.
+    let mut admitted = drive(&q, "k", Duration::from_millis(1500));
+    let taken = q.metric("quotad_hot_key_units_total{event=\"taken\"}");
+    let slices = q.metric("quotad_hot_key_slices_total{event=\"taken\"}");
+    assert!(
+        taken > slices,
+        "no slice carried more than its check: {slices} slices, {taken} units"
+    );
+    assert!(q.metric("quotad_hot_key_admits_total{policy=\"hot\"}") > 0.0);
+    let raised = Config::redis(&redis.url()).policy(hot_policy(200_000));
+    assert_eq!(q.reload(&q.config_file_text(&raised.to_toml())), "ok");
+    admitted += drive(&q, "k", Duration::from_millis(500));
+    wait_for("every slice back", Duration::from_secs(10), || {
+        (q.metric("quotad_hot_key_entries") == 0.0
+            && q.metric("quotad_hot_key_units_total{event=\"returned\"}") > 0.0)
+            .then_some(())
+    });
+    assert_eq!(window_count(&redis, "hot", "k"), admitted);
+    redis.assert_every_key_has_ttl();
+}
+
+/// Hot-key slices meet a reset: a reset on another instance reaches this instance's
+/// slice while the key is in constant use (it is given back at once, not when the key
+/// cools), and the script gives nothing back from before the reset (the key's state is
+/// gone; the units were the old state's).
+#[test]
+fn a_reset_elsewhere_ends_a_hot_keys_slice_and_gives_nothing_back() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(hot_policy(1_000_000))
+        .to_toml();
+    let (a, b) = (Quotad::serve(&config), Quotad::serve(&config));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                a.check1("hot", "k");
+            }
+        });
+        let _stop = StopOnDrop(&stop);
+        wait_for("a prefetched slice on A", Duration::from_secs(10), || {
+            (a.metric("quotad_hot_key_units_total{event=\"taken\"}")
+                > a.metric("quotad_hot_key_slices_total{event=\"taken\"}") + 1.0)
+                .then_some(())
+        });
+        let returned = a.metric("quotad_hot_key_slices_total{event=\"returned\"}");
+        let units_back = a.metric("quotad_hot_key_units_total{event=\"returned\"}");
+        assert_eq!(reset(&b, "hot", "k").0, 204);
+        wait_for("A's slice given back", Duration::from_secs(5), || {
+            (a.metric("quotad_hot_key_slices_total{event=\"returned\"}") > returned).then_some(())
+        });
+        assert_eq!(
+            a.metric("quotad_hot_key_units_total{event=\"returned\"}"),
+            units_back,
+            "units from before the reset were given back to the state after it"
+        );
+    });
+}
+
+/// Sets its flag when dropped: a scoped thread polling it stops when the scope's body
+/// ends, by return or by panic.
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Hot-key slices meet shutdown: a daemon stopped while a key is hot gives its slice back
+/// before it exits (the key has not cooled yet), so Redis's count is what was admitted.
+#[test]
+fn a_daemon_gives_its_hot_keys_slices_back_when_it_stops() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(hot_policy(100_000))
+        .to_toml();
+    let q = Quotad::serve(&config);
+    let admitted = drive(&q, "k", Duration::from_millis(1500));
+    let held = q.metric("quotad_hot_key_units_total{event=\"taken\"}") as u64;
+    assert!(
+        held > admitted,
+        "no slice was held at the stop: took {held}, admitted {admitted}"
+    );
+    drop(q);
+    assert_eq!(window_count(&redis, "hot", "k"), admitted);
+}

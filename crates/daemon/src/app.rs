@@ -318,6 +318,9 @@ async fn open_store(
     background
         .tasks
         .spawn(redis.clone().follow_invalidations(stop.clone()));
+    background
+        .tasks
+        .spawn(redis.clone().tend_hot_keys(stop.clone()));
     let swept = redis.clone();
     background.every(SWEEP_INTERVAL, move || swept.sweep());
     let (started, live) = (settings.clone(), live.clone());

@@ -74,6 +74,20 @@ pub struct Metrics {
     /// fired, in the scheduler turns `store::deadline` allows: quotad's runtime was behind
     /// in reading them (they are answers, not timeouts).
     pub store_late_replies: IntCounter,
+    /// `quotad_hot_key_admits_total{policy}`: checks admitted from a hot key's slice, in
+    /// memory (also counted in `quotad_decisions_total` as `allowed`).
+    pub hot_admits: IntCounterVec,
+    /// `quotad_hot_key_slices_total{event}`: slices `taken` from Redis and `returned`.
+    pub hot_slices: IntCounterVec,
+    /// `quotad_hot_key_units_total{event}`: units in the slices `taken` and units
+    /// `returned` (given back to their window; the rest were admitted or lapsed).
+    pub hot_units: IntCounterVec,
+    /// `quotad_hot_key_entries`: keys hot on this instance, with or without a slice (at
+    /// the last tend; `quotad_hot_keys` is the coordinator's count of global keys).
+    pub hot_entries: IntGauge,
+    /// `quotad_hot_keys_refused_total`: keys that passed their rate while the table held
+    /// its maximum of hot keys (decided in Redis instead).
+    pub hot_refused: IntCounter,
     /// `quotad_janitor_last_scan_timestamp_seconds`: when this instance last finished a
     /// sweep (Unix time); stale when no instance of the region sweeps.
     pub janitor_last_scan: IntGauge,
@@ -305,6 +319,26 @@ impl Metrics {
             keys_without_ttl: c.int_gauge(Opts::new(
                 "quotad_keys_without_ttl",
                 "quotad keys found without a TTL by the last janitor sweep.",
+            )),
+            hot_admits: c.labels(&["policy"]).counter(Opts::new(
+                "quotad_hot_key_admits_total",
+                "Checks admitted from a hot key's slice, in memory.",
+            )),
+            hot_slices: c.labels(&["event"]).counter(Opts::new(
+                "quotad_hot_key_slices_total",
+                "Hot-key slices taken from Redis and returned.",
+            )),
+            hot_units: c.labels(&["event"]).counter(Opts::new(
+                "quotad_hot_key_units_total",
+                "Units of hot-key slices taken from Redis and given back.",
+            )),
+            hot_entries: c.int_gauge(Opts::new(
+                "quotad_hot_key_entries",
+                "Keys hot on this instance (taking slices).",
+            )),
+            hot_refused: c.counter(Opts::new(
+                "quotad_hot_keys_refused_total",
+                "Keys that passed their hot rate while the hot-key table was full.",
             )),
             store_late_replies: c.counter(Opts::new(
                 "quotad_store_late_replies_total",

@@ -2,6 +2,7 @@
 //! one its escrow weights, lease and round, and allocation.
 
 use std::collections::BTreeSet;
+use std::num::NonZeroU64;
 use std::time::Duration;
 
 use toml::Spanned;
@@ -148,10 +149,14 @@ impl Validator<'_> {
                 global: None,
             };
             match Policy::new(spec) {
-                Some(policy) => out.push(Override {
-                    keys,
-                    policy: std::sync::Arc::new(policy),
-                }),
+                Some(mut policy) => {
+                    // An overridden key is as hot as any other of the policy.
+                    policy.hot_key_rate = base.hot_key_rate;
+                    out.push(Override {
+                        keys,
+                        policy: std::sync::Arc::new(policy),
+                    })
+                }
                 None => self.error(&o.limit, &field(j, "limit"), "override is invalid"),
             }
         }
@@ -220,6 +225,7 @@ impl Validator<'_> {
         );
         let burst = self.burst(i, p.burst.as_ref(), algorithm);
         let on_store_error = self.on_store_error(i, p.on_store_error.as_ref());
+        let hot_key_rate = self.hot_key_rate(i, p.hot_key_rate.as_ref(), algorithm);
         if self.errors.len() == errors_before {
             if let Some(a) = algorithm {
                 if let Err(why) =
@@ -245,7 +251,44 @@ impl Validator<'_> {
         if policy.is_none() {
             self.error(&p.name, &policy_field(i, "name"), "policy is invalid");
         }
-        policy
+        policy.map(|mut p| {
+            p.hot_key_rate = hot_key_rate.and_then(NonZeroU64::new);
+            p
+        })
+    }
+
+    /// `hot_key_rate`: checks per second of one key on one instance from which the key
+    /// takes slices of its window; fixed windows only (see `store::hot` for why).
+    fn hot_key_rate(
+        &mut self,
+        i: usize,
+        rate: Option<&Spanned<i64>>,
+        algorithm: Option<Algorithm>,
+    ) -> Option<u64> {
+        let rate = rate?;
+        match algorithm {
+            Some(Algorithm::FixedWindow) => {}
+            Some(a) => {
+                self.error(
+                    rate,
+                    &policy_field(i, "hot_key_rate"),
+                    format!(
+                        "hot-key slices need fixed_window, not {}: a slice is units of one window, spent in that window; a token_bucket or gcra slice spent after it was taken could pass the bucket's envelope, and sliding windows weigh each admission by its time (docs/architecture.md)",
+                        a.name()
+                    ),
+                );
+                return None;
+            }
+            None => return None,
+        }
+        let n = self.integer(
+            Some(rate),
+            &policy_field(i, "hot_key_rate"),
+            1,
+            1,
+            policy::MAX_LIMIT as i64,
+        );
+        Some(n as u64)
     }
 
     /// `algorithm`: one of the five by name (`None` when unknown).

@@ -121,6 +121,9 @@ pub struct Policy {
     pub burst: Option<Spanned<i64>>,
     pub on_store_error: Option<Spanned<String>>,
     pub shadow: Option<bool>,
+    /// Checks per second of one key on one instance from which it takes slices
+    /// (`store::hot`); absent: never.
+    pub hot_key_rate: Option<Spanned<i64>>,
     /// A local policy's state version (see `reload::state_refusal`).
     pub version: Option<Spanned<i64>>,
     pub global: Option<Global>,

@@ -9,12 +9,14 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use serde::Serialize;
 
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
+use crate::store::hot::{Heat, HotKeys};
 use crate::store::layout::{GlobalLayout, Layouts};
 use crate::store::memory::MemoryStore;
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
@@ -210,7 +212,7 @@ impl Limiter {
     /// Decides one check.
     pub async fn check(&self, check: &Check) -> Result<Decision, Shed> {
         let key = self.target(check);
-        let d = match self.remembered(check, &key) {
+        let d = match self.in_memory(check, &key) {
             Some(d) => d,
             None => {
                 let _admitted = self.store.admit(1).await?;
@@ -220,6 +222,41 @@ impl Limiter {
         };
         self.count(&d);
         Ok(d)
+    }
+
+    /// An answer without a Redis call or a permit: a remembered denial, or an admission
+    /// from a hot key's slice ([`crate::store::hot`]).
+    fn in_memory(&self, check: &Check, key: &Target) -> Option<Decision> {
+        if let Some(d) = self.remembered(check, key) {
+            return Some(d);
+        }
+        let hot = self.hot(check)?;
+        let v = hot.spend(&key.key, check.policy.limits(), check.cost, Instant::now())?;
+        self.metrics
+            .hot_admits
+            .with_label_values(&[check.policy.name.as_str()])
+            .inc();
+        Some(decision(
+            check,
+            &v,
+            Outcome::Allowed,
+            Some(Charged::Primary),
+        ))
+    }
+
+    /// The hot-key table when this check may take part: its policy sets
+    /// `hot_key_rate` (fixed windows only), it is enforced (a shadow policy is decided in
+    /// Redis), it spends (not a peek) and is not part of a co-location group.
+    fn hot(&self, check: &Check) -> Option<&HotKeys> {
+        let policy = &check.policy;
+        (policy.hot_key_rate.is_some()
+            && policy.algorithm == Algorithm::FixedWindow
+            && policy.global.is_none()
+            && !policy.shadow
+            && check.cost > 0
+            && check.group.is_none())
+        .then(|| self.store.hot())
+        .flatten()
     }
 
     /// A denial the store gave this key and that still holds (no Redis call, no permit;
@@ -246,7 +283,7 @@ impl Limiter {
         let remembered: Vec<Option<Decision>> = checks
             .iter()
             .zip(&keys)
-            .map(|(c, k)| self.remembered(c, k))
+            .map(|(c, k)| self.in_memory(c, k))
             .collect();
         let asked = remembered.iter().filter(|d| d.is_none()).count();
         // One permit per check asked; the refunds reuse them.
@@ -393,7 +430,23 @@ impl Limiter {
         let policy = &check.policy;
         let call = store_call(check, key, Op::Check { cost: check.cost }, member);
         let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
-        match self.store.apply(&call).await {
+        let hot = self.hot(check).is_some_and(|h| {
+            let rate = check.policy.hot_key_rate.map_or(u64::MAX, |r| r.get());
+            match h.note(&key.key, rate, Instant::now()) {
+                Heat::Hot => true,
+                Heat::Cold => false,
+                Heat::Refused => {
+                    self.metrics.hot_refused.inc();
+                    false
+                }
+            }
+        });
+        let answer = if hot {
+            self.store.apply_hot(&call, check.cost).await
+        } else {
+            self.store.apply(&call).await
+        };
+        match answer {
             Ok(v) => {
                 let outcome = if v.allowed {
                     Outcome::Allowed

@@ -48,6 +48,9 @@ pub struct Policy {
     pub shadow: bool,
     /// A global budget: `limit` per `window` is the rate ρ for all regions together.
     pub global: Option<GlobalSpec>,
+    /// Checks per second of one key on one instance from which the key takes slices of
+    /// its window and is admitted from them in memory (`store::hot`); fixed windows only.
+    pub hot_key_rate: Option<NonZeroU64>,
 }
 
 /// How a global policy splits its budget (validated by the config layer).
@@ -154,6 +157,7 @@ impl Policy {
             on_store_error,
             shadow,
             global,
+            hot_key_rate: None,
         })
     }
 

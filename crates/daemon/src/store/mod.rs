@@ -12,6 +12,7 @@ pub mod connect;
 pub mod deadline;
 pub mod deny_cache;
 pub mod global;
+pub mod hot;
 pub mod janitor;
 pub mod layout;
 pub mod memory;
@@ -153,6 +154,23 @@ impl Store {
         match self {
             Store::Redis(r) => r.cached_denial(call),
             Store::Memory(_) => None,
+        }
+    }
+
+    /// Hot-key slices: Redis only (the embedded store is in memory already).
+    pub fn hot(&self) -> Option<&hot::HotKeys> {
+        match self {
+            Store::Redis(r) => Some(r.hot()),
+            Store::Memory(_) => None,
+        }
+    }
+
+    /// A check of a hot key that its slice could not answer (see [`hot`]); `apply` on
+    /// the embedded store.
+    pub async fn apply_hot(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Redis(r) => r.apply_hot(call, cost).await,
+            Store::Memory(_) => self.apply(call).await,
         }
     }
 

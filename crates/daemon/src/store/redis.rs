@@ -37,6 +37,7 @@ use crate::store::breaker::Breaker;
 use crate::store::connect::{AsyncConn, Target};
 use crate::store::deadline::{self, Within};
 use crate::store::deny_cache::{DenyCache, Question};
+use crate::store::hot::{self, Grant, HotKeys, Return, Want};
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{StoreCall, StoreError, global, parse_verdict};
@@ -84,6 +85,10 @@ pub struct RedisStore {
     admission: Admission,
     /// Denials answered from memory until their retry time.
     deny: DenyCache,
+    /// Hot keys' slices, admitted from in memory (`store::hot`).
+    hot: HotKeys,
+    /// Takes and returns of slices (`lua/slice.lua`).
+    slice: redis::Script,
     /// The channel on which every instance announces the keys it gave capacity back to
     /// (refunds, resets), so that none answers an outdated denial from memory.
     channel: String,
@@ -123,6 +128,8 @@ impl RedisStore {
             tripped: tokio::sync::Notify::new(),
             admission,
             deny: DenyCache::new(settings.deny_cache_keys),
+            hot: HotKeys::new(),
+            slice: redis::Script::new(scripts::SLICE),
             channel: layout.invalidate_channel(),
             metrics,
             settings,
@@ -143,9 +150,10 @@ impl RedisStore {
         self.metrics.deny_cache_keys.set(n as i64);
     }
 
-    /// Forgets `key`'s remembered denial here and in every other instance.
+    /// Forgets `key`'s remembered denial (and slice) here and in every other instance.
     async fn gave_back(&self, key: &str) {
         self.deny.invalidate(key);
+        self.hot.forget(key);
         self.publish(key).await;
     }
 
@@ -194,6 +202,7 @@ impl RedisStore {
             };
             if let Ok(Ok(mut pubsub)) = attempt {
                 self.deny.set_live(true);
+                self.hot.set_live(true);
                 // A heartbeat of our own through the channel every second: a subscription
                 // that stops delivering (a silently dead connection) is noticed within
                 // a few, and nothing is answered from memory meanwhile.
@@ -215,7 +224,10 @@ impl RedisStore {
                     match msg {
                         Ok(Some(m)) => match m.get_payload::<String>() {
                             Ok(key) if key == HEARTBEAT_PAYLOAD => {}
-                            Ok(key) => self.deny.invalidate(&key),
+                            Ok(key) => {
+                                self.deny.invalidate(&key);
+                                self.hot.forget(&key);
+                            }
                             Err(_) => {}
                         },
                         Ok(None) => break,
@@ -229,6 +241,7 @@ impl RedisStore {
                 }
                 beat.abort();
                 self.deny.set_live(false);
+                self.hot.set_live(false);
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -359,11 +372,122 @@ impl RedisStore {
         reply.chunks(4).map(parse_verdict).collect()
     }
 
+    /// Hot-key slices (see [`HotKeys`]).
+    pub fn hot(&self) -> &HotKeys {
+        &self.hot
+    }
+
+    /// A check of a hot key that its slice could not answer: decided through a take of
+    /// a slice (see [`HotKeys::decide`]); a denial is remembered as any other.
+    pub async fn apply_hot(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+        let sent = Instant::now();
+        let epoch = self.deny.epoch();
+        let v = self
+            .hot
+            .decide(call.key, call.limits, cost, |want| {
+                self.take_slice(call, want)
+            })
+            .await?;
+        if !v.allowed {
+            self.deny.remember(&question(call, cost), &v, sent, epoch);
+        }
+        Ok(v)
+    }
+
+    async fn take_slice(&self, call: &StoreCall<'_>, want: Want) -> Result<Grant, StoreError> {
+        let mut inv = self.slice.key(call.key);
+        inv.arg("take")
+            .arg(call.limits.limit)
+            .arg(call.limits.window_us)
+            .arg(want.need)
+            .arg(want.demand)
+            .arg(want.prefetch);
+        let inv = &inv;
+        let reply: Vec<i64> = self
+            .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
+            .await?;
+        let grant = match reply[..] {
+            [granted, left, reset_after_us, slot, ledger] if granted >= 0 && left >= 0 => Grant {
+                granted: granted as u64,
+                left: left as u64,
+                reset_after_us,
+                slot,
+                ledger,
+            },
+            _ => return Err(StoreError::Reply(format!("slice take: {reply:?}"))),
+        };
+        if grant.granted > 0 {
+            self.metrics.hot_slices.with_label_values(&["taken"]).inc();
+            self.metrics
+                .hot_units
+                .with_label_values(&["taken"])
+                .inc_by(grant.granted);
+        }
+        Ok(grant)
+    }
+
+    /// Gives slices' unspent units back (`lua/slice.lua`); a failure leaves them to
+    /// lapse with their window (never more admitted, only fewer).
+    async fn give_back_slices(&self, returns: Vec<Return>) {
+        for r in returns {
+            let mut inv = self.slice.key(&r.key);
+            inv.arg("return").arg(r.slot).arg(r.ledger).arg(r.units);
+            let inv = &inv;
+            match self
+                .guarded(|mut conn| async move { inv.invoke_async::<i64>(&mut conn).await })
+                .await
+            {
+                Ok(back) => {
+                    self.metrics
+                        .hot_slices
+                        .with_label_values(&["returned"])
+                        .inc();
+                    self.metrics
+                        .hot_units
+                        .with_label_values(&["returned"])
+                        .inc_by(back.max(0) as u64);
+                    if back > 0 {
+                        // Capacity came back: no instance may answer an old denial.
+                        self.deny.invalidate(&r.key);
+                        self.publish(&r.key).await;
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "giving a hot key's slice back failed"),
+            }
+        }
+    }
+
+    /// Tends the hot keys until `shutdown`: cools idle ones and gives back what they hold,
+    /// starts a new rate epoch every [`hot::EPOCH`]; on shutdown gives every slice back.
+    pub async fn tend_hot_keys(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(hot::COOL / 2);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut epoch = Instant::now();
+        loop {
+            let all = tokio::select! {
+                _ = shutdown.cancelled() => true,
+                _ = tick.tick() => false,
+            };
+            let now = Instant::now();
+            if now.duration_since(epoch) >= hot::EPOCH {
+                self.hot.new_epoch();
+                epoch = now;
+            }
+            let (back, tally) = self.hot.tend(now, all);
+            self.metrics.hot_entries.set(tally.keys as i64);
+            self.give_back_slices(back).await;
+            if all {
+                return;
+            }
+        }
+    }
+
     /// Forgets what `key`'s user spent (see [`super::Forget`]) and publishes the
     /// invalidation in the same script: if Redis refuses the PUBLISH, nothing changed and
     /// the error says so.
     pub async fn reset(&self, key: &str, forget: super::Forget) -> Result<(), StoreError> {
         self.deny.invalidate(key);
+        self.hot.forget(key);
         let inv = {
             let mut inv = self.reset.key(key);
             inv.arg(&self.channel).arg(forget.word());

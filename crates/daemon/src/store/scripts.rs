@@ -47,6 +47,9 @@ pub const COMPOSITE: &str = concat!(
 /// `lua/reset.lua`).
 pub const RESET: &str = include_str!("../../lua/reset.lua");
 
+/// Hot-key slices of a fixed window: takes and returns (see `lua/slice.lua`).
+pub const SLICE: &str = include_str!("../../lua/slice.lua");
+
 /// The full source sent to Redis for `algorithm`.
 pub fn source(algorithm: Algorithm) -> &'static str {
     match algorithm {

@@ -1,0 +1,728 @@
+//! Hot-key slices: a key checked faster than its policy's `hot_key_rate` on this instance
+//! takes units of its quota from Redis in one atomic call (`lua/slice.lua`) and admits
+//! from them in memory, without a round trip; what it does not spend it gives back.
+//!
+//! Why it is exact: every unit admitted here was taken in Redis, in the key's current
+//! window, before it was spent (the take counts it as admitted there, so no other
+//! instance can be granted it), and it is spent only before that window ends by this
+//! instance's clock (the end is timed from when the take was *sent*, shortened by the
+//! clock-rate margin, so it is never later than Redis's). The sum admitted by all
+//! instances in a window is therefore at most the units Redis granted in it, which is at
+//! most the limit. Only fixed windows take part: a slice is units of one window, spent in
+//! that window. A token bucket or GCRA slice would be tokens taken at one instant and
+//! spent up to a slice's lifetime later, while the bucket refills and other instances
+//! take the refill: in an interval inside that lifetime the admitted sum could pass the
+//! bucket's envelope by the rate times the lifetime. Sliding windows and logs weigh each
+//! admission by when it happened, which a slice taken earlier does not know.
+//!
+//! Sizing: a take asks for the units of every check of the key waiting on this instance
+//! (all concurrent misses share one take: one Redis call decides a whole burst). A taker
+//! alone (no check queued behind it) of a key hot for an [`EPOCH`] already (a steady
+//! flow, not a burst) also asks for a prefetch of [`HORIZON`] of this instance's rate
+//! of the key, which the script grants
+//! only while half the window's limit is left and at most an eighth of what is left, so
+//! the last units of a window go out as they are asked for, to whichever instance asks.
+//! What an instance holds unspent (at most one prefetch) is given back when the key
+//! cools (no check for [`COOL`]), on shutdown, when a reload changes the key's limits,
+//! and when the invalidation channel goes quiet; at the window's end it lapses with the
+//! window. Until then another instance may be denied units this one holds: the
+//! under-admission that docs/benchmarks.md measures.
+//!
+//! Where it meets other features: a reset (here or on any instance, through the
+//! invalidation channel) drops the key's slice, and the script refuses returns to a key
+//! that was reset or moved to a new window (it gives back only what slices of that window
+//! still hold); slices are used only while the invalidation channel is live, like the
+//! deny cache; a reload that changes the key's limits (or gives it an override) takes a
+//! new slice and gives the old one back. Bounded: at most [`MAX_HOT_KEYS`] keys are hot at
+//! once (beyond, a key is decided in Redis as any other, counted).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use quotad_core::algorithm::{Limits, Verdict};
+
+use crate::store::deny_cache::RATE_MARGIN;
+
+/// Keys hot at once on one instance, at most.
+pub const MAX_HOT_KEYS: usize = 10_000;
+/// A hot key's prefetch: this long of the instance's rate of it.
+pub const HORIZON: Duration = Duration::from_millis(50);
+/// A hot key without a check for this long cools: its slice is given back.
+pub const COOL: Duration = Duration::from_millis(200);
+/// The rate counters' period: a key is hot once it is checked `hot_key_rate` times
+/// within one.
+pub const EPOCH: Duration = Duration::from_secs(1);
+
+/// What [`HotKeys::note`] found a key to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heat {
+    /// Decided in Redis as any key.
+    Cold,
+    /// Answered from slices.
+    Hot,
+    /// Hot, but [`MAX_HOT_KEYS`] are hot already: decided in Redis (counted).
+    Refused,
+}
+
+/// What a take asks Redis for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Want {
+    /// The taker's own check: nothing is granted unless this much is left.
+    pub need: u64,
+    /// Units of every check of the key waiting on this instance (the taker's included).
+    pub demand: u64,
+    /// Units beyond the demand, granted only while the key is far from its limit.
+    pub prefetch: u64,
+}
+
+/// What Redis granted (`lua/slice.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    pub granted: u64,
+    /// Units left in the window after the grant.
+    pub left: u64,
+    pub reset_after_us: i64,
+    /// The window slot the units belong to.
+    pub slot: i64,
+    /// The slices' ledger in that slot (`lua/slice.lua`): returns name it.
+    pub ledger: i64,
+}
+
+/// Unspent units to give back to a window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Return {
+    pub key: String,
+    pub slot: i64,
+    pub ledger: i64,
+    pub units: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slice {
+    limits: Limits,
+    slot: i64,
+    ledger: i64,
+    units: u64,
+    /// Units left in the window when the slice was taken (the `remaining` reported).
+    left: u64,
+    /// When the window ends, by this instance's clock (never after Redis's end).
+    ends: Instant,
+}
+
+struct Entry {
+    slice: Mutex<Option<Slice>>,
+    /// One take at a time per key: the checks that miss meanwhile wait for it.
+    taking: tokio::sync::Mutex<()>,
+    /// Units of the checks waiting for a take.
+    waiting: AtomicU64,
+    /// Last check, in ns since `HotKeys::base`.
+    used: AtomicU64,
+    /// When the key turned hot: it prefetches only once it has stayed hot an epoch.
+    since: Instant,
+}
+
+impl Entry {
+    fn new(now: Instant, now_ns: u64) -> Self {
+        Entry {
+            since: now,
+            slice: Mutex::new(None),
+            taking: tokio::sync::Mutex::new(()),
+            waiting: AtomicU64::new(0),
+            used: AtomicU64::new(now_ns),
+        }
+    }
+
+    fn slice(&self) -> std::sync::MutexGuard<'_, Option<Slice>> {
+        self.slice.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A count-min sketch of checks per key, halved every epoch: 4 rows of atomic counters, no
+/// lock and no allocation per check; an estimate is never below the true count.
+struct Rates {
+    rows: [Vec<AtomicU32>; 4],
+    hasher: RandomState,
+}
+
+const COLUMNS: usize = 1 << 14;
+
+impl Rates {
+    fn new() -> Self {
+        let row = || (0..COLUMNS).map(|_| AtomicU32::new(0)).collect();
+        Rates {
+            rows: [row(), row(), row(), row()],
+            hasher: RandomState::new(),
+        }
+    }
+
+    /// Counts one check of `key`; returns the estimate of its count this epoch.
+    fn count(&self, key: &str) -> u64 {
+        let h = self.hasher.hash_one(key);
+        (0..4)
+            .map(|i| {
+                let column = ((h >> (i * 16)) as usize) & (COLUMNS - 1);
+                u64::from(self.rows[i][column].fetch_add(1, Ordering::Relaxed)) + 1
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The estimate of `key`'s count this epoch, without counting.
+    fn estimate(&self, key: &str) -> u64 {
+        let h = self.hasher.hash_one(key);
+        (0..4)
+            .map(|i| {
+                let column = ((h >> (i * 16)) as usize) & (COLUMNS - 1);
+                u64::from(self.rows[i][column].load(Ordering::Relaxed))
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Halves every counter: a key's count is then between one and two epochs of its
+    /// rate, and a key that stops being checked fades within a few.
+    fn decay(&self) {
+        for row in &self.rows {
+            for c in row {
+                c.store(c.load(Ordering::Relaxed) / 2, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// What the table saw, for the metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Tally {
+    /// Keys hot now.
+    pub keys: usize,
+}
+
+pub struct HotKeys {
+    shards: Vec<Mutex<HashMap<String, Arc<Entry>>>>,
+    hasher: RandomState,
+    rates: Rates,
+    /// Keys in the table (all shards).
+    len: AtomicUsize,
+    /// The invalidation channel is subscribed: slices may be used.
+    live: AtomicBool,
+    /// Slices a reload replaced, to give back.
+    returns: Mutex<Vec<Return>>,
+    base: Instant,
+    /// How long a key stays hot before it prefetches ([`EPOCH`]).
+    steady: Duration,
+}
+
+const SHARDS: usize = 16;
+
+impl Default for HotKeys {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HotKeys {
+    pub fn new() -> Self {
+        HotKeys {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            rates: Rates::new(),
+            len: AtomicUsize::new(0),
+            live: AtomicBool::new(false),
+            returns: Mutex::new(Vec::new()),
+            base: Instant::now(),
+            steady: EPOCH,
+        }
+    }
+
+    /// A table whose keys prefetch once hot for `steady` (tests: at once).
+    #[cfg(test)]
+    fn with_steady(steady: Duration) -> Self {
+        HotKeys {
+            steady,
+            ..Self::new()
+        }
+    }
+
+    fn ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.base).as_nanos() as u64
+    }
+
+    fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
+        let i = (self.hasher.hash_one(key) as usize) % SHARDS;
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn entry(&self, key: &str) -> Option<Arc<Entry>> {
+        self.shard(key).get(key).cloned()
+    }
+
+    /// Counts a check of `key` and says whether the key is hot: it has a slice entry
+    /// already, or it was checked at least `rate` times lately (it then gets one, unless
+    /// [`MAX_HOT_KEYS`] are hot).
+    pub fn note(&self, key: &str, rate: u64, now: Instant) -> Heat {
+        if !self.live.load(Ordering::Acquire) {
+            return Heat::Cold;
+        }
+        let seen = self.rates.count(key);
+        let mut shard = self.shard(key);
+        if let Some(e) = shard.get(key) {
+            e.used.store(self.ns(now), Ordering::Relaxed);
+            return Heat::Hot;
+        }
+        if seen < rate {
+            return Heat::Cold;
+        }
+        if self.len.load(Ordering::Relaxed) >= MAX_HOT_KEYS {
+            return Heat::Refused;
+        }
+        shard.insert(key.to_owned(), Arc::new(Entry::new(now, self.ns(now))));
+        self.len.fetch_add(1, Ordering::Relaxed);
+        Heat::Hot
+    }
+
+    /// Admits `cost` units of `key` under `limits` from its slice, if it holds them and
+    /// its window has not ended: the verdict, with `remaining` what was left in the window
+    /// at the last take less what this slice has spent since.
+    pub fn spend(&self, key: &str, limits: Limits, cost: u64, now: Instant) -> Option<Verdict> {
+        if !self.live.load(Ordering::Acquire) {
+            return None;
+        }
+        let entry = self.entry(key)?;
+        self.rates.count(key);
+        entry.used.store(self.ns(now), Ordering::Relaxed);
+        let mut slice = entry.slice();
+        spend(&mut slice, limits, cost, now)
+    }
+
+    /// Decides a check of a hot key that [`HotKeys::spend`] could not: waits for the
+    /// key's take in flight, if any, and spends from what it brought; else takes, through
+    /// `take`, the units of every check waiting plus the prefetch, and spends its own.
+    /// A denial is Redis's: fewer than `cost` units were left in the window.
+    pub async fn decide<F, Fut, E>(
+        &self,
+        key: &str,
+        limits: Limits,
+        cost: u64,
+        take: F,
+    ) -> Result<Verdict, E>
+    where
+        F: FnOnce(Want) -> Fut,
+        Fut: Future<Output = Result<Grant, E>>,
+    {
+        let Some(entry) = self.entry(key) else {
+            // Cooled meanwhile: a take of its own, nothing kept.
+            return take(Want {
+                need: cost,
+                demand: cost,
+                prefetch: 0,
+            })
+            .await
+            .map(|g| grant_verdict(&g, cost));
+        };
+        entry.waiting.fetch_add(cost, Ordering::AcqRel);
+        let turn = entry.taking.lock().await;
+        if let Some(v) = spend(&mut entry.slice(), limits, cost, Instant::now()) {
+            entry.waiting.fetch_sub(cost, Ordering::AcqRel);
+            return Ok(v);
+        }
+        let demand = entry.waiting.load(Ordering::Acquire).max(cost);
+        // Checks queued behind this one are the demand a burst brings, and a burst may
+        // end with them: units beyond it would wait, unspent, while other instances are
+        // denied. Only a taker alone, in a steady flow, prefetches.
+        let sent = Instant::now();
+        let steady = sent.duration_since(entry.since) >= self.steady;
+        let prefetch = if demand == cost && steady {
+            self.prefetch(key, limits)
+        } else {
+            0
+        };
+        let result = take(Want {
+            need: cost,
+            demand,
+            prefetch,
+        })
+        .await;
+        entry.waiting.fetch_sub(cost, Ordering::AcqRel);
+        let grant = result?;
+        let verdict = grant_verdict(&grant, cost);
+        if verdict.allowed {
+            let units = grant.granted - cost;
+            let ends = sent + window_left(grant.reset_after_us);
+            let old = entry.slice().replace(Slice {
+                limits,
+                slot: grant.slot,
+                ledger: grant.ledger,
+                units,
+                left: grant.left,
+                ends,
+            });
+            // Units of a slice this one replaces: an earlier window's lapse with it; the
+            // same window's under other limits (a reload) go back.
+            if let Some(old) = old.filter(|o| o.units > 0 && o.slot == grant.slot) {
+                self.give_back(Return {
+                    key: key.to_owned(),
+                    slot: old.slot,
+                    ledger: old.ledger,
+                    units: old.units,
+                });
+            }
+        }
+        drop(turn);
+        Ok(verdict)
+    }
+
+    /// The prefetch of a take: [`HORIZON`] of the key's rate (its count, which is one to
+    /// two epochs of it), never more than the window's limit.
+    fn prefetch(&self, key: &str, limits: Limits) -> u64 {
+        let seen = self.rates.estimate(key);
+        let per_horizon = (seen as f64 * HORIZON.as_secs_f64() / EPOCH.as_secs_f64()).floor();
+        (per_horizon as u64).min(limits.limit)
+    }
+
+    fn give_back(&self, r: Return) {
+        self.returns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(r);
+    }
+
+    /// Someone gave capacity back to `key` (a refund or a reset, here or on another
+    /// instance; the invalidation does not say which): its slice stops being spent and
+    /// its units go back at the next [`HotKeys::tend`]. After a reset the script finds
+    /// another ledger (or none) and gives nothing back.
+    pub fn forget(&self, key: &str) {
+        let Some(e) = self.entry(key) else { return };
+        let Some(s) = e.slice().take() else { return };
+        if s.units > 0 {
+            self.give_back(Return {
+                key: key.to_owned(),
+                slot: s.slot,
+                ledger: s.ledger,
+                units: s.units,
+            });
+        }
+    }
+
+    /// Whether slices may be used: only while invalidations from other instances arrive
+    /// (a reset elsewhere must reach this instance's slices). Going quiet gives every
+    /// slice back at the next [`HotKeys::tend`].
+    pub fn set_live(&self, live: bool) {
+        self.live.store(live, Ordering::Release);
+    }
+
+    /// The periodic pass: keys without a check for [`COOL`] (every key, when the channel
+    /// is not live, or `all`: shutdown) leave the table, and the unspent units of their
+    /// slices, with those of replaced slices, are returned to be given back; slices whose
+    /// window has ended simply lapse.
+    pub fn tend(&self, now: Instant, all: bool) -> (Vec<Return>, Tally) {
+        let mut back = std::mem::take(&mut *self.returns.lock().unwrap_or_else(|p| p.into_inner()));
+        let idle = self.ns(now).saturating_sub(COOL.as_nanos() as u64);
+        let every = all || !self.live.load(Ordering::Acquire);
+        let mut keys = 0;
+        for shard in &self.shards {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            shard.retain(|key, e| {
+                let cooled = every || e.used.load(Ordering::Relaxed) < idle;
+                // A take in flight keeps its entry: its checks are waiting on it.
+                if !cooled || e.waiting.load(Ordering::Acquire) > 0 {
+                    return true;
+                }
+                if let Some(s) = e.slice().take() {
+                    if s.units > 0 && s.ends > now {
+                        back.push(Return {
+                            key: key.clone(),
+                            slot: s.slot,
+                            ledger: s.ledger,
+                            units: s.units,
+                        });
+                    }
+                }
+                false
+            });
+            keys += shard.len();
+        }
+        self.len.store(keys, Ordering::Relaxed);
+        (back, Tally { keys })
+    }
+
+    /// Starts a new rate epoch (every [`EPOCH`]).
+    pub fn new_epoch(&self) {
+        self.rates.decay();
+    }
+}
+
+/// How long until a window that ends `reset_after_us` after the take was sent, by this
+/// instance's clock: shortened by the clock-rate margin, so never after Redis's end.
+fn window_left(reset_after_us: i64) -> Duration {
+    let us = reset_after_us.max(0) as f64 * (1.0 - RATE_MARGIN);
+    Duration::from_micros(us as u64)
+}
+
+fn spend(slice: &mut Option<Slice>, limits: Limits, cost: u64, now: Instant) -> Option<Verdict> {
+    let s = slice.as_mut()?;
+    if s.limits != limits || now >= s.ends || s.units < cost {
+        return None;
+    }
+    s.units -= cost;
+    let reset_after_us = s.ends.saturating_duration_since(now).as_micros() as i64;
+    Some(Verdict {
+        allowed: true,
+        remaining: s.left + s.units,
+        reset_after_us,
+        retry_after_us: 0,
+    })
+}
+
+/// The verdict of the taker's own check from a grant: allowed when the grant covers it
+/// (it then holds `cost` of the units), else Redis's denial of it.
+fn grant_verdict(g: &Grant, cost: u64) -> Verdict {
+    if g.granted >= cost && cost > 0 {
+        Verdict {
+            allowed: true,
+            remaining: g.left + (g.granted - cost),
+            reset_after_us: g.reset_after_us,
+            retry_after_us: 0,
+        }
+    } else {
+        Verdict {
+            allowed: false,
+            remaining: g.left,
+            reset_after_us: g.reset_after_us,
+            retry_after_us: g.reset_after_us.max(1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+
+    /// `lua/slice.lua` and a fixed window's check, in Rust, on a clock of real time since
+    /// `base`: the model Redis of the property test.
+    struct Model {
+        base: Instant,
+        window_us: i64,
+        limit: u64,
+        /// (slot, n, hs, h, ledger) of the one key; None after a reset.
+        state: Option<(i64, u64, i64, u64, i64)>,
+        next_ledger: i64,
+    }
+
+    impl Model {
+        fn now_us(&self) -> i64 {
+            self.base.elapsed().as_micros() as i64
+        }
+
+        fn slot_at(&self, t: Instant) -> i64 {
+            t.saturating_duration_since(self.base).as_micros() as i64 / self.window_us
+        }
+
+        fn take(&mut self, want: Want) -> Grant {
+            let now = self.now_us();
+            let slot = now / self.window_us;
+            let (count, mut held, mut ledger) = match self.state {
+                Some((w, n, hs, h, l)) if w == slot => (
+                    n,
+                    if hs == slot { h } else { 0 },
+                    if hs == slot { l } else { 0 },
+                ),
+                _ => (0, 0, 0),
+            };
+            if ledger == 0 {
+                held = 0;
+                self.next_ledger += 1;
+                ledger = self.next_ledger;
+            }
+            let reset_after_us = (slot + 1) * self.window_us - now;
+            let left = self.limit.saturating_sub(count);
+            if left < want.need {
+                return Grant {
+                    granted: 0,
+                    left,
+                    reset_after_us,
+                    slot,
+                    ledger,
+                };
+            }
+            let extra = if left * 2 >= self.limit {
+                want.prefetch.min(left / 8)
+            } else {
+                0
+            };
+            let granted = (want.demand + extra).min(left);
+            self.state = Some((slot, count + granted, slot, held + granted, ledger));
+            Grant {
+                granted,
+                left: left - granted,
+                reset_after_us,
+                slot,
+                ledger,
+            }
+        }
+
+        fn give_back(&mut self, r: &Return) {
+            if let Some((w, n, hs, h, l)) = self.state {
+                if w == r.slot && hs == r.slot && l == r.ledger {
+                    let back = r.units.min(h).min(n);
+                    self.state = Some((w, n - back, hs, h - back, l));
+                }
+            }
+        }
+    }
+
+    const LIMITS: Limits = Limits {
+        limit: 40,
+        window_us: 4_000,
+        burst: 40,
+    };
+
+    /// Three instances, one key at 40 per 4 ms window, 30,000 random steps (checks of
+    /// cost 1 to 3 answered from a slice or by a take, tends, cool-downs, resets, shutdowns):
+    /// no window ever admits more than its limit, and every admission happens inside the
+    /// window its units were taken in.
+    #[tokio::test(flavor = "current_thread")]
+    async fn slices_never_admit_more_than_the_window_holds() {
+        for seed in 0..4u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let model = RefCell::new(Model {
+                base: Instant::now(),
+                window_us: LIMITS.window_us,
+                limit: LIMITS.limit,
+                state: None,
+                next_ledger: 0,
+            });
+            let hot: Vec<HotKeys> = (0..3)
+                .map(|_| HotKeys::with_steady(Duration::ZERO))
+                .collect();
+            for h in &hot {
+                h.set_live(true);
+            }
+            // Admitted units per window slot, and per reset epoch within it.
+            let mut admitted: BTreeMap<(u32, i64), u64> = BTreeMap::new();
+            let mut resets = 0u32;
+            let mut local = 0u64;
+            for _ in 0..30_000 {
+                let i = rng.random_range(0..hot.len());
+                let h = &hot[i];
+                match rng.random_range(0..100) {
+                    0..=84 => {
+                        let cost = rng.random_range(1..=3);
+                        if h.note("k", 5, Instant::now()) != Heat::Hot {
+                            continue;
+                        }
+                        // The window an admission falls in: the clock when it was
+                        // asked (a slice is spent only before its window ends), or the
+                        // take's window when it took.
+                        let t = Instant::now();
+                        let mut slot = model.borrow().slot_at(t);
+                        let v = match h.spend("k", LIMITS, cost, t) {
+                            Some(v) => {
+                                local += 1;
+                                v
+                            }
+                            None => {
+                                let took = std::cell::Cell::new(None);
+                                let v = h
+                                    .decide("k", LIMITS, cost, |want| {
+                                        let grant = model.borrow_mut().take(want);
+                                        took.set(Some(grant.slot));
+                                        async move { Ok::<_, ()>(grant) }
+                                    })
+                                    .await
+                                    .unwrap();
+                                slot = took.get().unwrap_or(slot);
+                                v
+                            }
+                        };
+                        if v.allowed {
+                            *admitted.entry((resets, slot)).or_default() += cost;
+                        }
+                    }
+                    85..=94 => {
+                        let all = rng.random_range(0..10) == 0;
+                        let (back, _) = h.tend(Instant::now(), all);
+                        for r in &back {
+                            model.borrow_mut().give_back(r);
+                        }
+                    }
+                    95..=97 => h.new_epoch(),
+                    _ => {
+                        // A reset: the key's state goes, every instance hears of it.
+                        model.borrow_mut().state = None;
+                        resets += 1;
+                        for h in &hot {
+                            h.forget("k");
+                        }
+                    }
+                }
+            }
+            let worst = admitted.values().max().copied().unwrap_or(0);
+            assert!(
+                worst <= LIMITS.limit,
+                "seed {seed}: a window admitted {worst} > {}",
+                LIMITS.limit
+            );
+            assert!(
+                local > 1000,
+                "seed {seed}: slices answered only {local} checks"
+            );
+            assert!(
+                admitted.len() > 20,
+                "seed {seed}: only {} windows",
+                admitted.len()
+            );
+        }
+    }
+
+    /// A check waiting behind a take is served by it: one take for a queue of checks.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_take_carries_the_demand_queued_behind_it() {
+        let h = HotKeys::new();
+        h.set_live(true);
+        let now = Instant::now();
+        assert_eq!(h.note("k", 1, now), Heat::Hot);
+        let limits = Limits {
+            limit: 100,
+            window_us: 60_000_000,
+            burst: 100,
+        };
+        let asked = std::cell::Cell::new(None);
+        let v = h
+            .decide("k", limits, 2, |want| {
+                asked.set(Some(want));
+                async move {
+                    Ok::<_, ()>(Grant {
+                        granted: 5,
+                        left: 95,
+                        reset_after_us: 30_000_000,
+                        slot: 1,
+                        ledger: 1,
+                    })
+                }
+            })
+            .await
+            .unwrap();
+        assert!(v.allowed);
+        assert_eq!(
+            asked.get(),
+            Some(Want {
+                need: 2,
+                demand: 2,
+                prefetch: 0
+            })
+        );
+        // The other 3 units are spent from memory.
+        assert!(h.spend("k", limits, 3, Instant::now()).is_some());
+        assert!(h.spend("k", limits, 1, Instant::now()).is_none());
+        // Other limits (a reload): not from this slice.
+        let (back, _) = h.tend(Instant::now(), true);
+        assert!(back.is_empty(), "nothing left to give back: {back:?}");
+    }
+}
