@@ -113,31 +113,44 @@ struct Slice {
     ends: Instant,
 }
 
+/// A hot key's state, behind one lock: the slice, and what cooling and the prefetch need.
+struct State {
+    slice: Option<Slice>,
+    /// The last check.
+    used: Instant,
+    /// Units asked for (from slices, or through a take) since `counted_from`: the key's
+    /// rate here, for the prefetch.
+    spent: u64,
+    counted_from: Instant,
+}
+
 struct Entry {
-    slice: Mutex<Option<Slice>>,
+    state: Mutex<State>,
     /// One take at a time per key: the checks that miss meanwhile wait for it.
     taking: tokio::sync::Mutex<()>,
     /// Units of the checks waiting for a take.
     waiting: AtomicU64,
-    /// Last check, in ns since `HotKeys::base`.
-    used: AtomicU64,
-    /// When the key turned hot: it prefetches only once it has stayed hot an epoch.
+    /// When the key turned hot: it prefetches only once it has stayed hot a while.
     since: Instant,
 }
 
 impl Entry {
-    fn new(now: Instant, now_ns: u64) -> Self {
+    fn new(now: Instant) -> Self {
         Entry {
-            since: now,
-            slice: Mutex::new(None),
+            state: Mutex::new(State {
+                slice: None,
+                used: now,
+                spent: 0,
+                counted_from: now,
+            }),
             taking: tokio::sync::Mutex::new(()),
             waiting: AtomicU64::new(0),
-            used: AtomicU64::new(now_ns),
+            since: now,
         }
     }
 
-    fn slice(&self) -> std::sync::MutexGuard<'_, Option<Slice>> {
-        self.slice.lock().unwrap_or_else(|p| p.into_inner())
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -171,18 +184,6 @@ impl Rates {
             .unwrap_or(0)
     }
 
-    /// The estimate of `key`'s count this epoch, without counting.
-    fn estimate(&self, key: &str) -> u64 {
-        let h = self.hasher.hash_one(key);
-        (0..4)
-            .map(|i| {
-                let column = ((h >> (i * 16)) as usize) & (COLUMNS - 1);
-                u64::from(self.rows[i][column].load(Ordering::Relaxed))
-            })
-            .min()
-            .unwrap_or(0)
-    }
-
     /// Halves every counter: a key's count is then between one and two epochs of its
     /// rate, and a key that stops being checked fades within a few.
     fn decay(&self) {
@@ -209,9 +210,11 @@ pub struct HotKeys {
     len: AtomicUsize,
     /// The invalidation channel is subscribed: slices may be used.
     live: AtomicBool,
-    /// Slices a reload replaced, to give back.
+    /// Slices replaced or dropped, to give back.
     returns: Mutex<Vec<Return>>,
-    base: Instant,
+    /// Invalidations and subscription changes so far: a take in flight while one came
+    /// does not become a slice.
+    epoch: AtomicU64,
     /// How long a key stays hot before it prefetches ([`EPOCH`]).
     steady: Duration,
 }
@@ -233,7 +236,7 @@ impl HotKeys {
             len: AtomicUsize::new(0),
             live: AtomicBool::new(false),
             returns: Mutex::new(Vec::new()),
-            base: Instant::now(),
+            epoch: AtomicU64::new(0),
             steady: EPOCH,
         }
     }
@@ -245,10 +248,6 @@ impl HotKeys {
             steady,
             ..Self::new()
         }
-    }
-
-    fn ns(&self, t: Instant) -> u64 {
-        t.saturating_duration_since(self.base).as_nanos() as u64
     }
 
     fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
@@ -270,7 +269,7 @@ impl HotKeys {
         let seen = self.rates.count(key);
         let mut shard = self.shard(key);
         if let Some(e) = shard.get(key) {
-            e.used.store(self.ns(now), Ordering::Relaxed);
+            e.state().used = now;
             return Heat::Hot;
         }
         if seen < rate {
@@ -279,7 +278,7 @@ impl HotKeys {
         if self.len.load(Ordering::Relaxed) >= MAX_HOT_KEYS {
             return Heat::Refused;
         }
-        shard.insert(key.to_owned(), Arc::new(Entry::new(now, self.ns(now))));
+        shard.insert(key.to_owned(), Arc::new(Entry::new(now)));
         self.len.fetch_add(1, Ordering::Relaxed);
         Heat::Hot
     }
@@ -291,11 +290,13 @@ impl HotKeys {
         if !self.live.load(Ordering::Acquire) {
             return None;
         }
-        let entry = self.entry(key)?;
-        self.rates.count(key);
-        entry.used.store(self.ns(now), Ordering::Relaxed);
-        let mut slice = entry.slice();
-        spend(&mut slice, limits, cost, now)
+        // Under the shard's lock: no reference count to share between threads per check.
+        let shard = self.shard(key);
+        let mut state = shard.get(key)?.state();
+        state.used = now;
+        let v = spend(&mut state.slice, limits, cost, now)?;
+        state.spent += cost;
+        Some(v)
     }
 
     /// Decides a check of a hot key that [`HotKeys::spend`] could not: waits for the
@@ -323,23 +324,32 @@ impl HotKeys {
             .await
             .map(|g| grant_verdict(&g, cost));
         };
+        entry.state().spent += cost;
         entry.waiting.fetch_add(cost, Ordering::AcqRel);
         let turn = entry.taking.lock().await;
-        if let Some(v) = spend(&mut entry.slice(), limits, cost, Instant::now()) {
+        if let Some(v) = spend(&mut entry.state().slice, limits, cost, Instant::now()) {
             entry.waiting.fetch_sub(cost, Ordering::AcqRel);
             return Ok(v);
         }
         let demand = entry.waiting.load(Ordering::Acquire).max(cost);
+        let sent = Instant::now();
         // Checks queued behind this one are the demand a burst brings, and a burst may
         // end with them: units beyond it would wait, unspent, while other instances are
-        // denied. Only a taker alone, in a steady flow, prefetches.
-        let sent = Instant::now();
-        let steady = sent.duration_since(entry.since) >= self.steady;
-        let prefetch = if demand == cost && steady {
-            self.prefetch(key, limits)
-        } else {
-            0
+        // denied. Only a taker alone, on a key hot for a while (a steady flow), prefetches.
+        let prefetch = {
+            let mut st = entry.state();
+            let rate =
+                st.spent as f64 / sent.duration_since(st.counted_from).as_secs_f64().max(1e-3);
+            st.spent = 0;
+            st.counted_from = sent;
+            let steady = sent.duration_since(entry.since) >= self.steady;
+            if demand == cost && steady {
+                ((rate * HORIZON.as_secs_f64()) as u64).min(limits.limit)
+            } else {
+                0
+            }
         };
+        let epoch = self.epoch.load(Ordering::Acquire);
         let result = take(Want {
             need: cost,
             demand,
@@ -349,38 +359,31 @@ impl HotKeys {
         entry.waiting.fetch_sub(cost, Ordering::AcqRel);
         let grant = result?;
         let verdict = grant_verdict(&grant, cost);
-        if verdict.allowed {
-            let units = grant.granted - cost;
-            let ends = sent + window_left(grant.reset_after_us);
-            let old = entry.slice().replace(Slice {
+        if verdict.allowed && grant.granted > cost {
+            let slice = Slice {
                 limits,
                 slot: grant.slot,
                 ledger: grant.ledger,
-                units,
+                units: grant.granted - cost,
                 left: grant.left,
-                ends,
-            });
-            // Units of a slice this one replaces: an earlier window's lapse with it; the
-            // same window's under other limits (a reload) go back.
-            if let Some(old) = old.filter(|o| o.units > 0 && o.slot == grant.slot) {
-                self.give_back(Return {
-                    key: key.to_owned(),
-                    slot: old.slot,
-                    ledger: old.ledger,
-                    units: old.units,
-                });
+                ends: sent + window_left(grant.reset_after_us),
+            };
+            // An invalidation while the take was in flight (it may predate a reset), or
+            // the key cooled meanwhile: the units go back rather than into a slice.
+            let current = self.entry(key).is_some_and(|e| Arc::ptr_eq(&e, &entry));
+            if current && self.epoch.load(Ordering::Acquire) == epoch {
+                let old = entry.state().slice.replace(slice);
+                // Units of a slice this one replaces: an earlier window's lapse with it;
+                // the same window's under other limits (a reload) go back.
+                if let Some(old) = old.filter(|o| o.units > 0 && o.slot == grant.slot) {
+                    self.give_back(returned(key, &old));
+                }
+            } else {
+                self.give_back(returned(key, &slice));
             }
         }
         drop(turn);
         Ok(verdict)
-    }
-
-    /// The prefetch of a take: [`HORIZON`] of the key's rate (its count, which is one to
-    /// two epochs of it), never more than the window's limit.
-    fn prefetch(&self, key: &str, limits: Limits) -> u64 {
-        let seen = self.rates.estimate(key);
-        let per_horizon = (seen as f64 * HORIZON.as_secs_f64() / EPOCH.as_secs_f64()).floor();
-        (per_horizon as u64).min(limits.limit)
     }
 
     fn give_back(&self, r: Return) {
@@ -395,15 +398,13 @@ impl HotKeys {
     /// its units go back at the next [`HotKeys::tend`]. After a reset the script finds
     /// another ledger (or none) and gives nothing back.
     pub fn forget(&self, key: &str) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         let Some(e) = self.entry(key) else { return };
-        let Some(s) = e.slice().take() else { return };
+        let Some(s) = e.state().slice.take() else {
+            return;
+        };
         if s.units > 0 {
-            self.give_back(Return {
-                key: key.to_owned(),
-                slot: s.slot,
-                ledger: s.ledger,
-                units: s.units,
-            });
+            self.give_back(returned(key, &s));
         }
     }
 
@@ -411,6 +412,7 @@ impl HotKeys {
     /// (a reset elsewhere must reach this instance's slices). Going quiet gives every
     /// slice back at the next [`HotKeys::tend`].
     pub fn set_live(&self, live: bool) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
         self.live.store(live, Ordering::Release);
     }
 
@@ -420,26 +422,19 @@ impl HotKeys {
     /// window has ended simply lapse.
     pub fn tend(&self, now: Instant, all: bool) -> (Vec<Return>, Tally) {
         let mut back = std::mem::take(&mut *self.returns.lock().unwrap_or_else(|p| p.into_inner()));
-        let idle = self.ns(now).saturating_sub(COOL.as_nanos() as u64);
         let every = all || !self.live.load(Ordering::Acquire);
         let mut keys = 0;
         for shard in &self.shards {
             let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             shard.retain(|key, e| {
-                let cooled = every || e.used.load(Ordering::Relaxed) < idle;
+                let mut st = e.state();
+                let cooled = every || now.saturating_duration_since(st.used) >= COOL;
                 // A take in flight keeps its entry: its checks are waiting on it.
                 if !cooled || e.waiting.load(Ordering::Acquire) > 0 {
                     return true;
                 }
-                if let Some(s) = e.slice().take() {
-                    if s.units > 0 && s.ends > now {
-                        back.push(Return {
-                            key: key.clone(),
-                            slot: s.slot,
-                            ledger: s.ledger,
-                            units: s.units,
-                        });
-                    }
+                if let Some(s) = st.slice.take().filter(|s| s.units > 0 && s.ends > now) {
+                    back.push(returned(key, &s));
                 }
                 false
             });
@@ -452,6 +447,16 @@ impl HotKeys {
     /// Starts a new rate epoch (every [`EPOCH`]).
     pub fn new_epoch(&self) {
         self.rates.decay();
+    }
+}
+
+/// What to give back of `s`.
+fn returned(key: &str, s: &Slice) -> Return {
+    Return {
+        key: key.to_owned(),
+        slot: s.slot,
+        ledger: s.ledger,
+        units: s.units,
     }
 }
 
@@ -679,6 +684,48 @@ mod tests {
                 admitted.len()
             );
         }
+    }
+
+    /// A take in flight when an invalidation arrives may predate a reset: its own check
+    /// stands (as any check sent before the reset), its other units do not become a
+    /// slice: they go back (the script refuses them if the ledger is gone).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_take_in_flight_during_an_invalidation_keeps_no_slice() {
+        let h = HotKeys::with_steady(Duration::ZERO);
+        h.set_live(true);
+        assert_eq!(h.note("k", 1, Instant::now()), Heat::Hot);
+        let limits = Limits {
+            limit: 100,
+            window_us: 60_000_000,
+            burst: 100,
+        };
+        let v = h
+            .decide("k", limits, 1, |_| {
+                h.forget("k");
+                async {
+                    Ok::<_, ()>(Grant {
+                        granted: 6,
+                        left: 94,
+                        reset_after_us: 30_000_000,
+                        slot: 1,
+                        ledger: 9,
+                    })
+                }
+            })
+            .await
+            .unwrap();
+        assert!(v.allowed);
+        assert!(h.spend("k", limits, 1, Instant::now()).is_none());
+        let (back, _) = h.tend(Instant::now(), false);
+        assert_eq!(
+            back,
+            vec![Return {
+                key: "k".into(),
+                slot: 1,
+                ledger: 9,
+                units: 5
+            }]
+        );
     }
 
     /// A check waiting behind a take is served by it: one take for a queue of checks.

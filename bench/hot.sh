@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# Hot-key slices (docs/architecture.md#hot-key-slices), in one alternating run:
+#
+#   hot-check          POST /v1/check of one key, wrk -t1 -c50, on a quotad whose policy
+#                      (fixed_window, 1,000,000,000 per hour) turns the key hot at 1,000/s
+#   breaker-open       the same load on a second quotad with the same policy whose Redis is
+#                      unreachable (breaker open, fail open): the HTTP path alone
+#   cold-check         the same load with hot_key_rate unset: every check a Redis call
+#   hot-batch32        batches of 32 checks of the hot key (decisions/s = 32 x requests/s)
+#   evalsha-P32        the EVALSHA -P 32 ceiling (bench/protocols.sh)
+#
+# then under-admission: four quotads on one Redis, a hot key at 5,000 per 1 s window,
+# offered about four times that by four wrk (one per quotad, 10 s) of which two stop
+# after 5 s; the admissions with slices over those without, the same load.
+#
+#   bench/hot.sh              # 3 rounds, 10 s per run
+#   ROUNDS=1 bench/hot.sh     # quick
+# Needs: redis-server, redis-benchmark, redis-cli, wrk, curl.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-10s}
+CONNS=50
+OUT=${OUT:-/tmp/quotad-hot-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+for t in redis-server redis-benchmark redis-cli wrk curl; do
+  command -v "$t" >/dev/null || { echo "missing $t: apt-get install -y redis-server wrk curl" >&2; exit 1; }
+done
+# shellcheck source=bench/lib.sh
+. "$HERE/lib.sh"
+(cd "$ROOT" && cargo build --release --locked -q)
+Q="$ROOT/target/release/quotad"
+
+start_redis "$OUT"
+REDIS_PID=$(cat "$OUT/redis.pid")
+NKEYS=100000
+load_token_bucket "$OUT"
+
+PIDS=()
+stop_all() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; bench_cleanup; }
+trap stop_all EXIT
+
+# quotad NAME PORT REDIS_PORT LIMIT WINDOW [hot_key_rate]: started, ready, PID in QPIDS[NAME].
+declare -A QPIDS QPORTS
+quotad() {
+  local name=$1 port=$2 rp=$3 limit=$4 window=$5 rate=${6:-}
+  local dir="$OUT/$name"; mkdir -p "$dir"
+  cat >"$dir/quotad.toml" <<TOML
+[server]
+listen = "127.0.0.1:$port"
+[store]
+redis = "redis://127.0.0.1:$rp"
+[[policy]]
+name = "bench"
+algorithm = "fixed_window"
+limit = $limit
+window = "$window"
+on_store_error = "open"
+${rate:+hot_key_rate = $rate}
+TOML
+  RUST_LOG=warn "$Q" serve --config "$dir/quotad.toml" 2>"$dir/quotad.log" &
+  QPIDS[$name]=$!; QPORTS[$name]=$port; PIDS+=($!)
+  for _ in $(seq 100); do curl -sf "127.0.0.1:$port/healthz" >/dev/null && break; sleep 0.1; done
+}
+DEAD=$(free_port) # nothing listens here: the breaker-open quotad's Redis
+quotad hot "$(free_port)" "$RP" 1000000000 1h 1000
+quotad cold "$(free_port)" "$RP" 1000000000 1h
+quotad open "$(free_port)" "$DEAD" 1000000000 1h
+
+TSV="$OUT/results.tsv"
+printf 'round\trun\trps\tp50_ms\tp99_ms\terrors\tquotad_us_per_op\tredis_us_per_op\n' >"$TSV"
+metric() { curl -s "127.0.0.1:$1/metrics" | awk -v m="$2" 'index($0, m) == 1 {s += $NF} END {print s + 0}'; }
+
+run() { # round label quotad-name [checks per request]
+  redis-cli -p "$RP" flushall >/dev/null
+  local name=$3 per=${4:-1} port=${QPORTS[$3]} pid=${QPIDS[$3]}
+  local q0 r0 res
+  q0=$(ticks "$pid"); r0=$(ticks "$REDIS_PID")
+  res=$(env WRK_HOT=1 WRK_BATCH="$((per > 1 ? per : 0))" timeout 120 wrk -t1 -c"$CONNS" -d"$DURATION" -s "$HERE/check.lua" "http://127.0.0.1:$port/v1/check" | grep '^WRK_RESULT')
+  local q1 r1; q1=$(ticks "$pid"); r1=$(ticks "$REDIS_PID")
+  kv() { echo "$res" | tr ' ' '\n' | awk -F= -v k="$1" '$1==k{print $2}'; }
+  local n; n=$(awk -v r="$(kv rps)" -v p="$per" -v d="${DURATION%s}" 'BEGIN{printf "%d", r * p * d}')
+  local decisions; decisions=$(awk -v r="$(kv rps)" -v p="$per" 'BEGIN{printf "%.2f", r * p}')
+  local qus rus
+  qus=$(awk -v t=$((q1 - q0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.2f", t / c * 1e6 / n}')
+  rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.2f", t / c * 1e6 / n}')
+  local errs=$(( $(kv non2xx) + $(kv socket_errors) ))
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$decisions" \
+    "$(awk -v u="$(kv p50_us)" 'BEGIN{printf "%.3f", u/1000}')" \
+    "$(awk -v u="$(kv p99_us)" 'BEGIN{printf "%.3f", u/1000}')" "$errs" "$qus" "$rus" >>"$TSV"
+  printf '  r%s %-14s %12.0f decisions/s  errors %s  quotad %s us/op  redis %s us/op\n' "$1" "$2" "$decisions" "$errs" "$qus" "$rus"
+}
+
+ceiling() { # round: EVALSHA -P 32
+  redis-cli -p "$RP" flushall >/dev/null
+  local n=1000000 r0 r1 line rps rus
+  r0=$(ticks "$REDIS_PID")
+  line=$(timeout 120 redis-benchmark -p "$RP" -c "$CONNS" -n "$n" -r "$NKEYS" -P 32 --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
+  r1=$(ticks "$REDIS_PID")
+  rps=$(echo "$line" | awk -F'","' '{print $2}')
+  rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.2f", t / c * 1e6 / n}')
+  printf '%s\tevalsha-P32\t%s\t-\t-\t0\t-\t%s\n' "$1" "$rps" "$rus" >>"$TSV"
+  printf '  r%s %-14s %12.0f /s  redis %s us/op\n' "$1" evalsha-P32 "$rps" "$rus"
+}
+
+{
+  echo "# quotad hot-key bench $(date -u +%FT%TZ)"
+  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  redis-server --version | head -1
+  echo "quotad $("$Q" --version) (release), rounds=$ROUNDS duration=$DURATION conns=$CONNS"
+} | tee "$OUT/meta.txt"
+
+for r in $(seq "$ROUNDS"); do
+  ceiling "$r"
+  run "$r" hot-check hot
+  run "$r" breaker-open open
+  run "$r" cold-check cold
+  run "$r" hot-batch32 hot 32
+  ceiling "$r"
+done
+python3 "$HERE/summarize.py" "$TSV" | tee "$OUT/summary.md"
+python3 - "$TSV" <<'PY' | tee -a "$OUT/summary.md"
+import csv, statistics, sys
+rows = list(csv.DictReader(open(sys.argv[1]), delimiter="\t"))
+def per_round(a, b):
+    out = []
+    for rd in sorted({r["round"] for r in rows}, key=int):
+        x = [float(r["rps"]) for r in rows if r["round"] == rd and r["run"] == a]
+        y = [float(r["rps"]) for r in rows if r["round"] == rd and r["run"] == b]
+        if x and y:
+            out.append(statistics.mean(x) / statistics.mean(y))
+    return out
+for a, b in [("hot-check", "breaker-open"), ("hot-check", "cold-check"), ("hot-batch32", "evalsha-P32")]:
+    v = per_round(a, b)
+    print(f"{a} / {b}: median {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}] over {len(v)} rounds")
+PY
+
+# Under-admission: four quotads, a hot key at 5,000 per second, demand that shifts.
+under() { # label [hot_key_rate]
+  local label=$1 rate=${2:-} ports=() admitted=0 windows
+  for i in 1 2 3 4; do
+    local p; p=$(free_port); ports+=("$p")
+    quotad "$label$i" "$p" "$RP" 5000 1s "$rate"
+  done
+  redis-cli -p "$RP" flushall >/dev/null
+  local w=()
+  for i in 0 1 2 3; do
+    local d=10s; [ "$i" -ge 2 ] && d=5s
+    WRK_HOT=1 timeout 60 wrk -t1 -c8 -d"$d" -s "$HERE/check.lua" "http://127.0.0.1:${ports[$i]}/v1/check" >/dev/null &
+    w+=($!)
+  done
+  wait "${w[@]}"
+  for p in "${ports[@]}"; do
+    admitted=$(( admitted + $(metric "$p" 'quotad_decisions_total{outcome="allowed"') ))
+  done
+  local taken returned
+  taken=0; returned=0
+  for p in "${ports[@]}"; do
+    taken=$(( taken + $(metric "$p" 'quotad_hot_key_units_total{event="taken"}') ))
+    returned=$(( returned + $(metric "$p" 'quotad_hot_key_units_total{event="returned"}') ))
+  done
+  for i in 1 2 3 4; do kill -TERM "${QPIDS[$label$i]}" 2>/dev/null || true; done
+  printf '%s\t%s\t%s\t%s\n' "$label" "$admitted" "$taken" "$returned" >>"$OUT/under.tsv"
+  printf '  %-12s admitted %s  slice units taken %s returned %s\n' "$label" "$admitted" "$taken" "$returned"
+}
+echo "under-admission: 4 quotads, hot key at 5,000 per 1 s window, 4 x wrk -c8 (two stop at 5 s)"
+for r in $(seq "$ROUNDS"); do
+  under "slices$r-" 1000
+  under "none$r-"
+done
+python3 - "$OUT/under.tsv" <<'PY' | tee -a "$OUT/summary.md"
+import sys, statistics
+rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n") if l]
+s = [int(r[1]) for r in rows if r[0].startswith("slices")]
+n = [int(r[1]) for r in rows if r[0].startswith("none")]
+ratio = [a / b for a, b in zip(s, n)]
+print(f"admitted with slices / without: median {statistics.median(ratio):.4f} "
+      f"[{min(ratio):.4f}-{max(ratio):.4f}] over {len(ratio)} rounds "
+      f"(with: {statistics.median(s):,}, without: {statistics.median(n):,})")
+PY
