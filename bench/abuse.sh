@@ -62,7 +62,7 @@ for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sle
 
 {
   echo "# quotad abuse $(date -u +%FT%TZ)"
-  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  machine
   echo "quotad $("$Q" --version) (release) @ $(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo '?'); open files $(ulimit -n)"
 } | tee "$OUT/meta.txt"
 PROBE='{"policy":"api","key":"probe","cost":1}'

@@ -24,11 +24,9 @@ DURATION=${DURATION:-10s}
 CONNS=50
 OUT=${OUT:-/tmp/quotad-hot-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-for t in redis-server redis-benchmark redis-cli wrk curl; do
-  command -v "$t" >/dev/null || { echo "missing $t: apt-get install -y redis-server wrk curl" >&2; exit 1; }
-done
 # shellcheck source=bench/lib.sh
 . "$HERE/lib.sh"
+need redis-server redis-benchmark redis-cli wrk curl
 (cd "$ROOT" && cargo build --release --locked -q)
 Q="$ROOT/target/release/quotad"
 
@@ -92,32 +90,20 @@ run() { # round label quotad-name [checks per request]
   printf '  r%s %-14s %12.0f decisions/s  errors %s  quotad %s us/op  redis %s us/op\n' "$1" "$2" "$decisions" "$errs" "$qus" "$rus"
 }
 
-ceiling() { # round: EVALSHA -P 32
-  redis-cli -p "$RP" flushall >/dev/null
-  local n=1000000 r0 r1 line rps rus
-  r0=$(ticks "$REDIS_PID")
-  line=$(timeout 120 redis-benchmark -p "$RP" -c "$CONNS" -n "$n" -r "$NKEYS" -P 32 --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
-  r1=$(ticks "$REDIS_PID")
-  rps=$(echo "$line" | awk -F'","' '{print $2}')
-  rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.2f", t / c * 1e6 / n}')
-  printf '%s\tevalsha-P32\t%s\t-\t-\t0\t-\t%s\n' "$1" "$rps" "$rus" >>"$TSV"
-  printf '  r%s %-14s %12.0f /s  redis %s us/op\n' "$1" evalsha-P32 "$rps" "$rus"
-}
-
 {
   echo "# quotad hot-key bench $(date -u +%FT%TZ)"
-  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  machine
   redis-server --version | head -1
   echo "quotad $("$Q" --version) (release), rounds=$ROUNDS duration=$DURATION conns=$CONNS"
 } | tee "$OUT/meta.txt"
 
 for r in $(seq "$ROUNDS"); do
-  ceiling "$r"
+  ceiling "$r" evalsha-P32 1000000 -P 32
   run "$r" hot-check hot
   run "$r" breaker-open open
   run "$r" cold-check cold
   run "$r" hot-batch32 hot 32
-  ceiling "$r"
+  ceiling "$r" evalsha-P32 1000000 -P 32
 done
 python3 "$HERE/summarize.py" "$TSV" | tee "$OUT/summary.md"
 python3 - "$TSV" <<'PY' | tee -a "$OUT/summary.md"

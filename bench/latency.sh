@@ -35,7 +35,7 @@ CAP_Q=$(env WRK_KEYS="$NKEYS" wrk -t1 -c"$CONNS" -d5s -s "$HERE/check.lua" "http
 CAP_R=$(redis-benchmark -p "$RP" -c "$CONNS" -n 300000 -r "$NKEYS" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1 | awk -F'","' '{print int($2)}')
 {
   echo "# quotad latency bench $(date -u +%FT%TZ)"
-  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  machine
   redis-server --version | head -1
   echo "capacity (closed loop, $CONNS connections): quotad $CAP_Q/s, EVALSHA $CAP_R/s"
 } | tee "$OUT/meta.txt"

@@ -1,6 +1,17 @@
 # Shared by the bench scripts (source it): free loopback ports, a throwaway redis-server,
 # and stopping what the script started when it exits.
 
+# Exits naming the package when a tool is missing: need redis-server wrk ...
+need() {
+  local t
+  for t in "$@"; do
+    command -v "$t" >/dev/null || { echo "missing $t: apt-get install -y redis-server wrk curl openssl" >&2; exit 1; }
+  done
+}
+
+# One line naming the machine, for a run's meta.txt.
+machine() { echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"; }
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # The quotad the script starts, if any: stopped (SIGTERM) on exit.
@@ -59,3 +70,24 @@ bench_cleanup() {
   [ -n "${RP:-}" ] && redis-cli -p "$RP" shutdown nosave >/dev/null 2>&1 || true
 }
 trap bench_cleanup EXIT
+
+# A redis-benchmark EVALSHA ceiling row (round, label, rate, p50 and p99 ms, 0 errors, -
+# quotad, Redis CPU per op) appended to $TSV: `ceiling ROUND [LABEL N OPTIONS...]`
+# (default: evalsha-c50, 400,000 requests), $CONNS connections on $NKEYS keys, against the
+# redis-server of start_redis (pid $REDIS_PID) with load_token_bucket's script.
+ceiling() {
+  redis-cli -p "$RP" flushall >/dev/null
+  local round=$1 label=${2:-evalsha-c50} n=${3:-400000}
+  shift; shift || true; shift || true
+  local r0 r1 line
+  r0=$(ticks "$REDIS_PID")
+  line=$(timeout 120 redis-benchmark -p "$RP" -c "$CONNS" -n "$n" -r "$NKEYS" "$@" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
+  r1=$(ticks "$REDIS_PID")
+  local rps p50 p99 rus
+  rps=$(echo "$line" | awk -F'","' '{print $2}')
+  p50=$(echo "$line" | awk -F'","' '{print $5}')
+  p99=$(echo "$line" | awk -F'","' '{print $7}')
+  rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.1f", t / c * 1e6 / n}')
+  printf '%s\t%s\t%s\t%s\t%s\t0\t-\t%s\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus" >>"$TSV"
+  printf '  r%s %-16s %10.0f /s  p50 %s ms  p99 %s ms  redis %s us/op\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus"
+}

@@ -60,7 +60,7 @@ for _ in $(seq 100); do curl -sf "127.0.0.1:$QP/readyz" >/dev/null && break; sle
 
 {
   echo "# quotad overload $(date -u +%FT%TZ)"
-  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  machine
   echo "$(redis-server --version | head -1)"
   echo "quotad $("$Q" --version) (release) @ $(cd "$ROOT" && git rev-parse --short HEAD 2>/dev/null || echo '?'); duration=$DURATION"
 } | tee "$OUT/meta.txt"

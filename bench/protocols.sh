@@ -26,11 +26,9 @@ CONNS=${CONNS:-50}
 NKEYS=${NKEYS:-100000}
 OUT=${OUT:-/tmp/quotad-protocols-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-for t in redis-server redis-benchmark redis-cli wrk curl; do
-  command -v "$t" >/dev/null || { echo "missing $t: apt-get install -y redis-server wrk curl" >&2; exit 1; }
-done
 # shellcheck source=bench/lib.sh
 . "$HERE/lib.sh"
+need redis-server redis-benchmark redis-cli wrk curl
 
 (cd "$ROOT" && cargo build --release --locked -q && cargo build --release --locked -q --example grpc_load)
 Q="$ROOT/target/release/quotad"
@@ -66,23 +64,6 @@ record() { # round label rps p50_us p99_us errors q0 q1 r0 r1
     "$1" "$2" "$3" "$p50" "$p99" "$6" "$qus" "$rus"
 }
 
-ceiling() { # round [label n redis-benchmark options...]
-  redis-cli -p "$RP" flushall >/dev/null
-  local round=$1 label=${2:-evalsha-c50} n=${3:-400000}
-  shift; shift || true; shift || true
-  local r0 r1 line
-  r0=$(ticks "$REDIS_PID")
-  line=$(timeout 120 redis-benchmark -p "$RP" -c "$CONNS" -n "$n" -r "$NKEYS" "$@" --csv "${EVAL_ARGS[@]}" 2>/dev/null | grep -i '^"evalsha' | tail -1)
-  r1=$(ticks "$REDIS_PID")
-  local rps p50 p99 rus
-  rps=$(echo "$line" | awk -F'","' '{print $2}')
-  p50=$(echo "$line" | awk -F'","' '{print $5}')
-  p99=$(echo "$line" | awk -F'","' '{print $7}')
-  rus=$(awk -v t=$((r1 - r0)) -v c="$CLK" -v n="$n" 'BEGIN{printf "%.1f", t / c * 1e6 / n}')
-  printf '%s\t%s\t%s\t%s\t%s\t0\t-\t%s\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus" >>"$TSV"
-  printf '  r%s %-16s %10.0f /s  p50 %s ms  p99 %s ms  redis %s us/op\n' "$round" "$label" "$rps" "$p50" "$p99" "$rus"
-}
-
 http_run() { # round label script path [checks per request]
   redis-cli -p "$RP" flushall >/dev/null
   local q0 r0 f0 res per=${5:-1}
@@ -106,7 +87,7 @@ grpc_run() { # round connections streams (connections x streams = $CONNS calls i
 
 {
   echo "# quotad protocols bench $(date -u +%FT%TZ)"
-  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  machine
   redis-server --version | head -1
   echo "quotad $("$Q" --version) (release), rounds=$ROUNDS duration=$DURATION conns=$CONNS keys=$NKEYS"
 } | tee "$OUT/meta.txt"

@@ -21,12 +21,9 @@ CONNS=${CONNS:-50}
 NKEYS=${NKEYS:-100000}
 OUT=${OUT:-/tmp/quotad-bench-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-for t in redis-server redis-benchmark redis-cli wrk; do
-  command -v "$t" >/dev/null || { echo "missing $t: apt-get install -y redis-server wrk" >&2; exit 1; }
-done
-
 # shellcheck source=bench/lib.sh
 . "$HERE/lib.sh"
+need redis-server redis-benchmark redis-cli wrk
 
 (cd "$ROOT" && cargo build --release --locked -q)
 Q="$ROOT/target/release/quotad"
@@ -84,7 +81,7 @@ target() { # round label [env...]
 
 {
   echo "# quotad bench $(date -u +%FT%TZ)"
-  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  machine
   echo "$(redis-server --version | head -1)"
   echo "$(wrk -v 2>&1 | head -1)"
   echo "quotad $("$Q" --version) (release), sha $SHA, rounds=$ROUNDS duration=$DURATION conns=$CONNS keys=$NKEYS"

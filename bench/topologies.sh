@@ -260,7 +260,7 @@ target() { # round topology
 
 {
   echo "# quotad topologies bench $(date -u +%FT%TZ)"
-  echo "nproc=$(nproc) $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) $(uname -sr)"
+  machine
   redis-server --version | head -1
   wrk -v 2>&1 | head -1 || true # (wrk -v exits 1)
   openssl version

@@ -1,0 +1,127 @@
+//! A short benchmark inside the suite: what a check through quotad costs beside a client
+//! calling Redis itself, and what a hot key's slices save. It prints its ratios and
+//! asserts none of them (speed belongs in benchmarks: the suite runs a debug build on a
+//! shared machine; bench/run.sh, bench/protocols.sh and bench/hot.sh measure the release
+//! build). What it does assert is that every request was answered and enforced, so a
+//! figure is never printed for a run that failed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use quotad_testkit::{Config, Policy, Quotad, RedisServer, quotad_binary, runtime};
+
+const CONCURRENCY: usize = 32;
+const RUN: Duration = Duration::from_secs(2);
+const LIMIT: u64 = 1_000_000_000;
+
+/// Completed calls per second of `call`, run by CONCURRENCY tasks for RUN on `rt`.
+fn closed_loop<F, Fut>(rt: &tokio::runtime::Runtime, call: F) -> f64
+where
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let call = Arc::new(call);
+    let done = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    rt.block_on(async {
+        let tasks: Vec<_> = (0..CONCURRENCY as u64)
+            .map(|t| {
+                let (call, done) = (call.clone(), done.clone());
+                tokio::spawn(async move {
+                    let mut i = t;
+                    while started.elapsed() < RUN {
+                        call(i).await;
+                        done.fetch_add(1, Ordering::Relaxed);
+                        i += CONCURRENCY as u64;
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.expect("a load task");
+        }
+    });
+    done.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
+}
+
+/// `POST /v1/check` of policy `policy` on `key(i)`, answered `allowed` by the store.
+fn quotad_rate(
+    rt: &tokio::runtime::Runtime,
+    q: &Quotad,
+    policy: &'static str,
+    key: fn(u64) -> String,
+) -> f64 {
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/check", q.url());
+    closed_loop(rt, move |i| {
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let body = serde_json::json!({"policy": policy, "key": key(i)});
+            let v: serde_json::Value = client
+                .post(&url)
+                .json(&body)
+                .send()
+                .await
+                .expect("an answer")
+                .json()
+                .await
+                .expect("JSON");
+            assert_eq!(v["outcome"], "allowed", "{v}");
+        }
+    })
+}
+
+#[test]
+fn a_check_through_quotad_beside_evalsha_and_a_hot_key_beside_both() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(Policy::new("fw", "fixed_window", LIMIT, "1h"))
+        .policy(Policy::new("hot", "fixed_window", LIMIT, "1h").set("hot_key_rate", 100));
+    let q = Quotad::start(&config.to_toml());
+
+    // The client calling Redis itself: quotad's own fixed-window script, one multiplexed
+    // connection (pipelined as concurrent calls are), the same keys.
+    let script = std::process::Command::new(quotad_binary())
+        .args(["script", "fixed_window"])
+        .output()
+        .expect("quotad script");
+    let script = redis::Script::new(&String::from_utf8(script.stdout).expect("UTF-8"));
+    let rt = runtime();
+    let conn = rt
+        .block_on(
+            redis::Client::open(redis.url())
+                .unwrap()
+                .get_multiplexed_async_connection(),
+        )
+        .expect("a connection");
+    let script = Arc::new(script);
+    let direct = closed_loop(&rt, move |i| {
+        let (mut conn, script) = (conn.clone(), script.clone());
+        async move {
+            let reply: Vec<i64> = script
+                .key(format!("rl:direct:fw:{{k{}}}", i % 100_000))
+                .arg("check")
+                .arg(LIMIT)
+                .arg(3_600_000_000u64)
+                .arg(LIMIT)
+                .arg(1)
+                .arg("")
+                .invoke_async(&mut conn)
+                .await
+                .expect("EVALSHA");
+            assert_eq!(reply[0], 1, "{reply:?}");
+        }
+    });
+    let through = quotad_rate(&rt, &q, "fw", |i| format!("k{}", i % 100_000));
+    let hot = quotad_rate(&rt, &q, "hot", |_| "one".to_owned());
+    let from_memory = q.metric("quotad_hot_key_admits_total{policy=\"hot\"}");
+    eprintln!(
+        "debug build, {CONCURRENCY} in flight, {RUN:?} each: EVALSHA direct {direct:.0}/s; \
+         quotad /v1/check {through:.0}/s ({:.2} of direct); one hot key {hot:.0}/s \
+         ({:.2} of /v1/check, {from_memory:.0} checks from memory)",
+        through / direct,
+        hot / through,
+    );
+    assert!(from_memory > 0.0, "the hot key never admitted from memory");
+}
