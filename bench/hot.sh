@@ -10,8 +10,9 @@
 #   evalsha-P32        the EVALSHA -P 32 ceiling (bench/protocols.sh)
 #
 # then under-admission: four quotads on one Redis, a hot key at 5,000 per 1 s window,
-# offered about four times that by four wrk (one per quotad, 10 s) of which two stop
-# after 5 s; the admissions with slices over those without, the same load.
+# offered several times that by four wrk (one per quotad, 10 s) of which two stop after
+# 5 s: the units slices took that lapsed with their window, neither admitted nor given
+# back, over the admissions.
 #
 #   bench/hot.sh              # 3 rounds, 10 s per run
 #   ROUNDS=1 bench/hot.sh     # quick
@@ -122,46 +123,42 @@ for a, b in [("hot-check", "breaker-open"), ("hot-check", "cold-check"), ("hot-b
     print(f"{a} / {b}: median {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}] over {len(v)} rounds")
 PY
 
-# Under-admission: four quotads, a hot key at 5,000 per second, demand that shifts.
-under() { # label [hot_key_rate]
-  local label=$1 rate=${2:-} ports=() admitted=0 windows
+# Under-admission: four quotads, a hot key at 5,000 per second, demand that shifts. Units
+# the slices took and neither admitted nor gave back lapsed with their window unspent:
+# capacity some instance held while another may have been denied.
+under() { # round
+  local ports=() w=() i p
   for i in 1 2 3 4; do
-    local p; p=$(free_port); ports+=("$p")
-    quotad "$label$i" "$p" "$RP" 5000 1s "$rate"
+    p=$(free_port); ports+=("$p")
+    quotad "under$1-$i" "$p" "$RP" 5000 1s 1000
   done
   redis-cli -p "$RP" flushall >/dev/null
-  local w=()
   for i in 0 1 2 3; do
     local d=10s; [ "$i" -ge 2 ] && d=5s
     WRK_HOT=1 timeout 60 wrk -t1 -c8 -d"$d" -s "$HERE/check.lua" "http://127.0.0.1:${ports[$i]}/v1/check" >/dev/null &
     w+=($!)
   done
   wait "${w[@]}"
-  for p in "${ports[@]}"; do
-    admitted=$(( admitted + $(metric "$p" 'quotad_decisions_total{outcome="allowed"') ))
+  for p in "${ports[@]}"; do # every key cooled, its slice back
+    for _ in $(seq 50); do [ "$(metric "$p" quotad_hot_key_entries)" = 0 ] && break; sleep 0.1; done
   done
-  local taken returned
-  taken=0; returned=0
-  for p in "${ports[@]}"; do
-    taken=$(( taken + $(metric "$p" 'quotad_hot_key_units_total{event="taken"}') ))
-    returned=$(( returned + $(metric "$p" 'quotad_hot_key_units_total{event="returned"}') ))
-  done
-  for i in 1 2 3 4; do kill -TERM "${QPIDS[$label$i]}" 2>/dev/null || true; done
-  printf '%s\t%s\t%s\t%s\n' "$label" "$admitted" "$taken" "$returned" >>"$OUT/under.tsv"
-  printf '  %-12s admitted %s  slice units taken %s returned %s\n' "$label" "$admitted" "$taken" "$returned"
+  local sum; sum() { local t=0 p; for p in "${ports[@]}"; do t=$(( t + $(metric "$p" "$1") )); done; echo "$t"; }
+  local allowed taken admitted returned
+  allowed=$(sum 'quotad_decisions_total{outcome="allowed"')
+  taken=$(sum 'quotad_hot_key_units_total{event="taken"}')
+  admitted=$(sum 'quotad_hot_key_units_total{event="admitted"}')
+  returned=$(sum 'quotad_hot_key_units_total{event="returned"}')
+  for i in 1 2 3 4; do kill -TERM "${QPIDS[under$1-$i]}" 2>/dev/null || true; done
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$allowed" "$taken" "$admitted" "$returned" >>"$OUT/under.tsv"
+  printf '  r%s allowed %s  slice units taken %s admitted %s returned %s lapsed %s\n' "$1" "$allowed" "$taken" "$admitted" "$returned" $(( taken - admitted - returned ))
 }
 echo "under-admission: 4 quotads, hot key at 5,000 per 1 s window, 4 x wrk -c8 (two stop at 5 s)"
-for r in $(seq "$ROUNDS"); do
-  under "slices$r-" 1000
-  under "none$r-"
-done
+for r in $(seq "$ROUNDS"); do under "$r"; done
 python3 - "$OUT/under.tsv" <<'PY' | tee -a "$OUT/summary.md"
 import sys, statistics
-rows = [l.split("\t") for l in open(sys.argv[1]).read().split("\n") if l]
-s = [int(r[1]) for r in rows if r[0].startswith("slices")]
-n = [int(r[1]) for r in rows if r[0].startswith("none")]
-ratio = [a / b for a, b in zip(s, n)]
-print(f"admitted with slices / without: median {statistics.median(ratio):.4f} "
-      f"[{min(ratio):.4f}-{max(ratio):.4f}] over {len(ratio)} rounds "
-      f"(with: {statistics.median(s):,}, without: {statistics.median(n):,})")
+rows = [[int(x) for x in l.split("\t")] for l in open(sys.argv[1]).read().split("\n") if l]
+lapsed = [(t - a - r) / allowed for _, allowed, t, a, r in rows]
+print(f"slice units lapsed unspent, over admissions: median {statistics.median(lapsed):.5f} "
+      f"[{min(lapsed):.5f}-{max(lapsed):.5f}] over {len(rows)} rounds "
+      f"(admissions per round: median {statistics.median(r[1] for r in rows):,})")
 PY

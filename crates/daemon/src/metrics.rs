@@ -79,8 +79,9 @@ pub struct Metrics {
     pub hot_admits: IntCounterVec,
     /// `quotad_hot_key_slices_total{event}`: slices `taken` from Redis and `returned`.
     pub hot_slices: IntCounterVec,
-    /// `quotad_hot_key_units_total{event}`: units in the slices `taken` and units
-    /// `returned` (given back to their window; the rest were admitted or lapsed).
+    /// `quotad_hot_key_units_total{event}`: units in the slices `taken`, `admitted` from
+    /// them (counted every 100 ms), and `returned` to their window; what is left of what
+    /// was taken lapsed with its window unspent: the slices' under-admission.
     pub hot_units: IntCounterVec,
     /// `quotad_hot_key_entries`: keys hot on this instance, with or without a slice (at
     /// the last tend; `quotad_hot_keys` is the coordinator's count of global keys).

@@ -122,6 +122,8 @@ struct State {
     /// rate here, for the prefetch.
     spent: u64,
     counted_from: Instant,
+    /// Units admitted from what takes granted, since the last tend (the metric).
+    admitted: u64,
 }
 
 struct Entry {
@@ -142,6 +144,7 @@ impl Entry {
                 used: now,
                 spent: 0,
                 counted_from: now,
+                admitted: 0,
             }),
             taking: tokio::sync::Mutex::new(()),
             waiting: AtomicU64::new(0),
@@ -200,6 +203,8 @@ impl Rates {
 pub struct Tally {
     /// Keys hot now.
     pub keys: usize,
+    /// Units admitted from takes' grants since the last tend.
+    pub admitted: u64,
 }
 
 pub struct HotKeys {
@@ -296,6 +301,7 @@ impl HotKeys {
         state.used = now;
         let v = spend(&mut state.slice, limits, cost, now)?;
         state.spent += cost;
+        state.admitted += cost;
         Some(v)
     }
 
@@ -327,9 +333,14 @@ impl HotKeys {
         entry.state().spent += cost;
         entry.waiting.fetch_add(cost, Ordering::AcqRel);
         let turn = entry.taking.lock().await;
-        if let Some(v) = spend(&mut entry.state().slice, limits, cost, Instant::now()) {
-            entry.waiting.fetch_sub(cost, Ordering::AcqRel);
-            return Ok(v);
+        {
+            let mut st = entry.state();
+            if let Some(v) = spend(&mut st.slice, limits, cost, Instant::now()) {
+                st.admitted += cost;
+                drop(st);
+                entry.waiting.fetch_sub(cost, Ordering::AcqRel);
+                return Ok(v);
+            }
         }
         let demand = entry.waiting.load(Ordering::Acquire).max(cost);
         let sent = Instant::now();
@@ -359,6 +370,9 @@ impl HotKeys {
         entry.waiting.fetch_sub(cost, Ordering::AcqRel);
         let grant = result?;
         let verdict = grant_verdict(&grant, cost);
+        if verdict.allowed {
+            entry.state().admitted += cost;
+        }
         if verdict.allowed && grant.granted > cost {
             let slice = Slice {
                 limits,
@@ -423,11 +437,12 @@ impl HotKeys {
     pub fn tend(&self, now: Instant, all: bool) -> (Vec<Return>, Tally) {
         let mut back = std::mem::take(&mut *self.returns.lock().unwrap_or_else(|p| p.into_inner()));
         let every = all || !self.live.load(Ordering::Acquire);
-        let mut keys = 0;
+        let (mut keys, mut admitted) = (0, 0);
         for shard in &self.shards {
             let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             shard.retain(|key, e| {
                 let mut st = e.state();
+                admitted += std::mem::take(&mut st.admitted);
                 let cooled = every || now.saturating_duration_since(st.used) >= COOL;
                 // A take in flight keeps its entry: its checks are waiting on it.
                 if !cooled || e.waiting.load(Ordering::Acquire) > 0 {
@@ -441,7 +456,7 @@ impl HotKeys {
             keys += shard.len();
         }
         self.len.store(keys, Ordering::Relaxed);
-        (back, Tally { keys })
+        (back, Tally { keys, admitted })
     }
 
     /// Starts a new rate epoch (every [`EPOCH`]).

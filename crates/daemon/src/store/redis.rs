@@ -475,6 +475,10 @@ impl RedisStore {
             }
             let (back, tally) = self.hot.tend(now, all);
             self.metrics.hot_entries.set(tally.keys as i64);
+            self.metrics
+                .hot_units
+                .with_label_values(&["admitted"])
+                .inc_by(tally.admitted);
             self.give_back_slices(back).await;
             if all {
                 return;
