@@ -12,14 +12,23 @@
 //! left: their ratio is the commands per write. Each reply is the command's own (a script error answers only
 //! its caller); a lost connection answers every command of the pipeline with the error.
 //!
-//! Only one server's multiplexed connection is coalesced (standalone and Sentinel); on a
-//! cluster each command is routed (and redirected) on its own (`connect::cluster_command`).
+//! On a cluster the turn's commands are grouped by hash slot (the key of a script call):
+//! each group leaves as one pipeline routed to its slot's master, all groups at once, so
+//! the crate's connection to a node writes what reaches it together; a command of the
+//! pipeline answered MOVED, ASK or TRYAGAIN (a slot migrating) is sent again on its own,
+//! following the redirect (`store::cluster`), and commands without a key slot go alone.
 
 use std::sync::{Arc, Mutex, Weak};
 
+use std::collections::HashMap;
+
 use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
 use tokio::sync::{Notify, oneshot};
+
+use crate::store::cluster;
 
 type Reply = oneshot::Sender<RedisResult<Value>>;
 
@@ -45,7 +54,14 @@ struct Shared {
     queue: Mutex<Vec<(Cmd, Reply)>>,
     /// Wakes the flusher: a command went into an empty queue, or the connection is gone.
     wake: Arc<Notify>,
-    conn: MultiplexedConnection,
+    conn: Link,
+}
+
+/// Where a turn's commands go.
+#[derive(Clone)]
+enum Link {
+    Server(MultiplexedConnection),
+    Cluster(ClusterConnection),
 }
 
 impl Drop for Shared {
@@ -56,9 +72,18 @@ impl Drop for Shared {
 }
 
 impl Coalescing {
-    /// Wraps `conn`; spawns its flusher on the current runtime (it ends with the last
-    /// clone).
+    /// Wraps one server's `conn`; spawns its flusher on the current runtime (it ends
+    /// with the last clone).
     pub fn new(conn: MultiplexedConnection, counters: Counters) -> Self {
+        Self::over(Link::Server(conn), counters)
+    }
+
+    /// Wraps a cluster's `conn`: each turn's commands grouped by hash slot.
+    pub fn cluster(conn: ClusterConnection, counters: Counters) -> Self {
+        Self::over(Link::Cluster(conn), counters)
+    }
+
+    fn over(conn: Link, counters: Counters) -> Self {
         let wake = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             queue: Mutex::new(Vec::new()),
@@ -119,8 +144,16 @@ async fn flusher(shared: Weak<Shared>, wake: Arc<Notify>, counters: Counters) {
     }
 }
 
-/// One pipeline: every command's reply to its caller.
-async fn send(mut conn: MultiplexedConnection, batch: Vec<(Cmd, Reply)>) {
+/// One turn's commands: every command's reply to its caller.
+async fn send(conn: Link, batch: Vec<(Cmd, Reply)>) {
+    match conn {
+        Link::Server(conn) => send_to_server(conn, batch).await,
+        Link::Cluster(conn) => send_to_cluster(conn, batch).await,
+    }
+}
+
+/// One pipeline on one server's connection.
+async fn send_to_server(mut conn: MultiplexedConnection, batch: Vec<(Cmd, Reply)>) {
     if let [(cmd, _)] = batch.as_slice() {
         let r = conn.send_packed_command(cmd).await;
         if let Some((_, reply)) = batch.into_iter().next() {
@@ -128,26 +161,116 @@ async fn send(mut conn: MultiplexedConnection, batch: Vec<(Cmd, Reply)>) {
         }
         return;
     }
+    let (pipe, replies) = pipeline(batch);
+    let answers = answers(
+        conn.send_packed_commands(&pipe, 0, replies.len()).await,
+        replies.len(),
+    );
+    for (reply, answer) in replies.into_iter().zip(answers) {
+        let _ = reply.send(answer);
+    }
+}
+
+/// A pipeline per hash slot, all sent at once; commands without a slot alone.
+async fn send_to_cluster(conn: ClusterConnection, batch: Vec<(Cmd, Reply)>) {
+    let mut by_slot: HashMap<u16, Vec<(Cmd, Reply)>> = HashMap::new();
+    let mut alone = Vec::new();
+    for (cmd, reply) in batch {
+        match script_slot(&cmd) {
+            Some(slot) => by_slot.entry(slot).or_default().push((cmd, reply)),
+            None => alone.push((cmd, reply)),
+        }
+    }
+    let groups = by_slot.into_iter().map(|(slot, group)| {
+        let mut conn = conn.clone();
+        async move {
+            if group.len() == 1 {
+                return futures_util::future::join_all(
+                    group.into_iter().map(|(cmd, reply)| one(conn.clone(), cmd, reply)),
+                )
+                .await;
+            }
+            let cmds: Vec<Cmd> = group.iter().map(|(c, _)| c.clone()).collect();
+            let (pipe, replies) = pipeline(group);
+            let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+            let sent = conn.route_pipeline(pipe, 0, replies.len(), route).await;
+            let n = replies.len();
+            let redo = matches!(&sent, Err(e) if cluster::is_redirect(e));
+            let answers = answers(sent, n);
+            futures_util::future::join_all(cmds.into_iter().zip(replies).zip(answers).map(
+                |((cmd, reply), answer)| {
+                    let conn = conn.clone();
+                    async move {
+                        // Sent again alone, following its redirect: a slot migrating.
+                        let moved = redo
+                            || matches!(answer.clone().and_then(Value::extract_error), Err(e) if cluster::is_redirect(&e));
+                        if moved {
+                            one(conn, cmd, reply).await;
+                        } else {
+                            let _ = reply.send(answer);
+                        }
+                    }
+                },
+            ))
+            .await
+        }
+    });
+    let singles = alone
+        .into_iter()
+        .map(|(cmd, reply)| one(conn.clone(), cmd, reply));
+    futures_util::future::join(
+        futures_util::future::join_all(groups),
+        futures_util::future::join_all(singles),
+    )
+    .await;
+}
+
+/// One command on the cluster, redirects followed.
+async fn one(mut conn: ClusterConnection, cmd: Cmd, reply: Reply) {
+    let _ = reply.send(cluster::command(&mut conn, &cmd).await);
+}
+
+/// The hash slot of a script call's first key (`EVALSHA sha numkeys key ...`), or None.
+fn script_slot(cmd: &Cmd) -> Option<u16> {
+    let mut args = cmd.args_iter().map(|a| match a {
+        redis::Arg::Simple(b) => Some(b),
+        _ => None,
+    });
+    let name = args.next()??;
+    if !(name.eq_ignore_ascii_case(b"EVALSHA") || name.eq_ignore_ascii_case(b"EVAL")) {
+        return None;
+    }
+    let _script = args.next()??;
+    let keys = std::str::from_utf8(args.next()??).ok()?;
+    if keys == "0" {
+        return None;
+    }
+    let key = std::str::from_utf8(args.next()??).ok()?;
+    Some(cluster::slot(key))
+}
+
+fn pipeline(batch: Vec<(Cmd, Reply)>) -> (Pipeline, Vec<Reply>) {
     let mut pipe = Pipeline::with_capacity(batch.len());
     let mut replies = Vec::with_capacity(batch.len());
     for (cmd, reply) in batch {
         pipe.add_command(cmd);
         replies.push(reply);
     }
-    let answers = match conn.send_packed_commands(&pipe, 0, replies.len()).await {
-        Ok(values) if values.len() == replies.len() => values.into_iter().map(Ok).collect(),
+    (pipe, replies)
+}
+
+/// A pipeline's result as `n` answers: each command's own reply, or the error for all.
+fn answers(sent: RedisResult<Vec<Value>>, n: usize) -> Vec<RedisResult<Value>> {
+    match sent {
+        Ok(values) if values.len() == n => values.into_iter().map(Ok).collect(),
         Ok(values) => {
             let e = RedisError::from(std::io::Error::other(format!(
-                "{} replies to a pipeline of {}",
-                values.len(),
-                replies.len()
+                "{} replies to a pipeline of {n}",
+                values.len()
             )));
-            vec![Err(e); replies.len()]
+            vec![Err(e); n]
         }
-        Err(e) => vec![Err(e); replies.len()],
-    };
-    for (reply, answer) in replies.into_iter().zip(answers) {
-        let _ = reply.send(answer);
+        Err(e) => vec![Err(e); n],
     }
 }
 
@@ -163,11 +286,20 @@ impl ConnectionLike for Coalescing {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        let mut conn = self.shared.conn.clone();
-        Box::pin(async move { conn.send_packed_commands(cmd, offset, count).await })
+        match self.shared.conn.clone() {
+            Link::Server(mut c) => {
+                Box::pin(async move { c.send_packed_commands(cmd, offset, count).await })
+            }
+            Link::Cluster(mut c) => {
+                Box::pin(async move { c.req_packed_commands(cmd, offset, count).await })
+            }
+        }
     }
 
     fn get_db(&self) -> i64 {
-        self.shared.conn.get_db()
+        match &self.shared.conn {
+            Link::Server(c) => c.get_db(),
+            Link::Cluster(c) => c.get_db(),
+        }
     }
 }

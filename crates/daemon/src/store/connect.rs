@@ -21,6 +21,8 @@ use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClientBuilder;
+
+use crate::store::cluster::{self, slot};
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
@@ -393,18 +395,6 @@ fn not_a(what: &str) -> RedisError {
     ))
 }
 
-/// Redis Cluster's hash slot of `key`: CRC16 of its hash tag (the part between the first
-/// `{` and the next `}`, when not empty) or of the whole key, modulo 16384.
-pub fn slot(key: &str) -> u16 {
-    let b = key.as_bytes();
-    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
-        let rest = &b[open + 1..];
-        let close = rest.iter().position(|&c| c == b'}')?;
-        (close > 0).then(|| &rest[..close])
-    });
-    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(b)) % 16384
-}
-
 /// The URL without its password, for logs.
 pub fn redacted(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
@@ -454,11 +444,14 @@ pub enum AsyncConn {
 }
 
 impl AsyncConn {
-    /// This connection, its single commands coalesced where it is one server's.
+    /// This connection with its single commands coalesced (per hash slot on a cluster).
     pub fn coalesced(self, counters: crate::store::coalesce::Counters) -> AsyncConn {
         match self {
             AsyncConn::Single(c) => {
                 AsyncConn::Coalesced(crate::store::coalesce::Coalescing::new(c, counters))
+            }
+            AsyncConn::Cluster(c) => {
+                AsyncConn::Coalesced(crate::store::coalesce::Coalescing::cluster(c, counters))
             }
             other => other,
         }
@@ -470,7 +463,7 @@ impl redis::aio::ConnectionLike for AsyncConn {
         match self {
             AsyncConn::Single(c) => c.req_packed_command(cmd),
             AsyncConn::Coalesced(c) => c.req_packed_command(cmd),
-            AsyncConn::Cluster(c) => Box::pin(cluster_command(c, cmd)),
+            AsyncConn::Cluster(c) => Box::pin(cluster::command(c, cmd)),
         }
     }
 
@@ -494,66 +487,6 @@ impl redis::aio::ConnectionLike for AsyncConn {
             AsyncConn::Cluster(c) => c.get_db(),
         }
     }
-}
-
-/// Redirects a command may follow before its error is the caller's.
-const REDIRECTS: u32 = 5;
-
-/// One command on a cluster, following MOVED (to the node named, while the crate rebuilds
-/// its slot map), ASK (ASKING and the command in one pipeline, so nothing can come between
-/// them on the node's shared connection) and TRYAGAIN (a multi-key script mid-migration,
-/// after a short pause). Each command is bounded by the store's per-call timeout.
-async fn cluster_command(
-    c: &mut redis::cluster_async::ClusterConnection,
-    cmd: &Cmd,
-) -> RedisResult<Value> {
-    let mut redirect: Option<(bool, SingleNodeRoutingInfo)> = None;
-    let mut attempt = 0;
-    loop {
-        let result = match redirect.take() {
-            None => redis::aio::ConnectionLike::req_packed_command(c, cmd).await,
-            Some((false, node)) => {
-                c.route_command(cmd.clone(), RoutingInfo::SingleNode(node))
-                    .await
-            }
-            Some((true, node)) => {
-                let mut pipe = redis::pipe();
-                pipe.cmd("ASKING").add_command(cmd.clone());
-                c.route_pipeline(pipe, 1, 1, node)
-                    .await
-                    .and_then(|mut v| v.pop().ok_or_else(|| not_a("reply to ASKING")))
-                    .and_then(Value::extract_error)
-            }
-        };
-        attempt += 1;
-        let Err(e) = result else { return result };
-        if attempt > REDIRECTS {
-            return Err(e);
-        }
-        match e.kind() {
-            redis::ErrorKind::Server(
-                kind @ (redis::ServerErrorKind::Ask | redis::ServerErrorKind::Moved),
-            ) => {
-                let Some(node) = e.redirect_node().and_then(|(addr, _)| by_address(addr)) else {
-                    return Err(e);
-                };
-                redirect = Some((kind == redis::ServerErrorKind::Ask, node));
-            }
-            redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain) => {
-                tokio::time::sleep(Duration::from_millis(5 * u64::from(attempt))).await;
-            }
-            _ => return Err(e),
-        }
-    }
-}
-
-/// `host:port` (the address in a MOVED or ASK) as a route.
-fn by_address(addr: &str) -> Option<SingleNodeRoutingInfo> {
-    let (host, port) = addr.rsplit_once(':')?;
-    Some(SingleNodeRoutingInfo::ByAddress {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
-    })
 }
 
 /// The coordinator's blocking connection. Its pipelines must keep to one hash slot (the

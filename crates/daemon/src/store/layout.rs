@@ -381,7 +381,7 @@ mod tests {
 
     #[test]
     fn a_group_is_the_hash_tag_of_its_keys() {
-        let slot = crate::store::connect::slot;
+        let slot = crate::store::cluster::slot;
         let l = Layout::new("rl").policy(&policy("api", None), None);
         assert_eq!(
             l.grouped_key("tenant:9", "alice"),
@@ -421,7 +421,7 @@ mod tests {
         assert_eq!(g.keys.fence, "rl:g:g:{rl:g}:fence");
         assert_eq!(g.keys.replid, "rl:g:g:{rl:g}:replid");
         // One slot for all of them, whatever the user key.
-        let slot = crate::store::connect::slot;
+        let slot = crate::store::cluster::slot;
         for k in [
             &l.storage_key("a}{b"),
             &l.storage_key("x"),

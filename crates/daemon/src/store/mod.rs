@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod breaker;
+pub mod cluster;
 pub mod coalesce;
 pub mod connect;
 pub mod deadline;
