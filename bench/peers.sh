@@ -19,7 +19,8 @@
 # and the Redis started here is shut down (nosave).
 #
 # Environment (defaults): PEERS ("rlf-1 rlf-2 limits-moving-1 limits-moving-2
-#   limits-fixed-1 limits-fixed-2"; any of these names), MAX_MINUTES (12: if the estimated
+#   limits-fixed-1 limits-fixed-2"; any of these names, or limitador-async and
+#   limitador-cached once `WITH_LIMITADOR=1 PEER_DIR/setup.sh` built limitador), MAX_MINUTES (12: if the estimated
 #   run is longer, PEERS is cut to "rlf-1 limits-moving-2"; the rounds are never reduced),
 #   OUT (/tmp/quotad-peers-<timestamp>), PEER_DIR (the peer services, not part of this
 #   repository; the default is set below), PEER_PREFIX
@@ -37,8 +38,8 @@ ROOT=$(cd "$HERE/.." && pwd)
 PEER_DIR=${PEER_DIR:-$(cd "$ROOT/../shared/peers" && pwd)}
 PREFIX=${PEER_PREFIX:-/tmp/peerhttp}
 export PEER_PREFIX=$PREFIX
-ALL_PEERS="rlf-1 rlf-2 limits-moving-1 limits-moving-2 limits-fixed-1 limits-fixed-2"
-PEERS=${PEERS:-$ALL_PEERS}
+ALL_PEERS="rlf-1 rlf-2 limits-moving-1 limits-moving-2 limits-fixed-1 limits-fixed-2 limitador-async limitador-cached"
+PEERS=${PEERS:-rlf-1 rlf-2 limits-moving-1 limits-moving-2 limits-fixed-1 limits-fixed-2}
 MAX_MINUTES=${MAX_MINUTES:-12}
 export ROUNDS=${ROUNDS:-3}
 export DURATION=${DURATION:-10s}
@@ -220,6 +221,9 @@ for name in $PEERS; do
     rlf-*) start "$name" "$p" env NODE_PATH="$PREFIX/node/node_modules" node "$PEER_DIR/rlf-server.js" "$p" "$RP" "${name##*-}" ;;
     limits-*) s=${name#limits-}; s=${s%-*}
               start "$name" "$p" "$PREFIX/venv/bin/python" "$PEER_DIR/limits-server.py" "$p" "$RP" "${name##*-}" --strategy "$s" ;;
+    limitador-*) bin=$PREFIX/limitador-target/release/limitador-server
+              if [ -x "$bin" ]; then start "$name" "$p" "$bin" "$p" "$RP" "${name#limitador-}"
+              else echo "note: $bin not built (WITH_LIMITADOR=1 $PEER_DIR/setup.sh, ~11 min): skipping $name" >&2; fi ;;
   esac
 done
 for p in "${PIDS[@]}"; do ps -o pid=,ppid=,args= -p "$p" $(descendants "$p" | sed 's/^/-p /'); done >"$OUT/processes.txt" 2>/dev/null || true
