@@ -226,22 +226,25 @@ impl Limiter {
 
     /// An answer without a Redis call or a permit: a remembered denial, or an admission
     /// from a hot key's slice ([`crate::store::hot`]).
+    ///
+    /// The slice first: units this instance holds were taken for it in Redis and are
+    /// its to spend whatever it was denied since (a hot key's usual case: one lookup).
     fn in_memory(&self, check: &Check, key: &Target) -> Option<Decision> {
-        if let Some(d) = self.remembered(check, key) {
-            return Some(d);
+        let limits = check.policy.limits();
+        let hot = self.hot(check);
+        if let Some(v) = hot.and_then(|h| h.spend(&key.key, limits, check.cost, Instant::now())) {
+            self.metrics
+                .hot_admits
+                .with_label_values(&[check.policy.name.as_str()])
+                .inc();
+            return Some(decision(
+                check,
+                &v,
+                Outcome::Allowed,
+                Some(Charged::Primary),
+            ));
         }
-        let hot = self.hot(check)?;
-        let v = hot.spend(&key.key, check.policy.limits(), check.cost, Instant::now())?;
-        self.metrics
-            .hot_admits
-            .with_label_values(&[check.policy.name.as_str()])
-            .inc();
-        Some(decision(
-            check,
-            &v,
-            Outcome::Allowed,
-            Some(Charged::Primary),
-        ))
+        self.remembered(check, key)
     }
 
     /// The hot-key table when this check may take part: its policy sets

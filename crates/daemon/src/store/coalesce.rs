@@ -12,19 +12,16 @@
 //! left: their ratio is the commands per write. Each reply is the command's own (a script error answers only
 //! its caller); a lost connection answers every command of the pipeline with the error.
 //!
-//! On a cluster the turn's commands are grouped by hash slot (the key of a script call):
-//! each group leaves as one pipeline routed to its slot's master, all groups at once, so
-//! the crate's connection to a node writes what reaches it together; a command of the
-//! pipeline answered MOVED, ASK or TRYAGAIN (a slot migrating) is sent again on its own,
-//! following the redirect (`store::cluster`), and commands without a key slot go alone.
+//! On a cluster the turn's commands are submitted together, each on its own with its
+//! redirects followed (`store::cluster`): the cluster client hands them to the nodes'
+//! connections at once, and each connection writes what reached it together. Never as
+//! pipelines there: the crate retries a whole pipeline when one command in it meets a
+//! redirect, and would run the others twice.
 
 use std::sync::{Arc, Mutex, Weak};
 
-use std::collections::HashMap;
-
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
 use tokio::sync::{Notify, oneshot};
 
@@ -171,56 +168,16 @@ async fn send_to_server(mut conn: MultiplexedConnection, batch: Vec<(Cmd, Reply)
     }
 }
 
-/// A pipeline per hash slot, all sent at once; commands without a slot alone.
+/// Every command of the turn submitted at once, each on its own: the cluster client hands
+/// them to the nodes' connections together, and each connection writes what reached it.
+/// Not as pipelines: the crate retries a whole pipeline when one of its commands meets a
+/// redirect, so the others, already run, would run twice (a check charged twice, a
+/// refund given twice) while a slot migrates.
 async fn send_to_cluster(conn: ClusterConnection, batch: Vec<(Cmd, Reply)>) {
-    let mut by_slot: HashMap<u16, Vec<(Cmd, Reply)>> = HashMap::new();
-    let mut alone = Vec::new();
-    for (cmd, reply) in batch {
-        match script_slot(&cmd) {
-            Some(slot) => by_slot.entry(slot).or_default().push((cmd, reply)),
-            None => alone.push((cmd, reply)),
-        }
-    }
-    let groups = by_slot.into_iter().map(|(slot, group)| {
-        let mut conn = conn.clone();
-        async move {
-            if group.len() == 1 {
-                return futures_util::future::join_all(
-                    group.into_iter().map(|(cmd, reply)| one(conn.clone(), cmd, reply)),
-                )
-                .await;
-            }
-            let cmds: Vec<Cmd> = group.iter().map(|(c, _)| c.clone()).collect();
-            let (pipe, replies) = pipeline(group);
-            let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
-            let sent = conn.route_pipeline(pipe, 0, replies.len(), route).await;
-            let n = replies.len();
-            let redo = matches!(&sent, Err(e) if cluster::is_redirect(e));
-            let answers = answers(sent, n);
-            futures_util::future::join_all(cmds.into_iter().zip(replies).zip(answers).map(
-                |((cmd, reply), answer)| {
-                    let conn = conn.clone();
-                    async move {
-                        // Sent again alone, following its redirect: a slot migrating.
-                        let moved = redo
-                            || matches!(answer.clone().and_then(Value::extract_error), Err(e) if cluster::is_redirect(&e));
-                        if moved {
-                            one(conn, cmd, reply).await;
-                        } else {
-                            let _ = reply.send(answer);
-                        }
-                    }
-                },
-            ))
-            .await
-        }
-    });
-    let singles = alone
-        .into_iter()
-        .map(|(cmd, reply)| one(conn.clone(), cmd, reply));
-    futures_util::future::join(
-        futures_util::future::join_all(groups),
-        futures_util::future::join_all(singles),
+    futures_util::future::join_all(
+        batch
+            .into_iter()
+            .map(|(cmd, reply)| one(conn.clone(), cmd, reply)),
     )
     .await;
 }
@@ -228,25 +185,6 @@ async fn send_to_cluster(conn: ClusterConnection, batch: Vec<(Cmd, Reply)>) {
 /// One command on the cluster, redirects followed.
 async fn one(mut conn: ClusterConnection, cmd: Cmd, reply: Reply) {
     let _ = reply.send(cluster::command(&mut conn, &cmd).await);
-}
-
-/// The hash slot of a script call's first key (`EVALSHA sha numkeys key ...`), or None.
-fn script_slot(cmd: &Cmd) -> Option<u16> {
-    let mut args = cmd.args_iter().map(|a| match a {
-        redis::Arg::Simple(b) => Some(b),
-        _ => None,
-    });
-    let name = args.next()??;
-    if !(name.eq_ignore_ascii_case(b"EVALSHA") || name.eq_ignore_ascii_case(b"EVAL")) {
-        return None;
-    }
-    let _script = args.next()??;
-    let keys = std::str::from_utf8(args.next()??).ok()?;
-    if keys == "0" {
-        return None;
-    }
-    let key = std::str::from_utf8(args.next()??).ok()?;
-    Some(cluster::slot(key))
 }
 
 fn pipeline(batch: Vec<(Cmd, Reply)>) -> (Pipeline, Vec<Reply>) {
