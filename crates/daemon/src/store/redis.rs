@@ -96,6 +96,8 @@ pub struct RedisStore {
 }
 
 const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// Slices given back at once, at most (`give_back_slices`).
+const RETURNS_IN_FLIGHT: usize = 64;
 /// How often each instance proves the invalidation channel alive.
 const HEARTBEAT: Duration = Duration::from_secs(1);
 /// A payload no storage key can be (keys always carry the prefix).
@@ -429,32 +431,37 @@ impl RedisStore {
     /// Gives slices' unspent units back (`lua/slice.lua`); a failure leaves them to
     /// lapse with their window (never more admitted, only fewer).
     async fn give_back_slices(&self, returns: Vec<Return>) {
-        for r in returns {
-            let mut inv = self.slice.key(&r.key);
-            inv.arg("return").arg(r.slot).arg(r.ledger).arg(r.units);
-            let inv = &inv;
-            match self
-                .guarded(|mut conn| async move { inv.invoke_async::<i64>(&mut conn).await })
-                .await
-            {
-                Ok(back) => {
-                    self.metrics
-                        .hot_slices
-                        .with_label_values(&["returned"])
-                        .inc();
-                    self.metrics
-                        .hot_units
-                        .with_label_values(&["returned"])
-                        .inc_by(back.max(0) as u64);
-                    if back > 0 {
-                        // Capacity came back: no instance may answer an old denial.
-                        self.deny.invalidate(&r.key);
-                        self.publish(&r.key).await;
+        use futures_util::StreamExt;
+        // Up to RETURNS_IN_FLIGHT at once (they leave coalesced): a shutdown with many hot
+        // keys gives them back within its second, and never floods Redis.
+        futures_util::stream::iter(returns)
+            .for_each_concurrent(RETURNS_IN_FLIGHT, |r| async move {
+                let mut inv = self.slice.key(&r.key);
+                inv.arg("return").arg(r.slot).arg(r.ledger).arg(r.units);
+                let inv = &inv;
+                match self
+                    .guarded(|mut conn| async move { inv.invoke_async::<i64>(&mut conn).await })
+                    .await
+                {
+                    Ok(back) => {
+                        self.metrics
+                            .hot_slices
+                            .with_label_values(&["returned"])
+                            .inc();
+                        self.metrics
+                            .hot_units
+                            .with_label_values(&["returned"])
+                            .inc_by(back.max(0) as u64);
+                        if back > 0 {
+                            // Capacity came back: no instance may answer an old denial.
+                            self.deny.invalidate(&r.key);
+                            self.publish(&r.key).await;
+                        }
                     }
+                    Err(e) => tracing::debug!(error = %e, "giving a hot key's slice back failed"),
                 }
-                Err(e) => tracing::debug!(error = %e, "giving a hot key's slice back failed"),
-            }
-        }
+            })
+            .await;
     }
 
     /// Tends the hot keys until `shutdown`: cools idle ones and gives back what they hold,
