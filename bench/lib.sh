@@ -26,6 +26,18 @@ start_redis() {
   for _ in $(seq 50); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
 }
 
+# The benchmarks' policy "bench" (token_bucket, 100 per 60 s, fail open), as TOML.
+bench_policy() {
+  cat <<'TOML'
+[[policy]]
+name = "bench"
+algorithm = "token_bucket"
+limit = 100
+window = "60s"
+on_store_error = "open"
+TOML
+}
+
 # Starts quotad ($Q) on 127.0.0.1:$QP against the redis-server of start_redis, with the
 # benchmarks' policy "bench" (token_bucket, 100 per 60 s, fail open), the gRPC listener at
 # $GRPC_LISTEN when set, and any further config lines on stdin; its files in $1. Sets QPID and waits until it is ready.
@@ -38,12 +50,7 @@ listen = "127.0.0.1:$QP"
 $grpc
 [store]
 redis = "redis://127.0.0.1:$RP"
-[[policy]]
-name = "bench"
-algorithm = "token_bucket"
-limit = 100
-window = "60s"
-on_store_error = "open"
+$(bench_policy)
 TOML
     cat; } >"$1/quotad.toml"
   RUST_LOG=warn "$Q" serve --config "$1/quotad.toml" 2>"$1/quotad.log" &

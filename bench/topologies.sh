@@ -142,12 +142,7 @@ start_quotad() { # name store-lines
 listen = "127.0.0.1:$qp"
 [store]
 $store
-[[policy]]
-name = "bench"
-algorithm = "token_bucket"
-limit = 100
-window = "60s"
-on_store_error = "open"
+$(bench_policy)
 TOML
   RUST_LOG=warn "$Q" serve --config "$OUT/quotad-$name.toml" 2>"$OUT/quotad-$name.log" &
   QPIDS+=("$!")

@@ -230,9 +230,10 @@ impl Limiter {
     /// The slice first: units this instance holds were taken for it in Redis and are
     /// its to spend whatever it was denied since (a hot key's usual case: one lookup).
     fn in_memory(&self, check: &Check, key: &Target) -> Option<Decision> {
-        let limits = check.policy.limits();
-        let hot = self.hot(check);
-        if let Some(v) = hot.and_then(|h| h.spend(&key.key, limits, check.cost, Instant::now())) {
+        let spent = self
+            .hot(check)
+            .and_then(|h| h.spend(&key.key, check.policy.limits(), check.cost, Instant::now()));
+        if let Some(v) = spent {
             self.metrics
                 .hot_admits
                 .with_label_values(&[check.policy.name.as_str()])

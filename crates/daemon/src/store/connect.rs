@@ -444,7 +444,8 @@ pub enum AsyncConn {
 }
 
 impl AsyncConn {
-    /// This connection with its single commands coalesced (per hash slot on a cluster).
+    /// This connection with its single commands coalesced (on a cluster: submitted
+    /// together, each on its own).
     pub fn coalesced(self, counters: crate::store::coalesce::Counters) -> AsyncConn {
         match self {
             AsyncConn::Single(c) => {

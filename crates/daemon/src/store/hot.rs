@@ -210,7 +210,9 @@ pub struct Tally {
 pub struct HotKeys {
     shards: Vec<Mutex<HashMap<String, Arc<Entry>>>>,
     hasher: RandomState,
-    rates: Rates,
+    /// Allocated at the first check of a policy with `hot_key_rate` (256 KiB): a daemon
+    /// without one never holds it.
+    rates: std::sync::OnceLock<Rates>,
     /// Keys in the table (all shards).
     len: AtomicUsize,
     /// The invalidation channel is subscribed: slices may be used.
@@ -219,7 +221,7 @@ pub struct HotKeys {
     returns: Mutex<Vec<Return>>,
     /// Invalidations and subscription changes so far: a take in flight while one came
     /// does not become a slice.
-    epoch: AtomicU64,
+    invalidations: AtomicU64,
     /// How long a key stays hot before it prefetches ([`EPOCH`]).
     steady: Duration,
 }
@@ -237,11 +239,11 @@ impl HotKeys {
         HotKeys {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
-            rates: Rates::new(),
+            rates: std::sync::OnceLock::new(),
             len: AtomicUsize::new(0),
             live: AtomicBool::new(false),
             returns: Mutex::new(Vec::new()),
-            epoch: AtomicU64::new(0),
+            invalidations: AtomicU64::new(0),
             steady: EPOCH,
         }
     }
@@ -271,7 +273,7 @@ impl HotKeys {
         if !self.live.load(Ordering::Acquire) {
             return Heat::Cold;
         }
-        let seen = self.rates.count(key);
+        let seen = self.rates.get_or_init(Rates::new).count(key);
         let mut shard = self.shard(key);
         if let Some(e) = shard.get(key) {
             e.state().used = now;
@@ -360,7 +362,7 @@ impl HotKeys {
                 0
             }
         };
-        let epoch = self.epoch.load(Ordering::Acquire);
+        let seen_invalidations = self.invalidations.load(Ordering::Acquire);
         let result = take(Want {
             need: cost,
             demand,
@@ -385,7 +387,7 @@ impl HotKeys {
             // An invalidation while the take was in flight (it may predate a reset), or
             // the key cooled meanwhile: the units go back rather than into a slice.
             let current = self.entry(key).is_some_and(|e| Arc::ptr_eq(&e, &entry));
-            if current && self.epoch.load(Ordering::Acquire) == epoch {
+            if current && self.invalidations.load(Ordering::Acquire) == seen_invalidations {
                 let old = entry.state().slice.replace(slice);
                 // Units of a slice this one replaces: an earlier window's lapse with it;
                 // the same window's under other limits (a reload) go back.
@@ -412,7 +414,7 @@ impl HotKeys {
     /// its units go back at the next [`HotKeys::tend`]. After a reset the script finds
     /// another ledger (or none) and gives nothing back.
     pub fn forget(&self, key: &str) {
-        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.invalidations.fetch_add(1, Ordering::AcqRel);
         let Some(e) = self.entry(key) else { return };
         let Some(s) = e.state().slice.take() else {
             return;
@@ -426,7 +428,7 @@ impl HotKeys {
     /// (a reset elsewhere must reach this instance's slices). Going quiet gives every
     /// slice back at the next [`HotKeys::tend`].
     pub fn set_live(&self, live: bool) {
-        self.epoch.fetch_add(1, Ordering::AcqRel);
+        self.invalidations.fetch_add(1, Ordering::AcqRel);
         self.live.store(live, Ordering::Release);
     }
 
@@ -461,7 +463,9 @@ impl HotKeys {
 
     /// Starts a new rate epoch (every [`EPOCH`]).
     pub fn new_epoch(&self) {
-        self.rates.decay();
+        if let Some(rates) = self.rates.get() {
+            rates.decay();
+        }
     }
 }
 
