@@ -19,19 +19,19 @@
 //! (all concurrent misses share one take: one Redis call decides a whole burst). A taker
 //! alone (no check queued behind it) of a key hot for an [`EPOCH`] already (a steady
 //! flow, not a burst) also asks for a prefetch of [`HORIZON`] of this instance's rate
-//! of the key, which the script grants
-//! only while half the window's limit is left and at most an eighth of what is left, so
-//! the last units of a window go out as they are asked for, to whichever instance asks.
+//! of the key, which the script grants only while half the window's limit is left and
+//! at most an eighth of what is left, so the last units of a window go out as they are
+//! asked for, to whichever instance asks.
 //! What an instance holds unspent (at most one prefetch) is given back when the key
 //! cools (no check for [`COOL`]), on shutdown, when a reload changes the key's limits,
 //! and when the invalidation channel goes quiet; at the window's end it lapses with the
 //! window. Until then another instance may be denied units this one holds: the
 //! under-admission that docs/benchmarks.md measures.
 //!
-//! Where it meets other features: a reset (here or on any instance, through the
-//! invalidation channel) drops the key's slice, and the script refuses returns to a key
-//! that was reset or moved to a new window (it gives back only what slices of that window
-//! still hold); slices are used only while the invalidation channel is live, like the
+//! Where it meets other features: a reset or a refund (here or on any instance, through
+//! the invalidation channel) ends the key's slice and sends its units back, and the
+//! script gives back only to the ledger they came from (nothing after a reset or in a
+//! new window); a take in flight meanwhile keeps no slice; slices are used only while the invalidation channel is live, like the
 //! deny cache; a reload that changes the key's limits (or gives it an override) takes a
 //! new slice and gives the old one back. Bounded: at most [`MAX_HOT_KEYS`] keys are hot at
 //! once (beyond, a key is decided in Redis as any other, counted).
