@@ -396,6 +396,15 @@ const SECRET: &str = "stateful-test-secret-0123456789abcdef";
 const SEEDS: u64 = 3;
 const GLOBAL_STEPS: usize = 24;
 
+type RawBooks3 = (Vec<Option<String>>, Vec<Option<String>>, (i64, i64));
+
+/// One region's hashes for a key, as read at Redis time `now`.
+struct RawBooks {
+    slot: Vec<Option<String>>,
+    meta: Vec<Option<String>>,
+    now: i64,
+}
+
 struct Regions {
     redis: [RedisServer; 2],
     daemons: Vec<Quotad>,
@@ -465,36 +474,64 @@ impl Regions {
         }
     }
 
-    /// The rate region r's book (or default escrow) allows `key` now, at Redis time, and
-    /// whether a loan or reservation is in force in that book.
-    fn rate(&self, r: usize, key: &str) -> (f64, bool) {
-        let mut conn = self.redis[r].conn();
+    /// Region r's hash for `key` and its meta hash, read in one transaction with Redis's
+    /// clock.
+    fn raw(&self, r: usize, key: &str) -> RawBooks {
         let stem = "rl:g:g:{rl:g}:";
-        let slot: Vec<Option<String>> = redis::cmd("HMGET")
+        let mut conn = self.redis[r].conn();
+        let (slot, meta, (secs, us)): RawBooks3 = redis::pipe()
+            .atomic()
+            .cmd("HMGET")
             .arg(format!("{stem}{{{key}}}"))
             .arg(&SLOT_FIELDS[..])
-            .query(&mut conn)
-            .unwrap();
-        let meta: Vec<Option<String>> = redis::cmd("HMGET")
+            .cmd("HMGET")
             .arg(format!("{stem}meta"))
             .arg(&["d", "dp", "dt"])
+            .cmd("TIME")
             .query(&mut conn)
             .unwrap();
-        let (secs, us): (i64, i64) = redis::cmd("TIME").query(&mut conn).unwrap();
-        let now = secs * 1_000_000 + us;
-        let slot = decode_slot(&slot).expect("a key's hash");
-        let default = decode_default(&meta)
-            .expect("the meta hash")
-            .expect("written before the first step");
-        let shape = Shape {
-            rho: RHO,
-            burst: RHO,
-            step_tolerance: Params::default().step_tolerance_us(),
-        };
-        let leased = slot.book.as_ref().is_some_and(|b| {
-            b.borrowed.iter().any(|l| l.until > now) || b.reserved.iter().any(|x| x.until > now)
-        });
-        (slot.rate(&default, &shape, now), leased)
+        RawBooks {
+            slot,
+            meta,
+            now: secs * 1_000_000 + us,
+        }
+    }
+
+    /// The rates the two regions' books (or default escrows) allow `key` at one moment, and
+    /// whether a loan or reservation is in force in either book. The two Redis servers
+    /// cannot be read at once, so region 0 is read before and after region 1 until it did
+    /// not change in between: both books are then as they were at region 1's read, and are
+    /// weighed at its clock (the two servers share this machine's). Reading them one after
+    /// the other instead sees a lender's older reservation beside a borrower's newer loan.
+    fn rates(&self, key: &str) -> ([f64; 2], bool) {
+        loop {
+            let before = self.raw(0, key);
+            let one = self.raw(1, key);
+            let after = self.raw(0, key);
+            if (&before.slot, &before.meta) != (&after.slot, &after.meta) {
+                continue;
+            }
+            let now = one.now;
+            let mut rates = [0.0; 2];
+            let mut leased = false;
+            for (r, raw) in [(0, &before), (1, &one)] {
+                let slot = decode_slot(&raw.slot).expect("a key's hash");
+                let default = decode_default(&raw.meta)
+                    .expect("the meta hash")
+                    .expect("written before the first step");
+                let shape = Shape {
+                    rho: RHO,
+                    burst: RHO,
+                    step_tolerance: Params::default().step_tolerance_us(),
+                };
+                leased |= slot.book.as_ref().is_some_and(|b| {
+                    b.borrowed.iter().any(|l| l.until > now)
+                        || b.reserved.iter().any(|x| x.until > now)
+                });
+                rates[r] = slot.rate(&default, &shape, now);
+            }
+            return (rates, leased);
+        }
     }
 
     /// Region r's checks of `key`, as fast as they come, for `ms`.
@@ -606,9 +643,8 @@ fn two_regions_keep_the_bound_through_resets_and_reloads() {
                 }
             };
             steps += 1;
-            let [(a, la), (b, lb)] = [regions.rate(0, &key), regions.rate(1, &key)];
-            let rates = [a, b];
-            if la || lb {
+            let (rates, leased) = regions.rates(&key);
+            if leased {
                 loans_seen += 1;
             }
             assert!(
