@@ -16,12 +16,14 @@
 #
 #   bench/hot.sh              # 3 rounds, 10 s per run
 #   ROUNDS=1 bench/hot.sh     # quick
+#   ALGORITHM=token_bucket bench/hot.sh   # or gcra: the same runs on a bucket (burst = limit)
 # Needs: redis-server, redis-benchmark, redis-cli, wrk, curl.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
 ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-10s}
+ALGORITHM=${ALGORITHM:-fixed_window}
 CONNS=50
 OUT=${OUT:-/tmp/quotad-hot-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
@@ -52,7 +54,7 @@ listen = "127.0.0.1:$port"
 redis = "redis://127.0.0.1:$rp"
 [[policy]]
 name = "bench"
-algorithm = "fixed_window"
+algorithm = "$ALGORITHM"
 limit = $limit
 window = "$window"
 on_store_error = "open"
@@ -95,7 +97,7 @@ run() { # round label quotad-name [checks per request]
   echo "# quotad hot-key bench $(date -u +%FT%TZ)"
   machine
   redis-server --version | head -1
-  echo "quotad $("$Q" --version) (release), rounds=$ROUNDS duration=$DURATION conns=$CONNS"
+  echo "quotad $("$Q" --version) (release), $ALGORITHM, rounds=$ROUNDS duration=$DURATION conns=$CONNS"
 } | tee "$OUT/meta.txt"
 
 for r in $(seq "$ROUNDS"); do

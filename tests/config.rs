@@ -209,8 +209,10 @@ const BAD: &[(&str, &[&str])] = &[
         &["4: policy[0].limit: refilling burst 1000 at 1 per 1day takes longer than a year"],
     ),
     (
-        "hot_key_rate_on_a_token_bucket.toml",
-        &["6: policy[0].hot_key_rate: hot-key slices need fixed_window, not token_bucket"],
+        "hot_key_rate_on_a_sliding_window.toml",
+        &[
+            "6: policy[0].hot_key_rate: hot-key slices need fixed_window, token_bucket or gcra, not sliding_window",
+        ],
     ),
     (
         "sliding_log_too_big.toml",

@@ -246,6 +246,67 @@ impl Drop for StopOnDrop<'_> {
     }
 }
 
+/// The tokens a peek finds in `algorithm`'s bucket for `key` of policy `hot` (burst and
+/// refill as [`hot_bucket`]), through the algorithm's own script.
+fn bucket_tokens(
+    redis: &RedisServer,
+    algorithm: quotad_core::algorithm::Algorithm,
+    key: &str,
+) -> u64 {
+    let r: Vec<i64> = redis::cmd("EVAL")
+        .arg(quotad_daemon::store::scripts::source(algorithm))
+        .arg(1)
+        .arg(format!("rl:hot:{}:{{{key}}}", algorithm.key_tag()))
+        .arg("check")
+        .arg(HOT_BURST)
+        .arg(365 * 86_400 * 1_000_000i64)
+        .arg(HOT_BURST)
+        .arg(0)
+        .arg("m")
+        .query(&mut redis.conn())
+        .unwrap();
+    r[1] as u64
+}
+
+const HOT_BURST: u64 = 100_000;
+
+/// A bucket whose keys turn hot at 5 checks a second, refilled so slowly (its burst a
+/// year) that a test's refill stays far below one token.
+fn hot_bucket(algorithm: &str) -> Policy {
+    Policy::new("hot", algorithm, HOT_BURST, "365days").set("hot_key_rate", 5)
+}
+
+/// Hot-key slices of a token bucket and of a GCRA key meet shutdown: a daemon stopped
+/// while the key is hot (checked without a pause for 1.5 s: slices taken and replaced,
+/// one held) gives back what it holds before it exits. Then the bucket holds exactly its
+/// burst less what was admitted: nothing lost, nothing spent that Redis did not count.
+#[test]
+fn a_daemon_gives_its_hot_buckets_slices_back_when_it_stops() {
+    use quotad_core::algorithm::Algorithm;
+    let redis = RedisServer::start();
+    for (name, algorithm) in [
+        ("token_bucket", Algorithm::TokenBucket),
+        ("gcra", Algorithm::Gcra),
+    ] {
+        let key = format!("k-{name}");
+        let config = Config::redis(&redis.url())
+            .policy(hot_bucket(name))
+            .to_toml();
+        let q = Quotad::serve(&config);
+        let admitted = drive(&q, &key, Duration::from_millis(1500));
+        let held =
+            HOT_BURST as i64 - admitted as i64 - bucket_tokens(&redis, algorithm, &key) as i64;
+        assert!(held > 0, "{name}: no slice was held at the stop");
+        drop(q);
+        assert_eq!(
+            bucket_tokens(&redis, algorithm, &key),
+            HOT_BURST - admitted,
+            "{name}: the bucket is not its burst less what was admitted"
+        );
+    }
+    redis.assert_every_key_has_ttl();
+}
+
 /// Hot-key slices meet shutdown: a daemon stopped while a key is hot gives its slice back
 /// before it exits (the key has not cooled yet), so Redis's count is what was admitted.
 #[test]

@@ -18,9 +18,7 @@
 --          what its slices still hold (after a reset or in a new window: a no-op).
 --          Returns the units given back.
 -- Every write keeps the key's TTL (the window's end plus grace, set by a take). O(1).
-local function ttl_ms(us)
-  return math.ceil(us / 1000) + 1000
-end
+-- Prefixed at build time with helpers.lua (ttl_ms, slice_grant).
 local key = KEYS[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -68,11 +66,7 @@ local left = math.max(0, limit - count)
 if left < need then
   return {0, left, reset_after, slot, ledger}
 end
-local extra = 0
-if left * 2 >= limit then
-  extra = math.min(prefetch, math.floor(left / 8))
-end
-local granted = math.min(demand + extra, left)
+local granted = slice_grant(left, limit, demand, prefetch)
 redis.call('HSET', key, 'w', slot, 'n', count + granted, 'hs', slot, 'h', held + granted, 'hl', ledger)
 redis.call('PEXPIRE', key, ttl_ms(reset_after))
 return {granted, left - granted, reset_after, slot, ledger}

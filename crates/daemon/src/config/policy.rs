@@ -258,7 +258,8 @@ impl Validator<'_> {
     }
 
     /// `hot_key_rate`: checks per second of one key on one instance from which the key
-    /// takes slices of its window; fixed windows only (see `store::hot` for why).
+    /// takes slices of its quota; fixed windows, token buckets and GCRA only (see
+    /// `store::hot` for why).
     fn hot_key_rate(
         &mut self,
         i: usize,
@@ -267,13 +268,13 @@ impl Validator<'_> {
     ) -> Option<u64> {
         let rate = rate?;
         match algorithm {
-            Some(Algorithm::FixedWindow) => {}
+            Some(Algorithm::FixedWindow | Algorithm::TokenBucket | Algorithm::Gcra) => {}
             Some(a) => {
                 self.error(
                     rate,
                     &policy_field(i, "hot_key_rate"),
                     format!(
-                        "hot-key slices need fixed_window, not {}: a slice is units of one window, spent in that window; a token_bucket or gcra slice spent after it was taken could pass the bucket's envelope, and sliding windows weigh each admission by its time (docs/architecture.md)",
+                        "hot-key slices need fixed_window, token_bucket or gcra, not {}: a sliding window or log weighs each admission by when it happened, and a slice's units are taken before they are spent (docs/architecture.md)",
                         a.name()
                     ),
                 );

@@ -248,13 +248,16 @@ impl Limiter {
         self.remembered(check, key)
     }
 
-    /// The hot-key table when this check may take part: its policy sets
-    /// `hot_key_rate` (fixed windows only), it is enforced (a shadow policy is decided in
-    /// Redis), it spends (not a peek) and is not part of a co-location group.
+    /// The hot-key table when this check may take part: its policy sets `hot_key_rate`
+    /// (fixed windows, token buckets and GCRA), it is enforced (a shadow policy is
+    /// decided in Redis), it spends (not a peek) and is not part of a co-location group.
     fn hot(&self, check: &Check) -> Option<&HotKeys> {
         let policy = &check.policy;
         (policy.hot_key_rate.is_some()
-            && policy.algorithm == Algorithm::FixedWindow
+            && matches!(
+                policy.algorithm,
+                Algorithm::FixedWindow | Algorithm::TokenBucket | Algorithm::Gcra
+            )
             && policy.global.is_none()
             && !policy.shadow
             && check.cost > 0

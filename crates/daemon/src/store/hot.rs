@@ -1,19 +1,25 @@
 //! Hot-key slices: a key checked faster than its policy's `hot_key_rate` on this instance
-//! takes units of its quota from Redis in one atomic call (`lua/slice.lua`) and admits
-//! from them in memory, without a round trip; what it does not spend it gives back.
+//! takes units of its quota from Redis in one atomic call (`lua/slice.lua`,
+//! `lua/bucket_slice.lua`) and admits from them in memory, without a round trip; what it
+//! does not spend it gives back.
 //!
-//! Why it is exact: every unit admitted here was taken in Redis, in the key's current
-//! window, before it was spent (the take counts it as admitted there, so no other
-//! instance can be granted it), and it is spent only before that window ends by this
-//! instance's clock (the end is timed from when the take was *sent*, shortened by the
-//! clock-rate margin, so it is never later than Redis's). The sum admitted by all
-//! instances in a window is therefore at most the units Redis granted in it, which is at
-//! most the limit. Only fixed windows take part: a slice is units of one window, spent in
-//! that window. A token bucket or GCRA slice would be tokens taken at one instant and
-//! spent up to a slice's lifetime later, while the bucket refills and other instances
-//! take the refill: in an interval inside that lifetime the admitted sum could pass the
-//! bucket's envelope by the rate times the lifetime. Sliding windows and logs weigh each
-//! admission by when it happened, which a slice taken earlier does not know.
+//! Why it is exact, for a fixed window (`lua/slice.lua`): every unit admitted here was
+//! taken in Redis, in the key's current window, before it was spent (the take counts it
+//! as admitted there, so no other instance can be granted it), and it is spent only
+//! before that window ends by this instance's clock (the end is timed from when the take
+//! was *sent*, shortened by the clock-rate margin, so it is never later than Redis's).
+//! The sum admitted by all instances in a window is therefore at most the units Redis
+//! granted in it, which is at most the limit.
+//!
+//! For a token bucket or GCRA key (`lua/bucket_slice.lua`): a slice is tokens taken out
+//! of the bucket, recorded with the key and living [`BUCKET_SLICE_LIFE`] by Redis's
+//! clock; while it lives the bucket refills only up to its burst less the units of live
+//! slices (every check's script honours that). Tokens in Redis plus units held never
+//! pass the burst, and fall by exactly what is admitted wherever it is: the bucket's
+//! envelope holds as if each unit had been taken when it was spent. A slice is spent only
+//! before its end (timed as a window's) and given back in its last [`COOL`].
+//! Sliding windows and logs do not take part: they weigh each admission by when it
+//! happened, which a slice taken earlier does not know.
 //!
 //! Sizing: a take asks for the units of every check of the key waiting on this instance
 //! (all concurrent misses share one take: one Redis call decides a whole burst). A taker
@@ -25,14 +31,16 @@
 //! What an instance holds unspent (at most one prefetch) is given back when the key
 //! cools (no check for [`COOL`]), on shutdown, when a reload changes the key's limits,
 //! and when the invalidation channel goes quiet; at the window's end it lapses with the
-//! window. Until then another instance may be denied units this one holds: the
-//! under-admission that docs/benchmarks.md measures.
+//! window, and a bucket's slice goes back before its end. Until then another instance
+//! may be denied units this one holds: the under-admission that docs/benchmarks.md
+//! measures.
 //!
 //! Where it meets other features: a reset or a refund (here or on any instance, through
 //! the invalidation channel) ends the key's slice and sends its units back, and the
-//! script gives back only to the ledger they came from (nothing after a reset or in a
-//! new window); a take in flight meanwhile keeps no slice; slices are used only while the invalidation channel is live, like the
-//! deny cache; a reload that changes the key's limits (or gives it an override) takes a
+//! scripts give back only to the ledger or live slice they came from (nothing after a
+//! reset, in a new window or after the slice's end); a take in flight meanwhile keeps
+//! no slice; slices are used only while the invalidation channel is live, like the deny
+//! cache; a reload that changes the key's limits (or gives it an override) takes a
 //! new slice and gives the old one back. Bounded: at most [`MAX_HOT_KEYS`] keys are hot at
 //! once (beyond, a key is decided in Redis as any other, counted).
 
@@ -53,6 +61,9 @@ pub const MAX_HOT_KEYS: usize = 10_000;
 pub const HORIZON: Duration = Duration::from_millis(50);
 /// A hot key without a check for this long cools: its slice is given back.
 pub const COOL: Duration = Duration::from_millis(200);
+/// How long a token bucket's or GCRA key's slice lives (Redis's clock): its units count
+/// against the bucket's capacity until it is given back or ends.
+pub const BUCKET_SLICE_LIFE: Duration = Duration::from_secs(1);
 /// The rate counters' period: a key is hot once it is checked `hot_key_rate` times
 /// within one.
 pub const EPOCH: Duration = Duration::from_secs(1);
@@ -79,38 +90,64 @@ pub struct Want {
     pub prefetch: u64,
 }
 
-/// What Redis granted (`lua/slice.lua`).
+/// Where a slice's units came from: what giving them back names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mark {
+    /// A fixed window's slot and the slices' ledger in it (`lua/slice.lua`); the slice
+    /// ends with the window.
+    Window { slot: i64, ledger: i64 },
+    /// A token bucket's or GCRA key's slice (`lua/bucket_slice.lua`), `gcra` telling which;
+    /// it lives [`BUCKET_SLICE_LIFE`] and goes back before it ends.
+    Bucket { id: i64, gcra: bool },
+}
+
+/// What Redis granted (`lua/slice.lua`, `lua/bucket_slice.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Grant {
     pub granted: u64,
-    /// Units left in the window after the grant.
+    /// Units left (in the window, or tokens in the bucket) after the grant.
     pub left: u64,
+    /// The verdict's reset time: the window's end, or until the bucket is full.
     pub reset_after_us: i64,
-    /// The window slot the units belong to.
-    pub slot: i64,
-    /// The slices' ledger in that slot (`lua/slice.lua`): returns name it.
-    pub ledger: i64,
+    /// When nothing was granted: until the taker's check could pass.
+    pub retry_after_us: i64,
+    /// Until the slice ends (Redis's clock).
+    pub ends_after_us: i64,
+    /// Where the units came from; None: no slice (nothing beyond the taker's check).
+    pub mark: Option<Mark>,
 }
 
-/// Unspent units to give back to a window.
+/// Unspent units to give back.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Return {
     pub key: String,
-    pub slot: i64,
-    pub ledger: i64,
+    pub mark: Mark,
+    /// The limits the slice was taken under (a bucket's return refills under them).
+    pub limits: Limits,
     pub units: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Slice {
     limits: Limits,
-    slot: i64,
-    ledger: i64,
+    mark: Mark,
     units: u64,
-    /// Units left in the window when the slice was taken (the `remaining` reported).
+    /// Units left when the slice was taken (the `remaining` reported).
     left: u64,
-    /// When the window ends, by this instance's clock (never after Redis's end).
+    /// When the slice ends, by this instance's clock (never after Redis's end).
     ends: Instant,
+    /// The verdicts' reset time, by this instance's clock.
+    resets: Instant,
+}
+
+impl Slice {
+    /// Whether to give the slice back now rather than let it lapse: a bucket's slice in
+    /// the last [`COOL`] of its life (a window's units lapse with their window).
+    fn ends_soon(&self, now: Instant) -> bool {
+        matches!(self.mark, Mark::Bucket { .. })
+            && self.units > 0
+            && self.ends.saturating_duration_since(now) < COOL
+    }
 }
 
 /// A hot key's state, behind one lock: the slice, and what cooling and the prefetch need.
@@ -375,23 +412,24 @@ impl HotKeys {
         if verdict.allowed {
             entry.state().admitted += cost;
         }
-        if verdict.allowed && grant.granted > cost {
+        if let (true, Some(mark), true) = (verdict.allowed, grant.mark, grant.granted > cost) {
             let slice = Slice {
                 limits,
-                slot: grant.slot,
-                ledger: grant.ledger,
+                mark,
                 units: grant.granted - cost,
                 left: grant.left,
-                ends: sent + window_left(grant.reset_after_us),
+                ends: sent + window_left(grant.ends_after_us),
+                resets: sent + window_left(grant.reset_after_us),
             };
             // An invalidation while the take was in flight (it may predate a reset), or
             // the key cooled meanwhile: the units go back rather than into a slice.
             let current = self.entry(key).is_some_and(|e| Arc::ptr_eq(&e, &entry));
             if current && self.invalidations.load(Ordering::Acquire) == seen_invalidations {
                 let old = entry.state().slice.replace(slice);
-                // Units of a slice this one replaces: an earlier window's lapse with it;
-                // the same window's under other limits (a reload) go back.
-                if let Some(old) = old.filter(|o| o.units > 0 && o.slot == grant.slot) {
+                // Units of a slice this one replaces (under other limits: a reload) go
+                // back, unless it ended (an earlier window's lapse with it).
+                let now = Instant::now();
+                if let Some(old) = old.filter(|o| o.units > 0 && o.ends > now) {
                     self.give_back(returned(key, &old));
                 }
             } else {
@@ -434,8 +472,8 @@ impl HotKeys {
 
     /// The periodic pass: keys without a check for [`COOL`] (every key, when the channel
     /// is not live, or `all`: shutdown) leave the table, and the unspent units of their
-    /// slices, with those of replaced slices, are returned to be given back; slices whose
-    /// window has ended simply lapse.
+    /// slices, with those of replaced slices and of buckets' slices near their end, are
+    /// returned to be given back; slices whose window has ended simply lapse.
     pub fn tend(&self, now: Instant, all: bool) -> (Vec<Return>, Tally) {
         let mut back = std::mem::take(&mut *self.returns.lock().unwrap_or_else(|p| p.into_inner()));
         let every = all || !self.live.load(Ordering::Acquire);
@@ -448,6 +486,9 @@ impl HotKeys {
                 let cooled = every || now.saturating_duration_since(st.used) >= COOL;
                 // A take in flight keeps its entry: its checks are waiting on it.
                 if !cooled || e.waiting.load(Ordering::Acquire) > 0 {
+                    if let Some(s) = st.slice.take_if(|s| s.ends_soon(now)) {
+                        back.push(returned(key, &s));
+                    }
                     return true;
                 }
                 if let Some(s) = st.slice.take().filter(|s| s.units > 0 && s.ends > now) {
@@ -473,16 +514,17 @@ impl HotKeys {
 fn returned(key: &str, s: &Slice) -> Return {
     Return {
         key: key.to_owned(),
-        slot: s.slot,
-        ledger: s.ledger,
+        mark: s.mark,
+        limits: s.limits,
         units: s.units,
     }
 }
 
-/// How long until a window that ends `reset_after_us` after the take was sent, by this
-/// instance's clock: shortened by the clock-rate margin, so never after Redis's end.
-fn window_left(reset_after_us: i64) -> Duration {
-    let us = reset_after_us.max(0) as f64 * (1.0 - RATE_MARGIN);
+/// How long until a moment `after_us` after the take was sent by Redis's clock (a
+/// window's or a slice's end), by this instance's clock: shortened by the clock-rate
+/// margin, so never after Redis's.
+fn window_left(after_us: i64) -> Duration {
+    let us = after_us.max(0) as f64 * (1.0 - RATE_MARGIN);
     Duration::from_micros(us as u64)
 }
 
@@ -492,7 +534,7 @@ fn spend(slice: &mut Option<Slice>, limits: Limits, cost: u64, now: Instant) -> 
         return None;
     }
     s.units -= cost;
-    let reset_after_us = s.ends.saturating_duration_since(now).as_micros() as i64;
+    let reset_after_us = s.resets.saturating_duration_since(now).as_micros() as i64;
     Some(Verdict {
         allowed: true,
         remaining: s.left + s.units,
@@ -516,7 +558,7 @@ fn grant_verdict(g: &Grant, cost: u64) -> Verdict {
             allowed: false,
             remaining: g.left,
             reset_after_us: g.reset_after_us,
-            retry_after_us: g.reset_after_us.max(1),
+            retry_after_us: g.retry_after_us.max(1),
         }
     }
 }
@@ -567,13 +609,7 @@ mod tests {
             let reset_after_us = (slot + 1) * self.window_us - now;
             let left = self.limit.saturating_sub(count);
             if left < want.need {
-                return Grant {
-                    granted: 0,
-                    left,
-                    reset_after_us,
-                    slot,
-                    ledger,
-                };
+                return window_grant(0, left, reset_after_us, slot, ledger);
             }
             let extra = if left * 2 >= self.limit {
                 want.prefetch.min(left / 8)
@@ -582,22 +618,31 @@ mod tests {
             };
             let granted = (want.demand + extra).min(left);
             self.state = Some((slot, count + granted, slot, held + granted, ledger));
-            Grant {
-                granted,
-                left: left - granted,
-                reset_after_us,
-                slot,
-                ledger,
-            }
+            window_grant(granted, left - granted, reset_after_us, slot, ledger)
         }
 
         fn give_back(&mut self, r: &Return) {
+            let Mark::Window { slot, ledger } = r.mark else {
+                panic!("a window's slice gives back to its window: {r:?}");
+            };
             if let Some((w, n, hs, h, l)) = self.state {
-                if w == r.slot && hs == r.slot && l == r.ledger {
+                if w == slot && hs == slot && l == ledger {
                     let back = r.units.min(h).min(n);
                     self.state = Some((w, n - back, hs, h - back, l));
                 }
             }
+        }
+    }
+
+    /// A fixed window's grant, as `lua/slice.lua` answers.
+    fn window_grant(granted: u64, left: u64, reset_after_us: i64, slot: i64, ledger: i64) -> Grant {
+        Grant {
+            granted,
+            left,
+            reset_after_us,
+            retry_after_us: reset_after_us,
+            ends_after_us: reset_after_us,
+            mark: Some(Mark::Window { slot, ledger }),
         }
     }
 
@@ -656,7 +701,10 @@ mod tests {
                                 let v = h
                                     .decide("k", LIMITS, cost, |want| {
                                         let grant = model.borrow_mut().take(want);
-                                        took.set(Some(grant.slot));
+                                        took.set(match grant.mark {
+                                            Some(Mark::Window { slot, .. }) => Some(slot),
+                                            _ => None,
+                                        });
                                         async move { Ok::<_, ()>(grant) }
                                     })
                                     .await
@@ -721,15 +769,7 @@ mod tests {
         let v = h
             .decide("k", limits, 1, |_| {
                 h.forget("k");
-                async {
-                    Ok::<_, ()>(Grant {
-                        granted: 6,
-                        left: 94,
-                        reset_after_us: 30_000_000,
-                        slot: 1,
-                        ledger: 9,
-                    })
-                }
+                async { Ok::<_, ()>(window_grant(6, 94, 30_000_000, 1, 9)) }
             })
             .await
             .unwrap();
@@ -740,11 +780,57 @@ mod tests {
             back,
             vec![Return {
                 key: "k".into(),
-                slot: 1,
-                ledger: 9,
+                mark: Mark::Window { slot: 1, ledger: 9 },
+                limits,
                 units: 5
             }]
         );
+    }
+
+    /// A bucket's slice in the last [`COOL`] of its life goes back while its key stays hot
+    /// (a window's lapses with its window: nothing to give it back to).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_buckets_slice_goes_back_before_its_end_and_a_windows_lapses() {
+        let limits = Limits {
+            limit: 1_000,
+            window_us: 1_000_000,
+            burst: 1_000,
+        };
+        for (mark, back) in [
+            (Mark::Bucket { id: 7, gcra: false }, true),
+            (Mark::Window { slot: 1, ledger: 1 }, false),
+        ] {
+            let h = HotKeys::with_steady(Duration::ZERO);
+            h.set_live(true);
+            assert_eq!(h.note("k", 1, Instant::now()), Heat::Hot);
+            let grant = Grant {
+                granted: 6,
+                left: 900,
+                reset_after_us: 100_000,
+                retry_after_us: 0,
+                ends_after_us: 150_000,
+                mark: Some(mark),
+            };
+            let v = h
+                .decide("k", limits, 1, |_| async move { Ok::<_, ()>(grant) })
+                .await
+                .unwrap();
+            assert!(v.allowed);
+            let (returned, _) = h.tend(Instant::now(), false);
+            let want = if back {
+                vec![Return {
+                    key: "k".into(),
+                    mark,
+                    limits,
+                    units: 5,
+                }]
+            } else {
+                vec![]
+            };
+            assert_eq!(returned, want, "{mark:?}");
+            // The key is still hot; a slice given back is not spent.
+            assert_eq!(h.spend("k", limits, 1, Instant::now()).is_some(), !back);
+        }
     }
 
     /// A check waiting behind a take is served by it: one take for a queue of checks.
@@ -763,15 +849,7 @@ mod tests {
         let v = h
             .decide("k", limits, 2, |want| {
                 asked.set(Some(want));
-                async move {
-                    Ok::<_, ()>(Grant {
-                        granted: 5,
-                        left: 95,
-                        reset_after_us: 30_000_000,
-                        slot: 1,
-                        ledger: 1,
-                    })
-                }
+                async move { Ok::<_, ()>(window_grant(5, 95, 30_000_000, 1, 1)) }
             })
             .await
             .unwrap();

@@ -118,7 +118,11 @@ impl Layout {
         let repair_ttl_ms = match policy.global {
             Some(_) => GLOBAL_KEEP_MS,
             None => {
-                let longest = policy.limits().longest_ttl_us(policy.algorithm);
+                let mut longest = policy.limits().longest_ttl_us(policy.algorithm);
+                // A bucket's hot-key slices keep its key past a full refill by their life.
+                if policy.hot_key_rate.is_some() && policy.algorithm.has_burst() {
+                    longest += crate::store::hot::BUCKET_SLICE_LIFE.as_micros() as i64;
+                }
                 (longest.max(0) as u64).div_ceil(1000) as i64 + TTL_GRACE_MS
             }
         };

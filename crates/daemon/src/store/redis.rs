@@ -37,11 +37,11 @@ use crate::store::breaker::Breaker;
 use crate::store::connect::{AsyncConn, Target};
 use crate::store::deadline::{self, Within};
 use crate::store::deny_cache::{DenyCache, Question};
-use crate::store::hot::{self, Grant, HotKeys, Return, Want};
+use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Want};
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{StoreCall, StoreError, global, parse_verdict};
-use quotad_core::algorithm::{Op, Verdict};
+use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RedisSettings {
@@ -87,8 +87,10 @@ pub struct RedisStore {
     deny: DenyCache,
     /// Hot keys' slices, admitted from in memory (`store::hot`).
     hot: HotKeys,
-    /// Takes and returns of slices (`lua/slice.lua`).
+    /// Takes and returns of a fixed window's slices (`lua/slice.lua`).
     slice: redis::Script,
+    /// Takes and returns of a token bucket's or GCRA key's slices (`lua/bucket_slice.lua`).
+    bucket_slice: redis::Script,
     /// The channel on which every instance announces the keys it gave capacity back to
     /// (refunds, resets), so that none answers an outdated denial from memory.
     channel: String,
@@ -132,6 +134,7 @@ impl RedisStore {
             deny: DenyCache::new(settings.deny_cache_keys),
             hot: HotKeys::new(),
             slice: redis::Script::new(scripts::SLICE),
+            bucket_slice: redis::Script::new(scripts::BUCKET_SLICE),
             channel: layout.invalidate_channel(),
             metrics,
             settings,
@@ -397,24 +400,64 @@ impl RedisStore {
     }
 
     async fn take_slice(&self, call: &StoreCall<'_>, want: Want) -> Result<Grant, StoreError> {
-        let mut inv = self.slice.key(call.key);
-        inv.arg("take")
-            .arg(call.limits.limit)
-            .arg(call.limits.window_us)
-            .arg(want.need)
-            .arg(want.demand)
-            .arg(want.prefetch);
+        let gcra = match call.algorithm {
+            Algorithm::FixedWindow => None,
+            Algorithm::TokenBucket => Some(false),
+            Algorithm::Gcra => Some(true),
+            other => {
+                return Err(StoreError::Reply(format!(
+                    "no hot-key slices for {other:?}"
+                )));
+            }
+        };
+        let mut inv = match gcra {
+            None => self.slice.key(call.key),
+            Some(_) => self.bucket_slice.key(call.key),
+        };
+        inv.arg("take");
+        if let Some(gcra) = gcra {
+            inv.arg(if gcra { "gc" } else { "tb" });
+        }
+        inv.arg(call.limits.limit).arg(call.limits.window_us);
+        if gcra.is_some() {
+            inv.arg(call.limits.burst);
+        }
+        inv.arg(want.need).arg(want.demand).arg(want.prefetch);
+        if gcra.is_some() {
+            inv.arg(hot::BUCKET_SLICE_LIFE.as_micros() as i64);
+        }
         let inv = &inv;
         let reply: Vec<i64> = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
             .await?;
-        let grant = match reply[..] {
-            [granted, left, reset_after_us, slot, ledger] if granted >= 0 && left >= 0 => Grant {
+        let grant = match (gcra, &reply[..]) {
+            (None, &[granted, left, reset_after_us, slot, ledger]) if granted >= 0 && left >= 0 => {
+                Grant {
+                    granted: granted as u64,
+                    left: left as u64,
+                    reset_after_us,
+                    retry_after_us: reset_after_us,
+                    ends_after_us: reset_after_us,
+                    mark: Some(Mark::Window { slot, ledger }),
+                }
+            }
+            (
+                Some(gcra),
+                &[
+                    granted,
+                    left,
+                    reset_after_us,
+                    retry_after_us,
+                    id,
+                    ends_after_us,
+                ],
+            ) if granted >= 0 && left >= 0 => Grant {
                 granted: granted as u64,
                 left: left as u64,
                 reset_after_us,
-                slot,
-                ledger,
+                retry_after_us,
+                ends_after_us,
+                mark: (id > 0).then_some(Mark::Bucket { id, gcra }),
             },
             _ => return Err(StoreError::Reply(format!("slice take: {reply:?}"))),
         };
@@ -436,8 +479,23 @@ impl RedisStore {
         // keys gives them back within its second, and never floods Redis.
         futures_util::stream::iter(returns)
             .for_each_concurrent(RETURNS_IN_FLIGHT, |r| async move {
-                let mut inv = self.slice.key(&r.key);
-                inv.arg("return").arg(r.slot).arg(r.ledger).arg(r.units);
+                let mut inv;
+                match r.mark {
+                    Mark::Window { slot, ledger } => {
+                        inv = self.slice.key(&r.key);
+                        inv.arg("return").arg(slot).arg(ledger).arg(r.units);
+                    }
+                    Mark::Bucket { id, gcra } => {
+                        inv = self.bucket_slice.key(&r.key);
+                        inv.arg("return")
+                            .arg(if gcra { "gc" } else { "tb" })
+                            .arg(r.limits.limit)
+                            .arg(r.limits.window_us)
+                            .arg(r.limits.burst)
+                            .arg(id)
+                            .arg(r.units);
+                    }
+                }
                 let inv = &inv;
                 match self
                     .guarded(|mut conn| async move { inv.invoke_async::<i64>(&mut conn).await })

@@ -48,7 +48,17 @@ pub const COMPOSITE: &str = concat!(
 pub const RESET: &str = include_str!("../../lua/reset.lua");
 
 /// Hot-key slices of a fixed window: takes and returns (see `lua/slice.lua`).
-pub const SLICE: &str = include_str!("../../lua/slice.lua");
+pub const SLICE: &str = concat!(
+    include_str!("../../lua/helpers.lua"),
+    include_str!("../../lua/slice.lua")
+);
+
+/// Hot-key slices of a token bucket or GCRA key: takes and returns (see
+/// `lua/bucket_slice.lua`).
+pub const BUCKET_SLICE: &str = concat!(
+    include_str!("../../lua/helpers.lua"),
+    include_str!("../../lua/bucket_slice.lua")
+);
 
 /// The full source sent to Redis for `algorithm`.
 pub fn source(algorithm: Algorithm) -> &'static str {
