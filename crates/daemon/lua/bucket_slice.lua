@@ -9,20 +9,23 @@
 -- KEYS[1]  the key: token_bucket.lua's hash (slices in field sl) or gcra.lua's string
 --          (slices after the TAT)
 -- take     ARGV = {'take', 'tb' | 'gc', limit, window_us, burst, need, demand, prefetch,
---          life_us}
+--          life_us, ends_id, ends_units}
+--          First ends the taker's previous slice `ends_id` (0: none), giving back at most
+--          `ends_units` of it as a return does, so an instance has one live slice a key.
 --          Takes `demand` units (the checks waiting for this key on the instance), plus up
 --          to `prefetch` while at least half the burst is left (never more than an eighth
 --          of what is left, so slices shrink as the key nears its limit), never more than
 --          is left; nothing unless `need` units (the taker's own check) are left. The
 --          units beyond `need` become a slice that lives `life_us`.
 --          Returns {granted, left after, reset_after_us (until full), retry_after_us (of
---          `need`, when nothing was granted), slice id (0: no slice), ends_after_us}.
+--          `need`, when nothing was granted), slice id (0: no slice), ends_after_us,
+--          units of slice `ends_id` given back}.
 -- return   ARGV = {'return', 'tb' | 'gc', limit, window_us, burst, id, units}
 --          Ends slice `id` and gives back at most `units` of it, if it is still live (after
 --          a reset or its end: a no-op). Returns the units given back.
 -- Every write keeps the key's TTL past the last live slice. O(slices).
 if #KEYS ~= 1 or #ARGV < 7 then
-  return redis.error_reply('ERR quotad bucket slice: expected 1 key and 7 or 9 arguments')
+  return redis.error_reply('ERR quotad bucket slice: expected 1 key and 7 or 11 arguments')
 end
 local key = KEYS[1]
 local op, kind = ARGV[1], ARGV[2]
@@ -72,33 +75,45 @@ local function store()
   end
 end
 
-if op == 'return' then
-  local id, units = tonumber(ARGV[6]), tonumber(ARGV[7])
+-- Ends live slice `id`, giving back at most `units` of it: the units given back, or nil
+-- when there is no such slice (it ended, or the key was reset).
+local function finish(id, units)
   local found
   for i, s in ipairs(slices) do
     if s[1] == id and s[3] > now then found = i end
   end
   if not present or not found then
-    return 0
+    return nil
   end
   local back = math.min(units, slices[found][2])
   table.remove(slices, found)
   tokens = math.min(burst - slices_held(slices, now), tokens + back)
+  return back
+end
+
+if op == 'return' then
+  local back = finish(tonumber(ARGV[6]), tonumber(ARGV[7]))
+  if not back then
+    return 0
+  end
   store()
   return back
 end
 
-if op ~= 'take' or #ARGV ~= 9 then
+if op ~= 'take' or #ARGV ~= 11 then
   return redis.error_reply('ERR quotad bucket slice: expected take or return')
 end
 local need, demand, prefetch = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local life = tonumber(ARGV[9])
+local ended = tonumber(ARGV[10]) > 0 and finish(tonumber(ARGV[10]), tonumber(ARGV[11]))
 -- GCRA counts as gcra.lua does (a TAT a rounding below a whole unit still conforms).
 local eps = 0
 if kind == 'gc' then eps = 1e-9 end
 local left = floor_u(tokens + eps)
 if left < need then
-  return {0, left, full_in(tokens), math.max(1, math.ceil((need - tokens) * interval)), 0, 0}
+  if ended then store() end
+  return {0, left, full_in(tokens), math.max(1, math.ceil((need - tokens) * interval)), 0, 0,
+    ended or 0}
 end
 local granted = slice_grant(left, burst, demand, prefetch)
 tokens = tokens - granted
@@ -113,4 +128,4 @@ end
 store()
 local ends = 0
 if id > 0 then ends = life end
-return {granted, floor_u(tokens + eps), full_in(tokens), 0, id, ends}
+return {granted, floor_u(tokens + eps), full_in(tokens), 0, id, ends, ended or 0}

@@ -268,7 +268,7 @@ impl Validator<'_> {
     ) -> Option<u64> {
         let rate = rate?;
         match algorithm {
-            Some(Algorithm::FixedWindow | Algorithm::TokenBucket | Algorithm::Gcra) => {}
+            Some(a) if crate::store::hot::Taker::of(a).is_some() => {}
             Some(a) => {
                 self.error(
                     rate,

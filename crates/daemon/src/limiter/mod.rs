@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
-use crate::store::hot::{Heat, HotKeys};
+use crate::store::hot::{Heat, HotKeys, Taker};
 use crate::store::layout::{GlobalLayout, Layouts};
 use crate::store::memory::MemoryStore;
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
@@ -254,10 +254,7 @@ impl Limiter {
     fn hot(&self, check: &Check) -> Option<&HotKeys> {
         let policy = &check.policy;
         (policy.hot_key_rate.is_some()
-            && matches!(
-                policy.algorithm,
-                Algorithm::FixedWindow | Algorithm::TokenBucket | Algorithm::Gcra
-            )
+            && Taker::of(policy.algorithm).is_some()
             && policy.global.is_none()
             && !policy.shadow
             && check.cost > 0

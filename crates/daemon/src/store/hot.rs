@@ -51,7 +51,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use quotad_core::algorithm::{Limits, Verdict};
+use quotad_core::algorithm::{Algorithm, Limits, Verdict};
 
 use crate::store::deny_cache::RATE_MARGIN;
 
@@ -67,6 +67,27 @@ pub const BUCKET_SLICE_LIFE: Duration = Duration::from_secs(1);
 /// The rate counters' period: a key is hot once it is checked `hot_key_rate` times
 /// within one.
 pub const EPOCH: Duration = Duration::from_secs(1);
+
+/// The script that takes and returns an algorithm's slices, if the algorithm can take
+/// part (see the module's notes for why sliding windows and logs cannot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Taker {
+    /// `lua/slice.lua`.
+    Window,
+    /// `lua/bucket_slice.lua`; `gcra` tells which bucket.
+    Bucket { gcra: bool },
+}
+
+impl Taker {
+    pub fn of(algorithm: Algorithm) -> Option<Taker> {
+        match algorithm {
+            Algorithm::FixedWindow => Some(Taker::Window),
+            Algorithm::TokenBucket => Some(Taker::Bucket { gcra: false }),
+            Algorithm::Gcra => Some(Taker::Bucket { gcra: true }),
+            Algorithm::SlidingLog | Algorithm::SlidingWindow => None,
+        }
+    }
+}
 
 /// What [`HotKeys::note`] found a key to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,6 +109,10 @@ pub struct Want {
     pub demand: u64,
     /// Units beyond the demand, granted only while the key is far from its limit.
     pub prefetch: u64,
+    /// A bucket's slice of this instance that the take ends, with its unspent units: one
+    /// call ends the spent slice and takes the next, so a hot bucket has at most one
+    /// live slice per instance and no spent one keeps lowering its capacity.
+    pub ends: Option<(i64, u64)>,
 }
 
 /// Where a slice's units came from: what giving them back names.
@@ -365,6 +390,7 @@ impl HotKeys {
                 need: cost,
                 demand: cost,
                 prefetch: 0,
+                ends: None,
             })
             .await
             .map(|g| grant_verdict(&g, cost));
@@ -382,6 +408,16 @@ impl HotKeys {
             }
         }
         let demand = entry.waiting.load(Ordering::Acquire).max(cost);
+        // A bucket's slice under these limits ends with this take (spent, or too small
+        // for this check): out of the table first, so nothing spends it once it is sent.
+        let ends = entry
+            .state()
+            .slice
+            .take_if(|s| s.limits == limits && matches!(s.mark, Mark::Bucket { .. }))
+            .and_then(|s| match s.mark {
+                Mark::Bucket { id, .. } => Some((id, s.units)),
+                Mark::Window { .. } => None,
+            });
         let sent = Instant::now();
         // Checks queued behind this one are the demand a burst brings, and a burst may
         // end with them: units beyond it would wait, unspent, while other instances are
@@ -404,6 +440,7 @@ impl HotKeys {
             need: cost,
             demand,
             prefetch,
+            ends,
         })
         .await;
         entry.waiting.fetch_sub(cost, Ordering::AcqRel);
@@ -859,7 +896,8 @@ mod tests {
             Some(Want {
                 need: 2,
                 demand: 2,
-                prefetch: 0
+                prefetch: 0,
+                ends: None,
             })
         );
         // The other 3 units are spent from memory.

@@ -167,11 +167,11 @@ impl Store {
     }
 
     /// A check of a hot key that its slice could not answer (see [`hot`]); `apply` on
-    /// the embedded store.
+    /// the embedded store, and for an algorithm that takes no slices.
     pub async fn apply_hot(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
-        match self {
-            Store::Redis(r) => r.apply_hot(call, cost).await,
-            Store::Memory(_) => self.apply(call).await,
+        match (self, hot::Taker::of(call.algorithm)) {
+            (Store::Redis(r), Some(taker)) => r.apply_hot(call, taker, cost).await,
+            _ => self.apply(call).await,
         }
     }
 

@@ -37,11 +37,11 @@ use crate::store::breaker::Breaker;
 use crate::store::connect::{AsyncConn, Target};
 use crate::store::deadline::{self, Within};
 use crate::store::deny_cache::{DenyCache, Question};
-use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Want};
+use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Taker, Want};
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{StoreCall, StoreError, global, parse_verdict};
-use quotad_core::algorithm::{Algorithm, Op, Verdict};
+use quotad_core::algorithm::{Op, Verdict};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RedisSettings {
@@ -384,13 +384,18 @@ impl RedisStore {
 
     /// A check of a hot key that its slice could not answer: decided through a take of
     /// a slice (see [`HotKeys::decide`]); a denial is remembered as any other.
-    pub async fn apply_hot(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+    pub async fn apply_hot(
+        &self,
+        call: &StoreCall<'_>,
+        taker: Taker,
+        cost: u64,
+    ) -> Result<Verdict, StoreError> {
         let sent = Instant::now();
         let epoch = self.deny.epoch();
         let v = self
             .hot
             .decide(call.key, call.limits, cost, |want| {
-                self.take_slice(call, want)
+                self.take_slice(call, taker, want)
             })
             .await?;
         if !v.allowed {
@@ -399,16 +404,15 @@ impl RedisStore {
         Ok(v)
     }
 
-    async fn take_slice(&self, call: &StoreCall<'_>, want: Want) -> Result<Grant, StoreError> {
-        let gcra = match call.algorithm {
-            Algorithm::FixedWindow => None,
-            Algorithm::TokenBucket => Some(false),
-            Algorithm::Gcra => Some(true),
-            other => {
-                return Err(StoreError::Reply(format!(
-                    "no hot-key slices for {other:?}"
-                )));
-            }
+    async fn take_slice(
+        &self,
+        call: &StoreCall<'_>,
+        taker: Taker,
+        want: Want,
+    ) -> Result<Grant, StoreError> {
+        let gcra = match taker {
+            Taker::Window => None,
+            Taker::Bucket { gcra } => Some(gcra),
         };
         let mut inv = match gcra {
             None => self.slice.key(call.key),
@@ -424,7 +428,10 @@ impl RedisStore {
         }
         inv.arg(want.need).arg(want.demand).arg(want.prefetch);
         if gcra.is_some() {
-            inv.arg(hot::BUCKET_SLICE_LIFE.as_micros() as i64);
+            let (id, units) = want.ends.unwrap_or((0, 0));
+            inv.arg(hot::BUCKET_SLICE_LIFE.as_micros() as i64)
+                .arg(id)
+                .arg(units);
         }
         let inv = &inv;
         let reply: Vec<i64> = self
@@ -450,15 +457,25 @@ impl RedisStore {
                     retry_after_us,
                     id,
                     ends_after_us,
+                    back,
                 ],
-            ) if granted >= 0 && left >= 0 => Grant {
-                granted: granted as u64,
-                left: left as u64,
-                reset_after_us,
-                retry_after_us,
-                ends_after_us,
-                mark: (id > 0).then_some(Mark::Bucket { id, gcra }),
-            },
+            ) if granted >= 0 && left >= 0 => {
+                if back > 0 {
+                    // The slice this take ended gave its unspent units back.
+                    self.metrics
+                        .hot_units
+                        .with_label_values(&["returned"])
+                        .inc_by(back as u64);
+                }
+                Grant {
+                    granted: granted as u64,
+                    left: left as u64,
+                    reset_after_us,
+                    retry_after_us,
+                    ends_after_us,
+                    mark: (id > 0).then_some(Mark::Bucket { id, gcra }),
+                }
+            }
             _ => return Err(StoreError::Reply(format!("slice take: {reply:?}"))),
         };
         if grant.granted > 0 {
