@@ -14,6 +14,7 @@ COLUMNS = [
     ("p999_ms", "p99.9 ms", "{:.3f}"),
     ("quotad_us_per_op", "quotad CPU us/op", "{:.1f}"),
     ("redis_us_per_op", "Redis CPU us/op", "{:.1f}"),
+    ("client_us_per_op", "client CPU us/op", "{:.1f}"),
 ]
 # Counters summed over a run's rounds when present ("-" where they do not apply).
 COUNTS = [("errors", "errors"), ("fail_open", "fail_open")]
@@ -29,7 +30,7 @@ counts = [c for c in COUNTS if c[0] in have]
 
 
 def value(rs, k, fmt):
-    v = [float(r[k]) for r in rs if r[k] not in ("-", "", "nan")]
+    v = [float(r[k]) for r in rs if r.get(k) not in (None, "-", "", "nan")]
     return fmt.format(med(v)) if v else "-"
 
 

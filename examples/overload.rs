@@ -19,8 +19,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+
+#[path = "support/http1.rs"]
+mod http1;
 
 use quotad_testkit::load::percentile_ms;
 
@@ -73,46 +76,6 @@ struct Tally {
     errors: u64,
 }
 
-/// One HTTP/1.1 response: status and body (Content-Length framing; quotad always sends it).
-async fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<(u16, String)> {
-    loop {
-        if let Some(end) = find(buf, b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let status = head
-                .split_whitespace()
-                .nth(1)
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(0);
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            while buf.len() < end + 4 + len {
-                read_more(s, buf).await?;
-            }
-            let body = String::from_utf8_lossy(&buf[end + 4..end + 4 + len]).into_owned();
-            buf.drain(..end + 4 + len);
-            return Ok((status, body));
-        }
-        read_more(s, buf).await?;
-    }
-}
-
-async fn read_more(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
-    let mut chunk = [0u8; 4096];
-    let n = s.read(&mut chunk).await?;
-    if n == 0 {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
-    }
-    buf.extend_from_slice(&chunk[..n]);
-    Ok(())
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
 fn outcome(body: &str) -> String {
     body.split("\"outcome\":\"")
         .nth(1)
@@ -154,7 +117,11 @@ async fn connection(addr: String, a: Arc<Args>, seed: u64, stop: Arc<AtomicBool>
                 t.errors += 1;
                 break;
             }
-            match read_response(&mut s, &mut buf).await {
+            match http1::read_response(&mut s, &mut buf, |status, body| {
+                (status, String::from_utf8_lossy(body).into_owned())
+            })
+            .await
+            {
                 Ok((status, body)) => {
                     *t.statuses.entry(status).or_default() += 1;
                     if status == 200 {
@@ -180,7 +147,10 @@ async fn get(addr: &str, path: &str) -> (u16, String) {
         let req = format!("GET {path} HTTP/1.1\r\nhost: quotad\r\nconnection: close\r\n\r\n");
         s.write_all(req.as_bytes()).await?;
         let mut buf = Vec::new();
-        read_response(&mut s, &mut buf).await
+        http1::read_response(&mut s, &mut buf, |status, body| {
+            (status, String::from_utf8_lossy(body).into_owned())
+        })
+        .await
     };
     match tokio::time::timeout(Duration::from_secs(2), attempt).await {
         Ok(Ok(r)) => r,
