@@ -1,6 +1,6 @@
 //! Every script quotad runs, on a real Redis Cluster, which refuses a script whose keys
 //! are not all in one slot (CROSSSLOT): each algorithm's, the composite script of a group,
-//! and the coordinator's whole lease store (lock and fences, replication and WAIT routed
+//! the hot-key slices' takes and returns, and the coordinator's whole lease store (lock and fences, replication and WAIT routed
 //! to the policy's master, books written, read, listed and dropped after a failover,
 //! active keys, counters, the default escrow) beside the global decision script.
 
@@ -81,6 +81,67 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
         }
         grouped.push((policy.algorithm, limits, layout.grouped_key("acme", "bob")));
     }
+    // Hot-key slices: a take of two units for a check of one (so a slice is recorded) and
+    // the return of its unit, by each algorithm that takes part.
+    let slice = redis::Script::new(scripts::SLICE);
+    let bucket_slice = redis::Script::new(scripts::BUCKET_SLICE);
+    for a in ["fixed_window", "token_bucket", "gcra"] {
+        let policy = settings.policies.iter().find(|p| p.name == a).unwrap();
+        let key = layouts.by_name(a).unwrap().storage_key("carol");
+        let l = policy.limits();
+        let back: i64 = if a == "fixed_window" {
+            let took: Vec<i64> = slice
+                .key(&key)
+                .arg("take")
+                .arg(l.limit)
+                .arg(l.window_us)
+                .arg(1)
+                .arg(2)
+                .arg(0)
+                .invoke(&mut conn)
+                .unwrap_or_else(|e| panic!("{a} slice take on {key}: {e}"));
+            assert_eq!(took[0], 2, "{a}: {took:?}");
+            slice
+                .key(&key)
+                .arg("return")
+                .arg(took[3])
+                .arg(took[4])
+                .arg(1)
+                .invoke(&mut conn)
+                .unwrap_or_else(|e| panic!("{a} slice return on {key}: {e}"))
+        } else {
+            let kind = if a == "gcra" { "gc" } else { "tb" };
+            let took: Vec<i64> = bucket_slice
+                .key(&key)
+                .arg("take")
+                .arg(kind)
+                .arg(l.limit)
+                .arg(l.window_us)
+                .arg(l.burst)
+                .arg(1)
+                .arg(2)
+                .arg(0)
+                .arg(1_000_000)
+                .arg(0)
+                .arg(0)
+                .invoke(&mut conn)
+                .unwrap_or_else(|e| panic!("{a} slice take on {key}: {e}"));
+            assert!(took[0] == 2 && took[4] > 0, "{a}: {took:?}");
+            bucket_slice
+                .key(&key)
+                .arg("return")
+                .arg(kind)
+                .arg(l.limit)
+                .arg(l.window_us)
+                .arg(l.burst)
+                .arg(took[4])
+                .arg(1)
+                .invoke(&mut conn)
+                .unwrap_or_else(|e| panic!("{a} slice return on {key}: {e}"))
+        };
+        assert_eq!(back, 1, "{a}: the slice's unit did not go back");
+    }
+
     let composite = redis::Script::new(scripts::COMPOSITE);
     let mut inv = composite.prepare_invoke();
     for (_, _, key) in &grouped {
