@@ -49,7 +49,8 @@ pub struct Policy {
     /// A global budget: `limit` per `window` is the rate ρ for all regions together.
     pub global: Option<GlobalSpec>,
     /// Checks per second of one key on one instance from which the key takes slices of
-    /// its window and is admitted from them in memory (`store::hot`); fixed windows only.
+    /// its quota and is admitted from them in memory (`store::hot`); fixed windows, token
+    /// buckets and GCRA only (`store::hot::Taker`).
     pub hot_key_rate: Option<NonZeroU64>,
 }
 
