@@ -396,7 +396,7 @@ const SECRET: &str = "stateful-test-secret-0123456789abcdef";
 const SEEDS: u64 = 3;
 const GLOBAL_STEPS: usize = 24;
 
-type RawBooks3 = (Vec<Option<String>>, Vec<Option<String>>, (i64, i64));
+type RawReply = (Vec<Option<String>>, Vec<Option<String>>, (i64, i64));
 
 /// One region's hashes for a key, as read at Redis time `now`.
 struct RawBooks {
@@ -479,7 +479,7 @@ impl Regions {
     fn raw(&self, r: usize, key: &str) -> RawBooks {
         let stem = "rl:g:g:{rl:g}:";
         let mut conn = self.redis[r].conn();
-        let (slot, meta, (secs, us)): RawBooks3 = redis::pipe()
+        let (slot, meta, (secs, us)): RawReply = redis::pipe()
             .atomic()
             .cmd("HMGET")
             .arg(format!("{stem}{{{key}}}"))

@@ -63,10 +63,11 @@ local function store()
   local sl, last = slices_text(slices, now)
   local ttl = ttl_ms(full_in(tokens) + (last - now))
   if kind == 'tb' then
-    redis.call('HSET', key, 't', string.format('%.17g', tokens), 'ts', now)
+    local t = string.format('%.17g', tokens)
     if sl then
-      redis.call('HSET', key, 'sl', sl)
+      redis.call('HSET', key, 't', t, 'ts', now, 'sl', sl)
     else
+      redis.call('HSET', key, 't', t, 'ts', now)
       redis.call('HDEL', key, 'sl')
     end
     redis.call('PEXPIRE', key, ttl)

@@ -98,6 +98,11 @@ pub struct RedisStore {
 }
 
 const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+/// `lua/bucket_slice.lua`'s name for a bucket: GCRA's, or a token bucket's.
+fn bucket_kind(gcra: bool) -> &'static str {
+    if gcra { "gc" } else { "tb" }
+}
+
 /// Slices given back at once, at most (`give_back_slices`).
 const RETURNS_IN_FLIGHT: usize = 64;
 /// How often each instance proves the invalidation channel alive.
@@ -410,24 +415,24 @@ impl RedisStore {
         taker: Taker,
         want: Want,
     ) -> Result<Grant, StoreError> {
-        let gcra = match taker {
-            Taker::Window => None,
-            Taker::Bucket { gcra } => Some(gcra),
-        };
-        let mut inv = match gcra {
-            None => self.slice.key(call.key),
-            Some(_) => self.bucket_slice.key(call.key),
-        };
-        inv.arg("take");
-        if let Some(gcra) = gcra {
-            inv.arg(if gcra { "gc" } else { "tb" });
-        }
-        inv.arg(call.limits.limit).arg(call.limits.window_us);
-        if gcra.is_some() {
-            inv.arg(call.limits.burst);
+        let l = call.limits;
+        let mut inv;
+        match taker {
+            Taker::Window => {
+                inv = self.slice.key(call.key);
+                inv.arg("take").arg(l.limit).arg(l.window_us);
+            }
+            Taker::Bucket { gcra } => {
+                inv = self.bucket_slice.key(call.key);
+                inv.arg("take")
+                    .arg(bucket_kind(gcra))
+                    .arg(l.limit)
+                    .arg(l.window_us)
+                    .arg(l.burst);
+            }
         }
         inv.arg(want.need).arg(want.demand).arg(want.prefetch);
-        if gcra.is_some() {
+        if let Taker::Bucket { .. } = taker {
             let (id, units) = want.ends.unwrap_or((0, 0));
             inv.arg(hot::BUCKET_SLICE_LIFE.as_micros() as i64)
                 .arg(id)
@@ -437,8 +442,10 @@ impl RedisStore {
         let reply: Vec<i64> = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
             .await?;
-        let grant = match (gcra, &reply[..]) {
-            (None, &[granted, left, reset_after_us, slot, ledger]) if granted >= 0 && left >= 0 => {
+        let grant = match (taker, &reply[..]) {
+            (Taker::Window, &[granted, left, reset_after_us, slot, ledger])
+                if granted >= 0 && left >= 0 =>
+            {
                 Grant {
                     granted: granted as u64,
                     left: left as u64,
@@ -449,7 +456,7 @@ impl RedisStore {
                 }
             }
             (
-                Some(gcra),
+                Taker::Bucket { gcra },
                 &[
                     granted,
                     left,
@@ -505,7 +512,7 @@ impl RedisStore {
                     Mark::Bucket { id, gcra } => {
                         inv = self.bucket_slice.key(&r.key);
                         inv.arg("return")
-                            .arg(if gcra { "gc" } else { "tb" })
+                            .arg(bucket_kind(gcra))
                             .arg(r.limits.limit)
                             .arg(r.limits.window_us)
                             .arg(r.limits.burst)
