@@ -1,6 +1,8 @@
 //! The `quotad` binary: parse the command line, set up logging, hand over to the library.
 
+#[cfg(feature = "demo")]
 mod demo;
+mod healthcheck;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,7 +11,7 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use quotad_core::algorithm::Algorithm;
-use quotad_daemon::config::Settings;
+use quotad_daemon::config::{LogFormat, Settings};
 
 /// Every request allocates a little (JSON, keys, headers): glibc's malloc was ~15% of the
 /// daemon's CPU under load in perf; mimalloc's thread-local free lists cost a fraction.
@@ -36,6 +38,7 @@ enum Command {
     },
     /// Three regions on this machine sharing one global budget: a redis-server each (the
     /// embedded store if none is on PATH), moving demand, a cut and a heal, a live table.
+    #[cfg(feature = "demo")]
     Demo {
         /// Use the embedded store even when redis-server is on PATH.
         #[arg(long)]
@@ -46,6 +49,12 @@ enum Command {
     },
     /// Check a config file: exit 0 if valid, else print every error and exit 1.
     Validate { path: PathBuf },
+    /// Ask the daemon this config describes for GET /healthz: exit 0 if it answers 200
+    /// within 2 s, else 1 (the container image's health check).
+    Healthcheck {
+        #[arg(long, value_name = "PATH")]
+        config: PathBuf,
+    },
     /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S14 of
     /// docs/simulator.md, invariant S checked after every event (exit 1 if it breaks).
     Sim(SimArgs),
@@ -208,14 +217,29 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Healthcheck { config } => match Settings::load(&config) {
+            Ok(s) => match healthcheck::probe(&s.server.listen) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("unhealthy: {e}");
+                    ExitCode::FAILURE
+                }
+            },
+            Err(errors) => {
+                eprintln!("{errors}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Sim(args) => sim(args),
+        #[cfg(feature = "demo")]
         Command::Demo { embedded, duration } => demo(embedded, duration),
         Command::Script { algorithm } => {
             print!("{}", quotad_daemon::store::scripts::source(algorithm));
             ExitCode::SUCCESS
         }
         Command::Serve { config } => {
-            init_tracing();
+            // Errors that stop the start are printed before the log exists (its format is
+            // in the file being read).
             let settings = match config {
                 None => Settings::builtin(),
                 Some(path) => match Settings::load(&path) {
@@ -226,14 +250,16 @@ fn main() -> ExitCode {
                     }
                 },
             };
+            init_tracing_at("info", settings.log.format);
             serve(settings)
         }
     }
 }
 
+#[cfg(feature = "demo")]
 fn demo(embedded: bool, duration: std::time::Duration) -> ExitCode {
     // The table is the output: daemons log warnings only (RUST_LOG overrides).
-    init_tracing_at("warn");
+    init_tracing_at("warn", LogFormat::Text);
     until_signal(|stop| async move {
         tokio::task::spawn_blocking(move || demo::run(embedded, duration, stop))
             .await
@@ -268,22 +294,26 @@ where
     })
 }
 
-fn init_tracing() {
-    init_tracing_at("info");
-}
-
-fn init_tracing_at(default: &str) {
+/// The log on stderr at `default` level (RUST_LOG overrides), as text or one JSON object
+/// per line (`[log] format`).
+fn init_tracing_at(default: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
+    let log = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => log
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        // {"timestamp":..,"level":..,"message":..,<fields>,"target":..}: the event's
+        // fields beside the message, where log pipelines look for them.
+        LogFormat::Json => log.json().flatten_event(true).init(),
+    }
 }
 
 fn serve(settings: Settings) -> ExitCode {
+    let _ = quotad_daemon::metrics::REVISION.set(env!("QUOTAD_REVISION"));
     until_signal(|shutdown| async move {
         quotad_daemon::app::run(settings, shutdown)
             .await

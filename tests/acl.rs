@@ -108,3 +108,61 @@ fn without_the_right_credentials_the_fail_modes_answer() {
             .then_some(())
     });
 }
+
+/// `store.password_file`: quotad authenticates with the file's content (its trailing
+/// newline dropped), shows it nowhere (log, `/v1/*`, `/metrics`), and a rotated file is
+/// noticed without a SIGHUP and refused by name: the old credentials stay in use and the
+/// reload is not counted `ok`.
+#[test]
+fn a_password_from_a_file_is_used_shown_nowhere_and_its_rotation_refused() {
+    let redis = redis_with_acl();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, format!("{PASSWORD}\n")).unwrap();
+    let q = Quotad::start(
+        &config(&redis)
+            .store("username", "quotad")
+            .store("password_file", file.to_str().unwrap())
+            .to_toml(),
+    );
+    wait_for("redis up", Duration::from_secs(10), || {
+        (q.metric("quotad_store_up") == 1.0).then_some(())
+    });
+    let outcomes: Vec<String> = (0..6).map(|_| outcome(&q, "five")).collect();
+    assert_eq!(
+        outcomes,
+        [
+            "allowed", "allowed", "allowed", "allowed", "allowed", "denied"
+        ]
+    );
+
+    let rotated = "a-rotated-password-nobody-may-see";
+    std::fs::write(&file, format!("{rotated}\n")).unwrap();
+    let refused = "quotad_config_reloads_total{result=\"refused\"}";
+    wait_for("the rotation noticed", Duration::from_secs(15), || {
+        (q.metric(refused) == 1.0).then_some(())
+    });
+    assert_eq!(q.metric("quotad_config_reloads_total{result=\"ok\"}"), 0.0);
+    assert!(
+        q.log().contains(
+            "[store] credentials (username, password, TLS files) cannot change without a restart"
+        ),
+        "{}",
+        q.log()
+    );
+    assert_eq!(
+        outcome(&q, "open"),
+        "allowed",
+        "the old connection still serves"
+    );
+
+    let mut seen = vec![("log".to_owned(), q.log())];
+    for path in ["/v1/status", "/v1/policies", "/metrics", "/readyz"] {
+        seen.push((path.to_owned(), q.get(path).1));
+    }
+    for (place, text) in seen {
+        for secret in [PASSWORD, rotated] {
+            assert!(!text.contains(secret), "{place} shows a password:\n{text}");
+        }
+    }
+}

@@ -160,6 +160,28 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "log_problems.toml",
+        &[
+            "2: log.format: must be \"text\" or \"json\"",
+            "3: log.requests: must be a share of requests from 0 (off) to 1 (every request)",
+        ],
+    ),
+    (
+        "secret_sources.toml",
+        &[
+            "5: store.password_file: set only one of store.password, store.password_file",
+            "7: coordinator.secret_file: must be at least 16 bytes",
+            "11: peer[0].secret_env: the environment variable QUOTAD_TEST_SECRET_THAT_IS_NEVER_SET is not set",
+            "15: peer[1].secret_file: ",
+            "19: peer[2].secret_file: the secret is empty",
+            "23: peer[3].secret_env: must be the name of an environment variable",
+        ],
+    ),
+    (
+        "secret_not_utf8.toml",
+        &["3: store.password_file: the secret is not UTF-8 text"],
+    ),
+    (
         "tls_without_rediss.toml",
         &["3: store.tls_ca_file: TLS files are set but no URL is rediss://"],
     ),

@@ -2,13 +2,13 @@
 //!
 //! - every `quotad_*` metric used by a Grafana dashboard (dashboards/*.json) or by the
 //!   Prometheus rules (deploy/prometheus/*.yml) is defined in crates/daemon/src/metrics.rs;
-//! - the config embedded in the Kubernetes ConfigMap (deploy/kubernetes/quotad.yaml) passes
-//!   `quotad validate`, listens on every interface, and fits in the pod's grace period.
+//! - every dashboard panel shows its queries in their unit.
+//!
+//! tests/prometheus.rs evaluates the same files on a live Prometheus; tests/kubernetes.rs
+//! checks deploy/kubernetes.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Duration;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -218,101 +218,104 @@ fn prometheus_rules_use_only_defined_metrics() {
     );
 }
 
-/// The literal block scalar under `key: |` in `yaml`, de-indented (YAML's own rules for a
-/// block with clip chomping: ends at the first non-blank line indented no deeper than the
-/// key; trailing blank lines collapse into one final newline).
-fn block_scalar(yaml: &str, key: &str) -> Option<String> {
-    let indent = |l: &str| l.len() - l.trim_start_matches(' ').len();
-    let mut lines = yaml.lines();
-    let key_indent = lines.by_ref().find_map(|l| {
-        let t = l.trim();
-        (t == format!("{key}: |")).then(|| indent(l))
-    })?;
-    let mut block = Vec::new();
-    let mut block_indent = None;
-    for line in lines {
-        if line.trim().is_empty() {
-            block.push("");
-            continue;
-        }
-        let n = indent(line);
-        if n <= key_indent {
-            break;
-        }
-        let b = *block_indent.get_or_insert(n);
-        if n < b {
-            break;
-        }
-        block.push(&line[b..]);
+/// What a panel target's query measures, read from its shape: a quantile of our
+/// histograms or a `_seconds` gauge is seconds, a `rate` of bytes is bytes per second,
+/// another `rate` (or a `_rate` gauge: units per second) is per second, a ratio of rates is a fraction, an `increase` is a
+/// count per interval, a `_bytes` gauge is bytes, anything else a plain number.
+fn dimension(expr: &str) -> &'static str {
+    let rates = expr.matches("rate(").count() - expr.matches("irate(").count();
+    if expr.contains("histogram_quantile") || expr.contains("time() -") {
+        "seconds"
+    } else if rates >= 2 && expr.contains(" / ") {
+        "fraction"
+    } else if expr.contains("rate(") && expr.contains("_bytes") {
+        "bytes per second"
+    } else if expr.contains("rate(process_cpu_seconds_total") {
+        "number"
+    } else if expr.contains("rate(") || expr.contains("_rate{") {
+        "per second"
+    } else if expr.contains("_seconds{") || expr.contains("_seconds ") {
+        "seconds"
+    } else if expr.contains("_bytes") {
+        "bytes"
+    } else {
+        "number"
     }
-    while block.last() == Some(&"") {
-        block.pop();
+}
+
+/// The Grafana units a dimension may be shown in.
+fn units_for(dimension: &str) -> &'static [&'static str] {
+    match dimension {
+        "seconds" => &["s", "ms", "µs"],
+        "fraction" => &["percentunit"],
+        "bytes per second" => &["Bps", "binBps"],
+        "per second" => &["reqps", "ops", "cps"],
+        "bytes" => &["bytes", "decbytes"],
+        _ => &["short", "none"],
     }
-    let text = block.join("\n");
-    (!text.trim().is_empty()).then(|| text + "\n")
+}
+
+/// Every panel's targets measure one thing, and its unit is one that thing is shown in
+/// (a peer's RTT drawn as requests per second, or a count per interval as a rate, is a
+/// wrong answer at 3 a.m.).
+#[test]
+fn every_panel_shows_its_queries_in_their_unit() {
+    let mut failures = Vec::new();
+    for path in files("dashboards", &["json"]) {
+        let json: serde_json::Value = serde_json::from_str(&read(&path)).expect("JSON");
+        for panel in panels(&json) {
+            let title = panel["title"].as_str().unwrap_or("?");
+            let exprs: Vec<&str> = panel["targets"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|t| t["expr"].as_str())
+                .collect();
+            let dims: BTreeSet<&str> = exprs.iter().map(|e| dimension(e)).collect();
+            let unit = panel["fieldConfig"]["defaults"]["unit"]
+                .as_str()
+                .unwrap_or("");
+            match dims.len() {
+                0 => {}
+                1 => {
+                    let dim = dims.first().copied().unwrap_or_default();
+                    if !units_for(dim).contains(&unit) {
+                        failures.push(format!("{title}: {dim} shown as {unit:?}"));
+                    }
+                }
+                _ => failures.push(format!("{title}: mixes {dims:?} under one unit {unit:?}")),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The panels of a dashboard, those inside collapsed rows included.
+fn panels(dashboard: &serde_json::Value) -> Vec<&serde_json::Value> {
+    fn walk<'a>(ps: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
+        for p in ps.as_array().into_iter().flatten() {
+            out.push(p);
+            walk(&p["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
 }
 
 #[test]
-fn block_scalar_extraction() {
-    let yaml = "data:\n  a.toml: |\n    x = 1\n\n    [t]\n      y = 2\n\n  b: 3\n";
+fn the_unit_check_flags_a_mixed_or_wrong_panel() {
     assert_eq!(
-        block_scalar(yaml, "a.toml").as_deref(),
-        Some("x = 1\n\n[t]\n  y = 2\n")
+        dimension("max by (peer) (quotad_peer_rtt_seconds{x=\"y\"})"),
+        "seconds"
     );
-    assert_eq!(block_scalar(yaml, "b"), None);
-}
-
-#[test]
-fn kubernetes_configmap_config_validates() {
-    let manifest = root().join("deploy/kubernetes/quotad.yaml");
-    let yaml = read(&manifest);
-    let config = block_scalar(&yaml, "quotad.toml").unwrap_or_else(|| {
-        panic!(
-            "{}: no `quotad.toml: |` block in the ConfigMap",
-            manifest.display()
-        )
-    });
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("quotad.toml");
-    std::fs::write(&path, &config).expect("write the extracted config");
-
-    let out = Command::new(env!("CARGO_BIN_EXE_quotad"))
-        .arg("validate")
-        .arg(&path)
-        .output()
-        .expect("run quotad validate");
-    assert!(
-        out.status.success(),
-        "quotad validate rejected the ConfigMap's quotad.toml ({}):\n{}{}\n--- config ---\n{config}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    assert_eq!(
+        dimension("sum(increase(quotad_store_breaker_opens_total[1m]))"),
+        "number"
     );
-
-    // The same file through the library, for the values the manifest depends on.
-    let settings = quotad_daemon::config::Settings::parse("quotad.toml", &config)
-        .expect("valid, as quotad validate said");
-    let listen = settings.server.listen;
-    let pod_address = match &listen {
-        quotad_daemon::server::Endpoint::Tcp(a) => a.ip().is_unspecified() && a.port() == 8686,
-        quotad_daemon::server::Endpoint::Unix(_) => false,
-    };
-    assert!(
-        pod_address,
-        "server.listen is {listen}: in a pod it must be 0.0.0.0:8686 (the probes, the \
-         Service and the scrape annotations use port 8686; loopback is unreachable)"
+    assert_eq!(
+        dimension("sum(rate(quotad_exchange_bytes_total[1m]))"),
+        "bytes per second"
     );
-    let grace = yaml
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds:"))
-        .map(|v| v.split('#').next().unwrap_or("").trim())
-        .and_then(|v| v.parse::<u64>().ok())
-        .map(Duration::from_secs)
-        .unwrap_or_else(|| panic!("{}: no terminationGracePeriodSeconds", manifest.display()));
-    let needed = settings.server.shutdown_delay + settings.server.drain_timeout;
-    assert!(
-        grace > needed,
-        "terminationGracePeriodSeconds ({grace:?}) must exceed shutdown_delay + \
-         drain_timeout ({needed:?}), or the kubelet kills quotad mid-drain"
-    );
+    assert!(!units_for(dimension("quotad_peer_up")).contains(&"reqps"));
 }

@@ -7,9 +7,9 @@ use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 
+use common::grpc::descriptor as desc;
 use common::{Config, Descriptor, Policy, Quotad, RedisServer, free_port, runtime, wait_for};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
@@ -129,20 +129,6 @@ async fn client(port: u16) -> RateLimitServiceClient<Channel> {
             Err(e) if Instant::now() > deadline => panic!("cannot connect: {e}"),
             Err(_) => tokio::task::yield_now().await,
         }
-    }
-}
-
-/// A request descriptor from `(key, value)` entries.
-fn desc(entries: &[(&str, &str)]) -> RateLimitDescriptor {
-    RateLimitDescriptor {
-        entries: entries
-            .iter()
-            .map(|(k, v)| Entry {
-                key: (*k).into(),
-                value: (*v).into(),
-            })
-            .collect(),
-        ..Default::default()
     }
 }
 

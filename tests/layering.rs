@@ -198,3 +198,39 @@ fn the_cycle_finder_finds_a_cycle() {
         Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
     );
 }
+
+/// The crates the `quotad` binary links with these features, as `cargo tree` resolves them.
+fn linked_crates(features: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO"))
+        .current_dir(root())
+        .args([
+            "tree",
+            "--locked",
+            "--offline",
+            "-p",
+            "quotad",
+            "-e",
+            "normal",
+        ])
+        .args(["--prefix", "none", "--format", "{p}"])
+        .args(features.iter().flat_map(|f| ["--features", f]))
+        .output()
+        .expect("run cargo tree");
+    assert!(
+        out.status.success(),
+        "cargo tree: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn the_shipped_binary_links_no_test_kit_and_the_demo_feature_brings_it() {
+    let shipped = linked_crates(&[]);
+    assert!(shipped.contains("quotad-daemon"), "{shipped}");
+    assert!(
+        !shipped.contains("quotad-testkit"),
+        "`cargo build --release` links the test kit"
+    );
+    assert!(linked_crates(&["demo"]).contains("quotad-testkit"));
+}

@@ -177,7 +177,10 @@ fn sighup_and_user_signals_are_logged_and_the_daemon_keeps_serving() {
     wait_for("the log lines", Duration::from_secs(5), || {
         let log = q.log();
         (log.matches("signal received and ignored").count() == 2
-            && log.matches("config reload: the file is unchanged").count() == 2)
+            && log
+                .matches("config reload: the file and its secrets are unchanged")
+                .count()
+                == 2)
             .then_some(())
     });
     assert!(q.log().contains("SIGUSR2"));

@@ -132,10 +132,10 @@ pub async fn serve_both(
         Arc::new(SystemClock),
         settings.memory_max_keys,
     ));
-    let live = Arc::new(LiveConfig::new(Live::from_settings(
-        &settings,
-        config_hash(&settings),
-    )));
+    let live = Arc::new(LiveConfig::new(
+        Live::from_settings(&settings, config_hash(&settings)),
+        &settings.log,
+    ));
     let opened = open_store(&settings, &layouts, &live, &metrics, &background, &shutdown);
     let Some(store) = opened.await? else {
         return Ok(()); // shut down before the store answered

@@ -7,9 +7,13 @@
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+/// The git commit the running binary was built from, for `quotad_build_info`: the binary
+/// sets it (its build script knows it) before the daemon starts; unset, `unknown`.
+pub static REVISION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
 
 /// The results of a config reload (`quotad_config_reloads_total{result}`).
 pub const RELOAD_RESULTS: [&str; 3] = ["ok", "invalid", "refused"];
@@ -19,9 +23,21 @@ pub struct Metrics {
     /// `quotad_decisions_total{policy,outcome}`: every decision, by outcome
     /// (allowed, denied, shadow, fail_open, fail_closed, local).
     pub decisions: IntCounterVec,
-    /// `quotad_check_duration_seconds`: time to answer one `POST /v1/check` (single or batch),
-    /// from parsed request to decision, store round trips included.
-    pub check_duration: Histogram,
+    /// `quotad_check_duration_seconds{entry}`: time to decide one request, store round
+    /// trips included, by the way it came in: `http` (`POST /v1/check`, single or batch,
+    /// from the start of the request to its answer), `forward_auth` (`/v1/authz/...`),
+    /// `grpc` (one `ShouldRateLimit`, all its descriptors).
+    pub check_duration: ByEntry,
+    /// `quotad_http_responses_total{route,status}`: every HTTP answer, by the route it
+    /// matched (`/v1/check`, `/v1/authz/{policy}`, ...; `other` when none did) and status.
+    pub http_responses: IntCounterVec,
+    /// `quotad_grpc_responses_total{code}`: every gRPC call, by its status code (`OK`,
+    /// `INVALID_ARGUMENT`, `UNAVAILABLE`, ...). Calls the deadline cut short are not
+    /// among them (they end before an answer).
+    pub grpc_responses: IntCounterVec,
+    /// `quotad_store_call_duration_seconds`: Redis calls from send to answer (or to their
+    /// timeout, `store.timeout`), scripts and pipelines alike.
+    pub store_call_duration: Histogram,
     /// `quotad_store_errors_total{kind}`: store calls that gave no decision.
     pub store_errors: IntCounterVec,
     /// `quotad_store_up`: 1 while the store answers probes and the circuit is closed.
@@ -31,7 +47,8 @@ pub struct Metrics {
     /// `quotad_refund_errors_total`: refunds of a denied batch's siblings that failed (those
     /// units stay charged until their window passes).
     pub refund_errors: IntCounter,
-    /// `quotad_build_info{version}`: always 1.
+    /// `quotad_build_info{version,revision}`: always 1. The revision is the git commit the
+    /// binary was built from (`QUOTAD_REVISION` at build time, else `git`), or `unknown`.
     pub build_info: IntGaugeVec,
     /// `quotad_shed_total{reason}`: requests refused with 503 `overloaded` before reaching
     /// Redis (`queue_full`, `queue_timeout`); not decisions, nothing charged.
@@ -150,6 +167,22 @@ pub struct GlobalMetrics {
     pub leader: IntGaugeVec,
 }
 
+/// One decision-time histogram per entry point, resolved once (`quotad_check_duration_seconds`).
+pub struct ByEntry {
+    pub http: Histogram,
+    pub forward_auth: Histogram,
+    pub grpc: Histogram,
+}
+
+/// The entry points of `quotad_check_duration_seconds{entry}`.
+pub const ENTRIES: [&str; 3] = ["http", "forward_auth", "grpc"];
+
+/// `quotad_store_call_duration_seconds` buckets (s): from a loopback round trip to past
+/// any sane `store.timeout`.
+const STORE_CALL_BUCKETS: [f64; 12] = [
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
 /// `quotad_round_duration_seconds` buckets (s), a named constant to keep the catalogue
 /// entry short. The runtime warns past a quarter of the lock period (0.75 s by default).
 const ROUND_BUCKETS: [f64; 10] = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0];
@@ -234,7 +267,16 @@ impl Metrics {
         policies: impl IntoIterator<Item = &'a str>,
         store_error_kinds: &[&str],
     ) -> Self {
-        let metrics = Self::catalogue(Registry::new());
+        let registry = Registry::new();
+        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds,
+        // process_max_fds, process_threads, process_start_time_seconds (from /proc).
+        #[cfg(target_os = "linux")]
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("the process collector registers once");
+        let metrics = Self::catalogue(registry);
         metrics.preregister(policies, store_error_kinds);
         metrics
     }
@@ -249,12 +291,29 @@ impl Metrics {
                 "quotad_decisions_total",
                 "Decisions by policy and outcome.",
             )),
-            check_duration: c.histogram(
+            check_duration: ByEntry::new(
+                c.labels(&["entry"]).histogram(
+                    HistogramOpts::new(
+                        "quotad_check_duration_seconds",
+                        "Time to decide a request, by entry point (http, forward_auth, grpc).",
+                    )
+                    .buckets(CHECK_BUCKETS.to_vec()),
+                ),
+            ),
+            http_responses: c.labels(&["route", "status"]).counter(Opts::new(
+                "quotad_http_responses_total",
+                "HTTP answers by matched route and status.",
+            )),
+            grpc_responses: c.labels(&["code"]).counter(Opts::new(
+                "quotad_grpc_responses_total",
+                "gRPC calls answered, by status code.",
+            )),
+            store_call_duration: c.histogram(
                 HistogramOpts::new(
-                    "quotad_check_duration_seconds",
-                    "Time to answer a check request.",
+                    "quotad_store_call_duration_seconds",
+                    "Redis calls from send to answer or timeout.",
                 )
-                .buckets(CHECK_BUCKETS.to_vec()),
+                .buckets(STORE_CALL_BUCKETS.to_vec()),
             ),
             store_errors: c.labels(&["kind"]).counter(Opts::new(
                 "quotad_store_errors_total",
@@ -273,7 +332,7 @@ impl Metrics {
                 "Failed refunds of admitted checks in a denied batch.",
             )),
             build_info: c
-                .labels(&["version"])
+                .labels(&["version", "revision"])
                 .int_gauge(Opts::new("quotad_build_info", "Build information.")),
             shed: c.labels(&["reason"]).counter(Opts::new(
                 "quotad_shed_total",
@@ -391,6 +450,7 @@ impl Metrics {
                 self.decisions.with_label_values(&[p, o]);
             }
             self.deny_cache_hits.with_label_values(&[p]);
+            self.grpc_invalid_descriptors.with_label_values(&[p]);
         }
         for k in store_error_kinds {
             self.store_errors.with_label_values(&[k]);
@@ -399,7 +459,10 @@ impl Metrics {
             self.config_reloads.with_label_values(&[r]);
         }
         self.build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .with_label_values(&[
+                env!("CARGO_PKG_VERSION"),
+                REVISION.get().copied().unwrap_or("unknown"),
+            ])
             .set(1);
     }
 
@@ -472,9 +535,27 @@ impl Labelled<'_> {
         self.catalogue.register(metric)
     }
 
+    /// Its buckets are in `opts`.
+    fn histogram(&self, opts: HistogramOpts) -> HistogramVec {
+        let metric = HistogramVec::new(opts, self.names).expect("valid metric");
+        self.catalogue.register(metric)
+    }
+
     /// Float values: rates, seconds.
     fn gauge(&self, opts: Opts) -> GaugeVec {
         let metric = GaugeVec::new(opts, self.names).expect("valid metric");
         self.catalogue.register(metric)
+    }
+}
+
+impl ByEntry {
+    /// The three series of `vec` (so each exists, at zero, from the start).
+    fn new(vec: HistogramVec) -> Self {
+        let [http, forward_auth, grpc] = ENTRIES.map(|e| vec.with_label_values(&[e]));
+        ByEntry {
+            http,
+            forward_auth,
+            grpc,
+        }
     }
 }

@@ -19,13 +19,17 @@
 //! built from the config in force. docs/architecture.md lists every such pair.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Descriptors, ForwardAuths, GlobalSettings, Secret, Settings, StoreBackend};
+use crate::config::{
+    Descriptors, ForwardAuths, GlobalSettings, LogSettings, Secret, Settings, StoreBackend,
+    sample_every,
+};
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::policy::{KeyMatch, Policy};
@@ -67,19 +71,34 @@ pub fn policies(settings: &Settings) -> Policies {
 }
 
 /// The live config, swapped whole by a reload. A std RwLock: held only to clone the Arc.
-pub struct LiveConfig(RwLock<Arc<Live>>);
+pub struct LiveConfig {
+    live: RwLock<Arc<Live>>,
+    /// `[log] requests` as "every Nth request" (`config::sample_every`): read by every
+    /// answer, so kept apart from the lock.
+    request_every: AtomicU64,
+}
 
 impl LiveConfig {
-    pub fn new(live: Live) -> Self {
-        LiveConfig(RwLock::new(Arc::new(live)))
+    pub fn new(live: Live, log: &LogSettings) -> Self {
+        LiveConfig {
+            live: RwLock::new(Arc::new(live)),
+            request_every: AtomicU64::new(sample_every(log.requests)),
+        }
     }
 
     pub fn get(&self) -> Arc<Live> {
-        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn set(&self, live: Live) {
-        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(live);
+    /// Every how many requests one goes to the request log (0: none).
+    pub fn request_every(&self) -> u64 {
+        self.request_every.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, live: Live, log: &LogSettings) {
+        *self.live.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(live);
+        self.request_every
+            .store(sample_every(log.requests), Ordering::Relaxed);
     }
 }
 
@@ -98,8 +117,9 @@ pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
             .as_ref()
             .map(|g| (g.params.lease_us, g.params.round_us))
     };
-    let fixed: [(&str, bool); 7] = [
+    let fixed: [(&str, bool); 8] = [
         ("region", old.region == new.region),
+        ("[log] format", old.log.format == new.log.format),
         ("[server]", old.server == new.server),
         // Named apart: the message must say a rotation did not happen.
         (
@@ -249,9 +269,20 @@ fn global_refusal(old: &Settings, new: &Settings) -> Option<String> {
     None
 }
 
-fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
+type Stamp = Option<(SystemTime, u64)>;
+
+fn stamp(path: &Path) -> Stamp {
     let m = std::fs::metadata(path).ok()?;
     Some((m.modified().ok()?, m.len()))
+}
+
+/// The stamps of the config file and of the secret files it names (a rotated
+/// `password_file` is a change as much as an edited config).
+fn stamps(path: &Path, running: &Settings) -> Vec<Stamp> {
+    std::iter::once(path)
+        .chain(running.secret_files.iter().map(PathBuf::as_path))
+        .map(stamp)
+        .collect()
 }
 
 /// Told of every config a reload put in force (the coordinator installs new versions of
@@ -281,8 +312,8 @@ pub async fn watch(
     };
     // `seen`: the stamp of the file last read. `latest`: the stamp at the last poll, and
     // since when it has not changed.
-    let mut seen = stamp(&path);
-    let mut latest = (seen, tokio::time::Instant::now());
+    let mut seen = stamps(&path, &running);
+    let mut latest = (seen.clone(), tokio::time::Instant::now());
     loop {
         #[cfg(unix)]
         let hangup = async {
@@ -298,17 +329,19 @@ pub async fn watch(
             _ = hangup => true,
             _ = tokio::time::sleep(POLL) => false,
         };
-        let now = stamp(&path);
+        let now = stamps(&path, &running);
         if now != latest.0 {
-            latest = (now, tokio::time::Instant::now());
+            latest = (now.clone(), tokio::time::Instant::now());
         }
         let settled = now != seen && latest.1.elapsed() >= SETTLE;
         if asked || settled {
-            seen = now;
             if let Some(new) = reload(&path, &running, &live, &metrics, asked) {
                 on_reload(&live.get());
                 running = new;
             }
+            // After a reload the secret files may be others: stamp what is watched now.
+            seen = stamps(&path, &running);
+            latest = (seen.clone(), tokio::time::Instant::now());
         }
     }
 }
@@ -331,14 +364,21 @@ fn reload(
         }
     };
     let h = hash(&bytes);
-    if h == live.get().hash {
+    let text = String::from_utf8_lossy(&bytes);
+    // Parsed even when the file's hash is the one in force: the secret files it names are
+    // read again, and a rotated one is a change (the hash, which `/v1/policies` shows,
+    // covers the config file alone and never a secret).
+    let parsed = Settings::parse(&path.display().to_string(), &text).map(|mut s| {
+        s.source = Some(path.to_owned());
+        s
+    });
+    if h == live.get().hash && parsed.as_ref().is_ok_and(|new| new == running) {
         if asked {
-            tracing::info!("config reload: the file is unchanged");
+            tracing::info!("config reload: the file and its secrets are unchanged");
         }
         return None;
     }
-    let text = String::from_utf8_lossy(&bytes);
-    match Settings::parse(&path.display().to_string(), &text) {
+    match parsed {
         Err(errors) => {
             for e in &errors.0 {
                 tracing::warn!("config reload refused: {e}");
@@ -357,7 +397,7 @@ fn reload(
                 None
             }
             None => {
-                live.set(Live::from_settings(&new, h));
+                live.set(Live::from_settings(&new, h), &new.log);
                 tracing::info!(policies = new.policies.len(), "config reloaded");
                 count("ok");
                 Some(new)

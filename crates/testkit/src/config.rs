@@ -29,6 +29,8 @@ pub struct Config {
     policies: Vec<Policy>,
     #[serde(rename = "descriptor", skip_serializing_if = "Vec::is_empty")]
     descriptors: Vec<Descriptor>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    log: BTreeMap<String, toml::Value>,
 }
 
 impl Config {
@@ -72,6 +74,12 @@ impl Config {
     /// A `[coordinator]` setting, e.g. `.coordinator("secret", "…")`.
     pub fn coordinator(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
         self.coordinator.insert(key.into(), value.into());
+        self
+    }
+
+    /// A `[log]` setting, e.g. `.log("format", "json")`.
+    pub fn log(mut self, key: &str, value: impl Into<toml::Value>) -> Self {
+        self.log.insert(key.into(), value.into());
         self
     }
 

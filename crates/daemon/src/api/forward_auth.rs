@@ -13,14 +13,15 @@
 
 use std::net::IpAddr;
 
-use axum::Json;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use serde_json::json;
 
 use crate::api::error::ApiError;
+use crate::api::request_log::{Sampled, Summary};
 use crate::api::{AppState, with_headers};
 use crate::config::{ForwardAuth, KeySource, MissingKey};
 use crate::limiter::Check;
@@ -28,8 +29,10 @@ use crate::limiter::Check;
 pub async fn authz(
     State(state): State<AppState>,
     path: Result<Path<String>, PathRejection>,
+    sampled: Option<Extension<Sampled>>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
+    let started = std::time::Instant::now();
     // A name that is not UTF-8 once percent-decoded (`/v1/authz/%FF`) names no policy:
     // the API's JSON error, not the extractor's plain text.
     let Path(name) = path.map_err(|_| {
@@ -77,12 +80,22 @@ pub async fn authz(
         group: None,
     };
     let d = state.limiter.check(&check).await?;
+    state
+        .metrics
+        .check_duration
+        .forward_auth
+        .observe(started.elapsed().as_secs_f64());
     let status = if d.allowed {
         StatusCode::OK
     } else {
         denied_status(auth)
     };
-    let resp = (status, Json(&d)).into_response();
+    let mut resp = (status, Json(&d)).into_response();
+    if sampled.is_some()
+        && let Some(s) = Summary::of(std::slice::from_ref(&d))
+    {
+        resp.extensions_mut().insert(s);
+    }
     Ok(with_headers(resp, std::slice::from_ref(&d)))
 }
 

@@ -2,6 +2,7 @@
 //! Handlers parse and validate, hand a [`Check`] to the [`Limiter`], and turn its decision
 //! into JSON and RateLimit headers. No business logic lives here.
 
+mod answers;
 pub mod body;
 pub mod error;
 pub mod forward_auth;
@@ -9,6 +10,7 @@ pub mod grpc;
 pub mod headers;
 pub mod key;
 pub mod request;
+pub mod request_log;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -51,19 +53,28 @@ pub struct AppState {
 }
 
 pub fn router(state: AppState) -> Router {
+    let counted = answers::Answers {
+        metrics: state.metrics.clone(),
+        live: state.live.clone(),
+    };
+    use answers::{AUTHZ, CHECK, HEALTHZ, METRICS, POLICIES, READYZ, RESET, STATUS};
     Router::new()
-        .route("/v1/check", post(check))
-        .route("/v1/reset", post(reset))
-        .route("/v1/authz/{policy}", any(forward_auth::authz))
-        .route("/v1/policies", get(policies))
-        .route("/v1/status", get(status))
+        .route(CHECK, post(check))
+        .route(RESET, post(reset))
+        .route(AUTHZ, any(forward_auth::authz))
+        .route(POLICIES, get(policies))
+        .route(STATUS, get(status))
         .route(crate::federation::peers::EXCHANGE_PATH, post(peer_exchange))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route(HEALTHZ, get(healthz))
+        .route(READYZ, get(readyz))
+        .route(METRICS, get(metrics))
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .fallback(|| async { ApiError::NotFound })
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(
+            counted,
+            answers::count,
+        ))
 }
 
 /// Reads a JSON body: content type first, then the size cap, then the JSON itself.
@@ -97,25 +108,31 @@ async fn json_body(state: &AppState, req: Request) -> Result<serde_json::Value, 
 
 async fn check(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let started = Instant::now();
+    let sampled = req.extensions().get::<request_log::Sampled>().is_some();
     let body = json_body(&state, req).await?;
     let parsed = CheckRequest::parse(&body, &state.live.get().policies, &state.caps)?;
-    let response = match parsed {
+    let (mut response, summary) = match parsed {
         CheckRequest::Single(c) => {
             let d = state.limiter.check(&c).await?;
-            with_headers(Json(&d).into_response(), std::slice::from_ref(&d))
+            let ds = std::slice::from_ref(&d);
+            let summary = sampled.then(|| request_log::Summary::of(ds)).flatten();
+            (with_headers(Json(&d).into_response(), ds), summary)
         }
         CheckRequest::Batch(checks) => {
             let ds = state.limiter.check_batch(&checks).await?;
             let allowed = ds.iter().all(|d| d.allowed);
-            with_headers(
-                Json(json!({"allowed": allowed, "results": &ds})).into_response(),
-                &ds,
-            )
+            let summary = sampled.then(|| request_log::Summary::of(&ds)).flatten();
+            let body = Json(json!({"allowed": allowed, "results": &ds})).into_response();
+            (with_headers(body, &ds), summary)
         }
     };
+    if let Some(s) = summary {
+        response.extensions_mut().insert(s);
+    }
     state
         .metrics
         .check_duration
+        .http
         .observe(started.elapsed().as_secs_f64());
     Ok(response)
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use quotad_core::coordinator::{Params, RegionId};
 
 use super::policy::Timing;
+use super::secret::{Resolved, Sources};
 use super::{NAME_RULE, Validator, raw};
 use crate::policy;
 
@@ -87,12 +88,13 @@ impl Validator<'_> {
         coordinator: &raw::Coordinator,
     ) -> Vec<PeerSettings> {
         let mut out: Vec<PeerSettings> = Vec::new();
+        let shared = self.shared_secret(coordinator);
         for (i, p) in raw.iter().enumerate() {
             if !self.peer_region(i, p, region, &out) {
                 continue;
             }
             let urls = self.peer_urls(i, p);
-            let secret = self.peer_secret(i, p, coordinator);
+            let secret = self.peer_secret(i, p, &shared);
             out.push(PeerSettings {
                 region: p.region.get_ref().clone(),
                 id: RegionId(0),
@@ -160,30 +162,61 @@ impl Validator<'_> {
             .collect()
     }
 
-    /// The secret a peer's exchanges are signed with: its own, or `[coordinator] secret`;
-    /// the error names whichever was used.
-    fn peer_secret(&mut self, i: usize, p: &raw::Peer, coordinator: &raw::Coordinator) -> Secret {
-        match (&p.secret, &coordinator.secret) {
-            (Some(s), _) | (None, Some(s)) => {
-                if s.get_ref().len() < MIN_SECRET_BYTES {
-                    let field = if p.secret.is_some() {
-                        peer_field(i, "secret")
-                    } else {
-                        "coordinator.secret".to_owned()
-                    };
-                    self.error(
-                        s,
-                        &field,
-                        format!("must be at least {MIN_SECRET_BYTES} bytes"),
-                    );
-                }
-                Secret(s.get_ref().as_bytes().to_vec())
-            }
-            (None, None) => {
+    /// `[coordinator] secret` (or `secret_file`, `secret_env`): the secret of every peer
+    /// without its own. `Err(())` when it was set but could not be read (the error is
+    /// recorded).
+    fn shared_secret(&mut self, c: &raw::Coordinator) -> Result<Option<Secret>, ()> {
+        let sources = Sources {
+            inline: c.secret.as_ref(),
+            file: c.secret_file.as_ref(),
+            env: c.secret_env.as_ref(),
+        };
+        let set = sources.any();
+        match self.secret("coordinator.secret", &sources) {
+            Some(r) => Ok(Some(self.long_enough(r))),
+            None if set => Err(()),
+            None => Ok(None),
+        }
+    }
+
+    /// The secret a peer's exchanges are signed with: its own, or `shared`; an error
+    /// names whichever key gave it.
+    fn peer_secret(
+        &mut self,
+        i: usize,
+        p: &raw::Peer,
+        shared: &Result<Option<Secret>, ()>,
+    ) -> Secret {
+        let sources = Sources {
+            inline: p.secret.as_ref(),
+            file: p.secret_file.as_ref(),
+            env: p.secret_env.as_ref(),
+        };
+        let own_set = sources.any();
+        if let Some(r) = self.secret(&peer_field(i, "secret"), &sources) {
+            return self.long_enough(r);
+        }
+        match shared {
+            Ok(Some(s)) if !own_set => s.clone(),
+            Ok(None) if !own_set => {
                 self.error(&p.region, &peer_field(i, "secret"), "a peer needs a shared secret (here or in [coordinator] secret): exchanges move budget and are signed");
                 Secret(Vec::new())
             }
+            // An error was recorded where the secret was set.
+            _ => Secret(Vec::new()),
         }
+    }
+
+    /// `r` as a signing secret, with an error if it is shorter than [`MIN_SECRET_BYTES`].
+    fn long_enough(&mut self, r: Resolved<'_>) -> Secret {
+        if r.bytes.len() < MIN_SECRET_BYTES {
+            self.error(
+                r.at,
+                &r.field,
+                format!("must be at least {MIN_SECRET_BYTES} bytes"),
+            );
+        }
+        Secret(r.bytes)
     }
 
     /// The global settings, once some policy is global: `[coordinator]`, then the regions

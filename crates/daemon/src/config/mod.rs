@@ -14,8 +14,10 @@
 mod coordinator;
 mod descriptor;
 mod forward_auth;
+mod log;
 mod policy;
 mod raw;
+mod secret;
 mod server;
 mod store;
 
@@ -34,6 +36,7 @@ pub use coordinator::{
 };
 pub use descriptor::{DescriptorNode, Descriptors};
 pub use forward_auth::{ForwardAuth, ForwardAuths, KeySource, MissingKey};
+pub use log::{LogFormat, LogSettings, sample_every};
 pub use policy::{MAX_LEASE, MAX_OVERRIDES, MAX_SLIDING_LOG_LIMIT, Overrides};
 pub use server::{
     DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
@@ -108,8 +111,13 @@ pub struct Settings {
     pub versions: std::collections::BTreeMap<String, u64>,
     /// The file these settings were loaded from (hot reload watches it).
     pub source: Option<std::path::PathBuf>,
+    /// The files secrets were read from (`store.password_file`, `secret_file`): hot
+    /// reload watches them too, and reads them again with the config.
+    pub secret_files: Vec<std::path::PathBuf>,
     /// `[[descriptor]]`: Envoy descriptors by domain (the gRPC rate-limit service).
     pub descriptors: Descriptors,
+    /// `[log]`: the log's format and the request log's sample.
+    pub log: LogSettings,
 }
 
 impl Settings {
@@ -139,7 +147,9 @@ impl Settings {
             overrides: Overrides::new(),
             versions: Default::default(),
             source: None,
+            secret_files: Vec::new(),
             descriptors: Descriptors::default(),
+            log: LogSettings::default(),
         }
     }
 
@@ -165,6 +175,7 @@ impl Settings {
             file,
             src,
             errors: Vec::new(),
+            secret_files: Vec::new(),
         };
         let raw: raw::Config = match toml::from_str(src) {
             Ok(raw) => raw,
@@ -189,7 +200,8 @@ impl Settings {
                 return Err(ConfigErrors(v.errors));
             }
         };
-        let settings = v.settings(raw);
+        let mut settings = v.settings(raw);
+        settings.secret_files = std::mem::take(&mut v.secret_files);
         if v.errors.is_empty() {
             Ok(settings)
         } else {
@@ -205,6 +217,8 @@ struct Validator<'a> {
     file: &'a str,
     src: &'a str,
     errors: Vec<ConfigError>,
+    /// The `*_file` secrets read (`Settings::secret_files`).
+    secret_files: Vec<std::path::PathBuf>,
 }
 
 impl Validator<'_> {
@@ -304,6 +318,7 @@ impl Validator<'_> {
             None => "local".to_owned(),
         };
         let server = self.server(raw.server.unwrap_or_default());
+        let log = self.log(&raw.log.unwrap_or_default());
         let raw_store = raw.store.unwrap_or_default();
         let memory_max_keys = self.integer(
             raw_store.memory_max_keys.as_ref(),
@@ -361,7 +376,9 @@ impl Validator<'_> {
             overrides,
             versions,
             source: None,
+            secret_files: Vec::new(),
             descriptors,
+            log,
         }
     }
 }

@@ -21,6 +21,14 @@ pub struct Config {
     /// `[[descriptor]]`: Envoy rate-limit descriptors mapped to policies (gRPC).
     #[serde(default)]
     pub descriptor: Vec<Descriptor>,
+    pub log: Option<Log>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Log {
+    pub format: Option<Spanned<String>>,
+    pub requests: Option<Spanned<f64>>,
 }
 
 /// `[[descriptor]]` and its nested `[[descriptor.descriptor]]`: one level of an Envoy
@@ -40,6 +48,8 @@ pub struct Descriptor {
 #[serde(deny_unknown_fields)]
 pub struct Coordinator {
     pub secret: Option<Spanned<String>>,
+    pub secret_file: Option<Spanned<String>>,
+    pub secret_env: Option<Spanned<String>>,
     pub lock: Option<Spanned<String>>,
     pub margin: Option<Spanned<String>>,
     pub epsilon: Option<Spanned<f64>>,
@@ -54,6 +64,8 @@ pub struct Peer {
     pub url: Option<Spanned<String>>,
     pub urls: Option<Spanned<Vec<String>>>,
     pub secret: Option<Spanned<String>>,
+    pub secret_file: Option<Spanned<String>>,
+    pub secret_env: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -98,6 +110,8 @@ pub struct Store {
     pub tls_key_file: Option<Spanned<String>>,
     pub username: Option<Spanned<String>>,
     pub password: Option<Spanned<String>>,
+    pub password_file: Option<Spanned<String>>,
+    pub password_env: Option<Spanned<String>>,
     pub timeout: Option<Spanned<String>>,
     pub connect_timeout: Option<Spanned<String>>,
     pub key_prefix: Option<Spanned<String>>,

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use toml::Spanned;
 
+use super::secret::Sources;
 use super::{NAME_RULE, Validator, raw};
 use crate::policy;
 use crate::store::admission::AdmissionSettings;
@@ -210,7 +211,7 @@ impl Validator<'_> {
             topology,
             tls: TlsFiles::default(),
             username: s.username.as_ref().map(|u| u.get_ref().clone()),
-            password: s.password.as_ref().map(|p| p.get_ref().clone()),
+            password: self.secret_text("store.password", &password_sources(s)),
         };
         if target.uses_tls() {
             target.tls = self.tls_files(s);
@@ -354,9 +355,20 @@ fn tls_keys(s: &raw::Store) -> [(Option<&Spanned<String>>, &'static str); 3] {
 }
 
 /// The ACL credentials of `[store]`, with their fields' names.
-fn credential_keys(s: &raw::Store) -> [(Option<&Spanned<String>>, &'static str); 2] {
+fn credential_keys(s: &raw::Store) -> [(Option<&Spanned<String>>, &'static str); 4] {
     [
         (s.username.as_ref(), "store.username"),
         (s.password.as_ref(), "store.password"),
+        (s.password_file.as_ref(), "store.password_file"),
+        (s.password_env.as_ref(), "store.password_env"),
     ]
+}
+
+/// Where `store.password` may come from (`config::secret`).
+fn password_sources(s: &raw::Store) -> Sources<'_> {
+    Sources {
+        inline: s.password.as_ref(),
+        file: s.password_file.as_ref(),
+        env: s.password_env.as_ref(),
+    }
 }

@@ -623,7 +623,12 @@ impl RedisStore {
         let Some((generation, conn)) = self.conn() else {
             return Err(StoreError::CircuitOpen);
         };
-        let answer = match deadline::within(self.settings.timeout, f(conn)).await {
+        let sent = std::time::Instant::now();
+        let within = deadline::within(self.settings.timeout, f(conn)).await;
+        self.metrics
+            .store_call_duration
+            .observe(sent.elapsed().as_secs_f64());
+        let answer = match within {
             Within::InTime(r) => Some(r),
             Within::Late(r) => {
                 self.metrics.store_late_replies.inc();

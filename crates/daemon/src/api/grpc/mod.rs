@@ -155,6 +155,7 @@ impl RateLimiter {
         let response = respond(&slots, &decisions);
         self.metrics
             .check_duration
+            .grpc
             .observe(started.elapsed().as_secs_f64());
         Ok(response)
     }

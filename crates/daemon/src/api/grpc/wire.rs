@@ -12,6 +12,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -22,6 +23,7 @@ use tonic::codegen::{Body, BoxFuture, StdError, http};
 use tonic::server::{Grpc, NamedService, UnaryService};
 
 use super::RateLimiter;
+use crate::api::request_log::{self, Line};
 
 /// `envoy.service.ratelimit.v3.RateLimitRequest`, strings as bytes.
 #[derive(Clone, PartialEq, Message)]
@@ -152,16 +154,74 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let inner = self.inner.clone();
         if req.uri().path() != SHOULD_RATE_LIMIT {
-            return Box::pin(async {
-                Ok(Status::unimplemented("only ShouldRateLimit is served").into_http())
+            return Box::pin(async move {
+                let resp = Status::unimplemented("only ShouldRateLimit is served").into_http();
+                count(&inner, &resp);
+                Ok(resp)
             });
         }
-        let (inner, max) = (self.inner.clone(), self.max_message_bytes);
+        let max = self.max_message_bytes;
+        let sampled = request_log::sampled(inner.live.request_every())
+            .then(|| (Instant::now(), request_log::trace_id(req.headers())));
         Box::pin(async move {
             let mut grpc = Grpc::new(WireCodec).apply_max_message_size_config(Some(max), None);
-            Ok(grpc.unary(Method(inner), req).await)
+            let resp = grpc.unary(Method(inner.clone()), req).await;
+            let code = count(&inner, &resp);
+            if let Some((started, trace_id)) = sampled {
+                Line {
+                    entry: "grpc",
+                    route: SHOULD_RATE_LIMIT,
+                    status: code_name(code),
+                    took: started.elapsed(),
+                    trace_id,
+                    summary: None,
+                }
+                .write();
+            }
+            Ok(resp)
         })
+    }
+}
+
+/// Counts a call's answer by its status code (`quotad_grpc_responses_total{code}`): an
+/// error's `grpc-status` travels in the headers (a trailers-only answer); a response
+/// without one is `OK` (its status follows the message, in the trailers).
+fn count<T>(inner: &RateLimiter, resp: &http::Response<T>) -> tonic::Code {
+    let code = resp
+        .headers()
+        .get("grpc-status")
+        .map_or(tonic::Code::Ok, |v| tonic::Code::from_bytes(v.as_bytes()));
+    inner
+        .metrics
+        .grpc_responses
+        .with_label_values(&[code_name(code)])
+        .inc();
+    code
+}
+
+/// A status code's name as gRPC writes it (`INVALID_ARGUMENT`).
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "CANCELLED",
+        Unknown => "UNKNOWN",
+        InvalidArgument => "INVALID_ARGUMENT",
+        DeadlineExceeded => "DEADLINE_EXCEEDED",
+        NotFound => "NOT_FOUND",
+        AlreadyExists => "ALREADY_EXISTS",
+        PermissionDenied => "PERMISSION_DENIED",
+        ResourceExhausted => "RESOURCE_EXHAUSTED",
+        FailedPrecondition => "FAILED_PRECONDITION",
+        Aborted => "ABORTED",
+        OutOfRange => "OUT_OF_RANGE",
+        Unimplemented => "UNIMPLEMENTED",
+        Internal => "INTERNAL",
+        Unavailable => "UNAVAILABLE",
+        DataLoss => "DATA_LOSS",
+        Unauthenticated => "UNAUTHENTICATED",
     }
 }
 
