@@ -5,7 +5,7 @@
 //! its own slowness, and exchanges stay within the key cap.
 //!
 //! 20,000 keys in the suite (a debug build). The figure for 100,000 comes from a release
-//! build: `QUOTAD_SCALE_KEYS=100000 cargo test --release --test coordinator_scale --
+//! build: `QUOTAD_SCALE_KEYS=100000 cargo test --release --test suite coordinator_scale:: --
 //! --nocapture` prints the takeover and round times.
 //!
 //! A process daemon (`Quotad::start`): the takeover and round times are read from its log.

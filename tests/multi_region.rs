@@ -544,7 +544,7 @@ fn a_standby_instance_takes_over_within_one_lock_period() {
 /// (one run). Prints η and τ5 side by side; asserts only that both stay within the
 /// design's targets' neighbourhood, since one real run is one sample.
 #[test]
-#[ignore = "a benchmark of about 100 s: cargo test --release --test multi_region sim_and_real -- --ignored --nocapture"]
+#[ignore = "a benchmark of about 100 s: cargo test --release --test suite multi_region::sim_and_real -- --ignored --nocapture"]
 fn sim_and_real_agree_on_a_demand_step() {
     use quotad_sim::metrics::{central_decisions, tau5_ticks};
     use quotad_sim::scenario::Load as SimLoad;

@@ -2,8 +2,8 @@
 //! docs/simulator.md and on every scenario that ever broke it; the checker stopping a run
 //! that breaks it; the baselines failing where the field fails; the CLI's outputs.
 //!
-//! Few seeds, so the suite stays fast: CI also runs the 30-seed gate over S1–S14 with the
-//! release binary (`quotad sim --all --modes lease`, in scripts/test).
+//! Few seeds, so the suite stays fast: CI also runs the 30-seed gate over S1–S14 on the
+//! binary the tests built (`quotad sim --all --modes lease`, in scripts/test).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
