@@ -101,6 +101,51 @@ fn keys_that_lost_their_ttl_get_one_back_and_nothing_else_changes() {
     redis.assert_every_key_has_ttl();
 }
 
+/// A Redis shared with other applications: most SCAN steps find none of quotad's keys
+/// (SCAN may answer a step with no key at all). Such a step is not an error, and the sweep
+/// goes on to repair the key it finds later.
+#[test]
+fn a_sweep_passes_steps_that_find_none_of_quotads_keys() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(Policy::new("fw", "fixed_window", 10, "1m"))
+        .to_toml();
+    let mut conn = redis.conn();
+    let mut foreign = redis::pipe();
+    for i in 0..5_000 {
+        foreign
+            .cmd("SET")
+            .arg(format!("session:{i}"))
+            .arg(1)
+            .ignore();
+    }
+    let _: () = foreign.query(&mut conn).unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("rl:fw:fw:{lost}")
+        .arg(1)
+        .query(&mut conn)
+        .unwrap();
+
+    let settings = Settings::parse("janitor.toml", &config).unwrap_or_else(|e| panic!("{e}"));
+    let layouts = quotad_daemon::app::layouts(&settings);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let report = rt
+        .block_on(async {
+            let client = redis::Client::open(redis.url()).unwrap();
+            let mut aconn = client.get_multiplexed_async_connection().await.unwrap();
+            sweep(&mut aconn, &layouts, Duration::ZERO).await
+        })
+        .unwrap_or_else(|e| panic!("a sweep over foreign keys failed: {e}"));
+    assert_eq!(report.scanned, 1, "only quotad's key matches");
+    assert_eq!(report.repaired, 1);
+    let t = pttl(&mut conn, "rl:fw:fw:{lost}");
+    assert!(t > 0, "the lost key got a TTL back: {t}");
+    assert_eq!(pttl(&mut conn, "session:1"), -1, "not quotad's");
+}
+
 /// A config on `redis` whose janitor sweeps every second (tests wait for sweeps), with
 /// one policy `fw`: a fixed window of `window`.
 fn swept_every_second(redis: &RedisServer, window: &str) -> String {

@@ -93,13 +93,19 @@ pub async fn sweep<C: ConnectionLike + Send>(
     }
 }
 
-/// PTTL for a step's keys in one pipeline, then PEXPIRE NX for those without a TTL.
+/// PTTL for a step's keys in one pipeline, then PEXPIRE NX for those without a TTL. A step
+/// may find none of quotad's keys (a Redis shared with other applications, or a SCAN step
+/// that visits empty buckets): nothing to send, and an empty pipeline is an error to the
+/// client library.
 async fn repair<C: ConnectionLike + Send>(
     conn: &mut C,
     layouts: &Layouts,
     keys: &[String],
     report: &mut SweepReport,
 ) -> redis::RedisResult<()> {
+    if keys.is_empty() {
+        return Ok(());
+    }
     let mut pttl = redis::pipe();
     for k in keys {
         pttl.cmd("PTTL").arg(k);
