@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use quotad_daemon::config::Settings;
-use quotad_daemon::store::janitor::{CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, sweep};
+use quotad_daemon::store::janitor::{CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep};
 use quotad_testkit::{Config, Policy, Quotad, RedisServer, wait_for};
 
 /// Nothing of the janitor's in SLOWLOG (its connection is named), and the `keys` it
@@ -20,6 +20,25 @@ fn assert_swept_in_small_steps(redis: &RedisServer, keys: u64) {
         steps >= keys / SCAN_COUNT as u64,
         "{keys} keys in {steps} SCAN steps of at most ~{SCAN_COUNT}"
     );
+}
+
+/// One sweep of `redis` under the layouts of `config`, as the daemon's janitor runs it.
+fn sweep_once(
+    redis: &RedisServer,
+    config: &str,
+    pause: Duration,
+) -> redis::RedisResult<SweepReport> {
+    let settings = Settings::parse("janitor.toml", config).unwrap_or_else(|e| panic!("{e}"));
+    let layouts = quotad_daemon::app::layouts(&settings);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let client = redis::Client::open(redis.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        sweep(&mut conn, &layouts, pause).await
+    })
 }
 
 fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
@@ -60,19 +79,7 @@ fn keys_that_lost_their_ttl_get_one_back_and_nothing_else_changes() {
         .unwrap();
     redis.watch_slowlog();
 
-    let settings = Settings::parse("janitor.toml", &config).unwrap_or_else(|e| panic!("{e}"));
-    let layouts = quotad_daemon::app::layouts(&settings);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let report = rt.block_on(async {
-        let client = redis::Client::open(redis.url()).unwrap();
-        let mut aconn = client.get_multiplexed_async_connection().await.unwrap();
-        sweep(&mut aconn, &layouts, Duration::from_millis(1))
-            .await
-            .unwrap()
-    });
+    let report = sweep_once(&redis, &config, Duration::from_millis(1)).unwrap();
     assert_eq!(
         report.scanned,
         100 + 1 + 1,
@@ -126,18 +133,7 @@ fn a_sweep_passes_steps_that_find_none_of_quotads_keys() {
         .query(&mut conn)
         .unwrap();
 
-    let settings = Settings::parse("janitor.toml", &config).unwrap_or_else(|e| panic!("{e}"));
-    let layouts = quotad_daemon::app::layouts(&settings);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let report = rt
-        .block_on(async {
-            let client = redis::Client::open(redis.url()).unwrap();
-            let mut aconn = client.get_multiplexed_async_connection().await.unwrap();
-            sweep(&mut aconn, &layouts, Duration::ZERO).await
-        })
+    let report = sweep_once(&redis, &config, Duration::ZERO)
         .unwrap_or_else(|e| panic!("a sweep over foreign keys failed: {e}"));
     assert_eq!(report.scanned, 1, "only quotad's key matches");
     assert_eq!(report.repaired, 1);
