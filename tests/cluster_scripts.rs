@@ -19,6 +19,7 @@ use quotad_core::coordinator::node::LeaseStore;
 use quotad_daemon::config::Settings;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore, global_policies};
 use quotad_daemon::federation::lock::Lock;
+use quotad_daemon::federation::peers::wall_ms;
 use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::store::cluster::slot;
 use quotad_daemon::store::connect::{Target, Topology};
@@ -175,11 +176,13 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
         layouts.layout(),
         "cluster-test".into(),
         Duration::from_secs(30),
+        Duration::from_secs(30),
     ));
     let token = lock
-        .try_acquire(&mut conn, &fences)
+        .try_acquire(&mut conn, &fences, wall_ms() as u64)
         .unwrap()
-        .expect("the lock");
+        .expect("the lock")
+        .token;
     let global_settings = settings.global.clone().expect("a global policy");
     let clock = RedisClock::new();
     let mut store = RedisLeaseStore::new(

@@ -25,6 +25,7 @@ use quotad_daemon::config::Settings;
 use quotad_daemon::federation::lease_store::global_policies;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad_daemon::federation::lock::Lock;
+use quotad_daemon::federation::peers::wall_ms;
 use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::store::layout::Layout;
 
@@ -47,6 +48,7 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
         &Layout::new("rl"),
         "previous".into(),
         Duration::from_secs(30),
+        Duration::from_secs(30),
     ));
     let mut conn = redis.conn();
     let entries = global_policies(&policies, &layouts);
@@ -55,9 +57,10 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
         .map(|p| p.global.keys.fence.as_str())
         .collect();
     let token = lock
-        .try_acquire(&mut conn, &fences)
+        .try_acquire(&mut conn, &fences, wall_ms() as u64)
         .unwrap()
-        .expect("the lock");
+        .expect("the lock")
+        .token;
     let clock = RedisClock::new();
     let mut store = RedisLeaseStore::new(
         quotad_daemon::store::connect::SyncConn::Single(conn),

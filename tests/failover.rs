@@ -18,6 +18,7 @@ use quotad_daemon::config::Settings;
 use quotad_daemon::federation::lease_store::global_policies;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad_daemon::federation::lock::Lock;
+use quotad_daemon::federation::peers::wall_ms;
 use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::store::layout::Layout;
 
@@ -33,6 +34,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         &Layout::new("rl"),
         format!("test-{}", rand::random::<u32>()),
         Duration::from_secs(30),
+        Duration::from_secs(30),
     ));
     let mut conn = redis.conn();
     // A new holder each time (the previous one's lock is gone with the restart, or released).
@@ -46,9 +48,10 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         .map(|p| p.global.keys.fence.as_str())
         .collect();
     let token = lock
-        .try_acquire(&mut conn, &fences)
+        .try_acquire(&mut conn, &fences, wall_ms() as u64)
         .unwrap()
-        .expect("the lock");
+        .expect("the lock")
+        .token;
     let clock = RedisClock::new();
     let s = RedisLeaseStore::new(
         quotad_daemon::store::connect::SyncConn::Single(conn),

@@ -165,6 +165,10 @@ pub struct GlobalMetrics {
     /// `quotad_coordinator_leader{region}`: 1 while this instance holds the region's lock
     /// (summed by region: exactly 1 when the region is coordinated).
     pub leader: IntGaugeVec,
+    /// `quotad_incarnation_rebases_total`: takeovers by this instance that drew an
+    /// incarnation below the region's last one, which a clock ahead of real time had made
+    /// one its peers would refuse.
+    pub incarnation_rebases: IntCounter,
 }
 
 /// One decision-time histogram per entry point, resolved once (`quotad_check_duration_seconds`).
@@ -237,6 +241,10 @@ impl GlobalMetrics {
             leader: c.labels(&["region"]).int_gauge(Opts::new(
                 "quotad_coordinator_leader",
                 "1 while this instance coordinates its region.",
+            )),
+            incarnation_rebases: c.counter(Opts::new(
+                "quotad_incarnation_rebases_total",
+                "Takeovers that left an incarnation from the future behind.",
             )),
         }
     }

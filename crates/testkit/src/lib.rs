@@ -273,10 +273,14 @@ impl RedisServer {
         for k in self.keys() {
             let pttl: i64 = redis::cmd("PTTL").arg(&k).query(&mut conn).expect("PTTL");
             // -2: expired between SCAN and PTTL, fine. -1: no TTL, a bug, except for the
-            // fencing tokens: the coordinator's counter (the region's incarnation) and each
-            // global policy's fence must only grow (one small key per region and per
-            // global policy; user keys end in a brace, so none is taken for one).
-            assert!(pttl != -1 || k.ends_with(":fence"), "key {k} has no TTL");
+            // fencing tokens and the region's incarnation: the coordinator's counter, each
+            // global policy's fence and the last incarnation must only grow (small keys,
+            // one per region and per global policy; user keys end in a brace, so none is
+            // taken for one).
+            assert!(
+                pttl != -1 || k.ends_with(":fence") || k.ends_with(":coordinator:incarnation"),
+                "key {k} has no TTL"
+            );
         }
     }
 

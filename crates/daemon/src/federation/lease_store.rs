@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::Shared;
-use super::lock::Lock;
+use super::lock::{Lock, Takeover};
 use super::runtime::{Backend, Coordinated};
 use crate::config::GlobalSettings;
 use crate::policy::Policy;
@@ -170,7 +170,7 @@ impl Backend for RedisBackend {
     type Clock = RedisClock;
     type Store = RedisLeaseStore;
 
-    fn try_lead(&mut self, shared: &Shared) -> Option<(RedisLeaseStore, RedisClock, u64)> {
+    fn try_lead(&mut self, shared: &Shared) -> Option<(RedisLeaseStore, RedisClock, Takeover)> {
         if self.conn.is_none() {
             self.conn = self.connect();
         }
@@ -182,7 +182,8 @@ impl Backend for RedisBackend {
             .values()
             .map(|p| p.global.keys.fence.as_str())
             .collect();
-        let token = match self.lock.try_acquire(self.conn.as_mut()?, &fences) {
+        let wall_ms = super::peers::wall_ms().max(0) as u64;
+        let taken = match self.lock.try_acquire(self.conn.as_mut()?, &fences, wall_ms) {
             Ok(Some(t)) => t,
             Ok(None) => return None,
             Err(e) => {
@@ -196,12 +197,12 @@ impl Backend for RedisBackend {
             self.conn.take()?,
             clock.clone(),
             self.lock.clone(),
-            token,
+            taken.token,
             policies,
             self.timeout,
             &shared.settings,
         );
-        Some((store, clock, token))
+        Some((store, clock, taken))
     }
 }
 

@@ -2,8 +2,8 @@
 //! (zero-setup mode and `quotad demo` on a machine without redis-server). The same model
 //! ([`quotad_core::coordinator::bucket::KeySlot`]) on the same keys as `lua/global/`, so a region
 //! behaves alike on either store; what it cannot give is sharing or durability: the
-//! region's state lives and dies with the process (its incarnation is the wall clock at
-//! start, so a restart is a new life to the peers). A restart also forgets the
+//! region's state lives and dies with the process (its incarnation is drawn from the wall
+//! clock at every takeover, as on Redis, so a restart is a new life to the peers). A restart also forgets the
 //! reservations for loans this region granted, so for up to one lease it can admit what
 //! its borrowers still count: the bound holds across restarts only with Redis.
 
@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::Shared;
+use super::incarnation;
 use super::lease_store::{PolicyEntry, global_policies};
+use super::lock::Takeover;
 use super::runtime::{Backend, Coordinated};
 use crate::store::memory::{MemoryStore, shape_of};
 use quotad_core::clock::{Clock, SystemClock};
@@ -22,28 +24,36 @@ use quotad_core::coordinator::node::{LeaseStore, Written};
 
 pub struct MemoryBackend {
     pub store: Arc<MemoryStore>,
-    pub started: bool,
+    /// The incarnation of this process's last takeover, if it took over yet (it takes
+    /// over again only after stepping down: a panic, or a clock that went back).
+    pub last: Option<u64>,
 }
 
 impl Backend for MemoryBackend {
     type Clock = SystemClock;
     type Store = MemoryLeaseStore;
 
-    fn try_lead(&mut self, shared: &Shared) -> Option<(MemoryLeaseStore, SystemClock, u64)> {
-        // One coordinator per process, for its whole life.
-        if std::mem::replace(&mut self.started, true) {
-            return None;
+    fn try_lead(&mut self, shared: &Shared) -> Option<(MemoryLeaseStore, SystemClock, Takeover)> {
+        if self.last.is_none() {
+            tracing::warn!(
+                "global policies on the embedded store: what this region lends lives in this process; a restart forgets it and can over-admit by it for one lease (use Redis outside demos)"
+            );
         }
-        tracing::warn!(
-            "global policies on the embedded store: what this region lends lives in this process; a restart forgets it and can over-admit by it for one lease (use Redis outside demos)"
-        );
-        let token = (SystemClock.now_us() / 1000).max(1) as u64;
+        let wall_ms = (SystemClock.now_us() / 1000).max(0) as u64;
+        let max_skew_ms = shared.settings.max_skew.as_millis() as u64;
+        let drawn = incarnation::next(self.last, wall_ms, max_skew_ms);
+        let taken = Takeover {
+            token: drawn,
+            incarnation: drawn,
+            rebased: self.last.is_some_and(|l| drawn <= l),
+        };
+        self.last = Some(drawn);
         let store = MemoryLeaseStore {
             store: self.store.clone(),
             policies: global_policies(&shared.policies(), &shared.layouts),
             active_since: HashMap::new(),
         };
-        Some((store, SystemClock, token))
+        Some((store, SystemClock, taken))
     }
 }
 

@@ -3,6 +3,7 @@
 //!
 //! - [`lock`]: which of the region's instances coordinates (a Redis lock with a fencing
 //!   token that every coordinator write checks).
+//! - [`incarnation`]: the number a takeover draws for its peers, from the wall clock.
 //! - [`lease_store`]: the node's store and clock, both Redis's (`lua/global/`).
 //! - [`runtime`]: the coordinator thread (rounds, incoming exchanges, replies, status).
 //! - [`auth`]: signed exchanges (HMAC-SHA256, timestamps, nonces).
@@ -14,6 +15,7 @@
 //! verified replies come back through the same channel.
 
 pub mod auth;
+pub mod incarnation;
 pub mod lease_store;
 pub mod lock;
 pub mod memory;
@@ -253,6 +255,7 @@ impl BackendChoice<'_> {
                     shared.layouts.layout(),
                     shared.instance.clone(),
                     shared.settings.lock.mul_f64(0.8),
+                    shared.settings.max_skew,
                 );
                 let backend = lease_store::RedisBackend {
                     target: target.clone(),
@@ -264,10 +267,7 @@ impl BackendChoice<'_> {
                 spawn_runtime(shared.clone(), backend, events, outbound)
             }
             BackendChoice::Memory(store) => {
-                let backend = memory::MemoryBackend {
-                    store,
-                    started: false,
-                };
+                let backend = memory::MemoryBackend { store, last: None };
                 spawn_runtime(shared.clone(), backend, events, outbound)
             }
         };

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Shared, Status};
+use super::lock::Takeover;
+use super::{Shared, Status, incarnation, peers};
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::node::{LeaseStore, Link, Node};
@@ -40,9 +41,10 @@ pub trait Coordinated: LeaseStore + Send {
 pub trait Backend: Send + 'static {
     type Clock: Clock + Clone;
     type Store: Coordinated;
-    /// Tries to become the region's coordinator: a store fenced by the returned token
-    /// (the node's incarnation, above every earlier one) and the store's clock.
-    fn try_lead(&mut self, shared: &Shared) -> Option<(Self::Store, Self::Clock, u64)>;
+    /// Tries to become the region's coordinator: a store fenced by the takeover's token,
+    /// the store's clock, and the takeover (its token, and the node's incarnation, above
+    /// every earlier one a peer may have accepted: [`super::incarnation`]).
+    fn try_lead(&mut self, shared: &Shared) -> Option<(Self::Store, Self::Clock, Takeover)>;
 }
 
 pub enum Event {
@@ -141,13 +143,30 @@ impl<B: Backend> Runtime<B> {
         Step::Go(
             self.backend
                 .try_lead(&self.shared)
-                .and_then(|(store, clock, token)| self.start(store, clock, token))
+                .and_then(|(store, clock, taken)| self.start(store, clock, taken))
                 .map(Box::new),
         )
     }
 
-    fn start(&mut self, mut store: B::Store, clock: B::Clock, token: u64) -> Option<Leading<B>> {
+    fn start(
+        &mut self,
+        mut store: B::Store,
+        clock: B::Clock,
+        taken: Takeover,
+    ) -> Option<Leading<B>> {
         let s = &self.shared.settings;
+        let Takeover {
+            token,
+            incarnation,
+            rebased,
+        } = taken;
+        if rebased {
+            self.shared.metrics.global.incarnation_rebases.inc();
+            tracing::warn!(
+                incarnation,
+                "the region's last incarnation was from the future (a clock was ahead when it was drawn); starting again below it"
+            );
+        }
         let taken = Instant::now();
         if store.begin(true).is_err() {
             store.release();
@@ -164,7 +183,7 @@ impl<B: Backend> Runtime<B> {
             s.regions.len(),
             s.params,
             clock,
-            token,
+            incarnation,
             policies,
             &mut store,
         );
@@ -189,6 +208,7 @@ impl<B: Backend> Runtime<B> {
         }
         tracing::info!(
             token,
+            incarnation,
             keys = node.tracked_keys(),
             took_ms = taken.elapsed().as_millis() as u64,
             "coordinator lock taken: this instance coordinates the region"
@@ -222,6 +242,10 @@ impl<B: Backend> Runtime<B> {
             return Step::Go(None);
         }
         if now >= l.next_round && l.store.failure().is_none() {
+            if self.incarnation_outrun(&l) {
+                l.store.release();
+                return Step::Go(None);
+            }
             self.round(&mut l);
             l.next_round = now + jittered(self.shared.settings.params.round_us);
         }
@@ -232,6 +256,24 @@ impl<B: Backend> Runtime<B> {
             self.publish(&mut l);
         }
         Self::after_event(l)
+    }
+
+    /// Whether this life's incarnation is past what a takeover could draw now by this
+    /// host's wall clock (it went back by more than the skew since the takeover): peers
+    /// would refuse every message of it until real time caught up, so the holder steps
+    /// down and takes over again, with an incarnation they accept.
+    fn incarnation_outrun(&self, l: &Leading<B>) -> bool {
+        let max_skew_ms = self.shared.settings.max_skew.as_millis() as u64;
+        let wall_ms = peers::wall_ms().max(0) as u64;
+        let future = incarnation::from_the_future(l.node.incarnation(), wall_ms, max_skew_ms);
+        if future {
+            tracing::warn!(
+                incarnation = l.node.incarnation(),
+                wall_ms,
+                "this host's clock went back since the takeover: taking over again with a new incarnation"
+            );
+        }
+        future
     }
 
     /// The least time between two publications of `/v1/status` and the metrics after a

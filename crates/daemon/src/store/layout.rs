@@ -164,6 +164,13 @@ impl Layout {
         format!("{}:{COORDINATOR}:{FENCE}", self.prefix)
     }
 
+    /// The region's last incarnation (value: a number, drawn from the holder's wall clock
+    /// at each takeover; see `federation::incarnation`). No TTL, like the fence: a lost
+    /// value is survivable (the wall clock is the floor), but a kept one is exact.
+    pub fn incarnation_key(&self) -> String {
+        format!("{}:{COORDINATOR}:incarnation", self.prefix)
+    }
+
     /// Which instance sweeps for lost TTLs this interval (value: its id; expires with the
     /// interval). Under the coordinator's name, so the janitor leaves it alone.
     pub fn janitor_key(&self) -> String {
