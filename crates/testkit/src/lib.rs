@@ -166,6 +166,11 @@ impl RedisServer {
                 "127.0.0.1",
                 "--save",
                 "",
+                // A replica's first sync starts at once: Redis waits 5 s by default for
+                // more replicas to share a diskless transfer, which every cluster, Sentinel
+                // and replica test would wait through.
+                "--repl-diskless-sync-delay",
+                "0",
             ])
             .args(if self.persistent {
                 ["--appendonly", "yes", "--appendfsync", "always"]
