@@ -200,10 +200,11 @@ fn a_hot_keys_slices_go_back_on_reload_and_cooling_and_the_count_is_exact() {
 
 /// Hot-key slices meet a reset: a reset on another instance reaches this instance's
 /// slice while the key is in constant use (it is given back at once, not when the key
-/// cools), and the script gives nothing back from before the reset (the key's state is
-/// gone; the units were the old state's).
+/// cools). What the give-back returns is the script's to decide (nothing, after a reset):
+/// [`a_window_slice_given_back_after_a_reset_returns_nothing`]; counting it here raced
+/// with the legitimate give-back of a slice a prefetch replaced just before the reset.
 #[test]
-fn a_reset_elsewhere_ends_a_hot_keys_slice_and_gives_nothing_back() {
+fn a_reset_elsewhere_ends_a_hot_keys_slice() {
     let redis = RedisServer::start();
     let config = Config::redis(&redis.url())
         .policy(hot_policy(1_000_000))
@@ -223,17 +224,80 @@ fn a_reset_elsewhere_ends_a_hot_keys_slice_and_gives_nothing_back() {
                 .then_some(())
         });
         let returned = a.metric("quotad_hot_key_slices_total{event=\"returned\"}");
-        let units_back = a.metric("quotad_hot_key_units_total{event=\"returned\"}");
         assert_eq!(reset(&b, "hot", "k").0, 204);
         wait_for("A's slice given back", Duration::from_secs(5), || {
             (a.metric("quotad_hot_key_slices_total{event=\"returned\"}") > returned).then_some(())
         });
-        assert_eq!(
-            a.metric("quotad_hot_key_units_total{event=\"returned\"}"),
-            units_back,
-            "units from before the reset were given back to the state after it"
-        );
     });
+}
+
+/// The window-slice script gives nothing back across a reset: a slice taken before the
+/// key was deleted returns 0 units, to the deleted state or to a window opened after it,
+/// and the new window's count is left as it is.
+#[test]
+fn a_window_slice_given_back_after_a_reset_returns_nothing() {
+    let redis = RedisServer::start();
+    let window_us: i64 = 3_600_000_000;
+    let eval = |args: &[String]| -> redis::Value {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(quotad_daemon::store::scripts::SLICE)
+            .arg(1)
+            .arg("w");
+        for a in args {
+            cmd.arg(a);
+        }
+        cmd.query(&mut redis.conn()).unwrap()
+    };
+    let take = |demand: u64| -> Vec<i64> {
+        let v = eval(
+            &[
+                "take",
+                "1000",
+                &window_us.to_string(),
+                "1",
+                &demand.to_string(),
+                "0",
+            ]
+            .map(String::from),
+        );
+        redis::from_redis_value(v).unwrap()
+    };
+    let give_back = |slot: i64, ledger: i64, units: u64| -> i64 {
+        let v = eval(&[
+            "return".into(),
+            slot.to_string(),
+            ledger.to_string(),
+            units.to_string(),
+        ]);
+        redis::from_redis_value(v).unwrap()
+    };
+    let first = take(40);
+    assert_eq!(first[0], 40);
+    // Sanity: the same slice, returned before any reset, gives its units back.
+    assert_eq!(give_back(first[3], first[4], 5), 5);
+    let _: () = redis::cmd("DEL").arg("w").query(&mut redis.conn()).unwrap();
+    assert_eq!(
+        give_back(first[3], first[4], 35),
+        0,
+        "returned to a deleted key"
+    );
+    let second = take(10);
+    assert_eq!(second[0], 10);
+    assert_ne!(
+        second[4], first[4],
+        "a ledger opened after the reset is another one"
+    );
+    assert_eq!(
+        give_back(first[3], first[4], 35),
+        0,
+        "units from before the reset went to the window after it"
+    );
+    let n: i64 = redis::cmd("HGET")
+        .arg("w")
+        .arg("n")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(n, 10);
 }
 
 /// Sets its flag when dropped: a scoped thread polling it stops when the scope's body
