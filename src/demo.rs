@@ -1,6 +1,7 @@
-//! `quotad demo`: three regions on this machine sharing one global budget, with a load
-//! generator that moves demand between them, a cut and a heal of one region, and a live
-//! table of what each region is offered, enforces and admits.
+//! `quotad demo`: regions on this machine (three unless `--regions` says otherwise, up to
+//! ten) sharing one global budget, with a load generator that moves demand between them,
+//! a cut and a heal of one region, and a live table of what each region is offered,
+//! enforces and admits.
 //!
 //! It is built from the test kit, the same parts the multi-region tests use: a real
 //! `redis-server` per region when one is on PATH (else the embedded store), a daemon per
@@ -18,16 +19,27 @@ use quotad_testkit::load::{Load, admitted_between};
 use quotad_testkit::proxy::{Leg, LegHandle, Proxy};
 use quotad_testkit::{Config, Global, Peer, Policy, Quotad, RedisServer, redis_available};
 
-/// Regions in escrow order (weights 6 / 3 / 1).
-const REGIONS: [&str; 3] = ["us-east", "eu-west", "ap-south"];
-const WEIGHTS: [u32; 3] = [6, 3, 1];
+/// Region names in escrow order; a demo of n regions runs the first n.
+const NAMES: [&str; MAX_REGIONS] = [
+    "us-east",
+    "eu-west",
+    "ap-south",
+    "sa-east",
+    "af-south",
+    "me-central",
+    "ap-northeast",
+    "eu-north",
+    "us-west",
+    "ap-southeast",
+];
+pub(crate) const MAX_REGIONS: usize = 10;
 const RHO: u64 = 1000;
 const COST: u64 = 5;
 
 /// One step of the script: from `at` seconds, offered units per second per region.
 struct Step {
     at: u64,
-    offered: [f64; 3],
+    offered: Vec<f64>,
     event: Event,
 }
 
@@ -38,13 +50,29 @@ enum Event {
     Heal(usize),
 }
 
-fn script() -> Vec<Step> {
+/// Escrow weights: 6 / 3 / 1 for the first three regions (60/30/10% of three), 2 for
+/// each further one.
+fn weights(n: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| [6, 3, 1].get(i).copied().unwrap_or(2))
+        .collect()
+}
+
+/// 1,200 units/s (1.2 x the budget) in all: first mostly in the first region, then mostly
+/// in the last one, which is then cut off and healed.
+fn script(n: usize) -> Vec<Step> {
+    let last = n - 1;
+    // `heavy` units/s in region `r`, the rest of the 1,200 spread evenly over the others.
+    let mostly = |r: usize, heavy: f64| -> Vec<f64> {
+        let rest = (1200.0 - heavy) / (n - 1) as f64;
+        (0..n).map(|i| if i == r { heavy } else { rest }).collect()
+    };
     let step = |at, offered, event| Step { at, offered, event };
     vec![
-        step(0, [900.0, 250.0, 50.0], Event::None),
-        step(25, [100.0, 250.0, 900.0], Event::None),
-        step(45, [100.0, 250.0, 900.0], Event::Cut(2)),
-        step(65, [100.0, 250.0, 900.0], Event::Heal(2)),
+        step(0, mostly(0, 900.0), Event::None),
+        step(25, mostly(last, 900.0), Event::None),
+        step(45, mostly(last, 900.0), Event::Cut(last)),
+        step(65, mostly(last, 900.0), Event::Heal(last)),
     ]
 }
 
@@ -56,8 +84,9 @@ pub enum DemoError {
     DaemonStopped,
 }
 
-/// The three regions: their stores, daemons, and the proxies between them.
+/// The regions: their stores, daemons, and the proxies between them.
 struct Regions {
+    n: usize,
     /// `legs[a][b]`: the direction a → b (requests of a to b, answers of a to b's).
     legs: Vec<Vec<LegHandle>>,
     daemons: Vec<Quotad>,
@@ -66,37 +95,38 @@ struct Regions {
 }
 
 impl Regions {
-    fn start(use_redis: bool) -> Result<Regions, DemoError> {
+    fn start(n: usize, use_redis: bool) -> Result<Regions, DemoError> {
         let redis: Vec<RedisServer> = if use_redis {
-            (0..3)
+            (0..n)
                 .map(|_| RedisServer::try_start().map_err(DemoError::Redis))
                 .collect::<Result<_, _>>()?
         } else {
             Vec::new()
         };
-        let legs: Vec<Vec<LegHandle>> = (0..3)
+        let legs: Vec<Vec<LegHandle>> = (0..n)
             .map(|_| {
-                (0..3)
+                (0..n)
                     .map(|_| Arc::new(Mutex::new(Leg::default())))
                     .collect()
             })
             .collect();
         // proxies[a][b]: how region a reaches region b; started before the daemons, whose
         // configs name them.
-        let mut proxies: Vec<Vec<Option<Proxy>>> = (0..3).map(|_| vec![None, None, None]).collect();
+        let mut proxies: Vec<Vec<Option<Proxy>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
         for (a, row) in proxies.iter_mut().enumerate() {
             for (b, slot) in row.iter_mut().enumerate().filter(|(b, _)| *b != a) {
                 *slot = Some(Proxy::start(legs[a][b].clone(), legs[b][a].clone()));
             }
         }
-        let daemons: Vec<Quotad> = (0..3)
+        let daemons: Vec<Quotad> = (0..n)
             .map(|me| {
                 let store = redis.get(me).map_or("memory".to_owned(), |r| r.url());
                 let urls: Vec<String> = proxies[me]
                     .iter()
                     .map(|p| p.as_ref().map_or(String::new(), Proxy::url))
                     .collect();
-                Quotad::serve(&region_config(me, &store, &urls))
+                Quotad::serve(&region_config(n, me, &store, &urls))
             })
             .collect();
         for row in &proxies {
@@ -107,6 +137,7 @@ impl Regions {
             }
         }
         Ok(Regions {
+            n,
             legs,
             daemons,
             _proxies: proxies.into_iter().flatten().flatten().collect(),
@@ -114,9 +145,9 @@ impl Regions {
         })
     }
 
-    /// Cuts region `r` off from both peers (both directions), or heals it.
+    /// Cuts region `r` off from every peer (both directions), or heals it.
     fn set_cut(&self, r: usize, cut: bool) {
-        for other in (0..3).filter(|&o| o != r) {
+        for other in (0..self.n).filter(|&o| o != r) {
             for (a, b) in [(r, other), (other, r)] {
                 self.legs[a][b]
                     .lock()
@@ -131,14 +162,14 @@ impl Regions {
     }
 }
 
-fn region_config(me: usize, store: &str, peer_urls: &[String]) -> String {
+fn region_config(n: usize, me: usize, store: &str, peer_urls: &[String]) -> String {
     let mut config = Config::redis(store)
-        .region(REGIONS[me])
+        .region(NAMES[me])
         .coordinator("secret", "demo-secret-not-for-production");
     for (j, url) in peer_urls.iter().enumerate().filter(|(j, _)| *j != me) {
-        config = config.peer(Peer::new(REGIONS[j], url));
+        config = config.peer(Peer::new(NAMES[j], url));
     }
-    let escrow: Vec<(&str, u32)> = REGIONS.iter().copied().zip(WEIGHTS).collect();
+    let escrow: Vec<(&str, u32)> = NAMES.iter().copied().zip(weights(n)).collect();
     config
         .policy(
             Policy::new("api", "token_bucket", RHO, "1s")
@@ -160,51 +191,52 @@ fn share(daemon: &Quotad, region: usize) -> Option<f64> {
         .find(|k| k["key"] == "customer-42");
     match key {
         Some(k) => k["enforced"].as_f64(),
-        None => p["escrow"][REGIONS[region]].as_f64(),
+        None => p["escrow"][NAMES[region]].as_f64(),
     }
 }
 
 fn print_header(use_redis: bool, daemons: &[Quotad]) {
+    let n = daemons.len();
+    let w = weights(n);
+    let total: u32 = w.iter().sum();
+    let escrow: Vec<String> = w
+        .iter()
+        .map(|x| format!("{:.0}", 100.0 * f64::from(*x) / f64::from(total)))
+        .collect();
     println!(
-        "quotad demo: 3 regions ({}), global budget {RHO}/s, burst 200, escrow {}/{}/{} %",
+        "quotad demo: {n} regions ({}), global budget {RHO}/s, burst 200, escrow {} %",
         if use_redis {
             "a redis-server each"
         } else {
             "embedded store: no redis-server on PATH"
         },
-        WEIGHTS[0] * 10,
-        WEIGHTS[1] * 10,
-        WEIGHTS[2] * 10
+        escrow.join("/")
     );
     for (i, d) in daemons.iter().enumerate() {
         let a = format!("127.0.0.1:{}", d.port);
         println!(
-            "  {:<9} http://{a}  (try: curl http://{a}/v1/status)",
-            REGIONS[i]
+            "  {:<12} http://{a}  (try: curl http://{a}/v1/status)",
+            NAMES[i]
         );
     }
     println!(
         "A region lends nothing for the first lease(1+e)+margin = 10.1 s after it starts (learning\n\
          period): until then each enforces its escrow. Ctrl-C stops everything.\n"
     );
-    println!(
-        "{:>4}  {:^26} {:^26} {:^26} {:>6}",
-        "t", REGIONS[0], REGIONS[1], REGIONS[2], "total"
-    );
-    println!(
-        "{:>4}  {:^26} {:^26} {:^26} {:>6}",
-        "s",
-        "offered enforced admitted",
-        "offered enforced admitted",
-        "offered enforced admitted",
-        "/s"
-    );
+    let mut names = format!("{:>4} ", "t");
+    let mut units = format!("{:>4} ", "s");
+    for name in &NAMES[..n] {
+        names += &format!(" {name:^26}");
+        units += &format!(" {:^26}", "offered enforced admitted");
+    }
+    println!("{names} {:>6}", "total");
+    println!("{units} {:>6}", "/s");
 }
 
 /// Applies the script's steps that start at second `t`.
-fn play(steps: &[Step], t: u64, load: &Load, offered: &mut [f64; 3], regions: &Regions) {
+fn play(steps: &[Step], t: u64, load: &Load, offered: &mut Vec<f64>, regions: &Regions) {
     for s in steps.iter().filter(|s| s.at == t) {
-        *offered = s.offered;
+        offered.clone_from(&s.offered);
         for (r, x) in s.offered.iter().enumerate() {
             load.set_rate(r, *x);
         }
@@ -212,13 +244,13 @@ fn play(steps: &[Step], t: u64, load: &Load, offered: &mut [f64; 3], regions: &R
             Event::Cut(r) => {
                 regions.set_cut(r, true);
                 println!(
-                    "---- {} cut off from both peers: falls back to its escrow within lease(1+e)+margin ----",
-                    REGIONS[r]
+                    "---- {} cut off from every peer: falls back to its escrow within lease(1+e)+margin ----",
+                    NAMES[r]
                 );
             }
             Event::Heal(r) => {
                 regions.set_cut(r, false);
-                println!("---- {} reconnected ----", REGIONS[r]);
+                println!("---- {} reconnected ----", NAMES[r]);
             }
             Event::None if t > 0 => println!("---- demand moves ----"),
             Event::None => {}
@@ -228,7 +260,7 @@ fn play(steps: &[Step], t: u64, load: &Load, offered: &mut [f64; 3], regions: &R
 
 /// One row: second `t`, per region offered, enforced and admitted (units sent in the
 /// last second and allowed), and the total admitted.
-fn row(t: u64, offered: &[f64; 3], load: &Load, regions: &Regions) -> String {
+fn row(t: u64, offered: &[f64], load: &Load, regions: &Regions) -> String {
     let answers = load.answers();
     let (from, to) = (load.elapsed() - 1.0, load.elapsed());
     let mut row = format!("{t:>4}  ");
@@ -245,16 +277,22 @@ fn row(t: u64, offered: &[f64; 3], load: &Load, regions: &Regions) -> String {
     format!("{row}{total:>5}")
 }
 
-/// Runs the demo until the script ends or `stop` is cancelled (Ctrl-C). Blocking: the
-/// daemons and the load generator run on runtimes of their own.
-pub fn run(embedded: bool, duration: Duration, stop: CancellationToken) -> Result<(), DemoError> {
+/// Runs the demo of `n` regions (2 to [`MAX_REGIONS`]) until the script ends or `stop` is
+/// cancelled (Ctrl-C). Blocking: the daemons and the load generator run on runtimes of
+/// their own.
+pub fn run(
+    n: usize,
+    embedded: bool,
+    duration: Duration,
+    stop: CancellationToken,
+) -> Result<(), DemoError> {
     let use_redis = !embedded && redis_available();
-    let regions = Regions::start(use_redis)?;
+    let regions = Regions::start(n, use_redis)?;
     print_header(use_redis, &regions.daemons);
     let load = Load::start(regions.urls(), "api", "customer-42", COST);
-    let steps = script();
+    let steps = script(n);
     let started = Instant::now();
-    let mut offered = [0.0; 3];
+    let mut offered = vec![0.0; n];
     let mut outcome = Ok(());
     for t in 0.. {
         play(&steps, t, &load, &mut offered, &regions);

@@ -36,10 +36,13 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         config: Option<PathBuf>,
     },
-    /// Three regions on this machine sharing one global budget: a redis-server each (the
+    /// Regions on this machine sharing one global budget: a redis-server each (the
     /// embedded store if none is on PATH), moving demand, a cut and a heal, a live table.
     #[cfg(feature = "demo")]
     Demo {
+        /// How many regions (2 to 10).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(2..=demo::MAX_REGIONS as i64))]
+        regions: u16,
         /// Use the embedded store even when redis-server is on PATH.
         #[arg(long)]
         embedded: bool,
@@ -55,7 +58,7 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         config: PathBuf,
     },
-    /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S14 of
+    /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S16 of
     /// docs/simulator.md, invariant S checked after every event (exit 1 if it breaks).
     Sim(SimArgs),
     /// Print the Lua script quotad sends to Redis for an algorithm (for redis-benchmark).
@@ -67,10 +70,10 @@ enum Command {
 
 #[derive(clap::Args)]
 struct SimArgs {
-    /// Every scenario, S1 to S14.
+    /// Every scenario, S1 to S16.
     #[arg(long, conflicts_with = "scenario")]
     all: bool,
-    /// Scenarios to run (S1 ... S14); repeatable.
+    /// Scenarios to run (S1 ... S16); repeatable.
     #[arg(long, value_name = "ID")]
     scenario: Vec<String>,
     /// Seeds per scenario.
@@ -114,7 +117,7 @@ fn sim(args: SimArgs) -> ExitCode {
             match Scenario::by_id(id) {
                 Some(s) => out.push(s),
                 None => {
-                    eprintln!("unknown scenario {id:?}: expected S1 ... S14");
+                    eprintln!("unknown scenario {id:?}: expected S1 ... S16");
                     return ExitCode::FAILURE;
                 }
             }
@@ -232,7 +235,11 @@ fn main() -> ExitCode {
         },
         Command::Sim(args) => sim(args),
         #[cfg(feature = "demo")]
-        Command::Demo { embedded, duration } => demo(embedded, duration),
+        Command::Demo {
+            regions,
+            embedded,
+            duration,
+        } => demo(usize::from(regions), embedded, duration),
         Command::Script { algorithm } => {
             print!("{}", quotad_daemon::store::scripts::source(algorithm));
             ExitCode::SUCCESS
@@ -257,11 +264,11 @@ fn main() -> ExitCode {
 }
 
 #[cfg(feature = "demo")]
-fn demo(embedded: bool, duration: std::time::Duration) -> ExitCode {
+fn demo(regions: usize, embedded: bool, duration: std::time::Duration) -> ExitCode {
     // The table is the output: daemons log warnings only (RUST_LOG overrides).
     init_tracing_at("warn", LogFormat::Text);
     until_signal(|stop| async move {
-        tokio::task::spawn_blocking(move || demo::run(embedded, duration, stop))
+        tokio::task::spawn_blocking(move || demo::run(regions, embedded, duration, stop))
             .await
             .map_err(|e| eprintln!("demo failed: {e}"))?
             .map_err(|e| eprintln!("demo failed: {e}"))

@@ -1,6 +1,6 @@
-//! `quotad demo` (the README's run command): it starts three regions, prints a row of the
-//! table every second, and Ctrl-C stops everything: the process exits 0 and every
-//! redis-server it started is gone.
+//! `quotad demo` (the README's run command): it starts three regions (or `--regions N`),
+//! prints a row of the table every second, and Ctrl-C stops everything: the process exits
+//! 0 and every redis-server it started is gone.
 
 use quotad_testkit as common;
 
@@ -107,16 +107,7 @@ fn the_demo_runs_and_ctrl_c_leaves_no_process_behind() {
 /// and the script's end stops the demo by itself.
 #[test]
 fn the_demo_runs_on_the_embedded_store() {
-    let out = Command::new(quotad_binary())
-        .args(["demo", "--embedded", "--duration", "3s"])
-        .output()
-        .expect("run quotad demo");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = run_to_the_end(&["--embedded", "--duration", "3s"]);
     assert!(text.contains("embedded store"), "{text}");
     let rows = text
         .lines()
@@ -126,4 +117,51 @@ fn the_demo_runs_on_the_embedded_store() {
         })
         .count();
     assert!(rows >= 2, "{text}");
+}
+
+/// `--regions 5`: five regions, a redis-server each; before any lending each enforces its
+/// escrow (weights 6/3/1/2/2 of 1,000/s) and the offered load is the script's 1,200/s.
+/// More than ten is refused before anything starts.
+#[test]
+fn the_demo_runs_any_number_of_regions_up_to_ten() {
+    let text = run_to_the_end(&["--regions", "5", "--duration", "3s"]);
+    assert!(text.contains("5 regions (a redis-server each)"), "{text}");
+    // A row: t, then (offered, enforced, admitted) per region, then the total.
+    let rows: Vec<Vec<f64>> = text
+        .lines()
+        .map(|l| l.split_whitespace().map(|c| c.parse::<f64>()).collect())
+        .filter_map(|cells: Vec<Result<f64, _>>| {
+            (cells.len() == 17)
+                .then(|| cells.into_iter().collect::<Result<Vec<f64>, _>>().ok())
+                .flatten()
+        })
+        .collect();
+    let last = rows.last().unwrap_or_else(|| panic!("no rows:\n{text}"));
+    let offered: f64 = (0..5).map(|r| last[1 + 3 * r]).sum();
+    let enforced: Vec<f64> = (0..5).map(|r| last[2 + 3 * r]).collect();
+    assert_eq!(offered, 1200.0, "{text}");
+    assert_eq!(enforced, vec![429.0, 214.0, 71.0, 143.0, 143.0], "{text}");
+
+    let refused = Command::new(quotad_binary())
+        .args(["demo", "--regions", "11"])
+        .output()
+        .expect("run quotad demo");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--regions"));
+}
+
+/// Runs `quotad demo` with `args` until it ends by itself; its output, once it exited 0.
+fn run_to_the_end(args: &[&str]) -> String {
+    let out = Command::new(quotad_binary())
+        .arg("demo")
+        .args(args)
+        .output()
+        .expect("run quotad demo");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
 }

@@ -2,7 +2,7 @@
 //! docs/simulator.md and on every scenario that ever broke it; the checker stopping a run
 //! that breaks it; the baselines failing where the field fails; the CLI's outputs.
 //!
-//! Few seeds, so the suite stays fast: CI also runs the 30-seed gate over S1–S14 on the
+//! Few seeds, so the suite stays fast: CI also runs the 30-seed gate over S1–S16 on the
 //! binary the tests built (`quotad sim --all --modes lease`, in scripts/test).
 
 use std::path::{Path, PathBuf};

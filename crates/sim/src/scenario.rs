@@ -1,4 +1,4 @@
-//! The scenarios of docs/simulator.md (S1–S14) and random ones for the property tests.
+//! The scenarios of docs/simulator.md (S1–S16) and random ones for the property tests.
 //!
 //! A scenario is data: regions and their escrow weights, the global rate, the offered load
 //! over time, the network, and a fault schedule. Times are seconds from the start of the
@@ -198,7 +198,7 @@ impl Scenario {
 
     /// Every scenario of docs/simulator.md, in order.
     pub fn all() -> Vec<Scenario> {
-        (1..=14)
+        (1..=16)
             .map(|i| Scenario::by_id(&format!("S{i}")).expect("defined"))
             .collect()
     }
@@ -412,6 +412,50 @@ impl Scenario {
                     },
                 )
             },
+            "S15" => Scenario {
+                regions: 10,
+                weights: vec![1.0; 10],
+                net: globe(10, Jitter::Exp { mean_us: 5_000.0 }, 0.0),
+                ..Scenario::base(
+                    "S15",
+                    "ten regions follow the sun at 1.2x",
+                    240.0,
+                    Load::Sun {
+                        total: 1200.0,
+                        period_s: 240.0,
+                    },
+                )
+            },
+            // A fourth region joins (its escrow 0 -> 20%) while it already has demand, then
+            // us leaves (its escrow -> 0) after its traffic has moved away.
+            "S16" => Scenario {
+                regions: 4,
+                weights: vec![6.0, 3.0, 1.0, 0.0],
+                net: globe(4, Jitter::Exp { mean_us: 5_000.0 }, 0.0),
+                faults: vec![
+                    Fault::Resplit {
+                        at_s: 60.0,
+                        weights: vec![4.0, 3.0, 1.0, 2.0],
+                        rollout_s: 5.0,
+                    },
+                    Fault::Resplit {
+                        at_s: 150.0,
+                        weights: vec![0.0, 4.0, 2.0, 4.0],
+                        rollout_s: 5.0,
+                    },
+                ],
+                steps_s: vec![120.0],
+                ..Scenario::base(
+                    "S16",
+                    "a region joins, then us leaves (re-splits)",
+                    210.0,
+                    Load::Schedule(vec![
+                        (0.0, vec![500.0, 300.0, 100.0, 300.0]),
+                        (120.0, vec![500.0, 300.0, 100.0, 300.0]),
+                        (121.0, vec![0.0, 450.0, 200.0, 550.0]),
+                    ]),
+                )
+            },
             _ => return None,
         };
         Some(s)
@@ -616,6 +660,29 @@ fn wan(jitter: Jitter, loss: f64) -> NetModel {
     }
 }
 
+/// `n` regions spread evenly around the globe: the RTT between two grows with how far
+/// apart they are, from 10 ms plus 280 ms times the fraction of half the globe between
+/// them (neighbours of ten: 66 ms; opposite: 290 ms).
+fn globe(n: usize, jitter: Jitter, loss: f64) -> NetModel {
+    let rtt = |i: usize, j: usize| {
+        let d = i.abs_diff(j).min(n - i.abs_diff(j)) as f64;
+        if i == j {
+            0.0
+        } else {
+            10.0 + 280.0 * d / (n as f64 / 2.0)
+        }
+    };
+    NetModel {
+        rtt_ms: (0..n)
+            .map(|i| (0..n).map(|j| rtt(i, j)).collect())
+            .collect(),
+        jitter,
+        loss,
+        dup: 0.01,
+        reorder: 0.01,
+    }
+}
+
 /// Cuts region `r` off from the others, both ways.
 fn isolate(r: usize, start_s: f64, end_s: f64) -> Vec<Fault> {
     (0..3)
@@ -669,6 +736,11 @@ mod tests {
         let s4 = Scenario::by_id("S4").unwrap();
         assert_eq!(s4.load.rates(89.0, 3), s4.load.rates(45.0, 3));
         assert!((s4.load.rates(95.0, 3).iter().sum::<f64>() - 700.0).abs() < 1e-9);
-        assert_eq!(Scenario::all().len(), 14);
+        assert_eq!(Scenario::all().len(), 16);
+        let s15 = Scenario::by_id("S15").unwrap();
+        let r = s15.load.rates(33.0, 10);
+        assert!((r.iter().sum::<f64>() - 1200.0).abs() < 1e-9);
+        assert_eq!(s15.net.rtt_ms[0][5], 290.0);
+        assert_eq!(s15.net.rtt_ms[3][4], s15.net.rtt_ms[9][0]);
     }
 }
