@@ -53,6 +53,9 @@ impl Pol {
     }
 }
 
+/// The counter of invalidations an instance took off the channel.
+const INVALIDATIONS: &str = "quotad_invalidations_received_total";
+
 /// The keys a case draws from; `vip` may get an override of `log`.
 const KEYS: [&str; 3] = ["k0", "k1", "vip"];
 
@@ -331,11 +334,21 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
             }
             Op::Reset { on, pol, key: k } => {
                 let body = json!({"policy": pol.name(), "key": key(*k)});
+                let other = &pair.daemons[1 - *on];
+                let received = other.metric(INVALIDATIONS);
                 let (status, _, v) = pair.daemons[*on].post("/v1/reset", &body);
                 // Done, or refused with nothing changed (B may not PUBLISH); either way
                 // every later answer, from either instance, must agree with the model.
                 match status {
-                    204 => model.reset(*pol, KEYS[*k]),
+                    204 => {
+                        model.reset(*pol, KEYS[*k]);
+                        // The other instance hears of it through the channel, as fast as
+                        // its subscription delivers (a step sent before that could meet a
+                        // denial it still remembers: the documented window, not a bug).
+                        wait_for("the invalidation delivered", Duration::from_secs(5), || {
+                            (other.metric(INVALIDATIONS) > received).then_some(())
+                        });
+                    }
                     503 => prop_assert_eq!(&v["error"]["code"], "reset_refused", "{}: {}", at, v),
                     _ => prop_assert!(false, "{}: {} {}", at, status, v),
                 }

@@ -82,6 +82,9 @@ pub struct Metrics {
     pub deny_cache_hits: IntCounterVec,
     /// `quotad_deny_cache_keys`: denials remembered (at the last sweep).
     pub deny_cache_keys: IntGauge,
+    /// `quotad_invalidations_received_total`: invalidations (a reset or refund on any
+    /// instance) this instance took off the channel and applied.
+    pub invalidations_received: IntCounter,
     /// `quotad_keys_without_ttl`: quotad keys the janitor's last sweep found without a
     /// TTL (each one would have stayed in Redis forever).
     pub keys_without_ttl: IntGauge,
@@ -384,6 +387,10 @@ impl Metrics {
             )),
             deny_cache_keys: c
                 .int_gauge(Opts::new("quotad_deny_cache_keys", "Denials remembered.")),
+            invalidations_received: c.counter(Opts::new(
+                "quotad_invalidations_received_total",
+                "Invalidations taken off the channel and applied.",
+            )),
             keys_without_ttl: c.int_gauge(Opts::new(
                 "quotad_keys_without_ttl",
                 "quotad keys found without a TTL by the last janitor sweep.",

@@ -237,6 +237,7 @@ impl RedisStore {
                             Ok(key) => {
                                 self.deny.invalidate(&key);
                                 self.hot.forget(&key);
+                                self.metrics.invalidations_received.inc();
                             }
                             Err(_) => {}
                         },
