@@ -17,9 +17,9 @@ use quotad_core::clock::Clock;
 use quotad_core::coordinator::lease::LeaseBook;
 use quotad_core::coordinator::node::LeaseStore;
 use quotad_daemon::config::Settings;
+use quotad_daemon::federation::incarnation;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore, global_policies};
 use quotad_daemon::federation::lock::Lock;
-use quotad_daemon::federation::peers::wall_ms;
 use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::store::cluster::slot;
 use quotad_daemon::store::connect::{Target, Topology};
@@ -179,7 +179,7 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
         Duration::from_secs(30),
     ));
     let token = lock
-        .try_acquire(&mut conn, &fences, wall_ms() as u64)
+        .try_acquire(&mut conn, &fences, incarnation::now_ms())
         .unwrap()
         .expect("the lock")
         .token;

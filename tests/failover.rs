@@ -15,10 +15,10 @@ use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
 use quotad_core::coordinator::node::LeaseStore;
 use quotad_daemon::config::Settings;
+use quotad_daemon::federation::incarnation;
 use quotad_daemon::federation::lease_store::global_policies;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad_daemon::federation::lock::Lock;
-use quotad_daemon::federation::peers::wall_ms;
 use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::store::layout::Layout;
 
@@ -48,7 +48,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         .map(|p| p.global.keys.fence.as_str())
         .collect();
     let token = lock
-        .try_acquire(&mut conn, &fences, wall_ms() as u64)
+        .try_acquire(&mut conn, &fences, incarnation::now_ms())
         .unwrap()
         .expect("the lock")
         .token;

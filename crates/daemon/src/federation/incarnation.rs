@@ -23,12 +23,30 @@
 //! take over again (a restart to its peers), so the lock-out ends within A and a round of
 //! the clock being right, instead of when real time catches up with the jump.
 
+/// What a takeover drew.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Drawn {
+    pub incarnation: u64,
+    /// The last incarnation was from the future and this one is below it.
+    pub rebased: bool,
+}
+
 /// The incarnation a takeover draws after `last` (the region's last, if it has one) at
 /// wall-clock `wall_ms`, with peers allowing `max_skew_ms` of skew.
-pub fn next(last: Option<u64>, wall_ms: u64, max_skew_ms: u64) -> u64 {
+pub fn next(last: Option<u64>, wall_ms: u64, max_skew_ms: u64) -> Drawn {
     let ceiling = ceiling(wall_ms, max_skew_ms);
     let above = last.map_or(0, |l| l.saturating_add(1));
-    above.max(wall_ms).min(ceiling).max(1)
+    let incarnation = above.max(wall_ms).min(ceiling).max(1);
+    Drawn {
+        incarnation,
+        rebased: last.is_some_and(|l| incarnation <= l),
+    }
+}
+
+/// The wall clock incarnations are drawn and judged by, in ms: the one exchanges are
+/// signed with ([`super::peers::wall_ms`]), which is what peers compare them to.
+pub fn now_ms() -> u64 {
+    super::peers::wall_ms().max(0) as u64
 }
 
 /// Whether a coordinator with incarnation `incarnation` must take over again: at
@@ -53,25 +71,31 @@ mod tests {
     const A: u64 = 30_000;
     const NOW: u64 = 1_800_000_000_000;
 
+    /// The incarnation drawn, and whether it was a rebase.
+    fn draw(last: Option<u64>, wall_ms: u64) -> (u64, bool) {
+        let d = next(last, wall_ms, A);
+        (d.incarnation, d.rebased)
+    }
+
     #[test]
     fn a_takeover_goes_above_the_last_incarnation_and_the_wall_clock() {
-        assert_eq!(next(None, NOW, A), NOW);
-        assert_eq!(next(Some(NOW - 5_000), NOW, A), NOW);
+        assert_eq!(draw(None, NOW), (NOW, false));
+        assert_eq!(draw(Some(NOW - 5_000), NOW), (NOW, false));
         // Several takeovers within a millisecond still grow.
-        assert_eq!(next(Some(NOW), NOW, A), NOW + 1);
-        assert_eq!(next(Some(NOW + 40_000), NOW, A), NOW + 40_001);
+        assert_eq!(draw(Some(NOW), NOW), (NOW + 1, false));
+        assert_eq!(draw(Some(NOW + 40_000), NOW), (NOW + 40_001, false));
     }
 
     #[test]
     fn a_last_incarnation_no_peer_can_have_accepted_is_left_behind() {
         // Drawn while a clock was an hour ahead: the region starts again within 2A + 1.
-        assert_eq!(next(Some(NOW + 3_600_000), NOW, A), NOW + 2 * A + 1);
-        assert_eq!(next(Some(u64::MAX), NOW, A), NOW + 2 * A + 1);
+        assert_eq!(draw(Some(NOW + 3_600_000), NOW), (NOW + 2 * A + 1, true));
+        assert_eq!(draw(Some(u64::MAX), NOW), (NOW + 2 * A + 1, true));
         // What a rebase draws is itself not from the future, and the next takeover,
         // a millisecond later, goes on above it.
-        let rebased = next(Some(NOW + 3_600_000), NOW, A);
+        let (rebased, _) = draw(Some(NOW + 3_600_000), NOW);
         assert!(!from_the_future(rebased, NOW, A));
-        assert_eq!(next(Some(rebased), NOW + 1, A), rebased + 1);
+        assert_eq!(draw(Some(rebased), NOW + 1), (rebased + 1, false));
     }
 
     #[test]

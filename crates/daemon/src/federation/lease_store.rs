@@ -182,8 +182,8 @@ impl Backend for RedisBackend {
             .values()
             .map(|p| p.global.keys.fence.as_str())
             .collect();
-        let wall_ms = super::peers::wall_ms().max(0) as u64;
-        let taken = match self.lock.try_acquire(self.conn.as_mut()?, &fences, wall_ms) {
+        let now_ms = super::incarnation::now_ms();
+        let taken = match self.lock.try_acquire(self.conn.as_mut()?, &fences, now_ms) {
             Ok(Some(t)) => t,
             Ok(None) => return None,
             Err(e) => {

@@ -42,9 +42,7 @@ pub struct Takeover {
     /// The fencing token (every coordinator write checks it).
     pub token: u64,
     /// The region's incarnation for this life ([`super::incarnation::next`]).
-    pub incarnation: u64,
-    /// The last incarnation was from the future and this one was drawn below it.
-    pub rebased: bool,
+    pub drawn: incarnation::Drawn,
 }
 
 impl Lock {
@@ -129,16 +127,12 @@ impl Lock {
                 return Ok(None);
             }
         }
-        let Some((incarnation, rebased)) = self.draw_incarnation(conn, token, wall_ms)? else {
+        let Some(drawn) = self.draw_incarnation(conn, token, wall_ms)? else {
             tracing::info!("coordinator lock: another holder drew an incarnation meanwhile");
             self.release(conn)?;
             return Ok(None);
         };
-        Ok(Some(Takeover {
-            token,
-            incarnation,
-            rebased,
-        }))
+        Ok(Some(Takeover { token, drawn }))
     }
 
     /// The region's next incarnation ([`incarnation::next`]) after the last one stored;
@@ -150,22 +144,21 @@ impl Lock {
         conn: &mut dyn ConnectionLike,
         token: u64,
         wall_ms: u64,
-    ) -> RedisResult<Option<(u64, bool)>> {
+    ) -> RedisResult<Option<incarnation::Drawn>> {
         let stored: Option<String> = redis::cmd("GET").arg(&self.incarnation_key).query(conn)?;
         // A value that is not a number is no incarnation any peer accepted: start over.
         let last = match &stored {
             Some(s) => s.parse::<u64>().ok(),
             None => Some(token.saturating_sub(1)),
         };
-        let next = incarnation::next(last, wall_ms, self.max_skew_ms);
-        let rebased = last.is_some_and(|l| next <= l);
+        let drawn = incarnation::next(last, wall_ms, self.max_skew_ms);
         let swapped: i64 = self
             .swap
             .key(&self.incarnation_key)
             .arg(stored.as_deref().unwrap_or(""))
-            .arg(next)
+            .arg(drawn.incarnation)
             .invoke(conn)?;
-        Ok((swapped == 1).then_some((next, rebased)))
+        Ok((swapped == 1).then_some(drawn))
     }
 
     /// Extends the lock; false if another instance holds it now.

@@ -3,9 +3,10 @@
 //! ([`quotad_core::coordinator::bucket::KeySlot`]) on the same keys as `lua/global/`, so a region
 //! behaves alike on either store; what it cannot give is sharing or durability: the
 //! region's state lives and dies with the process (its incarnation is drawn from the wall
-//! clock at every takeover, as on Redis, so a restart is a new life to the peers). A restart also forgets the
-//! reservations for loans this region granted, so for up to one lease it can admit what
-//! its borrowers still count: the bound holds across restarts only with Redis.
+//! clock at every takeover, as on Redis, so a restart is a new life to the peers). A
+//! restart also forgets the reservations for loans this region granted, so for up to one
+//! lease it can admit what its borrowers still count: the bound holds across restarts only
+//! with Redis.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use super::lease_store::{PolicyEntry, global_policies};
 use super::lock::Takeover;
 use super::runtime::{Backend, Coordinated};
 use crate::store::memory::{MemoryStore, shape_of};
-use quotad_core::clock::{Clock, SystemClock};
+use quotad_core::clock::SystemClock;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot};
 use quotad_core::coordinator::demand::Counters;
 use quotad_core::coordinator::lease::LeaseBook;
@@ -39,15 +40,14 @@ impl Backend for MemoryBackend {
                 "global policies on the embedded store: what this region lends lives in this process; a restart forgets it and can over-admit by it for one lease (use Redis outside demos)"
             );
         }
-        let wall_ms = (SystemClock.now_us() / 1000).max(0) as u64;
         let max_skew_ms = shared.settings.max_skew.as_millis() as u64;
-        let drawn = incarnation::next(self.last, wall_ms, max_skew_ms);
+        let drawn = incarnation::next(self.last, incarnation::now_ms(), max_skew_ms);
+        self.last = Some(drawn.incarnation);
+        // No other instance to fence off: the incarnation serves as the token.
         let taken = Takeover {
-            token: drawn,
-            incarnation: drawn,
-            rebased: self.last.is_some_and(|l| drawn <= l),
+            token: drawn.incarnation,
+            drawn,
         };
-        self.last = Some(drawn);
         let store = MemoryLeaseStore {
             store: self.store.clone(),
             policies: global_policies(&shared.policies(), &shared.layouts),

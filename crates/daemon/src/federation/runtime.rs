@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use super::lock::Takeover;
-use super::{Shared, Status, incarnation, peers};
+use super::{Shared, Status, incarnation};
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::node::{LeaseStore, Link, Node};
@@ -143,7 +143,7 @@ impl<B: Backend> Runtime<B> {
         Step::Go(
             self.backend
                 .try_lead(&self.shared)
-                .and_then(|(store, clock, taken)| self.start(store, clock, taken))
+                .and_then(|(store, clock, takeover)| self.start(store, clock, takeover))
                 .map(Box::new),
         )
     }
@@ -152,15 +152,12 @@ impl<B: Backend> Runtime<B> {
         &mut self,
         mut store: B::Store,
         clock: B::Clock,
-        taken: Takeover,
+        takeover: Takeover,
     ) -> Option<Leading<B>> {
         let s = &self.shared.settings;
-        let Takeover {
-            token,
-            incarnation,
-            rebased,
-        } = taken;
-        if rebased {
+        let Takeover { token, drawn } = takeover;
+        let incarnation = drawn.incarnation;
+        if drawn.rebased {
             self.shared.metrics.global.incarnation_rebases.inc();
             tracing::warn!(
                 incarnation,
@@ -264,7 +261,7 @@ impl<B: Backend> Runtime<B> {
     /// down and takes over again, with an incarnation they accept.
     fn incarnation_outrun(&self, l: &Leading<B>) -> bool {
         let max_skew_ms = self.shared.settings.max_skew.as_millis() as u64;
-        let wall_ms = peers::wall_ms().max(0) as u64;
+        let wall_ms = incarnation::now_ms();
         let future = incarnation::from_the_future(l.node.incarnation(), wall_ms, max_skew_ms);
         if future {
             tracing::warn!(
