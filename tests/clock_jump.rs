@@ -9,50 +9,31 @@ use quotad_testkit as common;
 
 use std::time::Duration;
 
-use common::proxy::{Leg, LegHandle, Proxy};
-use common::{Config, Global, Peer, Policy, Quotad, RedisServer, wait_for};
+use common::federation::{TWO_REGIONS as REGIONS, TwoRegions};
+use common::{Config, Global, Peer, Policy, RedisServer, wait_for};
 use quotad_daemon::federation::peers::wall_ms;
 use quotad_daemon::store::layout::Layout;
 use serde_json::Value;
 
 const SECRET: &str = "clock-jump-test-secret-0123456789";
-const REGIONS: [&str; 2] = ["eu", "us"];
 const HOUR_MS: i64 = 3_600_000;
 /// The least skew a config allows: a rebased incarnation is accepted within it.
 const MAX_SKEW_MS: i64 = 1_000;
 
-struct Pair {
-    redis: [RedisServer; 2],
-    daemons: Vec<Quotad>,
-    _proxies: Vec<Proxy>,
-}
+struct Pair(TwoRegions);
 
 impl Pair {
     /// Starts both regions; `before_eu` runs on eu's Redis before eu's daemon starts.
     fn start(before_eu: impl FnOnce(&RedisServer)) -> Pair {
-        let redis = [RedisServer::start(), RedisServer::start()];
-        before_eu(&redis[0]);
-        let leg = || -> LegHandle { std::sync::Arc::new(std::sync::Mutex::new(Leg::default())) };
-        // proxies[a]: region a calling the other one.
-        let proxies: Vec<Proxy> = (0..2).map(|_| Proxy::start(leg(), leg())).collect();
-        let daemons: Vec<Quotad> = (0..2)
-            .map(|me| Quotad::start(&config(me, &redis[me].url(), &proxies[me].url())))
-            .collect();
-        for (a, p) in proxies.iter().enumerate() {
-            p.set_target(daemons[1 - a].port);
-        }
-        Pair {
-            redis,
-            daemons,
-            _proxies: proxies,
-        }
+        Pair(TwoRegions::start(|redis| before_eu(&redis[0]), config))
     }
 
     /// Waits until each region's coordinator sees the other connected (messages of the
     /// other's current incarnation accepted both ways).
     fn wait_connected(&self, within: Duration) {
         wait_for("both links connected", within, || {
-            self.daemons
+            self.0
+                .daemons
                 .iter()
                 .all(|d| {
                     let v: Value = d.json("/v1/status");
@@ -108,23 +89,23 @@ fn a_redis_clock_that_jumped_ahead_does_not_lock_the_region_out() {
         set(eu, &layout.incarnation_key(), wall_ms() - 60_000);
     });
     pair.wait_connected(Duration::from_secs(10));
-    let us = &pair.daemons[1];
+    let us = &pair.0.daemons[1];
     assert_eq!(
         us.metric("quotad_exchange_rejected_total{reason=\"invalid\"}"),
         0.0,
         "the peer refused none of eu's exchanges"
     );
     assert!(
-        get(&pair.redis[0], &layout.fence_key()) > ahead,
+        get(&pair.0.redis[0], &layout.fence_key()) > ahead,
         "the fencing token went on above the counter it found"
     );
-    let incarnation = get(&pair.redis[0], &layout.incarnation_key());
+    let incarnation = get(&pair.0.redis[0], &layout.incarnation_key());
     assert!(
         incarnation <= wall_ms() + MAX_SKEW_MS,
         "eu's incarnation {incarnation} follows its own clock"
     );
     assert_eq!(
-        pair.daemons[0].metric("quotad_incarnation_rebases_total"),
+        pair.0.daemons[0].metric("quotad_incarnation_rebases_total"),
         0.0
     );
 }
@@ -139,9 +120,9 @@ fn an_incarnation_from_the_future_is_left_behind_at_the_next_takeover() {
     let ahead = wall_ms() + HOUR_MS;
     let pair = Pair::start(|eu| set(eu, &layout.incarnation_key(), ahead));
     pair.wait_connected(Duration::from_secs(10));
-    let eu = &pair.daemons[0];
+    let eu = &pair.0.daemons[0];
     assert_eq!(eu.metric("quotad_incarnation_rebases_total"), 1.0);
-    let incarnation = get(&pair.redis[0], &layout.incarnation_key());
+    let incarnation = get(&pair.0.redis[0], &layout.incarnation_key());
     assert!(
         incarnation <= wall_ms() + 2 * MAX_SKEW_MS + 1,
         "eu's incarnation {incarnation} was drawn again from its clock"

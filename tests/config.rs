@@ -19,6 +19,10 @@ const BAD: &[(&str, &[&str])] = &[
         &["12: policy[0].global.escrow: \"ap-south\" is neither this region nor a [[peer]]"],
     ),
     (
+        "global_exchange_encoding.toml",
+        &["4: coordinator.exchange_encoding: must be \"binary\" or \"json\""],
+    ),
+    (
         "global_lease_not_above_round.toml",
         &["13: policy[0].global.lease: must be longer than round (1s)"],
     ),

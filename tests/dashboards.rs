@@ -220,13 +220,19 @@ fn prometheus_rules_use_only_defined_metrics() {
 
 /// What a panel target's query measures, read from its shape: a quantile of our
 /// histograms or a `_seconds` gauge is seconds, a `rate` of bytes is bytes per second,
-/// another `rate` (or a `_rate` gauge: units per second) is per second, a ratio of rates is a fraction, an `increase` is a
-/// count per interval, a `_bytes` gauge is bytes, anything else a plain number.
+/// another `rate` (or a `_rate` gauge: units per second) is per second, a ratio of rates is a
+/// fraction (bytes over something else: bytes per that thing), an `increase` is a count per
+/// interval, a `_bytes` gauge is bytes, anything else a plain number.
 fn dimension(expr: &str) -> &'static str {
     let rates = expr.matches("rate(").count() - expr.matches("irate(").count();
+    let ratio = expr.split_once(" / ");
     if expr.contains("histogram_quantile") || expr.contains("time() -") {
         "seconds"
-    } else if rates >= 2 && expr.contains(" / ") {
+    } else if rates >= 2
+        && ratio.is_some_and(|(over, under)| over.contains("_bytes") && !under.contains("_bytes"))
+    {
+        "bytes"
+    } else if rates >= 2 && ratio.is_some() {
         "fraction"
     } else if expr.contains("rate(") && expr.contains("_bytes") {
         "bytes per second"

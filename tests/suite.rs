@@ -34,6 +34,7 @@ mod dashboards;
 mod demo;
 mod deny_cache;
 mod differential;
+mod exchange_wire;
 mod failover;
 mod failure;
 mod features_meet;

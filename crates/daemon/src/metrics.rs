@@ -157,6 +157,16 @@ pub struct GlobalMetrics {
     pub peer_rtt_seconds: GaugeVec,
     /// `quotad_exchange_bytes_total{peer,direction}`: exchange bodies sent and received.
     pub exchange_bytes: IntCounterVec,
+    /// `quotad_exchange_keys_total{peer}`: keys in the exchanges sent to the peer, each
+    /// exchange once (not per attempt): bytes sent over keys sent, summed over the regions,
+    /// is the exchange's cost per key and round (the simulator's measure).
+    pub exchange_keys: IntCounterVec,
+    /// `quotad_exchange_binary{peer}`: 1 while this instance sends the peer the binary
+    /// form, 0 while JSON (pinned, or the peer refused the binary form: an older version).
+    pub exchange_binary: IntGaugeVec,
+    /// `quotad_exchange_renumbered_total{peer}`: key dictionaries started over because
+    /// the peer did not know our key numbers (it restarted, or another instance took over).
+    pub exchange_renumbered: IntCounterVec,
     /// `quotad_exchange_rejected_total{reason}`: peer requests refused before the
     /// coordinator saw them (unauthenticated, bad_signature, stale, replay, ...).
     pub exchange_rejected: IntCounterVec,
@@ -229,6 +239,18 @@ impl GlobalMetrics {
             exchange_bytes: c
                 .labels(&["peer", "direction"])
                 .counter(Opts::new("quotad_exchange_bytes_total", "Exchange bytes.")),
+            exchange_keys: c.labels(&["peer"]).counter(Opts::new(
+                "quotad_exchange_keys_total",
+                "Keys in exchanges sent.",
+            )),
+            exchange_binary: c.labels(&["peer"]).int_gauge(Opts::new(
+                "quotad_exchange_binary",
+                "1 while exchanges to the peer go in the binary form.",
+            )),
+            exchange_renumbered: c.labels(&["peer"]).counter(Opts::new(
+                "quotad_exchange_renumbered_total",
+                "Key dictionaries started over for the peer.",
+            )),
             exchange_rejected: c.labels(&["reason"]).counter(Opts::new(
                 "quotad_exchange_rejected_total",
                 "Peer requests refused.",

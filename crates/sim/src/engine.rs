@@ -18,6 +18,7 @@ use rand_distr::{Distribution, Poisson, Zipf};
 
 use quotad_core::coordinator::GlobalPolicy;
 use quotad_core::coordinator::message::Message;
+use quotad_core::coordinator::wire;
 
 use super::clock::{RealTime, SimClock};
 use super::metrics::Record;
@@ -703,6 +704,9 @@ fn secs(s: f64) -> i64 {
 
 /// A message, briefly, for the trace.
 fn describe(bytes: &[u8]) -> String {
+    if let Some(kind) = wire::kind(bytes) {
+        return format!("{kind:?}, {} bytes (binary)", bytes.len());
+    }
     let s = match Message::decode(bytes) {
         Ok(m) => format!("{m:?}"),
         Err(_) => String::from_utf8_lossy(bytes).into_owned(),

@@ -21,8 +21,9 @@ use serde::{Deserialize, Serialize};
 
 use quotad_core::coordinator::demand::DemandEstimator;
 use quotad_core::coordinator::lease::LeaseBook;
-use quotad_core::coordinator::message::{Exchange, Message};
+use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::node::{LeaseStore, Node};
+use quotad_core::coordinator::wire::{self, KeyIds, KeyTable, Spelled};
 use quotad_core::coordinator::{GlobalPolicy, LocalUs, Params, RegionId};
 
 use super::clock::SimClock;
@@ -81,11 +82,22 @@ pub struct Send {
     pub retry: Option<(i64, i64)>,
 }
 
-/// An exchange waiting for its reply (the daemon's client retries it on a timeout).
+/// An exchange waiting for its reply (the daemon's client retries it on a timeout). It
+/// stays until its reply comes or it is older than the client's timeout: a reply is read
+/// against its request, and confirms the keys the request spelled out.
 struct Pending {
     bytes: Vec<u8>,
     tries: u32,
+    request: Exchange,
+    spelled: Spelled,
 }
+
+/// How long the daemon's client waits for a reply, in rounds (its timeout).
+const REPLY_ROUNDS: i64 = 3;
+
+/// A receiver that cannot read a sender's key numbers answers this, then the epoch it
+/// refused (the daemon answers HTTP 409).
+const REFUSAL: u8 = b'!';
 
 /// Retries of one exchange (as the daemon's client: each exchange on its own, so a round's
 /// exchange is retried even when an early one to the same peer went out after it).
@@ -120,6 +132,11 @@ pub struct Regime {
     /// Lease: per (from, to, t_req), an exchange until its reply arrives or its retries
     /// are spent.
     pending: BTreeMap<(usize, usize, LocalUs), Pending>,
+    /// Lease: per sender, per receiver, the sender's key numbers (the daemon's peer
+    /// client holds these).
+    key_ids: Vec<Vec<KeyIds>>,
+    /// Lease: per receiver, per sender, the keys it learned (the daemon's handler).
+    key_tables: Vec<Vec<KeyTable>>,
 }
 
 struct NaiveKey {
@@ -174,6 +191,8 @@ impl Regime {
             unsent: (0..n).map(|_| BTreeMap::new()).collect(),
             split_rng,
             pending: BTreeMap::new(),
+            key_ids: (0..n).map(|_| fresh(n, KeyIds::new, &params)).collect(),
+            key_tables: (0..n).map(|_| fresh(n, KeyTable::new, &params)).collect(),
         };
         let store_clocks = if kind == ModeKind::Central {
             vec![central_clock]
@@ -284,6 +303,9 @@ impl Regime {
                     return;
                 };
                 let exchanges = node.round(store);
+                let stale = store.now() - REPLY_ROUNDS * self.params.round_us;
+                self.pending
+                    .retain(|&(from, _, t_req), _| from != r || t_req >= stale);
                 self.send_exchanges(r, exchanges, out);
             }
             ModeKind::CountSharing => {
@@ -319,13 +341,15 @@ impl Regime {
         for (to, ex) in exchanges {
             let keys = ex.policies.iter().map(|p| p.keys.len() as u32).sum();
             let t_req = ex.t_req;
-            let bytes = Message::Exchange(ex).encode();
+            let (bytes, spelled) = self.key_ids[r][to.index()].encode(&ex);
             let timeout = retry_timeout(node.rtt_us(to), self.params.round_us);
             self.pending.insert(
                 (r, to.index(), t_req),
                 Pending {
                     bytes: bytes.clone(),
                     tries: 0,
+                    request: ex,
+                    spelled,
                 },
             );
             out.push(Send {
@@ -401,31 +425,7 @@ impl Regime {
     /// A message from `from` arrives at `to`.
     pub fn deliver(&mut self, from: usize, to: usize, bytes: &[u8], out: &mut Vec<Send>) {
         match self.kind {
-            ModeKind::Lease => {
-                let (Some(node), store) = (self.nodes[to].as_mut(), &mut self.stores[to]) else {
-                    return; // the daemon is down: the request fails
-                };
-                match Message::decode(bytes) {
-                    Ok(Message::Exchange(ex)) => {
-                        if let Some(reply) = node.on_exchange(&ex, store) {
-                            out.push(Send {
-                                from: to,
-                                to: from,
-                                bytes: Message::Reply(reply).encode(),
-                                keys: 0,
-                                retry: None,
-                            });
-                        }
-                    }
-                    Ok(Message::Reply(reply)) => {
-                        self.pending.remove(&(to, from, reply.t_req));
-                        node.on_reply(&reply, store)
-                    }
-                    Err(_) => {}
-                }
-                let early = node.early_exchanges(store);
-                self.send_exchanges(to, early, out);
-            }
+            ModeKind::Lease => self.deliver_lease(from, to, bytes, out),
             ModeKind::CountSharing => {
                 if let Ok(Report(counts)) = serde_json::from_slice(bytes) {
                     for (k, c) in counts {
@@ -447,6 +447,60 @@ impl Regime {
         }
     }
 
+    /// Lease: an exchange (answered, or refused when its key numbers cannot be read), a
+    /// reply, or a refusal of ours; then whatever the node sends early.
+    fn deliver_lease(&mut self, from: usize, to: usize, bytes: &[u8], out: &mut Vec<Send>) {
+        if self.nodes[to].is_none() {
+            return; // the daemon is down: the request fails
+        }
+        match wire::kind(bytes) {
+            Some(wire::Kind::Exchange) => match self.key_tables[to][from].decode(bytes) {
+                Ok(ex) => {
+                    let node = self.nodes[to].as_mut().expect("checked above");
+                    if let Some(reply) = node.on_exchange(&ex, &mut self.stores[to]) {
+                        let bytes =
+                            wire::encode_reply(&ex, &reply).expect("a reply follows its request");
+                        out.push(answer(to, from, bytes));
+                    }
+                }
+                Err(e) if e.is_dictionary() => {
+                    let epoch = wire::exchange_epoch(bytes).unwrap_or(0);
+                    let mut bytes = vec![REFUSAL];
+                    bytes.extend_from_slice(&epoch.to_le_bytes());
+                    out.push(answer(to, from, bytes));
+                }
+                Err(_) => {}
+            },
+            Some(wire::Kind::Reply) => {
+                if let Some(reply) = self.take_reply(to, from, bytes) {
+                    let node = self.nodes[to].as_mut().expect("checked above");
+                    node.on_reply(&reply, &mut self.stores[to]);
+                }
+            }
+            None => {
+                if let Some(epoch) = refusal(bytes) {
+                    self.key_ids[to][from].refused(epoch);
+                }
+            }
+        }
+        let node = self.nodes[to].as_mut().expect("checked above");
+        let early = node.early_exchanges(&mut self.stores[to]);
+        self.send_exchanges(to, early, out);
+    }
+
+    /// A reply from `from` to region `at`: read against the exchange it answers, whose
+    /// spelled-out keys it confirms; that exchange is not sent again. A duplicate reply
+    /// (to a retry) is read too, as the daemon's client reads every attempt's answer.
+    /// `None` for a reply to nothing pending (later than the client waits).
+    fn take_reply(&mut self, at: usize, from: usize, bytes: &[u8]) -> Option<ExchangeReply> {
+        let t_req = wire::reply_t_req(bytes)?;
+        let p = self.pending.get_mut(&(at, from, t_req))?;
+        p.tries = MAX_RETRIES;
+        let reply = wire::decode_reply(&p.request, bytes).ok()?;
+        self.key_ids[at][from].confirm(&p.spelled);
+        Some(reply)
+    }
+
     /// An exchange's retry timer fired: send it again if no reply came and it has retries
     /// left (the same bytes: a retry is a duplicate, which the protocol takes).
     pub fn retry(&mut self, from: usize, to: usize, t_req: LocalUs, out: &mut Vec<Send>) {
@@ -457,7 +511,6 @@ impl Regime {
             return;
         };
         if p.tries >= MAX_RETRIES {
-            self.pending.remove(&(from, to, t_req));
             return;
         }
         p.tries += 1;
@@ -478,6 +531,10 @@ impl Regime {
             RegionEvent::Crash => {
                 self.nodes[r] = None;
                 self.pending.retain(|&(from, _, _), _| from != r);
+                // A process's dictionaries die with it.
+                let n = self.clocks.len();
+                self.key_ids[r] = fresh(n, KeyIds::new, &self.params);
+                self.key_tables[r] = fresh(n, KeyTable::new, &self.params);
             }
             RegionEvent::Restart => {
                 if self.kind == ModeKind::Lease && self.nodes[r].is_none() {
@@ -566,4 +623,28 @@ fn report(from: usize, to: usize, entries: Vec<(u32, f64)>) -> Send {
 pub fn retry_timeout(rtt_us: Option<i64>, round_us: i64) -> i64 {
     let cap = round_us / 3;
     rtt_us.map_or(round_us / 4, |rtt| (2 * rtt).clamp(100_000.min(cap), cap))
+}
+
+/// One dictionary per peer, each of at most twice the keys an exchange may carry (the
+/// daemon's cap).
+fn fresh<T>(n: usize, new: fn(usize) -> T, p: &Params) -> Vec<T> {
+    (0..n).map(|_| new(2 * p.max_exchange_keys)).collect()
+}
+
+fn refusal(bytes: &[u8]) -> Option<u64> {
+    match bytes {
+        [REFUSAL, rest @ ..] => Some(u64::from_le_bytes(rest.try_into().ok()?)),
+        _ => None,
+    }
+}
+
+/// A message back to the sender of the one being answered (no retry: the sender retries).
+fn answer(from: usize, to: usize, bytes: Vec<u8>) -> Send {
+    Send {
+        from,
+        to,
+        bytes,
+        keys: 0,
+        retry: None,
+    }
 }

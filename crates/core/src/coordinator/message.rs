@@ -1,8 +1,10 @@
 //! The exchange messages. Each round a region sends every peer one [`Exchange`] (its demand
 //! for the keys that matter to that peer, the loans it wants from it, and how far the peer
 //! may release older reservations); the peer answers with one [`ExchangeReply`] (its own
-//! demand and the grants). Field names are one or two letters because the per-key part is
-//! what the bandwidth target (≤ 100 bytes per hot key per peer per round) is about.
+//! demand and the grants). These are the messages; [`super::wire`] is the binary form they
+//! travel in between daemons (≤ 40 bytes per hot key per peer per round). The JSON form
+//! (field names of one or two letters) is what every version speaks, and what a region
+//! pinned to JSON sends.
 
 use serde::{Deserialize, Serialize};
 
@@ -117,7 +119,8 @@ pub enum Message {
 }
 
 impl Message {
-    /// The wire form (JSON, as the daemons send it) and its length.
+    /// The JSON form (the daemons send a bare [`Exchange`] or [`ExchangeReply`], or the
+    /// binary form of [`super::wire`]).
     pub fn encode(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("messages are plain data")
     }

@@ -14,6 +14,7 @@
 //!   implies at a given store time (the input of the token bucket).
 //! - [`message`]: the exchange messages (serde types; they travel over HTTP in the daemon).
 //! - [`node`]: one region's coordinator: rounds, link states, the lender and borrower rules.
+//! - [`wire`]: the binary form of the messages (key numbers per peer, varints).
 //!
 //! Time comes from a [`crate::clock::Clock`] that the node owns; the store and the transport
 //! are the caller's (the node returns messages and writes through [`node::LeaseStore`]). The
@@ -26,6 +27,7 @@ pub mod demand;
 pub mod lease;
 pub mod message;
 pub mod node;
+pub mod wire;
 
 use serde::{Deserialize, Serialize};
 

@@ -21,6 +21,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, post};
 use axum::{Json, Router};
+use quotad_core::coordinator::wire;
 use serde_json::{Value, json};
 
 use crate::federation::auth::{HEADER_SIGNATURE, Rejection, Signed};
@@ -246,7 +247,19 @@ async fn peer_exchange(State(state): State<AppState>, req: Request) -> Response 
         Err(e) => return e.into_response(),
     };
     match f.exchange(admitted, &body).await {
-        Ok(reply) => peer_json(StatusCode::OK, reply.body, Some(&reply.signature)),
+        Ok(reply) => {
+            let content_type = if reply.binary {
+                wire::CONTENT_TYPE
+            } else {
+                "application/json"
+            };
+            peer_body(
+                StatusCode::OK,
+                content_type,
+                reply.body,
+                Some(&reply.signature),
+            )
+        }
         Err(r) => rejection(f, r),
     }
 }
@@ -259,19 +272,23 @@ fn rejection(f: &Federation, r: Rejection) -> Response {
         Rejection::NotCoordinator | Rejection::Busy => StatusCode::SERVICE_UNAVAILABLE,
         Rejection::LengthRequired => StatusCode::LENGTH_REQUIRED,
         Rejection::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        Rejection::UnknownKeys => StatusCode::CONFLICT,
         _ => StatusCode::UNAUTHORIZED,
     };
     let body = json!({"error": {"code": r.reason(), "message": r.to_string()}});
-    peer_json(status, serde_json::to_vec(&body).unwrap_or_default(), None)
+    let body = serde_json::to_vec(&body).unwrap_or_default();
+    peer_body(status, "application/json", body, None)
 }
 
-fn peer_json(status: StatusCode, body: Vec<u8>, signature: Option<&str>) -> Response {
+fn peer_body(
+    status: StatusCode,
+    content_type: &'static str,
+    body: Vec<u8>,
+    signature: Option<&str>,
+) -> Response {
     let mut resp = (status, body).into_response();
     let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     if let Some(sig) = signature
         && let Ok(v) = HeaderValue::from_str(sig)
     {

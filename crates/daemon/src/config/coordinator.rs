@@ -52,6 +52,19 @@ pub struct GlobalSettings {
     pub max_exchange_bytes: usize,
     /// `server.max_key_bytes`: a peer's key longer than this is refused like a client's.
     pub max_key_bytes: usize,
+    /// The form exchanges travel in (`coordinator.exchange_encoding`).
+    pub encoding: Encoding,
+}
+
+/// How this region sends exchanges, and which forms it accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// The binary form, falling back to JSON for a peer that refuses it (an older
+    /// version); JSON is accepted too.
+    Binary,
+    /// Only the JSON envelope, sent and accepted, as versions before the binary form:
+    /// for reading exchanges on the wire, or to rehearse a rolling upgrade.
+    Json,
 }
 
 /// Bytes an exchange may spend per key besides the key itself (fields, quoting, escapes
@@ -297,6 +310,21 @@ impl Validator<'_> {
             100,
             1_000_000,
         ) as usize;
+        let encoding = match &c.exchange_encoding {
+            None => Encoding::Binary,
+            Some(e) => match e.get_ref().as_str() {
+                "binary" => Encoding::Binary,
+                "json" => Encoding::Json,
+                _ => {
+                    self.error(
+                        e,
+                        "coordinator.exchange_encoding",
+                        "must be \"binary\" or \"json\"",
+                    );
+                    Encoding::Binary
+                }
+            },
+        };
         let params = Params {
             round_us: round.as_micros() as i64,
             lease_us: lease.as_micros() as i64,
@@ -314,6 +342,7 @@ impl Validator<'_> {
             max_skew,
             max_exchange_bytes: 0,
             max_key_bytes: 0,
+            encoding,
         }
     }
 }

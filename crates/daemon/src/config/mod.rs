@@ -31,7 +31,7 @@ use crate::policy::{FailMode, Policy, PolicySpec};
 use quotad_core::algorithm::Algorithm;
 
 pub use coordinator::{
-    DEFAULT_LOCK, DEFAULT_MAX_SKEW, EXCHANGE_BYTES_PER_KEY, EXCHANGE_ENVELOPE_BYTES,
+    DEFAULT_LOCK, DEFAULT_MAX_SKEW, EXCHANGE_BYTES_PER_KEY, EXCHANGE_ENVELOPE_BYTES, Encoding,
     GlobalSettings, MIN_SECRET_BYTES, PeerSettings, Secret,
 };
 pub use descriptor::{DescriptorNode, Descriptors};

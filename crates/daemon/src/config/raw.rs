@@ -55,6 +55,7 @@ pub struct Coordinator {
     pub epsilon: Option<Spanned<f64>>,
     pub max_skew: Option<Spanned<String>>,
     pub max_exchange_keys: Option<Spanned<i64>>,
+    pub exchange_encoding: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -53,10 +53,14 @@ pub enum Rejection {
     /// future, a seq past 2^53, more keys than a round allows, an over-long key).
     #[error("a value is out of bounds")]
     Invalid,
+    /// A binary exchange naming keys by numbers this instance has no spelling for (it
+    /// restarted, or just took over its region): the sender starts its numbering over.
+    #[error("key numbers this instance does not know; spell the keys out again")]
+    UnknownKeys,
 }
 
 impl Rejection {
-    pub const ALL: [Rejection; 11] = [
+    pub const ALL: [Rejection; 12] = [
         Rejection::Unauthenticated,
         Rejection::UnknownPeer,
         Rejection::BadSignature,
@@ -68,6 +72,7 @@ impl Rejection {
         Rejection::TooLarge,
         Rejection::Busy,
         Rejection::Invalid,
+        Rejection::UnknownKeys,
     ];
 
     pub fn reason(self) -> &'static str {
@@ -83,6 +88,7 @@ impl Rejection {
             Rejection::TooLarge => "too_large",
             Rejection::Busy => "busy",
             Rejection::Invalid => "invalid",
+            Rejection::UnknownKeys => "unknown_keys",
         }
     }
 }

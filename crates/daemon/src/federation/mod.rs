@@ -30,13 +30,14 @@ use std::time::Duration;
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::config::GlobalSettings;
+use crate::config::{Encoding, GlobalSettings};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::store::layout::Layouts;
 use auth::{Rejection, Signed};
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::node::{KeyStatus, Link, NodeStats, PolicyStatus};
+use quotad_core::coordinator::wire::{self, KeyTable};
 use quotad_core::coordinator::{GlobalPolicy, RegionId};
 use runtime::Event;
 
@@ -143,6 +144,23 @@ impl Shared {
             .inc_by(bytes as u64);
     }
 
+    /// `quotad_exchange_keys_total{peer}`: the keys of one exchange sent.
+    fn count_keys(&self, peer: &str, msg: &Exchange) {
+        let keys: usize = msg.policies.iter().map(|p| p.keys.len()).sum();
+        self.metrics
+            .global
+            .exchange_keys
+            .with_label_values(&[peer])
+            .inc_by(keys as u64);
+    }
+
+    /// Keys a peer's dictionary may hold, at each end: twice what one exchange may carry
+    /// (the keys of a round, and as many that came and went before the numbering starts
+    /// over). With the defaults and 256-byte keys, at most 5 MB per peer.
+    fn dictionary_cap(&self) -> usize {
+        2 * self.settings.params.max_exchange_keys
+    }
+
     fn set_status(&self, s: Status) {
         *self.status.write().unwrap_or_else(|p| p.into_inner()) = s;
     }
@@ -200,6 +218,8 @@ pub struct Federation {
     /// Bounds what unauthenticated bodies can make quotad hold: the HMAC needs the whole
     /// body, so until then anyone who names a peer and a fresh timestamp is a suspect.
     budgets: Vec<Arc<tokio::sync::Semaphore>>,
+    /// Per peer (in `settings.peers` order): the keys it numbered in binary exchanges.
+    tables: Vec<Mutex<KeyTable>>,
 }
 
 /// A peer request that passed every check its headers allow, holding its share of that
@@ -219,6 +239,8 @@ const BUDGET_BODIES: usize = 2;
 /// The coordinator's answer to a peer's exchange, and its signature for the peer.
 pub struct SignedReply {
     pub body: Vec<u8>,
+    /// In the binary form (the request was); JSON otherwise.
+    pub binary: bool,
     pub signature: String,
 }
 
@@ -292,8 +314,8 @@ fn verifier(settings: &GlobalSettings) -> auth::Verifier {
     auth::Verifier::new(me, secrets, settings.max_skew.as_millis() as i64)
 }
 
-/// A zero series for every rejection reason and for this region's leader gauge, so that
-/// rates and alerts over them work before the first rejection or takeover.
+/// A zero series for every rejection reason, this region's leader gauge and each peer's
+/// exchange series, so that rates and alerts over them work before the first event.
 fn preregister(metrics: &Metrics, settings: &GlobalSettings) {
     for r in Rejection::ALL {
         metrics
@@ -303,6 +325,18 @@ fn preregister(metrics: &Metrics, settings: &GlobalSettings) {
     }
     let me = &settings.regions[settings.me.index()];
     metrics.global.leader.with_label_values(&[me]).set(0);
+    let g = &metrics.global;
+    for p in &settings.peers {
+        let binary = settings.encoding == Encoding::Binary;
+        g.exchange_binary
+            .with_label_values(&[&p.region])
+            .set(binary as i64);
+        g.exchange_renumbered.with_label_values(&[&p.region]);
+        g.exchange_keys.with_label_values(&[&p.region]);
+        for direction in ["sent", "received"] {
+            g.exchange_bytes.with_label_values(&[&p.region, direction]);
+        }
+    }
 }
 
 /// Spawns the client that sends the coordinator's exchanges to the peers, with timeouts
@@ -318,10 +352,14 @@ fn start_peer_client(
         .connect_timeout(round)
         .build()
         .map_err(start_error)?;
+    let cap = shared.dictionary_cap();
     let client = Arc::new(peers::PeerClient {
         shared: shared.clone(),
         http,
         events,
+        wires: (0..shared.settings.peers.len())
+            .map(|_| Mutex::new(peers::PeerWire::new(cap)))
+            .collect(),
     });
     tokio::spawn(client.run(outbound));
     Ok(())
@@ -354,8 +392,12 @@ impl Federation {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let thread = backend.spawn(&shared, events_rx, out_tx)?;
         start_peer_client(&shared, events_tx.clone(), out_rx)?;
+        let cap = shared.dictionary_cap();
         Ok(Arc::new(Federation {
             budgets: body_budgets(&shared.settings),
+            tables: (0..shared.settings.peers.len())
+                .map(|_| Mutex::new(KeyTable::new(cap)))
+                .collect(),
             shared,
             events: events_tx,
             verifier,
@@ -440,30 +482,59 @@ impl Federation {
         let peer = &s.peers[admitted.peer];
         self.shared
             .count_bytes(&peer.region, "received", body.len());
-        let msg = Self::decode_from(body, peer.id)?;
+        let binary = wire::is_binary(body);
+        let msg = Arc::new(self.decode_from(body, admitted.peer)?);
         let me = self.shared.leader_token.load(Ordering::Acquire);
         if let Err(why) = validate_exchange(&msg, signed.timestamp_ms, me, s) {
             tracing::warn!(peer = %peer.region, why, "peer exchange refused: a value is out of bounds");
             return Err(Rejection::Invalid);
         }
-        let reply = self.ask_coordinator(msg).await?;
-        let body = serde_json::to_vec(&reply).unwrap_or_default();
+        let reply = self.ask_coordinator(msg.clone()).await?;
+        // A reply goes in the request's form; one the binary form cannot carry (it does
+        // not follow its request's order) goes as JSON, which the peer tells by its first
+        // byte.
+        let encoded = binary.then(|| wire::encode_reply(&msg, &reply)).flatten();
+        let binary = encoded.is_some();
+        let body = encoded.unwrap_or_else(|| serde_json::to_vec(&reply).unwrap_or_default());
         self.shared.count_bytes(&peer.region, "sent", body.len());
         let signature = auth::sign_reply(&peer.secret.0, &signed.nonce, &body);
-        Ok(SignedReply { body, signature })
+        Ok(SignedReply {
+            body,
+            binary,
+            signature,
+        })
     }
 
-    /// The exchange in a body, which must speak for the region that signed it.
-    fn decode_from(body: &[u8], peer: RegionId) -> Result<Exchange, Rejection> {
-        match serde_json::from_slice::<Exchange>(body) {
-            Ok(m) if m.from == peer => Ok(m),
-            _ => Err(Rejection::Malformed),
+    /// The exchange in a body (binary, or JSON), which must speak for the region that
+    /// signed it. A region pinned to JSON refuses the binary form as malformed, as
+    /// versions before it do: the peer goes back to JSON.
+    fn decode_from(&self, body: &[u8], peer: usize) -> Result<Exchange, Rejection> {
+        let id = self.shared.settings.peers[peer].id;
+        let decoded = if wire::is_binary(body) {
+            if self.shared.settings.encoding == Encoding::Json {
+                return Err(Rejection::Malformed);
+            }
+            let mut table = self.tables[peer].lock().unwrap_or_else(|p| p.into_inner());
+            table.decode(body).map_err(|e| {
+                if e.is_dictionary() {
+                    Rejection::UnknownKeys
+                } else {
+                    tracing::debug!(error = %e, "binary exchange not readable");
+                    Rejection::Malformed
+                }
+            })?
+        } else {
+            serde_json::from_slice::<Exchange>(body).map_err(|_| Rejection::Malformed)?
+        };
+        if decoded.from != id {
+            return Err(Rejection::Malformed);
         }
+        Ok(decoded)
     }
 
     /// Hands an exchange to the coordinator thread and waits at most one round for its
     /// reply; an instance that does not (or no longer) coordinate answers nothing.
-    async fn ask_coordinator(&self, msg: Exchange) -> Result<ExchangeReply, Rejection> {
+    async fn ask_coordinator(&self, msg: Arc<Exchange>) -> Result<ExchangeReply, Rejection> {
         if !self.shared.is_leader() {
             return Err(Rejection::NotCoordinator);
         }

@@ -3,8 +3,8 @@
 //! twice, without abandoning the earlier attempts (on a slow WAN the first answer may
 //! simply be late). Every reply is checked against our nonce before the node sees it.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -12,16 +12,58 @@ use tokio::task::JoinSet;
 use super::Shared;
 use super::auth::{self, HEADER_SIGNATURE};
 use super::runtime::Event;
+use crate::config::Encoding;
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
+use quotad_core::coordinator::wire::{self, KeyIds, Spelled};
 
 pub const EXCHANGE_PATH: &str = "/v1/peer/exchange";
 const MAX_ATTEMPTS: usize = 3;
+
+/// How long a peer that refused the binary form (a version before it) gets JSON before
+/// the binary form is tried again: an upgraded peer is back on it within this.
+const JSON_AFTER_REFUSAL: Duration = Duration::from_secs(300);
 
 pub struct PeerClient {
     pub shared: Arc<Shared>,
     pub http: reqwest::Client,
     pub events: std::sync::mpsc::Sender<Event>,
+    /// Per peer (in `settings.peers` order): how its exchanges are encoded.
+    pub wires: Vec<Mutex<PeerWire>>,
+}
+
+/// The sending side of the binary form for one peer.
+pub struct PeerWire {
+    ids: KeyIds,
+    /// The peer refused the binary form: JSON until then.
+    json_until: Option<Instant>,
+}
+
+impl PeerWire {
+    pub fn new(cap: usize) -> Self {
+        PeerWire {
+            ids: KeyIds::new(cap),
+            json_until: None,
+        }
+    }
+}
+
+/// One exchange as it goes on the wire.
+struct Body {
+    bytes: Vec<u8>,
+    /// Binary: what a reply confirms the peer now knows. `None` for JSON.
+    spelled: Option<Spelled>,
+}
+
+/// How one attempt ended.
+enum Outcome {
+    Reply(ExchangeReply),
+    /// Refused, or no answer: the next attempt goes as it is.
+    Failed,
+    /// The peer does not read the binary form (a version before it): JSON from now on.
+    NoBinary,
+    /// The peer does not know our key numbers: number them anew.
+    UnknownKeys,
 }
 
 impl PeerClient {
@@ -39,100 +81,152 @@ impl PeerClient {
         Duration::from_micros((2 * rtt).clamp(lo, round / 3) as u64)
     }
 
+    fn wire(&self, peer: usize) -> std::sync::MutexGuard<'_, PeerWire> {
+        self.wires[peer].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The exchange for peer `peer` in the form that peer gets now.
+    fn encode(&self, peer: usize, msg: &Exchange) -> Arc<Body> {
+        let s = &self.shared.settings;
+        let mut w = self.wire(peer);
+        let json_pinned = s.encoding == Encoding::Json;
+        let refused = w.json_until.is_some_and(|t| Instant::now() < t);
+        let binary = !json_pinned && !refused;
+        self.shared
+            .metrics
+            .global
+            .exchange_binary
+            .with_label_values(&[&s.peers[peer].region])
+            .set(binary as i64);
+        if !binary {
+            let bytes = serde_json::to_vec(msg).unwrap_or_default();
+            return Arc::new(Body {
+                bytes,
+                spelled: None,
+            });
+        }
+        w.json_until = None;
+        let (bytes, spelled) = w.ids.encode(msg);
+        Arc::new(Body {
+            bytes,
+            spelled: Some(spelled),
+        })
+    }
+
+    /// Sends one exchange and hands every verified reply to the coordinator: the first,
+    /// and those to attempts already under way (a retry's reply carries the lender's
+    /// newer grants). An exchange still unanswered after the retry wait is sent again
+    /// without abandoning the earlier attempts, at most [`MAX_ATTEMPTS`] in all; one the
+    /// peer refused for its form goes again at once in the form it takes.
     async fn deliver(self: Arc<Self>, to: RegionId, msg: Exchange) {
-        let Ok(body) = serde_json::to_vec(&msg) else {
+        let s = &self.shared.settings;
+        let Some(peer) = s.peers.iter().position(|p| p.id == to) else {
             return;
         };
-        let body = Arc::new(body);
+        self.shared.count_keys(&s.peers[peer].region, &msg);
+        let msg = Arc::new(msg);
+        let mut body = self.encode(peer, &msg);
         let wait = self.retry_after(to);
         let mut attempts = JoinSet::new();
         let mut started = 0;
+        let mut answered = false;
         loop {
-            if started < MAX_ATTEMPTS {
-                attempts.spawn(self.clone().attempt(to, body.clone()));
+            if !answered && started < MAX_ATTEMPTS {
+                attempts.spawn(self.clone().attempt(to, msg.clone(), body.clone()));
                 started += 1;
             }
-            let next = tokio::time::sleep(wait);
+            let retry = tokio::time::sleep(wait);
             tokio::select! {
                 done = attempts.join_next() => match done {
-                    Some(Ok(Some(reply))) => {
-                        let _ = self.events.send(Event::Reply(reply));
-                        return;
-                    }
-                    // That attempt failed: try again now rather than after the wait.
-                    Some(_) => {
-                        if started >= MAX_ATTEMPTS && attempts.is_empty() {
-                            return;
-                        }
-                    }
                     None => return,
-                },
-                _ = next => {
-                    if started >= MAX_ATTEMPTS {
-                        // Let the last attempts finish (bounded by the client timeout).
-                        while let Some(done) = attempts.join_next().await {
-                            if let Ok(Some(reply)) = done {
-                                let _ = self.events.send(Event::Reply(reply));
-                                return;
-                            }
-                        }
-                        return;
+                    Some(Ok(Outcome::Reply(reply))) => {
+                        let _ = self.events.send(Event::Reply(reply));
+                        answered = true;
                     }
-                }
+                    Some(Ok(Outcome::NoBinary)) => {
+                        if body.spelled.is_some() {
+                            self.wire(peer).json_until = Some(Instant::now() + JSON_AFTER_REFUSAL);
+                            tracing::info!(peer = %s.peers[peer].region, "peer refused the binary exchange form: sending it JSON");
+                            body = self.encode(peer, &msg);
+                        }
+                    }
+                    Some(Ok(Outcome::UnknownKeys)) => {
+                        if let Some(spelled) = &body.spelled {
+                            self.renumber(peer, spelled.epoch());
+                            body = self.encode(peer, &msg);
+                        }
+                    }
+                    Some(_) => {}
+                },
+                _ = retry, if !answered && started < MAX_ATTEMPTS => {}
             }
         }
     }
 
-    /// One signed POST to the peer's current URL; on a refusal or a network error the
-    /// next URL of that peer becomes current (a region with several instances).
-    async fn attempt(self: Arc<Self>, to: RegionId, body: Arc<Vec<u8>>) -> Option<ExchangeReply> {
+    /// The peer did not know the numbers of `epoch`: if that is still ours, start over.
+    fn renumber(&self, peer: usize, epoch: u64) {
+        let mut w = self.wire(peer);
+        if w.ids.epoch() == epoch {
+            w.ids.refused(epoch);
+            self.shared
+                .metrics
+                .global
+                .exchange_renumbered
+                .with_label_values(&[&self.shared.settings.peers[peer].region])
+                .inc();
+        }
+    }
+
+    /// One signed POST to the peer's current URL. A refusal for the body's form (409: our
+    /// key numbers; 400 `malformed` to a binary body: a version before the binary form)
+    /// says so; on any other refusal or a network error the next URL of that peer becomes
+    /// current (a region with several instances).
+    async fn attempt(
+        self: Arc<Self>,
+        to: RegionId,
+        msg: Arc<Exchange>,
+        body: Arc<Body>,
+    ) -> Outcome {
         let s = &self.shared.settings;
-        let peer = s.peers.iter().find(|p| p.id == to)?;
+        let Some((peer_idx, peer)) = s.peers.iter().enumerate().find(|(_, p)| p.id == to) else {
+            return Outcome::Failed;
+        };
         let me = &s.regions[s.me.index()];
         let idx = self.shared.url_index(to) % peer.urls.len();
         let url = format!("{}{EXCHANGE_PATH}", peer.urls[idx]);
-        let signed = auth::sign_request(&peer.secret.0, me, &peer.region, wall_ms(), &body);
-        self.shared.count_bytes(&peer.region, "sent", body.len());
-        let mut req = self
-            .http
-            .post(&url)
-            .header("content-type", "application/json");
+        let signed = auth::sign_request(&peer.secret.0, me, &peer.region, wall_ms(), &body.bytes);
+        self.shared
+            .count_bytes(&peer.region, "sent", body.bytes.len());
+        let binary = body.spelled.is_some();
+        let content_type = if binary {
+            wire::CONTENT_TYPE
+        } else {
+            "application/json"
+        };
+        let mut req = self.http.post(&url).header("content-type", content_type);
         for (name, value) in signed.headers() {
             req = req.header(name, value);
         }
-        let resp = req.body(body.to_vec()).send().await;
-        let resp = match resp {
+        let resp = match req.body(body.bytes.clone()).send().await {
             Ok(r) if r.status().is_success() => r,
-            Ok(r) => {
-                tracing::debug!(peer = %peer.region, status = %r.status(), "exchange refused");
-                self.shared.next_url(to, idx);
-                return None;
-            }
+            Ok(r) => return self.refused(r, binary, to, idx).await,
             Err(e) => {
                 tracing::debug!(peer = %peer.region, error = %e, "exchange failed");
                 self.shared.next_url(to, idx);
-                return None;
+                return Outcome::Failed;
             }
         };
-        let sig = resp
+        let Some(sig) = resp
             .headers()
             .get(HEADER_SIGNATURE)
             .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)?;
-        // Read at most what a round can carry before the signature is checked: the link
-        // is plain HTTP, and anyone on the path could otherwise feed us without end.
-        let max = s.max_exchange_bytes;
-        let mut resp = resp;
-        let mut reply = Vec::new();
-        while let Some(chunk) = resp.chunk().await.ok()? {
-            if reply.len() + chunk.len() > max {
-                tracing::warn!(peer = %peer.region, "exchange reply over {max} bytes dropped");
-                return None;
-            }
-            reply.extend_from_slice(&chunk);
-        }
-        self.shared
-            .count_bytes(&peer.region, "received", reply.len());
+            .map(str::to_owned)
+        else {
+            return Outcome::Failed;
+        };
+        let Some(reply) = self.read_reply(resp, &peer.region).await else {
+            return Outcome::Failed;
+        };
         if !auth::verify_reply(&peer.secret.0, &signed.nonce, &reply, &sig) {
             tracing::warn!(peer = %peer.region, "exchange reply with a bad signature dropped");
             self.shared
@@ -141,9 +235,16 @@ impl PeerClient {
                 .exchange_rejected
                 .with_label_values(&["bad_signature"])
                 .inc();
-            return None;
+            return Outcome::Failed;
         }
-        let reply: ExchangeReply = serde_json::from_slice(&reply).ok()?;
+        let decoded = if wire::is_binary(&reply) {
+            wire::decode_reply(&msg, &reply).ok()
+        } else {
+            serde_json::from_slice::<ExchangeReply>(&reply).ok()
+        };
+        let Some(reply) = decoded else {
+            return Outcome::Failed;
+        };
         if let Err(why) = super::validate_reply(&reply, wall_ms(), s) {
             tracing::warn!(peer = %peer.region, why, "exchange reply refused: a value is out of bounds");
             self.shared
@@ -152,10 +253,73 @@ impl PeerClient {
                 .exchange_rejected
                 .with_label_values(&["invalid"])
                 .inc();
+            return Outcome::Failed;
+        }
+        if reply.from != to {
+            return Outcome::Failed;
+        }
+        // The peer decoded the exchange: it has every key the exchange spelled out.
+        if let Some(spelled) = &body.spelled {
+            self.wire(peer_idx).ids.confirm(spelled);
+        }
+        Outcome::Reply(reply)
+    }
+
+    /// Reads at most what a round can carry before the signature is checked: the link is
+    /// plain HTTP, and anyone on the path could otherwise feed us without end.
+    async fn read_reply(&self, resp: reqwest::Response, peer: &str) -> Option<Vec<u8>> {
+        let max = self.shared.settings.max_exchange_bytes;
+        let Some(reply) = read_at_most(resp, max).await else {
+            tracing::warn!(
+                peer,
+                "exchange reply over {max} bytes (or cut short) dropped"
+            );
+            return None;
+        };
+        self.shared.count_bytes(peer, "received", reply.len());
+        Some(reply)
+    }
+
+    /// A peer's refusal: of the binary form, of our key numbers, or of anything else (the
+    /// next URL then).
+    async fn refused(
+        &self,
+        resp: reqwest::Response,
+        binary: bool,
+        to: RegionId,
+        idx: usize,
+    ) -> Outcome {
+        let status = resp.status();
+        tracing::debug!(peer = to.0, %status, "exchange refused");
+        if binary && status == reqwest::StatusCode::CONFLICT {
+            return Outcome::UnknownKeys;
+        }
+        if binary && status == reqwest::StatusCode::BAD_REQUEST {
+            // Only `malformed` means the form: `invalid` is a value out of bounds.
+            let code = read_at_most(resp, 4096)
+                .await
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|v| v["error"]["code"].as_str().map(str::to_owned));
+            if code.as_deref() == Some("malformed") {
+                return Outcome::NoBinary;
+            }
+            return Outcome::Failed;
+        }
+        self.shared.next_url(to, idx);
+        Outcome::Failed
+    }
+}
+
+/// A response's body, if it is at most `max` bytes and arrives whole.
+async fn read_at_most(mut resp: reqwest::Response, max: usize) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.ok()? {
+        if body.len() + chunk.len() > max {
             return None;
         }
-        (reply.from == to).then_some(reply)
+        body.extend_from_slice(&chunk);
     }
+    Some(body)
 }
 
 /// Wall-clock milliseconds, for signatures only (decisions use Redis's clock).

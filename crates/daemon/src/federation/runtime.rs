@@ -50,7 +50,7 @@ pub trait Backend: Send + 'static {
 pub enum Event {
     /// A peer's exchange, authenticated; the reply goes back on `reply` (None: not now).
     Exchange {
-        msg: Exchange,
+        msg: Arc<Exchange>,
         reply: oneshot::Sender<Option<ExchangeReply>>,
     },
     /// A peer's reply to one of our exchanges, authenticated.

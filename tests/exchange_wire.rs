@@ -1,0 +1,349 @@
+//! The exchange between real regions in its binary form: hot keys cross at a few bytes
+//! each, a region pinned to the JSON envelope (as versions before the binary form) and
+//! one on the binary form still lend to each other, and a peer that lost our key numbers
+//! (a restart) is sent the keys spelled out again. Two regions (eu, us), a redis-server
+//! and a daemon each; load is many keys of one global policy, each checked in batches.
+//!
+//! The figure for 100,000 keys comes from a release build (about 7 minutes):
+//! `QUOTAD_WIRE_KEYS=100000 cargo test --release --all-features --test suite exchange_wire::hot -- --nocapture`.
+
+use quotad_testkit as common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use common::federation::{TWO_REGIONS as REGIONS, TwoRegions};
+use common::{Config, Global, Peer, Policy, Quotad, http, wait_for};
+use serde_json::{Value, json};
+
+const SECRET: &str = "exchange-wire-test-secret-0123456789";
+/// Per key: ρ 10/s, eu's escrow 2, us's 8. eu's load is 4/s per key, so each key borrows.
+const RHO: u64 = 10;
+
+/// Two regions; `encoding[i]` is region i's `coordinator.exchange_encoding`.
+fn start(encoding: [&'static str; 2]) -> TwoRegions {
+    TwoRegions::start(
+        |_| {},
+        move |me, redis, peer| config(me, redis, peer, encoding[me]),
+    )
+}
+
+fn config(me: usize, redis: &str, peer_url: &str, encoding: &str) -> String {
+    Config::redis(redis)
+        .region(REGIONS[me])
+        .coordinator("secret", SECRET)
+        .coordinator("lock", timing().2)
+        .coordinator("exchange_encoding", encoding)
+        .coordinator("max_exchange_keys", 200_000)
+        .peer(Peer::new(REGIONS[1 - me], peer_url))
+        .policy(
+            Policy::new("g", "token_bucket", RHO, "1s")
+                .burst(100)
+                .global(
+                    Global::escrow(&[("eu", 1), ("us", 4)])
+                        .set("round", timing().0)
+                        .set("lease", timing().1),
+                ),
+        )
+        .to_toml()
+}
+
+/// Round, lease and lock: short in the suite. At 10,000 keys and more, long enough for
+/// a round of that many keys, with the load and both regions on the same two cores (a
+/// round of 100,000 borrowing keys took 4-7 s in a release build here), and the peer's
+/// exchange after it.
+fn timing() -> (&'static str, &'static str, &'static str) {
+    if keys_in_test() <= 1000 {
+        ("500ms", "2s", "1s")
+    } else {
+        ("20s", "80s", "60s")
+    }
+}
+
+fn key(i: usize) -> String {
+    format!("customer-{i:06}")
+}
+
+/// Offers every key of `keys` 4 units/s in `daemon`'s region until dropped: a sweep
+/// checks each key once, in batches of 64 from four threads, at most twice a second; each
+/// check costs what 4 units/s come to over the last sweep (2 while sweeps keep up).
+struct KeyLoad {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+const LOAD_THREADS: usize = 4;
+
+impl KeyLoad {
+    fn start(port: u16, keys: usize) -> KeyLoad {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..LOAD_THREADS)
+            .map(|t| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mine: Vec<usize> = (t..keys).step_by(LOAD_THREADS).collect();
+                    let mut cost = 2;
+                    while !stop.load(Ordering::Relaxed) {
+                        let started = std::time::Instant::now();
+                        for chunk in mine.chunks(64) {
+                            let checks: Vec<Value> = chunk
+                                .iter()
+                                .map(|&i| json!({"policy": "g", "key": key(i), "cost": cost}))
+                                .collect();
+                            let body = json!({ "checks": checks }).to_string();
+                            let _ =
+                                http(port, "POST", "/v1/check", Some("application/json"), &body);
+                            if stop.load(Ordering::Relaxed) {
+                                return;
+                            }
+                        }
+                        let sweep = started.elapsed().max(Duration::from_millis(500));
+                        cost = (4.0 * sweep.as_secs_f64()).ceil() as u64;
+                        std::thread::sleep(sweep.saturating_sub(started.elapsed()));
+                    }
+                })
+            })
+            .collect();
+        KeyLoad { stop, threads }
+    }
+}
+
+impl Drop for KeyLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Keys of `daemon`'s status that borrow (eu) or lend (us), and the enforced rate of key 0.
+fn status_key(daemon: &Quotad, key: &str) -> Option<Value> {
+    let v: Value = daemon.json("/v1/status");
+    v["policies"]
+        .as_array()?
+        .iter()
+        .flat_map(|p| p["keys"].as_array().cloned().unwrap_or_default())
+        .find(|k| k["key"] == key)
+}
+
+fn borrowed(daemon: &Quotad, key: &str) -> f64 {
+    status_key(daemon, key)
+        .and_then(|k| k["borrowed"].as_f64())
+        .unwrap_or(0.0)
+}
+
+fn enforced(daemon: &Quotad, key: &str) -> Option<f64> {
+    status_key(daemon, key).and_then(|k| k["enforced"].as_f64())
+}
+
+/// What the two regions' metrics say of their link, at one moment: rounds of eu, bytes
+/// both sent (exchanges with their retries, and replies), keys both reported.
+#[derive(Debug, Clone, Copy)]
+struct Wire {
+    rounds: f64,
+    bytes: f64,
+    keys: f64,
+}
+
+fn wire(pair: &TwoRegions) -> Wire {
+    let sent = |d: &Quotad, peer: &str| {
+        let bytes = d.metric(&format!(
+            "quotad_exchange_bytes_total{{direction=\"sent\",peer=\"{peer}\"}}"
+        ));
+        let keys = d.metric(&format!("quotad_exchange_keys_total{{peer=\"{peer}\"}}"));
+        (bytes, keys)
+    };
+    let (eu_bytes, eu_keys) = sent(pair.eu(), "us");
+    let (us_bytes, us_keys) = sent(pair.us(), "eu");
+    Wire {
+        rounds: pair.eu().metric("quotad_rounds_total"),
+        bytes: eu_bytes + us_bytes,
+        keys: eu_keys + us_keys,
+    }
+}
+
+fn keys_in_test() -> usize {
+    std::env::var("QUOTAD_WIRE_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
+}
+
+/// Every key of the load borrows from us, so each is in every exchange both ways with a
+/// loan: its ask, its release, its grant. Over ten rounds, the bytes both regions sent
+/// over the keys both reported: the exchange's cost per key and round (JSON: about 92).
+#[test]
+fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
+    let n = keys_in_test();
+    let pair = start(["binary", "binary"]);
+    let _load = KeyLoad::start(pair.eu().port, n);
+    wait_for(
+        "every key tracked, and borrowing",
+        Duration::from_secs(600),
+        || {
+            let tracked = |d: &Quotad| d.metric("quotad_hot_keys{policy=\"g\"}") >= n as f64;
+            let borrowing = pair.eu().metric("quotad_borrowed_rate{policy=\"g\"}") > 0.0;
+            eprintln!(
+                "eu hot {} us hot {} borrowed {} rounds {} keys sent {} bytes {}",
+                pair.eu().metric("quotad_hot_keys{policy=\"g\"}"),
+                pair.us().metric("quotad_hot_keys{policy=\"g\"}"),
+                pair.eu().metric("quotad_borrowed_rate{policy=\"g\"}"),
+                pair.eu().metric("quotad_rounds_total"),
+                pair.eu()
+                    .metric("quotad_exchange_keys_total{direction=\"sent\",peer=\"us\"}"),
+                pair.eu()
+                    .metric("quotad_exchange_bytes_total{direction=\"sent\",peer=\"us\"}")
+            );
+            let lg = pair.us().log();
+            let lines: Vec<&str> = lg.lines().collect();
+            eprintln!(
+                "US LOG: {}",
+                lines[lines.len().saturating_sub(4)..].join("\n")
+            );
+            let lg = pair.eu().log();
+            let lines: Vec<&str> = lg.lines().collect();
+            eprintln!(
+                "EU LOG: {}",
+                lines[lines.len().saturating_sub(4)..].join("\n")
+            );
+            let st = pair.eu().json("/v1/status");
+            let ks = st["policies"][0]["keys"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            eprintln!("status keys {} first {:?}", ks.len(), ks.first());
+            let (_, _, o) = common::http(
+                pair.eu().port,
+                "POST",
+                "/v1/check",
+                Some("application/json"),
+                &json!({"policy":"g","key":key(5),"cost":1}).to_string(),
+            )
+            .unwrap_or_default();
+            eprintln!("check: {o}");
+            std::thread::sleep(Duration::from_secs(2));
+            (tracked(pair.eu()) && tracked(pair.us()) && borrowing).then_some(())
+        },
+    );
+    assert_eq!(pair.eu().metric("quotad_exchange_binary{peer=\"us\"}"), 1.0);
+    let before = wire(&pair);
+    wait_for("ten more rounds", Duration::from_secs(600), || {
+        (pair.eu().metric("quotad_rounds_total") >= before.rounds + 10.0).then_some(())
+    });
+    let after = wire(&pair);
+    let rounds = after.rounds - before.rounds;
+    let bytes = after.bytes - before.bytes;
+    let keys = after.keys - before.keys;
+    let per_key = bytes / keys;
+    eprintln!(
+        "{n} keys: {rounds} rounds, {bytes} bytes both ways for {keys} key reports: \
+         {per_key:.1} bytes per key and round, {:.0} keys per round",
+        keys / rounds
+    );
+    assert!(
+        keys >= rounds * n as f64 * 0.9,
+        "most keys in every exchange: {keys}"
+    );
+    assert!(per_key < 40.0, "{per_key} bytes per key");
+    assert_eq!(
+        pair.us()
+            .metric("quotad_exchange_rejected_total{reason=\"malformed\"}"),
+        0.0
+    );
+}
+
+/// us speaks only JSON (as a version before the binary form): it refuses eu's first
+/// binary exchange as malformed, eu sends it JSON from then on, and the loans flow as
+/// before. What both enforce for a key never sums past ρ (eu read first: a lender's
+/// reservation outlives the borrower's loan).
+#[test]
+fn a_region_on_the_json_envelope_and_one_on_the_binary_form_keep_lending() {
+    let pair = start(["binary", "json"]);
+    let _load = KeyLoad::start(pair.eu().port, 50);
+    wait_for("eu borrowing from us", Duration::from_secs(30), || {
+        (borrowed(pair.eu(), &key(0)) > 0.0).then_some(())
+    });
+    assert_eq!(pair.eu().metric("quotad_exchange_binary{peer=\"us\"}"), 0.0);
+    assert!(
+        pair.us()
+            .metric("quotad_exchange_rejected_total{reason=\"malformed\"}")
+            >= 1.0
+    );
+    assert_eq!(pair.us().metric("quotad_exchange_binary{peer=\"eu\"}"), 0.0);
+    let mut above_escrow = 0;
+    for _ in 0..20 {
+        let (Some(eu), Some(us)) = (enforced(pair.eu(), &key(0)), enforced(pair.us(), &key(0)))
+        else {
+            continue;
+        };
+        assert!(eu + us <= RHO as f64 + 1e-9, "eu {eu} + us {us} > {RHO}");
+        above_escrow += (eu > 2.0) as usize;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(above_escrow > 0, "eu never enforced more than its escrow");
+}
+
+/// us restarts: its new process has none of eu's key numbers, refuses them (409), and eu
+/// starts its numbering over; the keys borrow again. Then eu restarts, and us takes its
+/// new numbering without refusing anything.
+#[test]
+fn a_restarted_peer_is_sent_the_keys_spelled_out_again() {
+    let mut pair = start(["binary", "binary"]);
+    let _load = KeyLoad::start(pair.eu().port, 50);
+    wait_for("eu borrowing from us", Duration::from_secs(30), || {
+        (borrowed(pair.eu(), &key(0)) > 0.0).then_some(())
+    });
+    assert_eq!(
+        pair.eu()
+            .metric("quotad_exchange_renumbered_total{peer=\"us\"}"),
+        0.0
+    );
+    pair.daemons[1].restart();
+    wait_for(
+        "eu renumbering its keys for us",
+        Duration::from_secs(30),
+        || {
+            (pair
+                .eu()
+                .metric("quotad_exchange_renumbered_total{peer=\"us\"}")
+                >= 1.0)
+                .then_some(())
+        },
+    );
+    assert!(
+        pair.us()
+            .metric("quotad_exchange_rejected_total{reason=\"unknown_keys\"}")
+            >= 1.0
+    );
+    let renumbered = pair
+        .eu()
+        .metric("quotad_exchange_renumbered_total{peer=\"us\"}");
+    wait_for("us lending again", Duration::from_secs(30), || {
+        let lent = status_key(pair.us(), &key(0)).and_then(|k| k["lent"].as_f64());
+        (lent.unwrap_or(0.0) > 0.0).then_some(())
+    });
+    assert_eq!(pair.eu().metric("quotad_exchange_binary{peer=\"us\"}"), 1.0);
+    assert_eq!(
+        pair.eu()
+            .metric("quotad_exchange_renumbered_total{peer=\"us\"}"),
+        renumbered,
+        "once renumbered, the numbers hold"
+    );
+    // eu restarts: a new incarnation, a numbering from the start, which us takes as a
+    // new table rather than refusing it.
+    let refused = pair
+        .us()
+        .metric("quotad_exchange_rejected_total{reason=\"unknown_keys\"}");
+    pair.daemons[0].restart();
+    wait_for("eu borrowing again", Duration::from_secs(30), || {
+        (borrowed(pair.eu(), &key(0)) > 0.0).then_some(())
+    });
+    assert_eq!(
+        pair.us()
+            .metric("quotad_exchange_rejected_total{reason=\"unknown_keys\"}"),
+        refused,
+        "a restarted sender's numbers are taken, not refused"
+    );
+}
