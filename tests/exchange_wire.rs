@@ -54,10 +54,10 @@ fn config(me: usize, redis: &str, peer_url: &str, encoding: &str) -> String {
 /// round of 100,000 borrowing keys took 4-7 s in a release build here), and the peer's
 /// exchange after it.
 fn timing() -> (&'static str, &'static str, &'static str) {
-    if keys_in_test() <= 1000 {
-        ("500ms", "2s", "1s")
-    } else {
-        ("20s", "80s", "60s")
+    match keys_in_test() {
+        0..=1_000 => ("500ms", "2s", "1s"),
+        1_001..=10_000 => ("3s", "12s", "15s"),
+        _ => ("20s", "80s", "60s"),
     }
 }
 

@@ -1,4 +1,4 @@
-//! The scenarios of docs/simulator.md (S1–S16) and random ones for the property tests.
+//! The scenarios of docs/simulator.md (S1–S17) and random ones for the property tests.
 //!
 //! A scenario is data: regions and their escrow weights, the global rate, the offered load
 //! over time, the network, and a fault schedule. Times are seconds from the start of the
@@ -26,12 +26,14 @@ pub enum Load {
     /// region's share a raised cosine, a third of a period apart): follow-the-sun.
     Sun { total: f64, period_s: f64 },
     /// `keys` keys with Zipf popularity (`exponent`), `total` units/s split over regions
-    /// by `shares`; every region ranks the keys the same way.
+    /// by `shares` (from `then.0` seconds on, by `then.1`); every region ranks the keys
+    /// the same way.
     Zipf {
         keys: u32,
         exponent: f64,
         total: f64,
         shares: Vec<f64>,
+        then: Option<(f64, Vec<f64>)>,
     },
 }
 
@@ -67,7 +69,18 @@ impl Load {
                     total * (1.0 + (2.0 * std::f64::consts::PI * phase).cos()) / regions as f64
                 })
                 .collect(),
-            Load::Zipf { total, shares, .. } => shares.iter().map(|s| total * s).collect(),
+            Load::Zipf {
+                total,
+                shares,
+                then,
+                ..
+            } => {
+                let shares = match then {
+                    Some((at, later)) if t_s >= *at => later,
+                    _ => shares,
+                };
+                shares.iter().map(|s| total * s).collect()
+            }
         }
     }
 }
@@ -196,7 +209,7 @@ impl Scenario {
             .map_or_else(|| format!("r{i}"), |s| (*s).to_owned())
     }
 
-    /// Every scenario of docs/simulator.md, in order.
+    /// Every scenario of docs/simulator.md, in order, but the heavy S17.
     pub fn all() -> Vec<Scenario> {
         (1..=16)
             .map(|i| Scenario::by_id(&format!("S{i}")).expect("defined"))
@@ -409,6 +422,7 @@ impl Scenario {
                         exponent: 1.1,
                         total: 3000.0,
                         shares: vec![0.5, 0.3, 0.2],
+                        then: None,
                     },
                 )
             },
@@ -454,6 +468,29 @@ impl Scenario {
                         (120.0, vec![500.0, 300.0, 100.0, 300.0]),
                         (121.0, vec![0.0, 450.0, 200.0, 550.0]),
                     ]),
+                )
+            },
+            // Every key hot: 100,000 keys of ρ 1/s under flat Zipf popularity, offered 1 × Σρ
+            // (the head keys far over their ρ, the tail near it), then ap's share of the
+            // traffic doubles. Heavy (about 1.5 min per seed on one core): not in `all`.
+            "S17" => Scenario {
+                rho: 1.0,
+                burst: 10.0,
+                oa_keys: 10,
+                tick_us: 20_000,
+                warmup_s: 20.0,
+                steps_s: vec![35.0],
+                ..Scenario::base(
+                    "S17",
+                    "100,000 hot Zipf keys, a step",
+                    50.0,
+                    Load::Zipf {
+                        keys: 100_000,
+                        exponent: 0.3,
+                        total: 100_000.0,
+                        shares: vec![0.5, 0.3, 0.2],
+                        then: Some((35.0, vec![0.35, 0.25, 0.4])),
+                    },
                 )
             },
             _ => return None,
@@ -742,5 +779,12 @@ mod tests {
         assert!((r.iter().sum::<f64>() - 1200.0).abs() < 1e-9);
         assert_eq!(s15.net.rtt_ms[0][5], 290.0);
         assert_eq!(s15.net.rtt_ms[3][4], s15.net.rtt_ms[9][0]);
+        let s17 = Scenario::by_id("S17").unwrap();
+        assert_eq!(s17.load.rates(34.9, 3), vec![50_000.0, 30_000.0, 20_000.0]);
+        assert_eq!(s17.load.rates(35.0, 3), vec![35_000.0, 25_000.0, 40_000.0]);
+        assert!(
+            Scenario::all().iter().all(|s| s.id != "S17"),
+            "heavy: by name only"
+        );
     }
 }
