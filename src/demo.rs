@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use quotad_testkit::load::{Load, admitted_between};
+use quotad_testkit::load::{Load, ManyKeys, admitted_between, max_admitted_in_window};
 use quotad_testkit::proxy::{Leg, LegHandle, Proxy};
 use quotad_testkit::{Config, Global, Peer, Policy, Quotad, RedisServer, redis_available};
 
@@ -33,8 +33,47 @@ const NAMES: [&str; MAX_REGIONS] = [
     "ap-southeast",
 ];
 pub(crate) const MAX_REGIONS: usize = 10;
+pub(crate) const MAX_KEYS: usize = 100_000;
 const RHO: u64 = 1000;
+const BURST: u64 = 200;
 const COST: u64 = 5;
+/// The `bulk` policy of `--keys`: per key, ρ 10/s; each key offered 2 units/s in one
+/// region (key i in region i mod n), so it is hot there and, where that region's escrow
+/// is below 2/s, borrows.
+const BULK_RHO: u64 = 10;
+const BULK_OFFERED: f64 = 2.0;
+
+/// What to run.
+pub struct Demo {
+    pub regions: usize,
+    pub embedded: bool,
+    /// Keys of the `bulk` policy (0: none).
+    pub keys: usize,
+    pub duration: Duration,
+}
+
+/// Rounds, leases and the lock: the defaults, and with more than 1,000 bulk keys what a
+/// round of that many keys takes on a small machine (every region's daemon and Redis,
+/// and the load, on the same cores).
+fn timing(keys: usize) -> (Duration, Duration, Duration) {
+    if keys > 1000 {
+        (
+            Duration::from_secs(3),
+            Duration::from_secs(12),
+            Duration::from_secs(15),
+        )
+    } else {
+        (
+            Duration::from_secs(1),
+            Duration::from_secs(10),
+            Duration::from_secs(3),
+        )
+    }
+}
+
+fn bulk_key(i: usize) -> String {
+    format!("bulk-{i:06}")
+}
 
 /// One step of the script: from `at` seconds, offered units per second per region.
 struct Step {
@@ -95,7 +134,7 @@ struct Regions {
 }
 
 impl Regions {
-    fn start(n: usize, use_redis: bool) -> Result<Regions, DemoError> {
+    fn start(n: usize, use_redis: bool, keys: usize) -> Result<Regions, DemoError> {
         let redis: Vec<RedisServer> = if use_redis {
             (0..n)
                 .map(|_| RedisServer::try_start().map_err(DemoError::Redis))
@@ -126,7 +165,7 @@ impl Regions {
                     .iter()
                     .map(|p| p.as_ref().map_or(String::new(), Proxy::url))
                     .collect();
-                Quotad::serve(&region_config(n, me, &store, &urls))
+                Quotad::serve(&region_config(n, me, &store, &urls, keys))
             })
             .collect();
         for row in &proxies {
@@ -162,22 +201,38 @@ impl Regions {
     }
 }
 
-fn region_config(n: usize, me: usize, store: &str, peer_urls: &[String]) -> String {
+fn region_config(n: usize, me: usize, store: &str, peer_urls: &[String], keys: usize) -> String {
+    let (round, lease, lock) = timing(keys);
+    let secs = |d: Duration| format!("{}s", d.as_secs());
     let mut config = Config::redis(store)
         .region(NAMES[me])
-        .coordinator("secret", "demo-secret-not-for-production");
+        .coordinator("secret", "demo-secret-not-for-production")
+        .coordinator("lock", secs(lock))
+        .coordinator("max_exchange_keys", (keys as i64 + 1000).max(10_000));
     for (j, url) in peer_urls.iter().enumerate().filter(|(j, _)| *j != me) {
         config = config.peer(Peer::new(NAMES[j], url));
     }
     let escrow: Vec<(&str, u32)> = NAMES.iter().copied().zip(weights(n)).collect();
-    config
-        .policy(
-            Policy::new("api", "token_bucket", RHO, "1s")
-                .burst(200)
+    let global = || {
+        Global::escrow(&escrow)
+            .set("round", secs(round))
+            .set("lease", secs(lease))
+    };
+    config = config.policy(
+        Policy::new("api", "token_bucket", RHO, "1s")
+            .burst(BURST)
+            .on_store_error("closed")
+            .global(global()),
+    );
+    if keys > 0 {
+        config = config.policy(
+            Policy::new("bulk", "token_bucket", BULK_RHO, "1s")
+                .burst(2 * BULK_RHO)
                 .on_store_error("closed")
-                .global(Global::escrow(&escrow)),
-        )
-        .to_toml()
+                .global(global()),
+        );
+    }
+    config.to_toml()
 }
 
 /// The region's enforced rate for the demo key, from its `/v1/status`.
@@ -195,7 +250,7 @@ fn share(daemon: &Quotad, region: usize) -> Option<f64> {
     }
 }
 
-fn print_header(use_redis: bool, daemons: &[Quotad]) {
+fn print_header(use_redis: bool, daemons: &[Quotad], keys: usize) {
     let n = daemons.len();
     let w = weights(n);
     let total: u32 = w.iter().sum();
@@ -219,9 +274,17 @@ fn print_header(use_redis: bool, daemons: &[Quotad]) {
             NAMES[i]
         );
     }
+    let (round, lease, _) = timing(keys);
+    if keys > 0 {
+        println!(
+            "  and {keys} keys of policy bulk ({BULK_RHO}/s each), each offered {BULK_OFFERED}/s in one region; rounds of {} s",
+            round.as_secs()
+        );
+    }
     println!(
-        "A region lends nothing for the first lease(1+e)+margin = 10.1 s after it starts (learning\n\
-         period): until then each enforces its escrow. Ctrl-C stops everything.\n"
+        "A region lends nothing for the first lease(1+e)+margin = {:.1} s after it starts (learning\n\
+         period): until then each enforces its escrow. Ctrl-C stops everything.\n",
+        lease.as_secs_f64() * 1.001 + 0.1
     );
     let mut names = format!("{:>4} ", "t");
     let mut units = format!("{:>4} ", "s");
@@ -280,16 +343,27 @@ fn row(t: u64, offered: &[f64], load: &Load, regions: &Regions) -> String {
 /// Runs the demo of `n` regions (2 to [`MAX_REGIONS`]) until the script ends or `stop` is
 /// cancelled (Ctrl-C). Blocking: the daemons and the load generator run on runtimes of
 /// their own.
-pub fn run(
-    n: usize,
-    embedded: bool,
-    duration: Duration,
-    stop: CancellationToken,
-) -> Result<(), DemoError> {
+pub fn run(demo: Demo, stop: CancellationToken) -> Result<(), DemoError> {
+    let Demo {
+        regions: n,
+        embedded,
+        keys,
+        duration,
+    } = demo;
     let use_redis = !embedded && redis_available();
-    let regions = Regions::start(n, use_redis)?;
-    print_header(use_redis, &regions.daemons);
+    let regions = Regions::start(n, use_redis, keys)?;
+    print_header(use_redis, &regions.daemons, keys);
     let load = Load::start(regions.urls(), "api", "customer-42", COST);
+    let bulk = (keys > 0).then(|| {
+        let targets = regions
+            .daemons
+            .iter()
+            .enumerate()
+            .map(|(r, d)| (d.port, (r..keys).step_by(n).map(bulk_key).collect()))
+            .collect();
+        ManyKeys::start("bulk", targets, BULK_OFFERED)
+    });
+    let before: Vec<Exchanged> = regions.daemons.iter().map(Exchanged::read).collect();
     let steps = script(n);
     let started = Instant::now();
     let mut offered = vec![0.0; n];
@@ -316,8 +390,79 @@ pub fn run(
             break;
         }
     }
+    drop(bulk);
+    let (most, at) = max_admitted_in_window(&load.answers(), 1.0);
+    println!(
+        "\ncustomer-42: at most {most} units admitted in any 1 s window (at {at:.1} s; bound rho + burst = {})",
+        RHO + BURST
+    );
+    if keys > 0 {
+        print_exchange(&regions, &before);
+    }
     load.finish();
     drop(regions);
     println!("\nstopped: daemons shut down, redis-servers stopped.");
     outcome
+}
+
+/// What a region's metrics say of its exchanges and rounds, at one moment.
+#[derive(Clone, Copy, Default)]
+struct Exchanged {
+    rounds: f64,
+    round_seconds: f64,
+    bytes_sent: f64,
+    keys_sent: f64,
+    tracked: f64,
+    cpu_seconds: f64,
+}
+
+impl Exchanged {
+    fn read(d: &Quotad) -> Exchanged {
+        let text = d.try_get("/metrics").map(|(_, t)| t).unwrap_or_default();
+        // Summed over every series of `name` whose labels contain `with`.
+        let sum = |name: &str, with: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(name) && l.contains(with))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        Exchanged {
+            rounds: sum("quotad_rounds_total ", ""),
+            round_seconds: sum("quotad_round_duration_seconds_sum", ""),
+            bytes_sent: sum("quotad_exchange_bytes_total{", "direction=\"sent\""),
+            keys_sent: sum("quotad_exchange_keys_total{", ""),
+            tracked: sum("quotad_hot_keys{", "policy=\"bulk\""),
+            cpu_seconds: sum("process_cpu_seconds_total ", ""),
+        }
+    }
+}
+
+/// Per region, since the start: keys tracked, rounds and their mean time, bytes sent per
+/// round and per key reported; and the CPU the whole demo used (the daemons run in this
+/// process, beside the load generator; the redis-servers are not counted).
+fn print_exchange(regions: &Regions, before: &[Exchanged]) {
+    println!("\nbulk keys' exchange, per region since the start:");
+    println!(
+        "{:<12} {:>8} {:>7} {:>12} {:>14} {:>13}",
+        "region", "tracked", "rounds", "round mean", "bytes/round", "bytes/key"
+    );
+    let mut cpu = 0.0;
+    for (r, d) in regions.daemons.iter().enumerate() {
+        let now = Exchanged::read(d);
+        let b = before[r];
+        let rounds = (now.rounds - b.rounds).max(1.0);
+        let keys = (now.keys_sent - b.keys_sent).max(1.0);
+        let bytes = now.bytes_sent - b.bytes_sent;
+        cpu = now.cpu_seconds - b.cpu_seconds;
+        println!(
+            "{:<12} {:>8.0} {:>7.0} {:>10.0} ms {:>14.0} {:>13.1}",
+            NAMES[r],
+            now.tracked,
+            rounds,
+            1000.0 * (now.round_seconds - b.round_seconds) / rounds,
+            bytes / rounds,
+            bytes / keys
+        );
+    }
+    println!("CPU of the demo process (daemons and load): {cpu:.0} s");
 }

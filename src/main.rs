@@ -46,6 +46,10 @@ enum Command {
         /// Use the embedded store even when redis-server is on PATH.
         #[arg(long)]
         embedded: bool,
+        /// Also offer this many keys of a second global policy (`bulk`), spread over the
+        /// regions, and print what their exchange cost at the end (0 to 100,000).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=demo::MAX_KEYS as i64))]
+        keys: u32,
         /// Stop after this long (the script takes about 85 s).
         #[arg(long, default_value = "85s", value_parser = humantime::parse_duration)]
         duration: std::time::Duration,
@@ -238,8 +242,9 @@ fn main() -> ExitCode {
         Command::Demo {
             regions,
             embedded,
+            keys,
             duration,
-        } => demo(usize::from(regions), embedded, duration),
+        } => demo(usize::from(regions), embedded, keys as usize, duration),
         Command::Script { algorithm } => {
             print!("{}", quotad_daemon::store::scripts::source(algorithm));
             ExitCode::SUCCESS
@@ -264,11 +269,17 @@ fn main() -> ExitCode {
 }
 
 #[cfg(feature = "demo")]
-fn demo(regions: usize, embedded: bool, duration: std::time::Duration) -> ExitCode {
+fn demo(regions: usize, embedded: bool, keys: usize, duration: std::time::Duration) -> ExitCode {
     // The table is the output: daemons log warnings only (RUST_LOG overrides).
     init_tracing_at("warn", LogFormat::Text);
     until_signal(|stop| async move {
-        tokio::task::spawn_blocking(move || demo::run(regions, embedded, duration, stop))
+        let demo = demo::Demo {
+            regions,
+            embedded,
+            keys,
+            duration,
+        };
+        tokio::task::spawn_blocking(move || demo::run(demo, stop))
             .await
             .map_err(|e| eprintln!("demo failed: {e}"))?
             .map_err(|e| eprintln!("demo failed: {e}"))

@@ -121,10 +121,12 @@ fn the_demo_runs_on_the_embedded_store() {
 
 /// `--regions 5`: five regions, a redis-server each; before any lending each enforces its
 /// escrow (weights 6/3/1/2/2 of 1,000/s) and the offered load is the script's 1,200/s.
-/// More than ten is refused before anything starts.
+/// With `--keys`, a second policy's keys are offered too and the end reports, per region,
+/// what their exchange cost, and the demo key's most admitted in a second. More than ten
+/// regions, or more than 100,000 keys, is refused before anything starts.
 #[test]
 fn the_demo_runs_any_number_of_regions_up_to_ten() {
-    let text = run_to_the_end(&["--regions", "5", "--duration", "3s"]);
+    let text = run_to_the_end(&["--regions", "5", "--keys", "500", "--duration", "3s"]);
     assert!(text.contains("5 regions (a redis-server each)"), "{text}");
     // A row: t, then (offered, enforced, admitted) per region, then the total.
     let rows: Vec<Vec<f64>> = text
@@ -141,6 +143,26 @@ fn the_demo_runs_any_number_of_regions_up_to_ten() {
     let enforced: Vec<f64> = (0..5).map(|r| last[2 + 3 * r]).collect();
     assert_eq!(offered, 1200.0, "{text}");
     assert_eq!(enforced, vec![429.0, 214.0, 71.0, 143.0, 143.0], "{text}");
+    let most: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("customer-42: at most "))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no bound line:\n{text}"));
+    assert!(most <= 1200, "{text}");
+    let exchange: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.starts_with("bulk keys' exchange"))
+        .skip(2)
+        .take(5)
+        .collect();
+    assert_eq!(exchange.len(), 5, "{text}");
+    for line in exchange {
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert!(
+            cells.last().and_then(|c| c.parse::<f64>().ok()).is_some(),
+            "{line}"
+        );
+    }
 
     let refused = Command::new(quotad_binary())
         .args(["demo", "--regions", "11"])
@@ -148,6 +170,12 @@ fn the_demo_runs_any_number_of_regions_up_to_ten() {
         .expect("run quotad demo");
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--regions"));
+    let refused = Command::new(quotad_binary())
+        .args(["demo", "--keys", "100001"])
+        .output()
+        .expect("run quotad demo");
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--keys"));
 }
 
 /// Runs `quotad demo` with `args` until it ends by itself; its output, once it exited 0.

@@ -9,13 +9,12 @@
 
 use quotad_testkit as common;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::federation::{TWO_REGIONS as REGIONS, TwoRegions};
-use common::{Config, Global, Peer, Policy, Quotad, http, wait_for};
-use serde_json::{Value, json};
+use common::load::ManyKeys;
+use common::{Config, Global, Peer, Policy, Quotad, wait_for};
+use serde_json::Value;
 
 const SECRET: &str = "exchange-wire-test-secret-0123456789";
 /// Per key: ρ 10/s, eu's escrow 2, us's 8. eu's load is 4/s per key, so each key borrows.
@@ -65,57 +64,9 @@ fn key(i: usize) -> String {
     format!("customer-{i:06}")
 }
 
-/// Offers every key of `keys` 4 units/s in `daemon`'s region until dropped: a sweep
-/// checks each key once, in batches of 64 from four threads, at most twice a second; each
-/// check costs what 4 units/s come to over the last sweep (2 while sweeps keep up).
-struct KeyLoad {
-    stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-const LOAD_THREADS: usize = 4;
-
-impl KeyLoad {
-    fn start(port: u16, keys: usize) -> KeyLoad {
-        let stop = Arc::new(AtomicBool::new(false));
-        let threads = (0..LOAD_THREADS)
-            .map(|t| {
-                let stop = stop.clone();
-                std::thread::spawn(move || {
-                    let mine: Vec<usize> = (t..keys).step_by(LOAD_THREADS).collect();
-                    let mut cost = 2;
-                    while !stop.load(Ordering::Relaxed) {
-                        let started = std::time::Instant::now();
-                        for chunk in mine.chunks(64) {
-                            let checks: Vec<Value> = chunk
-                                .iter()
-                                .map(|&i| json!({"policy": "g", "key": key(i), "cost": cost}))
-                                .collect();
-                            let body = json!({ "checks": checks }).to_string();
-                            let _ =
-                                http(port, "POST", "/v1/check", Some("application/json"), &body);
-                            if stop.load(Ordering::Relaxed) {
-                                return;
-                            }
-                        }
-                        let sweep = started.elapsed().max(Duration::from_millis(500));
-                        cost = (4.0 * sweep.as_secs_f64()).ceil() as u64;
-                        std::thread::sleep(sweep.saturating_sub(started.elapsed()));
-                    }
-                })
-            })
-            .collect();
-        KeyLoad { stop, threads }
-    }
-}
-
-impl Drop for KeyLoad {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-    }
+/// Offers each of `keys` keys 4 units/s in the daemon at `port` until dropped.
+fn key_load(port: u16, keys: usize) -> ManyKeys {
+    ManyKeys::start("g", vec![(port, (0..keys).map(key).collect())], 4.0)
 }
 
 /// Keys of `daemon`'s status that borrow (eu) or lend (us), and the enforced rate of key 0.
@@ -178,52 +129,13 @@ fn keys_in_test() -> usize {
 fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
     let n = keys_in_test();
     let pair = start(["binary", "binary"]);
-    let _load = KeyLoad::start(pair.eu().port, n);
+    let _load = key_load(pair.eu().port, n);
     wait_for(
         "every key tracked, and borrowing",
         Duration::from_secs(600),
         || {
             let tracked = |d: &Quotad| d.metric("quotad_hot_keys{policy=\"g\"}") >= n as f64;
             let borrowing = pair.eu().metric("quotad_borrowed_rate{policy=\"g\"}") > 0.0;
-            eprintln!(
-                "eu hot {} us hot {} borrowed {} rounds {} keys sent {} bytes {}",
-                pair.eu().metric("quotad_hot_keys{policy=\"g\"}"),
-                pair.us().metric("quotad_hot_keys{policy=\"g\"}"),
-                pair.eu().metric("quotad_borrowed_rate{policy=\"g\"}"),
-                pair.eu().metric("quotad_rounds_total"),
-                pair.eu()
-                    .metric("quotad_exchange_keys_total{direction=\"sent\",peer=\"us\"}"),
-                pair.eu()
-                    .metric("quotad_exchange_bytes_total{direction=\"sent\",peer=\"us\"}")
-            );
-            let lg = pair.us().log();
-            let lines: Vec<&str> = lg.lines().collect();
-            eprintln!(
-                "US LOG: {}",
-                lines[lines.len().saturating_sub(4)..].join("\n")
-            );
-            let lg = pair.eu().log();
-            let lines: Vec<&str> = lg.lines().collect();
-            eprintln!(
-                "EU LOG: {}",
-                lines[lines.len().saturating_sub(4)..].join("\n")
-            );
-            let st = pair.eu().json("/v1/status");
-            let ks = st["policies"][0]["keys"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default();
-            eprintln!("status keys {} first {:?}", ks.len(), ks.first());
-            let (_, _, o) = common::http(
-                pair.eu().port,
-                "POST",
-                "/v1/check",
-                Some("application/json"),
-                &json!({"policy":"g","key":key(5),"cost":1}).to_string(),
-            )
-            .unwrap_or_default();
-            eprintln!("check: {o}");
-            std::thread::sleep(Duration::from_secs(2));
             (tracked(pair.eu()) && tracked(pair.us()) && borrowing).then_some(())
         },
     );
@@ -261,7 +173,7 @@ fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
 #[test]
 fn a_region_on_the_json_envelope_and_one_on_the_binary_form_keep_lending() {
     let pair = start(["binary", "json"]);
-    let _load = KeyLoad::start(pair.eu().port, 50);
+    let _load = key_load(pair.eu().port, 50);
     wait_for("eu borrowing from us", Duration::from_secs(30), || {
         (borrowed(pair.eu(), &key(0)) > 0.0).then_some(())
     });
@@ -291,7 +203,7 @@ fn a_region_on_the_json_envelope_and_one_on_the_binary_form_keep_lending() {
 #[test]
 fn a_restarted_peer_is_sent_the_keys_spelled_out_again() {
     let mut pair = start(["binary", "binary"]);
-    let _load = KeyLoad::start(pair.eu().port, 50);
+    let _load = key_load(pair.eu().port, 50);
     wait_for("eu borrowing from us", Duration::from_secs(30), || {
         (borrowed(pair.eu(), &key(0)) > 0.0).then_some(())
     });

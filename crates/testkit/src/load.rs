@@ -333,3 +333,64 @@ impl Drop for Checks {
         self.stop.store(true, Ordering::Relaxed);
     }
 }
+
+/// Many keys of one policy, each offered a steady rate, checked in batches of 64: the load
+/// that puts thousands of hot keys in a global policy's exchange. `targets` pairs a
+/// daemon's port with the keys offered there; every key is checked once per sweep (at
+/// most two sweeps a second, from [`MANY_KEYS_THREADS`] threads per target), each check
+/// costing what `rate` units/s come to over the last sweep.
+pub struct ManyKeys {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+pub const MANY_KEYS_THREADS: usize = 4;
+
+impl ManyKeys {
+    pub fn start(policy: &str, targets: Vec<(u16, Vec<String>)>, rate: f64) -> ManyKeys {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for (port, keys) in targets {
+            let keys = Arc::new(keys);
+            for t in 0..MANY_KEYS_THREADS {
+                let (stop, keys, policy) = (stop.clone(), keys.clone(), policy.to_owned());
+                threads.push(std::thread::spawn(move || {
+                    let mine: Vec<&String> =
+                        keys.iter().skip(t).step_by(MANY_KEYS_THREADS).collect();
+                    sweep_until(&stop, port, &policy, &mine, rate);
+                }));
+            }
+        }
+        ManyKeys { stop, threads }
+    }
+}
+
+fn sweep_until(stop: &AtomicBool, port: u16, policy: &str, keys: &[&String], rate: f64) {
+    let mut cost = (rate / 2.0).ceil().max(1.0) as u64;
+    while !stop.load(Ordering::Relaxed) {
+        let started = Instant::now();
+        for chunk in keys.chunks(64) {
+            let checks: Vec<serde_json::Value> = chunk
+                .iter()
+                .map(|k| serde_json::json!({"policy": policy, "key": k, "cost": cost}))
+                .collect();
+            let body = serde_json::json!({ "checks": checks }).to_string();
+            let _ = crate::http(port, "POST", "/v1/check", Some("application/json"), &body);
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+        }
+        let sweep = started.elapsed().max(Duration::from_millis(500));
+        cost = (rate * sweep.as_secs_f64()).ceil().max(1.0) as u64;
+        std::thread::sleep(sweep.saturating_sub(started.elapsed()));
+    }
+}
+
+impl Drop for ManyKeys {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
