@@ -126,7 +126,7 @@ fn the_demo_runs_on_the_embedded_store() {
 /// regions, or more than 100,000 keys, is refused before anything starts.
 #[test]
 fn the_demo_runs_any_number_of_regions_up_to_ten() {
-    let text = run_to_the_end(&["--regions", "5", "--keys", "500", "--duration", "3s"]);
+    let text = run_to_the_end(&["--regions", "5", "--keys", "100", "--duration", "3s"]);
     assert!(text.contains("5 regions (a redis-server each)"), "{text}");
     // A row: t, then (offered, enforced, admitted) per region, then the total.
     let rows: Vec<Vec<f64>> = text

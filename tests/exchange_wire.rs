@@ -54,7 +54,7 @@ fn config(me: usize, redis: &str, peer_url: &str, encoding: &str) -> String {
 /// exchange after it.
 fn timing() -> (&'static str, &'static str, &'static str) {
     match keys_in_test() {
-        0..=1_000 => ("500ms", "2s", "1s"),
+        0..=1_000 => ("250ms", "1s", "1s"),
         1_001..=10_000 => ("3s", "12s", "15s"),
         _ => ("20s", "80s", "60s"),
     }
@@ -119,7 +119,7 @@ fn keys_in_test() -> usize {
     std::env::var("QUOTAD_WIRE_KEYS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1000)
+        .unwrap_or(300)
 }
 
 /// Every key of the load borrows from us, so each is in every exchange both ways with a
@@ -159,6 +159,16 @@ fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
         "most keys in every exchange: {keys}"
     );
     assert!(per_key < 40.0, "{per_key} bytes per key");
+    let ours = pair
+        .eu()
+        .metric("quotad_exchange_dictionary_keys{peer=\"us\",side=\"ours\"}");
+    let theirs = pair
+        .us()
+        .metric("quotad_exchange_dictionary_keys{peer=\"eu\",side=\"theirs\"}");
+    assert!(
+        ours >= n as f64 && theirs >= n as f64,
+        "dictionaries: {ours}, {theirs}"
+    );
     assert_eq!(
         pair.us()
             .metric("quotad_exchange_rejected_total{reason=\"malformed\"}"),

@@ -164,6 +164,10 @@ pub struct GlobalMetrics {
     /// `quotad_exchange_binary{peer}`: 1 while this instance sends the peer the binary
     /// form, 0 while JSON (pinned, or the peer refused the binary form: an older version).
     pub exchange_binary: IntGaugeVec,
+    /// `quotad_exchange_dictionary_keys{peer,side}`: keys in the dictionary of our numbers
+    /// for the peer (`side="ours"`) and of the peer's numbers (`side="theirs"`); each is at
+    /// most 2 × `coordinator.max_exchange_keys`.
+    pub exchange_dictionary_keys: IntGaugeVec,
     /// `quotad_exchange_renumbered_total{peer}`: key dictionaries started over because
     /// the peer did not know our key numbers (it restarted, or another instance took over).
     pub exchange_renumbered: IntCounterVec,
@@ -246,6 +250,10 @@ impl GlobalMetrics {
             exchange_binary: c.labels(&["peer"]).int_gauge(Opts::new(
                 "quotad_exchange_binary",
                 "1 while exchanges to the peer go in the binary form.",
+            )),
+            exchange_dictionary_keys: c.labels(&["peer", "side"]).int_gauge(Opts::new(
+                "quotad_exchange_dictionary_keys",
+                "Keys in a peer's exchange dictionary.",
             )),
             exchange_renumbered: c.labels(&["peer"]).counter(Opts::new(
                 "quotad_exchange_renumbered_total",

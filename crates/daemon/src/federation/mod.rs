@@ -333,6 +333,10 @@ fn preregister(metrics: &Metrics, settings: &GlobalSettings) {
             .set(binary as i64);
         g.exchange_renumbered.with_label_values(&[&p.region]);
         g.exchange_keys.with_label_values(&[&p.region]);
+        for side in ["ours", "theirs"] {
+            g.exchange_dictionary_keys
+                .with_label_values(&[&p.region, side]);
+        }
         for direction in ["sent", "received"] {
             g.exchange_bytes.with_label_values(&[&p.region, direction]);
         }
@@ -515,7 +519,14 @@ impl Federation {
                 return Err(Rejection::Malformed);
             }
             let mut table = self.tables[peer].lock().unwrap_or_else(|p| p.into_inner());
-            table.decode(body).map_err(|e| {
+            let decoded = table.decode(body);
+            self.shared
+                .metrics
+                .global
+                .exchange_dictionary_keys
+                .with_label_values(&[&self.shared.settings.peers[peer].region, "theirs"])
+                .set(table.len() as i64);
+            decoded.map_err(|e| {
                 if e.is_dictionary() {
                     Rejection::UnknownKeys
                 } else {

@@ -107,6 +107,12 @@ impl PeerClient {
         }
         w.json_until = None;
         let (bytes, spelled) = w.ids.encode(msg);
+        self.shared
+            .metrics
+            .global
+            .exchange_dictionary_keys
+            .with_label_values(&[&s.peers[peer].region, "ours"])
+            .set(w.ids.len() as i64);
         Arc::new(Body {
             bytes,
             spelled: Some(spelled),

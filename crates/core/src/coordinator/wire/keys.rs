@@ -125,6 +125,8 @@ pub struct KeyTable {
     /// The sender's incarnation and epoch this table belongs to.
     epoch: Option<(u64, u64)>,
     keys: Vec<Option<Box<str>>>,
+    /// How many of `keys` are spelled.
+    known: usize,
     cap: usize,
 }
 
@@ -133,17 +135,18 @@ impl KeyTable {
         KeyTable {
             epoch: None,
             keys: Vec::new(),
+            known: 0,
             cap: cap.clamp(1, u32::MAX as usize),
         }
     }
 
     /// Keys known.
     pub fn len(&self) -> usize {
-        self.keys.iter().filter(|k| k.is_some()).count()
+        self.known
     }
 
     pub fn is_empty(&self) -> bool {
-        self.keys.iter().all(Option::is_none)
+        self.known == 0
     }
 
     /// A message of the sender's `incarnation` and dictionary `epoch` begins: a newer one
@@ -157,6 +160,7 @@ impl KeyTable {
             _ => {
                 self.epoch = Some(at);
                 self.keys.clear();
+                self.known = 0;
                 Ok(())
             }
         }
@@ -170,7 +174,9 @@ impl KeyTable {
         if self.keys.len() <= i {
             self.keys.resize(i + 1, None);
         }
-        self.keys[i] = Some(key.into());
+        if self.keys[i].replace(key.into()).is_none() {
+            self.known += 1;
+        }
         Ok(())
     }
 

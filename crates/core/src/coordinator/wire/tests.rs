@@ -89,7 +89,13 @@ fn a_key_is_spelled_out_until_a_reply_confirms_it_then_sent_as_a_number() {
         short.len(),
         first.len()
     );
-    assert_eq!(table.decode(&short), Ok(ex));
+    assert_eq!(table.decode(&short), Ok(ex.clone()));
+    assert_eq!(
+        table.decode(&again),
+        Ok(ex),
+        "spelling a key out again is harmless"
+    );
+    assert_eq!((ids.len(), table.len()), (2, 2));
 }
 
 #[test]
