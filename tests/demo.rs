@@ -164,18 +164,14 @@ fn the_demo_runs_any_number_of_regions_up_to_ten() {
         );
     }
 
-    let refused = Command::new(quotad_binary())
-        .args(["demo", "--regions", "11"])
-        .output()
-        .expect("run quotad demo");
-    assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("--regions"));
-    let refused = Command::new(quotad_binary())
-        .args(["demo", "--keys", "100001"])
-        .output()
-        .expect("run quotad demo");
-    assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("--keys"));
+    for (flag, value) in [("--regions", "11"), ("--keys", "100001")] {
+        let refused = Command::new(quotad_binary())
+            .args(["demo", flag, value])
+            .output()
+            .expect("run quotad demo");
+        assert!(!refused.status.success());
+        assert!(String::from_utf8_lossy(&refused.stderr).contains(flag));
+    }
 }
 
 /// Runs `quotad demo` with `args` until it ends by itself; its output, once it exited 0.

@@ -625,10 +625,11 @@ pub fn retry_timeout(rtt_us: Option<i64>, round_us: i64) -> i64 {
     rtt_us.map_or(round_us / 4, |rtt| (2 * rtt).clamp(100_000.min(cap), cap))
 }
 
-/// One dictionary per peer, each of at most twice the keys an exchange may carry (the
-/// daemon's cap).
+/// One dictionary per peer, of the daemon's cap.
 fn fresh<T>(n: usize, new: fn(usize) -> T, p: &Params) -> Vec<T> {
-    (0..n).map(|_| new(2 * p.max_exchange_keys)).collect()
+    (0..n)
+        .map(|_| new(wire::dictionary_cap(p.max_exchange_keys)))
+        .collect()
 }
 
 fn refusal(bytes: &[u8]) -> Option<u64> {

@@ -154,11 +154,10 @@ impl Shared {
             .inc_by(keys as u64);
     }
 
-    /// Keys a peer's dictionary may hold, at each end: twice what one exchange may carry
-    /// (the keys of a round, and as many that came and went before the numbering starts
-    /// over). With the defaults and 256-byte keys, at most 5 MB per peer.
+    /// Keys a peer's dictionary may hold, at each end ([`wire::dictionary_cap`]): with the
+    /// defaults and 256-byte keys, at most 5 MB per peer.
     fn dictionary_cap(&self) -> usize {
-        2 * self.settings.params.max_exchange_keys
+        wire::dictionary_cap(self.settings.params.max_exchange_keys)
     }
 
     fn set_status(&self, s: Status) {

@@ -138,7 +138,7 @@ impl PeerClient {
         let mut answered = false;
         loop {
             if !answered && started < MAX_ATTEMPTS {
-                attempts.spawn(self.clone().attempt(to, msg.clone(), body.clone()));
+                attempts.spawn(self.clone().attempt(peer, msg.clone(), body.clone()));
                 started += 1;
             }
             let retry = tokio::time::sleep(wait);
@@ -171,9 +171,7 @@ impl PeerClient {
 
     /// The peer did not know the numbers of `epoch`: if that is still ours, start over.
     fn renumber(&self, peer: usize, epoch: u64) {
-        let mut w = self.wire(peer);
-        if w.ids.epoch() == epoch {
-            w.ids.refused(epoch);
+        if self.wire(peer).ids.refused(epoch) {
             self.shared
                 .metrics
                 .global
@@ -189,14 +187,13 @@ impl PeerClient {
     /// current (a region with several instances).
     async fn attempt(
         self: Arc<Self>,
-        to: RegionId,
+        peer_idx: usize,
         msg: Arc<Exchange>,
         body: Arc<Body>,
     ) -> Outcome {
         let s = &self.shared.settings;
-        let Some((peer_idx, peer)) = s.peers.iter().enumerate().find(|(_, p)| p.id == to) else {
-            return Outcome::Failed;
-        };
+        let peer = &s.peers[peer_idx];
+        let to = peer.id;
         let me = &s.regions[s.me.index()];
         let idx = self.shared.url_index(to) % peer.urls.len();
         let url = format!("{}{EXCHANGE_PATH}", peer.urls[idx]);
@@ -215,7 +212,7 @@ impl PeerClient {
         }
         let resp = match req.body(body.bytes.clone()).send().await {
             Ok(r) if r.status().is_success() => r,
-            Ok(r) => return self.refused(r, binary, to, idx).await,
+            Ok(r) => return self.refused(r, binary, peer_idx, idx).await,
             Err(e) => {
                 tracing::debug!(peer = %peer.region, error = %e, "exchange failed");
                 self.shared.next_url(to, idx);
@@ -292,11 +289,12 @@ impl PeerClient {
         &self,
         resp: reqwest::Response,
         binary: bool,
-        to: RegionId,
+        peer_idx: usize,
         idx: usize,
     ) -> Outcome {
+        let peer = &self.shared.settings.peers[peer_idx];
         let status = resp.status();
-        tracing::debug!(peer = to.0, %status, "exchange refused");
+        tracing::debug!(peer = %peer.region, %status, "exchange refused");
         if binary && status == reqwest::StatusCode::CONFLICT {
             return Outcome::UnknownKeys;
         }
@@ -311,7 +309,7 @@ impl PeerClient {
             }
             return Outcome::Failed;
         }
-        self.shared.next_url(to, idx);
+        self.shared.next_url(peer.id, idx);
         Outcome::Failed
     }
 }

@@ -70,10 +70,13 @@ impl KeyIds {
 
     /// The peer refused a number of `epoch`: if that is still the current one, start a
     /// new one (a refusal of an older epoch's message says nothing about this one).
-    pub fn refused(&mut self, epoch: u64) {
-        if epoch == self.epoch {
+    /// Returns whether it started over.
+    pub fn refused(&mut self, epoch: u64) -> bool {
+        let current = epoch == self.epoch;
+        if current {
             self.reset();
         }
+        current
     }
 
     /// Makes room for `keys` before a message is encoded: a new epoch if numbering the

@@ -113,6 +113,12 @@ impl std::fmt::Display for WireError {
 
 impl std::error::Error for WireError {}
 
+/// Keys a dictionary may hold, at each end of a link: twice what one exchange may carry
+/// (the keys of a round, and as many that came and went before the numbering starts over).
+pub fn dictionary_cap(max_exchange_keys: usize) -> usize {
+    2 * max_exchange_keys
+}
+
 /// Whether `body` is in the binary form (else it is JSON, or neither).
 pub fn is_binary(body: &[u8]) -> bool {
     body.first() == Some(&MAGIC)
