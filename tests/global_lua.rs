@@ -110,17 +110,19 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
         let key = storage(user);
         let d = default.unwrap_or(DefaultEscrow::new(fallback));
         let slot = model.entry(user).or_default();
-        let write = |token: u64, book: &LeaseBook| {
-            global::write_book_invocation(
-                &s.write,
-                &key,
-                user,
-                &keys,
-                token,
-                &args,
-                book,
-                Some(now),
-            )
+        // Writes books of one or more users in one call, as a round does.
+        let write = |token: u64, books: &[(&str, &LeaseBook)]| {
+            let names: Vec<String> = books.iter().map(|(u, _)| storage(u)).collect();
+            let writes: Vec<global::BookWrite> = books
+                .iter()
+                .zip(&names)
+                .map(|((u, book), storage_key)| global::BookWrite {
+                    storage_key,
+                    user_key: u,
+                    book,
+                })
+                .collect();
+            global::write_books_invocation(&s.write, &keys, token, &args, &writes, Some(now))
         };
         let what = match rng.random_range(0..100) {
             0..=54 => {
@@ -147,14 +149,30 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 format!("{op:?} -> {got:?}")
             }
             55..=74 => {
-                let book = random_book(&mut rng, now, rho);
-                let epoch: u64 = write(1, &book).invoke(conn).unwrap();
-                assert_eq!(
-                    epoch,
-                    slot.write_book(&d, &shape, now, &book),
-                    "seed {seed} step {step}"
-                );
-                format!("write {book:?}")
+                // This user's book, and sometimes the others' in the same call.
+                let mut together = vec![user];
+                for u in users {
+                    if u != user && rng.random_bool(0.3) {
+                        together.push(u);
+                    }
+                }
+                let books: Vec<LeaseBook> = together
+                    .iter()
+                    .map(|_| random_book(&mut rng, now, rho))
+                    .collect();
+                let call: Vec<(&str, &LeaseBook)> = together.iter().copied().zip(&books).collect();
+                let epochs: Vec<u64> = write(1, &call).invoke(conn).unwrap();
+                let want: Vec<u64> = call
+                    .iter()
+                    .map(|(u, book)| {
+                        model
+                            .entry(u)
+                            .or_default()
+                            .write_book(&d, &shape, now, book)
+                    })
+                    .collect();
+                assert_eq!(epochs, want, "seed {seed} step {step}");
+                format!("write {call:?}")
             }
             75..=82 => {
                 let inv = global::drop_loans_invocation(&s.drop, &key, &keys, 1, &args, Some(now));
@@ -169,7 +187,9 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
             83..=89 => {
                 // A stale coordinator: fenced, and nothing changes.
                 let book = random_book(&mut rng, now, rho);
-                let err = write(2, &book).invoke::<u64>(conn).unwrap_err();
+                let err = write(2, &[(user, &book)])
+                    .invoke::<Vec<u64>>(conn)
+                    .unwrap_err();
                 assert!(err.to_string().contains("FENCED"), "{err}");
                 "fenced write".to_owned()
             }
@@ -203,13 +223,15 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
         if trace.len() > 15 {
             trace.remove(0);
         }
-        let stored = read_slot(conn, &key);
-        assert_eq!(
-            &stored,
-            model.get(user).unwrap(),
-            "seed {seed} step {step}: stored state differs\n{}",
-            trace.join("\n")
-        );
+        for u in users {
+            let Some(want) = model.get(u) else { continue };
+            assert_eq!(
+                &read_slot(conn, &storage(u)),
+                want,
+                "seed {seed} step {step}: {u}'s stored state differs\n{}",
+                trace.join("\n")
+            );
+        }
         let meta: Vec<Option<String>> = redis::cmd("HMGET")
             .arg(&keys.meta)
             .arg(&["d", "dp", "dt"])

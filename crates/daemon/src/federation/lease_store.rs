@@ -602,28 +602,46 @@ impl LeaseStore for RedisLeaseStore {
                 return not_written();
             }
             let p = &self.policies[policy];
+            let storage: Vec<String> = chunk.iter().map(|(k, _)| p.layout.storage_key(k)).collect();
             let mut pipe = redis::pipe();
-            for (key, book) in chunk {
-                let storage = p.layout.storage_key(key);
-                let inv = global::write_book_invocation(
+            for (group, names) in chunk
+                .chunks(global::BOOKS_PER_CALL)
+                .zip(storage.chunks(global::BOOKS_PER_CALL))
+            {
+                let writes: Vec<global::BookWrite> = group
+                    .iter()
+                    .zip(names)
+                    .map(|((key, book), storage_key)| global::BookWrite {
+                        storage_key,
+                        user_key: key,
+                        book,
+                    })
+                    .collect();
+                let inv = global::write_books_invocation(
                     &self.write,
-                    &storage,
-                    key,
                     &p.global.keys,
                     self.token,
                     &p.global.shape,
-                    book,
+                    &writes,
                     None,
                 );
                 pipe.invoke_script(&inv);
             }
-            match query_scripts::<Vec<u64>>(&mut self.conn, &pipe, &self.write) {
-                Ok(e) => epochs.extend(e),
+            match query_scripts::<Vec<Vec<u64>>>(&mut self.conn, &pipe, &self.write) {
+                Ok(e) => epochs.extend(e.into_iter().flatten()),
                 Err(e) => {
                     self.fail(e);
                     return not_written();
                 }
             }
+        }
+        if epochs.len() != books.len() {
+            self.fail(format!(
+                "write_book answered {} epochs for {} books",
+                epochs.len(),
+                books.len()
+            ));
+            return not_written();
         }
         // One WAIT covers the whole batch: a replica acknowledges in order.
         let durable = self.durable(policy);

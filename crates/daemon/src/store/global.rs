@@ -62,35 +62,48 @@ pub fn check_invocation<'a>(
     inv
 }
 
-/// The book-write script's call: fenced by `token` (checked against `keys.fence`).
-#[allow(clippy::too_many_arguments)]
-pub fn write_book_invocation<'a>(
+/// One book to write: the key's hash, the user key and the book.
+pub struct BookWrite<'a> {
+    pub storage_key: &'a str,
+    pub user_key: &'a str,
+    pub book: &'a LeaseBook,
+}
+
+/// Books the book-write script takes per call: enough that the per-call work (the fence,
+/// the default, the time, the call itself) is spread thin, few enough that one call holds
+/// Redis for well under a millisecond.
+pub const BOOKS_PER_CALL: usize = 64;
+
+/// The book-write script's call for `books` (at most [`BOOKS_PER_CALL`] of one policy),
+/// fenced by `token` (checked against `keys.fence`). The reply is each book's epoch.
+pub fn write_books_invocation<'a>(
     script: &'a Script,
-    storage_key: &str,
-    user_key: &str,
     keys: &PolicyKeys,
     token: u64,
     shape: &ScriptShape,
-    book: &LeaseBook,
+    books: &[BookWrite<'_>],
     now_us: Option<i64>,
 ) -> ScriptInvocation<'a> {
     let mut inv = script.prepare_invoke();
-    inv.key(storage_key)
-        .key(&keys.meta)
-        .key(&keys.fence)
-        .key(&keys.books)
-        .arg(token);
+    inv.key(&keys.meta).key(&keys.fence).key(&keys.books);
+    for b in books {
+        inv.key(b.storage_key);
+    }
+    inv.arg(token);
     shape.push(&mut inv);
-    inv.arg(user_key)
-        .arg(book.escrow)
-        .arg(reservations_arg(&book.reserved))
-        .arg(loans_arg(&book.borrowed))
-        .arg(if book.high_water == LocalUs::MIN {
-            String::new()
-        } else {
-            book.high_water.to_string()
-        })
-        .arg(book.epoch);
+    for b in books {
+        let book = b.book;
+        inv.arg(b.user_key)
+            .arg(book.escrow)
+            .arg(reservations_arg(&book.reserved))
+            .arg(loans_arg(&book.borrowed))
+            .arg(if book.high_water == LocalUs::MIN {
+                String::new()
+            } else {
+                book.high_water.to_string()
+            })
+            .arg(book.epoch);
+    }
     push_now(&mut inv, now_us);
     inv
 }
