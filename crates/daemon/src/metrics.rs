@@ -7,8 +7,8 @@
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Counter, Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// The git commit the running binary was built from, for `quotad_build_info`: the binary
@@ -179,6 +179,10 @@ pub struct GlobalMetrics {
     /// `quotad_round_duration_seconds`: how long a round took (reading demand, planning,
     /// writing every engaged book); it must stay well inside the lock period.
     pub round_duration: Histogram,
+    /// `quotad_coordinator_cpu_seconds_total`: CPU time of the coordinator thread (rounds,
+    /// peers' exchanges and replies, takeovers; Linux only, 0 elsewhere): what global
+    /// budgets cost this instance beside its checks.
+    pub coordinator_cpu: Counter,
     /// `quotad_coordinator_leader{region}`: 1 while this instance holds the region's lock
     /// (summed by region: exactly 1 when the region is coordinated).
     pub leader: IntGaugeVec,
@@ -271,6 +275,10 @@ impl GlobalMetrics {
                 )
                 .buckets(ROUND_BUCKETS.to_vec()),
             ),
+            coordinator_cpu: c.float_counter(Opts::new(
+                "quotad_coordinator_cpu_seconds_total",
+                "CPU time of the coordinator thread.",
+            )),
             leader: c.labels(&["region"]).int_gauge(Opts::new(
                 "quotad_coordinator_leader",
                 "1 while this instance coordinates its region.",
@@ -546,6 +554,11 @@ impl<'a> Catalogue<'a> {
 
     fn int_gauge(&self, opts: Opts) -> IntGauge {
         self.register(IntGauge::with_opts(opts).expect("valid metric"))
+    }
+
+    /// Float values: seconds.
+    fn float_counter(&self, opts: Opts) -> Counter {
+        self.register(Counter::with_opts(opts).expect("valid metric"))
     }
 
     /// Its buckets are in `opts`.

@@ -47,6 +47,17 @@ pub trait Backend: Send + 'static {
     fn try_lead(&mut self, shared: &Shared) -> Option<(Self::Store, Self::Clock, Takeover)>;
 }
 
+/// Replies taken in one event at most: one per peer of a round, with room for retries'.
+const REPLIES_TOGETHER: usize = 64;
+
+/// CPU time the calling thread has run, from `/proc/thread-self/schedstat` (its first
+/// field, nanoseconds): `None` where there is no such file (not Linux).
+fn thread_cpu() -> Option<Duration> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let ns: u64 = text.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
+}
+
 pub enum Event {
     /// A peer's exchange, authenticated; the reply goes back on `reply` (None: not now).
     Exchange {
@@ -96,6 +107,7 @@ impl<B: Backend> Runtime<B> {
     pub fn run(mut self) {
         let mut leading: Option<Box<Leading<B>>> = None;
         let mut closed = false;
+        let mut cpu = thread_cpu();
         while !self.shared.stopping() && !closed {
             // A panic (a bug, or data no config expects) must not leave the region with a
             // dead coordinator that still reports itself leader: step down, pause, go on.
@@ -118,6 +130,11 @@ impl<B: Backend> Runtime<B> {
                 }
             };
             self.shared.set_leader(leading.as_ref().map(|l| l.token));
+            if let (Some(before), Some(now)) = (cpu, thread_cpu()) {
+                let spent = now.saturating_sub(before).as_secs_f64();
+                self.shared.metrics.global.coordinator_cpu.inc_by(spent);
+                cpu = Some(now);
+            }
         }
         if let Some(mut l) = leading
             && !l.store.fenced()
@@ -311,10 +328,34 @@ impl<B: Backend> Runtime<B> {
                 }
             }
             Event::Reply(r) => {
+                // The replies already queued behind this one are taken with it (the
+                // round's lenders answer together): each book is then written once.
+                let mut replies = vec![r];
+                let mut next = None;
+                while replies.len() < REPLIES_TOGETHER {
+                    match self.events.try_recv() {
+                        Ok(Event::Reply(r)) => replies.push(r),
+                        Ok(other) => {
+                            next = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
                 if l.store.begin(false).is_ok() {
-                    l.node.on_reply(&r, &mut l.store);
+                    l.node.on_replies(&replies, &mut l.store);
                     self.send(l.node.early_exchanges(&mut l.store));
                     l.unpublished = true;
+                }
+                // What came after them, as its own event (not a reply: no further drain),
+                // unless the store failed: the holder then steps down, and a peer's
+                // exchange is answered "not now", as when its event cannot begin.
+                match next {
+                    Some(event) if l.store.failure().is_none() => self.on_event(l, event),
+                    Some(Event::Exchange { reply, .. }) => {
+                        let _ = reply.send(None);
+                    }
+                    _ => {}
                 }
             }
             Event::Reloaded => {

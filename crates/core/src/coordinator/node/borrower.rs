@@ -6,7 +6,7 @@
 //! if newer than every grant accepted from that lender incarnation, and a release
 //! watermark is announced only for a lease the durable book holds.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::state::{GrantId, KeyState, Reported};
 use super::{LeaseStore, Node, peer_demand, sanitize};
@@ -126,40 +126,56 @@ impl<C: Clock> Node<C> {
 
     /// Borrower side: take a peer's reply (grants and demand).
     pub fn on_reply(&mut self, reply: &ExchangeReply, store: &mut dyn LeaseStore) {
+        self.on_replies(std::slice::from_ref(reply), store);
+    }
+
+    /// Borrower side: take several peers' replies at once, as [`Self::on_reply`] would
+    /// one after the other, except that each book with grants accepted is written once,
+    /// after all of them: a round's replies from its lenders arrive together, and each
+    /// would otherwise rewrite the same books (in Redis, most of a region's writes).
+    pub fn on_replies(&mut self, replies: &[ExchangeReply], store: &mut dyn LeaseStore) {
         let now = self.observe_clock(store);
-        // An answer to a previous life of ours, or from a previous life of theirs: dropped.
-        if reply.to_incarnation != self.incarnation {
-            return;
+        let mut accepted: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for reply in replies {
+            // An answer to a previous life of ours, or from a previous life of theirs:
+            // dropped.
+            if reply.to_incarnation != self.incarnation {
+                continue;
+            }
+            let Some(j) = self.accept(reply.from, reply.incarnation, now) else {
+                continue;
+            };
+            self.round_trip(j, reply.t_req, now);
+            let p = self.params;
+            let lease = reply.lease_us.min(p.lease_us).max(0);
+            let until = reply.t_req + p.borrower_valid_us(lease);
+            let response = Response {
+                reply,
+                j,
+                until,
+                now,
+            };
+            for block in &reply.policies {
+                let keys = self.take_policy_reply(&response, block);
+                accepted.entry(block.name.clone()).or_default().extend(keys);
+            }
         }
-        let Some(j) = self.accept(reply.from, reply.incarnation, now) else {
-            return;
-        };
-        self.round_trip(j, reply.t_req, now);
-        let p = self.params;
-        let lease = reply.lease_us.min(p.lease_us).max(0);
-        let until = reply.t_req + p.borrower_valid_us(lease);
-        let response = Response {
-            reply,
-            j,
-            until,
-            now,
-        };
-        for block in &reply.policies {
-            self.take_policy_reply(&response, block, store);
+        for (name, keys) in accepted {
+            let Some(mut ps) = self.policies.remove(&name) else {
+                continue;
+            };
+            ps.write_and_announce(store, &name, &keys, self.round);
+            self.policies.insert(name, ps);
         }
     }
 
     /// One policy of a reply: the version the peer applied, each key's demand there, and
-    /// its grants (see [`Self::accept_grant`]); the books of the loans accepted are written
-    /// in one batch, and once durable their leases may be announced.
-    fn take_policy_reply(
-        &mut self,
-        response: &Response,
-        block: &PolicyReply,
-        store: &mut dyn LeaseStore,
-    ) {
+    /// its grants (see [`Self::accept_grant`]); returns the keys whose grants were
+    /// accepted, for the caller to write in one batch (once durable, their leases may be
+    /// announced).
+    fn take_policy_reply(&mut self, response: &Response, block: &PolicyReply) -> Vec<String> {
         let Some(mut ps) = self.policies.remove(&block.name) else {
-            return;
+            return Vec::new();
         };
         let (j, p, round) = (response.j, self.params, self.round);
         ps.peer_applies(j, block.applied);
@@ -177,8 +193,8 @@ impl<C: Clock> Node<C> {
                 accepted.push(kr.key.clone());
             }
         }
-        ps.write_and_announce(store, &block.name, &accepted, round);
         self.policies.insert(block.name.clone(), ps);
+        accepted
     }
 
     /// One grant: it counts only if newer than every grant accepted from that lender

@@ -320,6 +320,16 @@ impl Trio {
         }
     }
 
+    /// Rounds 1-14 s of every region, region 1 hot (1000/s offered), the others idle: past
+    /// the learning period, region 1 borrows.
+    fn region_1_hot_past_learning(&mut self) {
+        for t in 1..=14 {
+            for r in 0..3 {
+                self.round(r, t, if r == 1 { 1000 } else { 0 });
+            }
+        }
+    }
+
     /// A round of region `r` at `t` seconds, offering it `offered` more units.
     fn round(&mut self, r: usize, t: i64, offered: u64) {
         self.clock.set(t * 1_000_000);
@@ -344,12 +354,7 @@ impl Trio {
 #[test]
 fn freed_capacity_reaches_the_next_borrower_within_one_round() {
     let mut trio = Trio::new(&[8.0, 1.0, 1.0], 1000.0);
-    // Region 1 hot (1000/s offered), the others idle, past the learning period.
-    for t in 1..=14 {
-        for r in 0..3 {
-            trio.round(r, t, if r == 1 { 1000 } else { 0 });
-        }
-    }
+    trio.region_1_hot_past_learning();
     let before = trio.loan(1, 0);
     assert!(before > 500.0, "region 1 borrowed {before} from region 0");
     // Region 2 gets as hot: one round of its own.
@@ -491,4 +496,49 @@ fn a_resplit_lowers_at_once_and_raises_after_every_peer_applied_it() {
     let (_, stores, nodes) = &mut pair;
     nodes[0].set_policy(v1, &mut stores[0]);
     assert_eq!(nodes[0].policy_status()[0].version, 2);
+}
+
+/// A round's replies taken together (as the daemon takes the replies queued on its
+/// thread) write the borrower's book once, not once per lender, and every grant in them
+/// counts: both lenders' loans are renewed in that one write.
+#[test]
+fn replies_taken_together_write_the_book_once() {
+    let mut trio = Trio::new(&[1.0, 1.0, 1.0], 1000.0);
+    trio.region_1_hot_past_learning();
+    let until = |trio: &Trio, lender: u16| {
+        let now = trio.clock.now_us();
+        trio.stores[1].books["k"]
+            .loan_from(RegionId(lender), now)
+            .map(|l| l.until)
+    };
+    let before = [until(&trio, 0), until(&trio, 2)];
+    assert!(
+        before.iter().all(Option::is_some),
+        "region 1 borrows from both: {before:?}"
+    );
+    trio.clock.set(15_000_000);
+    trio.stores[1].counters.rejected += 1000;
+    let out = trio.nodes[1].round(&mut trio.stores[1]);
+    let replies: Vec<ExchangeReply> = out
+        .iter()
+        .map(|(to, ex)| {
+            let j = to.index();
+            trio.nodes[j]
+                .on_exchange(ex, &mut trio.stores[j])
+                .expect("a reply")
+        })
+        .collect();
+    assert_eq!(replies.len(), 2, "an exchange to each lender");
+    let writes = trio.stores[1].writes.len();
+    trio.nodes[1].on_replies(&replies, &mut trio.stores[1]);
+    assert_eq!(
+        trio.stores[1].writes[writes..],
+        [("g".to_owned(), "k".to_owned())],
+        "one write of the book for both replies"
+    );
+    let after = [until(&trio, 0), until(&trio, 2)];
+    assert!(
+        after.iter().zip(&before).all(|(a, b)| a > b),
+        "both loans renewed: {before:?} -> {after:?}"
+    );
 }
