@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use quotad_testkit::load::{Load, ManyKeys, admitted_between, max_admitted_in_window};
+use quotad_testkit::load::{Answer, Load, ManyKeys, admitted_between, max_admitted_in_window};
 use quotad_testkit::proxy::{Leg, LegHandle, Proxy};
 use quotad_testkit::{Config, Global, Peer, Policy, Quotad, RedisServer, redis_available};
 
@@ -69,6 +69,13 @@ fn timing(keys: usize) -> (Duration, Duration, Duration) {
             Duration::from_secs(3),
         )
     }
+}
+
+/// How often each bulk key is checked: every 500 ms up to 2,000 keys; beyond, the same
+/// units in fewer, larger checks, so that the bulk load stays at 4,000 checks/s: on two
+/// cores the regions' redis-servers need the rest for their rounds' book writes.
+fn bulk_sweep(keys: usize) -> Duration {
+    Duration::from_secs_f64((keys as f64 / 4000.0).max(0.5))
 }
 
 fn bulk_key(i: usize) -> String {
@@ -130,7 +137,7 @@ struct Regions {
     legs: Vec<Vec<LegHandle>>,
     daemons: Vec<Quotad>,
     _proxies: Vec<Proxy>,
-    _redis: Vec<RedisServer>,
+    redis: Vec<RedisServer>,
 }
 
 impl Regions {
@@ -180,7 +187,7 @@ impl Regions {
             legs,
             daemons,
             _proxies: proxies.into_iter().flatten().flatten().collect(),
-            _redis: redis,
+            redis,
         })
     }
 
@@ -194,6 +201,15 @@ impl Regions {
                     .cut = cut;
             }
         }
+    }
+
+    /// What each region's metrics (and redis-server) say now.
+    fn exchanged(&self) -> Vec<Exchanged> {
+        self.daemons
+            .iter()
+            .enumerate()
+            .map(|(r, d)| Exchanged::read(d, self.redis.get(r)))
+            .collect()
     }
 
     fn urls(&self) -> Vec<Vec<String>> {
@@ -277,7 +293,8 @@ fn print_header(use_redis: bool, daemons: &[Quotad], keys: usize) {
     let (round, lease, _) = timing(keys);
     if keys > 0 {
         println!(
-            "  and {keys} keys of policy bulk ({BULK_RHO}/s each), each offered {BULK_OFFERED}/s in one region; rounds of {} s",
+            "  and {keys} keys of policy bulk ({BULK_RHO}/s each), each offered {BULK_OFFERED}/s in one region (a check every {:.1} s); rounds of {} s",
+            bulk_sweep(keys).as_secs_f64(),
             round.as_secs()
         );
     }
@@ -361,14 +378,23 @@ pub fn run(demo: Demo, stop: CancellationToken) -> Result<(), DemoError> {
             .enumerate()
             .map(|(r, d)| (d.port, (r..keys).step_by(n).map(bulk_key).collect()))
             .collect();
-        ManyKeys::start("bulk", targets, BULK_OFFERED)
+        ManyKeys::start("bulk", targets, BULK_OFFERED, bulk_sweep(keys))
     });
-    let before: Vec<Exchanged> = regions.daemons.iter().map(Exchanged::read).collect();
+    let before = regions.exchanged();
     let steps = script(n);
     let started = Instant::now();
     let mut offered = vec![0.0; n];
     let mut outcome = Ok(());
+    // When demand moved and when the cut healed, on the load's clock: τ5 is timed from there.
+    let mut changes: Vec<(&str, f64)> = Vec::new();
     for t in 0.. {
+        for s in steps.iter().filter(|s| s.at == t && t > 0) {
+            match s.event {
+                Event::None => changes.push(("demand moved", load.elapsed())),
+                Event::Heal(_) => changes.push(("the heal", load.elapsed())),
+                Event::Cut(_) => {}
+            }
+        }
         play(&steps, t, &load, &mut offered, &regions);
         let next = started + Duration::from_secs(t + 1);
         while Instant::now() < next && !stop.is_cancelled() {
@@ -391,11 +417,13 @@ pub fn run(demo: Demo, stop: CancellationToken) -> Result<(), DemoError> {
         }
     }
     drop(bulk);
-    let (most, at) = max_admitted_in_window(&load.answers(), 1.0);
+    let answers = load.answers();
+    let (most, at) = max_admitted_in_window(&answers, 1.0);
     println!(
         "\ncustomer-42: at most {most} units admitted in any 1 s window (at {at:.1} s; bound rho + burst = {})",
         RHO + BURST
     );
+    print_convergence(&answers, &changes, timing(keys).1);
     if keys > 0 {
         print_exchange(&regions, &before);
     }
@@ -403,6 +431,54 @@ pub fn run(demo: Demo, stop: CancellationToken) -> Result<(), DemoError> {
     drop(regions);
     println!("\nstopped: daemons shut down, redis-servers stopped.");
     outcome
+}
+
+/// τ5 (the simulator's definition, `quotad_sim::metrics`): the time from each change until
+/// the admissions of the last second, over every region, are within 5% of what one token
+/// bucket for the whole budget (the central oracle) admits of the same requests, and stay
+/// so for 5 s. And the utilisation after the learning period: admitted over what the
+/// oracle admits.
+fn print_convergence(answers: &[Answer], changes: &[(&str, f64)], lease: Duration) {
+    use quotad_sim::metrics::{central_decisions, tau5_ticks};
+    const TICK: f64 = 0.01;
+    let mut sorted: Vec<&Answer> = answers.iter().collect();
+    sorted.sort_by(|a, b| a.sent.total_cmp(&b.sent));
+    let stream: Vec<(i64, u64)> = sorted
+        .iter()
+        .map(|a| ((a.sent * 1e6) as i64, a.cost))
+        .collect();
+    let central = central_decisions(&stream, RHO as f64, BURST as f64);
+    let end = sorted.last().map_or(0.0, |a| a.sent);
+    let ticks = (end / TICK) as usize + 1;
+    let (mut ours, mut oracle) = (vec![0u32; ticks], vec![0u32; ticks]);
+    let learned = lease.as_secs_f64() * 1.001 + 0.1;
+    let (mut ours_after, mut oracle_after) = (0u64, 0u64);
+    for (a, c) in sorted.iter().zip(&central) {
+        let i = ((a.sent / TICK) as usize).min(ticks - 1);
+        if a.allowed {
+            ours[i] += a.cost as u32;
+        }
+        if *c {
+            oracle[i] += a.cost as u32;
+        }
+        if a.sent >= learned {
+            ours_after += if a.allowed { a.cost } else { 0 };
+            oracle_after += if *c { a.cost } else { 0 };
+        }
+    }
+    for (what, at) in changes {
+        let tau = tau5_ticks(&ours, &oracle, TICK, &[*at]);
+        println!(
+            "customer-42: τ5 after {what} (at {at:.0} s): {}",
+            tau.map_or("did not settle".to_owned(), |t| format!("{t:.1} s"))
+        );
+    }
+    if oracle_after > 0 {
+        println!(
+            "customer-42: admitted {:.3} of what one bucket for the budget would have, from {learned:.0} s on (the cut included)",
+            ours_after as f64 / oracle_after as f64
+        );
+    }
 }
 
 /// What a region's metrics say of its exchanges and rounds, at one moment.
@@ -414,10 +490,12 @@ struct Exchanged {
     keys_sent: f64,
     tracked: f64,
     cpu_seconds: f64,
+    coordinator_cpu: f64,
+    redis_cpu: Option<f64>,
 }
 
 impl Exchanged {
-    fn read(d: &Quotad) -> Exchanged {
+    fn read(d: &Quotad, redis: Option<&RedisServer>) -> Exchanged {
         let text = d.try_get("/metrics").map(|(_, t)| t).unwrap_or_default();
         // Summed over every series of `name` whose labels contain `with`.
         let sum = |name: &str, with: &str| -> f64 {
@@ -433,35 +511,49 @@ impl Exchanged {
             keys_sent: sum("quotad_exchange_keys_total{", ""),
             tracked: sum("quotad_hot_keys{", "policy=\"bulk\""),
             cpu_seconds: sum("process_cpu_seconds_total ", ""),
+            coordinator_cpu: sum("quotad_coordinator_cpu_seconds_total ", ""),
+            redis_cpu: redis.and_then(RedisServer::cpu_seconds),
         }
     }
 }
 
 /// Per region, since the start: keys tracked, rounds and their mean time, bytes sent per
-/// round and per key reported; and the CPU the whole demo used (the daemons run in this
-/// process, beside the load generator; the redis-servers are not counted).
+/// round and per key reported, the CPU of its coordinator thread and of its redis-server;
+/// and the CPU of the whole demo process (the daemons run in it, beside the load
+/// generator).
 fn print_exchange(regions: &Regions, before: &[Exchanged]) {
     println!("\nbulk keys' exchange, per region since the start:");
     println!(
-        "{:<12} {:>8} {:>7} {:>12} {:>14} {:>13}",
-        "region", "tracked", "rounds", "round mean", "bytes/round", "bytes/key"
+        "{:<12} {:>8} {:>7} {:>12} {:>12} {:>10} {:>20} {:>14}",
+        "region",
+        "tracked",
+        "rounds",
+        "round mean",
+        "bytes/round",
+        "bytes/key",
+        "coordinator CPU (s)",
+        "Redis CPU (s)"
     );
     let mut cpu = 0.0;
-    for (r, d) in regions.daemons.iter().enumerate() {
-        let now = Exchanged::read(d);
-        let b = before[r];
+    for (r, (now, b)) in regions.exchanged().iter().zip(before).enumerate() {
         let rounds = (now.rounds - b.rounds).max(1.0);
         let keys = (now.keys_sent - b.keys_sent).max(1.0);
         let bytes = now.bytes_sent - b.bytes_sent;
         cpu = now.cpu_seconds - b.cpu_seconds;
+        let redis = match (now.redis_cpu, b.redis_cpu) {
+            (Some(n), Some(b)) => format!("{:.1}", n - b),
+            _ => "-".to_owned(),
+        };
         println!(
-            "{:<12} {:>8.0} {:>7.0} {:>10.0} ms {:>14.0} {:>13.1}",
+            "{:<12} {:>8.0} {:>7.0} {:>9.0} ms {:>12.0} {:>10.1} {:>20.1} {:>14}",
             NAMES[r],
             now.tracked,
             rounds,
             1000.0 * (now.round_seconds - b.round_seconds) / rounds,
             bytes / rounds,
-            bytes / keys
+            bytes / keys,
+            now.coordinator_cpu - b.coordinator_cpu,
+            redis
         );
     }
     println!("CPU of the demo process (daemons and load): {cpu:.0} s");

@@ -66,7 +66,12 @@ fn key(i: usize) -> String {
 
 /// Offers each of `keys` keys 4 units/s in the daemon at `port` until dropped.
 fn key_load(port: u16, keys: usize) -> ManyKeys {
-    ManyKeys::start("g", vec![(port, (0..keys).map(key).collect())], 4.0)
+    ManyKeys::start(
+        "g",
+        vec![(port, (0..keys).map(key).collect())],
+        4.0,
+        Duration::from_millis(500),
+    )
 }
 
 /// Keys of `daemon`'s status that borrow (eu) or lend (us), and the enforced rate of key 0.
@@ -140,11 +145,17 @@ fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
         },
     );
     assert_eq!(pair.eu().metric("quotad_exchange_binary{peer=\"us\"}"), 1.0);
+    let cpu = |d: &Quotad| d.metric("quotad_coordinator_cpu_seconds_total");
+    let cpu_before = [cpu(pair.eu()), cpu(pair.us())];
     let before = wire(&pair);
     wait_for("ten more rounds", Duration::from_secs(600), || {
         (pair.eu().metric("quotad_rounds_total") >= before.rounds + 10.0).then_some(())
     });
     let after = wire(&pair);
+    let cpu_spent = [
+        cpu(pair.eu()) - cpu_before[0],
+        cpu(pair.us()) - cpu_before[1],
+    ];
     let rounds = after.rounds - before.rounds;
     let bytes = after.bytes - before.bytes;
     let keys = after.keys - before.keys;
@@ -159,6 +170,14 @@ fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
         "most keys in every exchange: {keys}"
     );
     assert!(per_key < 40.0, "{per_key} bytes per key");
+    eprintln!(
+        "coordinator CPU over those rounds: eu {:.3} s, us {:.3} s",
+        cpu_spent[0], cpu_spent[1]
+    );
+    assert!(
+        cpu_spent.iter().all(|&s| s > 0.0),
+        "both coordinators' threads ran: {cpu_spent:?}"
+    );
     let ours = pair
         .eu()
         .metric("quotad_exchange_dictionary_keys{peer=\"us\",side=\"ours\"}");

@@ -214,6 +214,22 @@ impl RedisServer {
         self.try_conn().expect("connect to test redis")
     }
 
+    /// CPU the server has used (user + system, INFO cpu), or `None` if it does not answer.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        let info: String = redis::cmd("INFO")
+            .arg("cpu")
+            .query(&mut self.try_conn().ok()?)
+            .ok()?;
+        let field = |name: &str| -> Option<f64> {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))?
+                .trim()
+                .parse()
+                .ok()
+        };
+        Some(field("used_cpu_sys")? + field("used_cpu_user")?)
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
     }

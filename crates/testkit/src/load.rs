@@ -336,9 +336,10 @@ impl Drop for Checks {
 
 /// Many keys of one policy, each offered a steady rate, checked in batches of 64: the load
 /// that puts thousands of hot keys in a global policy's exchange. `targets` pairs a
-/// daemon's port with the keys offered there; every key is checked once per sweep (at
-/// most two sweeps a second, from [`MANY_KEYS_THREADS`] threads per target), each check
-/// costing what `rate` units/s come to over the last sweep.
+/// daemon's port with the keys offered there; every key is checked once per sweep (a
+/// sweep lasts at least `sweep`, from [`MANY_KEYS_THREADS`] threads per target), each
+/// check costing what `rate` units/s come to over the last sweep: a longer sweep offers
+/// the same units in fewer, larger checks.
 pub struct ManyKeys {
     stop: Arc<AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -347,7 +348,12 @@ pub struct ManyKeys {
 pub const MANY_KEYS_THREADS: usize = 4;
 
 impl ManyKeys {
-    pub fn start(policy: &str, targets: Vec<(u16, Vec<String>)>, rate: f64) -> ManyKeys {
+    pub fn start(
+        policy: &str,
+        targets: Vec<(u16, Vec<String>)>,
+        rate: f64,
+        sweep: Duration,
+    ) -> ManyKeys {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         for (port, keys) in targets {
@@ -357,7 +363,7 @@ impl ManyKeys {
                 threads.push(std::thread::spawn(move || {
                     let mine: Vec<&String> =
                         keys.iter().skip(t).step_by(MANY_KEYS_THREADS).collect();
-                    sweep_until(&stop, port, &policy, &mine, rate);
+                    sweep_until(&stop, port, &policy, &mine, rate, sweep);
                 }));
             }
         }
@@ -365,11 +371,23 @@ impl ManyKeys {
     }
 }
 
-fn sweep_until(stop: &AtomicBool, port: u16, policy: &str, keys: &[&String], rate: f64) {
-    let mut cost = (rate / 2.0).ceil().max(1.0) as u64;
+fn sweep_until(
+    stop: &AtomicBool,
+    port: u16,
+    policy: &str,
+    keys: &[&String],
+    rate: f64,
+    min_sweep: Duration,
+) {
+    let mut cost = (rate * min_sweep.as_secs_f64()).ceil().max(1.0) as u64;
     while !stop.load(Ordering::Relaxed) {
         let started = Instant::now();
-        for chunk in keys.chunks(64) {
+        let batches = keys.len().div_ceil(64).max(1) as u32;
+        for (i, chunk) in keys.chunks(64).enumerate() {
+            // Batches spread over the sweep, as many clients' traffic would be: one burst
+            // of every key would queue behind itself in Redis.
+            let due = started + min_sweep * i as u32 / batches;
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
             let checks: Vec<serde_json::Value> = chunk
                 .iter()
                 .map(|k| serde_json::json!({"policy": policy, "key": k, "cost": cost}))
@@ -380,7 +398,7 @@ fn sweep_until(stop: &AtomicBool, port: u16, policy: &str, keys: &[&String], rat
                 return;
             }
         }
-        let sweep = started.elapsed().max(Duration::from_millis(500));
+        let sweep = started.elapsed().max(min_sweep);
         cost = (rate * sweep.as_secs_f64()).ceil().max(1.0) as u64;
         std::thread::sleep(sweep.saturating_sub(started.elapsed()));
     }
