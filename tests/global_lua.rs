@@ -124,6 +124,8 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 .collect();
             global::write_books_invocation(&s.write, &keys, token, &args, &writes, Some(now))
         };
+        // The users whose stored state the step may change, compared with the model after it.
+        let mut touched = vec![user];
         let what = match rng.random_range(0..100) {
             0..=54 => {
                 let op = match rng.random_range(0..10) {
@@ -162,6 +164,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                     .collect();
                 let call: Vec<(&str, &LeaseBook)> = together.iter().copied().zip(&books).collect();
                 let epochs: Vec<u64> = write(1, &call).invoke(conn).unwrap();
+                touched.clone_from(&together);
                 let want: Vec<u64> = call
                     .iter()
                     .map(|(u, book)| {
@@ -223,7 +226,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
         if trace.len() > 15 {
             trace.remove(0);
         }
-        for u in users {
+        for u in touched {
             let Some(want) = model.get(u) else { continue };
             assert_eq!(
                 &read_slot(conn, &storage(u)),
