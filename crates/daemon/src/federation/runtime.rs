@@ -50,6 +50,9 @@ pub trait Backend: Send + 'static {
 /// Replies taken in one event at most: one per peer of a round, with room for retries'.
 const REPLIES_TOGETHER: usize = 64;
 
+/// How often the coordinator thread adds its CPU time to the metric.
+const CPU_EVERY: Duration = Duration::from_secs(1);
+
 /// CPU time the calling thread has run, from `/proc/thread-self/schedstat` (its first
 /// field, nanoseconds): `None` where there is no such file (not Linux).
 fn thread_cpu() -> Option<Duration> {
@@ -107,7 +110,10 @@ impl<B: Backend> Runtime<B> {
     pub fn run(mut self) {
         let mut leading: Option<Box<Leading<B>>> = None;
         let mut closed = false;
+        // The thread's CPU, read at most every CPU_EVERY (a file read per event would be
+        // I/O on every message): the metric lags by that much and loses nothing.
         let mut cpu = thread_cpu();
+        let mut cpu_read = Instant::now();
         while !self.shared.stopping() && !closed {
             // A panic (a bug, or data no config expects) must not leave the region with a
             // dead coordinator that still reports itself leader: step down, pause, go on.
@@ -130,10 +136,13 @@ impl<B: Backend> Runtime<B> {
                 }
             };
             self.shared.set_leader(leading.as_ref().map(|l| l.token));
-            if let (Some(before), Some(now)) = (cpu, thread_cpu()) {
+            if cpu_read.elapsed() >= CPU_EVERY
+                && let (Some(before), Some(now)) = (cpu, thread_cpu())
+            {
                 let spent = now.saturating_sub(before).as_secs_f64();
                 self.shared.metrics.global.coordinator_cpu.inc_by(spent);
                 cpu = Some(now);
+                cpu_read = Instant::now();
             }
         }
         if let Some(mut l) = leading
