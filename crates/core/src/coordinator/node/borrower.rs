@@ -6,7 +6,7 @@
 //! if newer than every grant accepted from that lender incarnation, and a release
 //! watermark is announced only for a lease the durable book holds.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 
 use super::state::{GrantId, KeyState, Reported};
 use super::{LeaseStore, Node, peer_demand, sanitize};
@@ -17,15 +17,22 @@ use crate::coordinator::message::{
 };
 use crate::coordinator::{LocalUs, Params, RegionId};
 
-/// The keys to send when more qualify than one exchange may carry: by policy name.
-type Chosen = HashMap<String, HashSet<String>>;
-
 /// A key that qualifies for an exchange, with how pressing it is.
-struct Candidate<'a> {
+struct Candidate {
     /// `(urgency, −demand)`: lower first (see [`KeyState::urgency`]), then the hottest.
     rank: (u8, f64),
-    policy: &'a str,
-    key: &'a str,
+    /// Its place among every tracked key, policy by policy, in order.
+    at: usize,
+}
+
+/// Whether a tracked key goes into an exchange.
+#[derive(Clone, Copy)]
+enum Send {
+    /// It does not qualify.
+    No,
+    /// It qualifies but more pressing keys fill the exchange: it keeps its flags.
+    Deferred,
+    Yes,
 }
 
 /// A peer's reply as this region takes it in.
@@ -45,27 +52,22 @@ impl<C: Clock> Node<C> {
     /// [`KeyState::urgency`]); the others keep their flags for the next exchange.
     pub(super) fn exchange_for(&mut self, j: usize, now: LocalUs, news_only: bool) -> Exchange {
         self.peers[j].news = false;
-        let round = self.round;
         let me = self.me.index();
         let p = self.params;
         let peer_inc = self.peers[j].incarnation;
-        let chosen = self.over_cap(j, now, news_only);
+        let sent = self.to_send(j, now, news_only);
         let mut policies = Vec::new();
+        let mut at = 0;
         for (name, ps) in &mut self.policies {
             let mut keys = Vec::new();
             for (key, ks) in &mut ps.keys {
-                if ks.urgency(j, round, &p, now, news_only).is_none() {
-                    continue;
+                let send = sent[at];
+                at += 1;
+                match send {
+                    Send::No => {}
+                    Send::Deferred => self.stats.keys_deferred += 1,
+                    Send::Yes => keys.push(ks.report_for(key, j, peer_inc, &p, now)),
                 }
-                if let Some(chosen) = &chosen
-                    && !chosen
-                        .get(name)
-                        .is_some_and(|keys| keys.contains(key.as_str()))
-                {
-                    self.stats.keys_deferred += 1;
-                    continue;
-                }
-                keys.push(ks.report_for(key, j, peer_inc, &p, now));
             }
             self.stats.key_reports += keys.len() as u64;
             policies.push(PolicyReport {
@@ -83,45 +85,38 @@ impl<C: Clock> Node<C> {
         }
     }
 
-    /// When more keys qualify for peer `j` than one exchange may carry: the ones to send.
-    fn over_cap(&self, j: usize, now: LocalUs, news_only: bool) -> Option<Chosen> {
+    /// For every tracked key (policy by policy, in order): whether it goes into the
+    /// exchange for peer `j`. When more keys qualify than one exchange may carry, the most
+    /// pressing go (by urgency, then the hottest; in key order among equals) and the
+    /// others are deferred. Each key's urgency is read once.
+    fn to_send(&self, j: usize, now: LocalUs, news_only: bool) -> Vec<Send> {
         let (round, p) = (self.round, &self.params);
-        let count = self
-            .policies
-            .values()
-            .flat_map(|ps| ps.keys.values())
-            .filter(|ks| ks.urgency(j, round, p, now, news_only).is_some())
-            .count();
-        if count <= p.max_exchange_keys {
-            return None;
+        let mut sent = Vec::new();
+        let mut ranked: Vec<Candidate> = Vec::new();
+        for ks in self.policies.values().flat_map(|ps| ps.keys.values()) {
+            match ks.urgency(j, round, p, now, news_only) {
+                Some(u) => {
+                    ranked.push(Candidate {
+                        rank: (u, -ks.demand.value()),
+                        at: sent.len(),
+                    });
+                    sent.push(Send::Yes);
+                }
+                None => sent.push(Send::No),
+            }
         }
-        let mut ranked: Vec<Candidate> = self
-            .policies
-            .iter()
-            .flat_map(|(name, ps)| ps.keys.iter().map(move |(k, ks)| (name, k, ks)))
-            .filter_map(|(name, key, ks)| {
-                let u = ks.urgency(j, round, p, now, news_only)?;
-                Some(Candidate {
-                    rank: (u, -ks.demand.value()),
-                    policy: name.as_str(),
-                    key: key.as_str(),
-                })
-            })
-            .collect();
-        ranked.sort_by(|a, b| {
-            a.rank
-                .partial_cmp(&b.rank)
-                .unwrap_or(std::cmp::Ordering::Equal)
-        });
-        ranked.truncate(p.max_exchange_keys);
-        let mut chosen: Chosen = HashMap::new();
-        for c in ranked {
-            chosen
-                .entry(c.policy.to_owned())
-                .or_default()
-                .insert(c.key.to_owned());
+        if ranked.len() > p.max_exchange_keys {
+            // Stable: among equal ranks, the first in key order goes.
+            ranked.sort_by(|a, b| {
+                a.rank
+                    .partial_cmp(&b.rank)
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+            for c in &ranked[p.max_exchange_keys..] {
+                sent[c.at] = Send::Deferred;
+            }
         }
-        Some(chosen)
+        sent
     }
 
     /// Borrower side: take a peer's reply (grants and demand).

@@ -5,8 +5,6 @@
 //! where a borrower's releases and give-backs free capacity. Every key's decision is made
 //! in memory first and its book written after, all of a policy's in one batch.
 
-use std::collections::HashSet;
-
 use super::planning::plan;
 use super::state::{KeyState, PolicyState, Reported};
 use super::{LeaseStore, Link, Node, floor_milli, peer_demand, sanitize};
@@ -113,22 +111,21 @@ impl<C: Clock> Node<C> {
     }
 
     /// Writes the books the answers changed, in one batch; returns the keys the store took
-    /// durably: only those may carry a grant or announce a give-back.
+    /// durably, sorted: only those may carry a grant or announce a give-back.
     fn write_answered(
         &self,
         ps: &mut PolicyState,
         block: &PolicyReport,
         answers: &[Answer],
         store: &mut dyn LeaseStore,
-    ) -> HashSet<String> {
+    ) -> Vec<String> {
         let to_write: Vec<String> = answers
             .iter()
             .zip(&block.keys)
             .filter(|(a, _)| a.write)
             .map(|(_, r)| r.key.clone())
             .collect();
-        let durable = ps.write(store, &block.name, &to_write, self.round);
-        durable.into_iter().collect()
+        ps.write(store, &block.name, &to_write, self.round)
     }
 
     /// The reply's keys, once the books are written: a grant leaves only if its key's book
@@ -139,11 +136,11 @@ impl<C: Clock> Node<C> {
         ps: &mut PolicyState,
         block: &PolicyReport,
         answers: Vec<Answer>,
-        durable: &HashSet<String>,
+        durable: &[String],
     ) -> Vec<KeyReply> {
         let mut keys = Vec::new();
         for (a, report) in answers.into_iter().zip(&block.keys) {
-            let durable = a.write && durable.contains(&report.key);
+            let durable = a.write && durable.binary_search(&report.key).is_ok();
             let Some(ks) = ps.keys.get_mut(&report.key) else {
                 continue;
             };
@@ -255,13 +252,12 @@ impl<C: Clock> Node<C> {
             && msg.to_incarnation == self.incarnation
             && upto <= self.next_seq
         {
-            let before = ks.book.clone();
-            ks.book.release(msg.from, upto);
+            let reserved_before = ks.book.reserved_total(now);
+            changed |= ks.book.release(msg.from, upto);
             if let Some(held) = report.held {
-                ks.book.lower(msg.from, upto, sanitize(held));
+                changed |= ks.book.lower(msg.from, upto, sanitize(held));
             }
-            changed |= ks.book != before;
-            if ks.book.reserved_total(now) < before.reserved_total(now) {
+            if ks.book.reserved_total(now) < reserved_before {
                 // Capacity freed: tell the borrowers granted short.
                 for (b, (kp, peer)) in ks.peers.iter_mut().zip(&mut self.peers).enumerate() {
                     if b != j && kp.short {

@@ -131,7 +131,7 @@ impl PolicyState {
     }
 
     /// Writes the books of `keys` (each once, in one batch) and takes in what the store
-    /// did; returns the keys whose write is durable, in order.
+    /// did; returns the keys whose write is durable, sorted.
     pub(super) fn write(
         &mut self,
         store: &mut dyn LeaseStore,
