@@ -10,16 +10,13 @@
 //!     --connections 2 --streams 25 --duration 10s --keys 100000
 //! ```
 //!
-//! There is no Go toolchain here for ghz, so the client is built from the same
-//! `envoy-types` as the server.
+//! There is no Go toolchain here for ghz, so the client is tonic's, of the same Envoy
+//! messages as the server (`quotad_daemon::api::grpc::envoy`).
 
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use quotad_daemon::api::grpc::envoy::{Code, Entry, RateLimitDescriptor, RateLimitRequest};
+use quotad_testkit::grpc::RateLimitServiceClient;
 
 struct Args {
     addr: String,
@@ -57,7 +54,7 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-type Client = RateLimitServiceClient<tonic::transport::Channel>;
+type Client = RateLimitServiceClient;
 
 /// Latencies in µs, errors, over-limit answers.
 type Stats = (Vec<u64>, u64, u64);

@@ -1,5 +1,5 @@
-//! Envoy's rate-limit service (`[server] grpc_listen`), through a tonic client built from
-//! the same envoy-types as the server: descriptors with and without values, nested ones,
+//! Envoy's rate-limit service (`[server] grpc_listen`), through a tonic client of
+//! the same Envoy messages as the server: descriptors with and without values, nested ones,
 //! `hits_addend`, several descriptors in one request, unknown domains and descriptors,
 //! shadow mode, an exact admission count under concurrency, and Redis dying under load.
 
@@ -7,14 +7,12 @@ use quotad_testkit as common;
 
 use std::time::{Duration, Instant};
 
+use common::grpc::RateLimitServiceClient;
 use common::grpc::descriptor as desc;
 use common::{Config, Descriptor, Policy, Quotad, RedisServer, free_port, runtime, wait_for};
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::UInt64Value;
+use quotad_daemon::api::grpc::envoy::{
+    Code, RateLimitDescriptor, RateLimitRequest, RateLimitResponse, UInt64Value, Unit,
+};
 use tonic::transport::Channel;
 
 mod raw {
@@ -117,7 +115,7 @@ fn serve(config: &str) -> (Quotad, u16) {
     (q, port)
 }
 
-async fn client(port: u16) -> RateLimitServiceClient<Channel> {
+async fn client(port: u16) -> RateLimitServiceClient {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         match Channel::from_shared(format!("http://127.0.0.1:{port}"))
@@ -138,7 +136,7 @@ fn with_hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
 }
 
 async fn ask(
-    c: &mut RateLimitServiceClient<Channel>,
+    c: &mut RateLimitServiceClient,
     domain: &str,
     descriptors: Vec<RateLimitDescriptor>,
 ) -> RateLimitResponse {

@@ -12,12 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::grpc::RateLimitServiceClient;
 use common::{Config, Descriptor, Policy, RedisServer, quotad_binary, runtime, wait_for};
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use quotad_daemon::api::grpc::envoy::{Code, Entry, RateLimitDescriptor, RateLimitRequest};
 use serde_json::Value;
 
 struct Daemon {
@@ -175,7 +172,7 @@ fn the_api_answers_over_a_unix_socket_with_the_same_limits_and_bounds() {
 }
 
 /// A tonic client whose connections are to the Unix socket at `path`.
-async fn unix_grpc_client(path: PathBuf) -> RateLimitServiceClient<tonic::transport::Channel> {
+async fn unix_grpc_client(path: PathBuf) -> RateLimitServiceClient {
     let channel = tonic::transport::Endpoint::from_static("http://quotad.sock")
         .connect_with_connector(Connector(path))
         .await

@@ -1,10 +1,50 @@
-//! One Envoy `ShouldRateLimit` call from a blocking test, through a tonic client built
-//! from the same envoy-types as the server.
+//! One Envoy `ShouldRateLimit` call from a blocking test, and the client behind it: a
+//! tonic client of the same messages the daemon serves (`api::grpc::envoy`).
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use quotad_daemon::api::grpc::envoy::{
+    Entry, RateLimitDescriptor, RateLimitRequest, RateLimitResponse,
+};
+use tonic::transport::Channel;
+
+/// The method's full path.
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// A client of `envoy.service.ratelimit.v3.RateLimitService`, as Envoy calls it.
+#[derive(Debug, Clone)]
+pub struct RateLimitServiceClient {
+    inner: tonic::client::Grpc<Channel>,
+}
+
+impl RateLimitServiceClient {
+    pub fn new(channel: Channel) -> Self {
+        RateLimitServiceClient {
+            inner: tonic::client::Grpc::new(channel),
+        }
+    }
+
+    /// Connects to `dst` (`http://host:port`; a test's own address, so not one is
+    /// malformed).
+    pub async fn connect(dst: String) -> Result<Self, tonic::transport::Error> {
+        let endpoint = Channel::from_shared(dst).expect("a URI");
+        endpoint.connect().await.map(Self::new)
+    }
+
+    /// One `ShouldRateLimit` call.
+    pub async fn should_rate_limit(
+        &mut self,
+        request: RateLimitRequest,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        self.inner
+            .ready()
+            .await
+            .map_err(|e| tonic::Status::unavailable(format!("not ready: {e}")))?;
+        let path = tonic::codegen::http::uri::PathAndQuery::from_static(SHOULD_RATE_LIMIT);
+        let codec = tonic_prost::ProstCodec::<RateLimitRequest, RateLimitResponse>::default();
+        self.inner
+            .unary(tonic::Request::new(request), path, codec)
+            .await
+    }
+}
 
 /// A request descriptor from `(key, value)` entries.
 pub fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {

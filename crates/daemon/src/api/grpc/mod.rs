@@ -25,16 +25,10 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::HeaderValue;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
-    Code, DescriptorStatus, RateLimit,
-};
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use tonic::Status;
 use tonic::transport::server::Connected;
 
+pub mod envoy;
 mod wire;
 
 use crate::api::key;
@@ -45,6 +39,7 @@ use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::reload::{Live, LiveConfig};
 use crate::server::{self, Drain, Handed, Handoff, Listener, ListenerMetrics};
+use envoy::{Code, DescriptorStatus, HeaderValue, PbDuration, RateLimit, RateLimitResponse, Unit};
 use wire::{WireDescriptor, WireRequest};
 
 /// Streams one HTTP/2 connection may carry at once. Envoy multiplexes every request of a
@@ -270,10 +265,8 @@ fn respond(slots: &[Slot], decisions: &[Decision]) -> RateLimitResponse {
             .map(|(k, v)| HeaderValue {
                 key: k.to_owned(),
                 value: v,
-                raw_value: Vec::new(),
             })
             .collect(),
-        ..Default::default()
     }
 }
 
@@ -283,7 +276,6 @@ fn status(policy: &Policy, d: &Decision) -> DescriptorStatus {
         current_limit: Some(current_limit(policy)),
         limit_remaining: u32::try_from(d.remaining).unwrap_or(u32::MAX),
         duration_until_reset: Some(pb_duration(Duration::from_millis(d.reset_after_ms))),
-        quota: None,
     }
 }
 

@@ -14,8 +14,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
-use envoy_types::pb::google::protobuf::UInt64Value;
 use prost::Message;
 use tonic::Status;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
@@ -23,6 +21,7 @@ use tonic::codegen::{Body, BoxFuture, StdError, http};
 use tonic::server::{Grpc, NamedService, UnaryService};
 
 use super::RateLimiter;
+use super::envoy::{RateLimitResponse, UInt64Value};
 use crate::api::request_log::{self, Line};
 
 /// `envoy.service.ratelimit.v3.RateLimitRequest`, strings as bytes.
@@ -228,25 +227,24 @@ pub fn code_name(code: tonic::Code) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-    use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+    use crate::api::grpc::envoy::{Entry, RateLimitDescriptor, RateLimitRequest};
+
+    /// `RateLimitRequest { domain: "edge", descriptors: [{ entries: [user=ann],
+    /// hits_addend: 3 }], hits_addend: 2 }` as Envoy sends it, byte by byte from rls.proto's
+    /// and ratelimit.proto's field numbers.
+    const ENVOYS_REQUEST: &[u8] = &[
+        0x0a, 4, b'e', b'd', b'g', b'e', // 1: domain
+        0x12, 17, // 2: descriptors[0], 17 bytes
+        0x0a, 11, // 1: entries[0], 11 bytes
+        0x0a, 4, b'u', b's', b'e', b'r', // 1: key
+        0x12, 3, b'a', b'n', b'n', // 2: value
+        0x1a, 2, 0x08, 3, // 3: hits_addend { 1: value }
+        0x18, 2, // 3: hits_addend
+    ];
 
     #[test]
     fn envoys_request_decodes_as_the_wire_request() {
-        let sent = RateLimitRequest {
-            domain: "edge".into(),
-            descriptors: vec![RateLimitDescriptor {
-                entries: vec![Entry {
-                    key: "user".into(),
-                    value: "ann".into(),
-                }],
-                hits_addend: Some(UInt64Value { value: 3 }),
-                ..Default::default()
-            }],
-            hits_addend: 2,
-        };
-        let got = WireRequest::decode(sent.encode_to_vec().as_slice()).unwrap();
+        let got = WireRequest::decode(ENVOYS_REQUEST).unwrap();
         assert_eq!(got.domain, b"edge");
         assert_eq!(got.hits_addend, 2);
         let d = &got.descriptors[0];
@@ -255,5 +253,21 @@ mod tests {
             (&b"user"[..], &b"ann"[..])
         );
         assert_eq!(d.hits_addend, Some(UInt64Value { value: 3 }));
+    }
+
+    #[test]
+    fn the_clients_request_is_envoys() {
+        let sent = RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: "user".into(),
+                    value: "ann".into(),
+                }],
+                hits_addend: Some(UInt64Value { value: 3 }),
+            }],
+            hits_addend: 2,
+        };
+        assert_eq!(sent.encode_to_vec(), ENVOYS_REQUEST);
     }
 }
