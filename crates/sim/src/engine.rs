@@ -16,9 +16,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Poisson, Zipf};
 
-use quotad_core::coordinator::GlobalPolicy;
 use quotad_core::coordinator::message::Message;
 use quotad_core::coordinator::wire;
+use quotad_core::coordinator::{GlobalPolicy, LocalUs};
 
 use super::clock::{RealTime, SimClock};
 use super::metrics::Record;
@@ -151,6 +151,9 @@ struct Run<'a> {
     t0: i64,
     end: i64,
     rec: Record,
+    /// Expiry events in the queue, not yet handled: for each region and key, the next
+    /// instant its rate changes by itself (and any it was superseded by), so that the
+    /// queue holds one chain per book, not one event per lease.
     scheduled: HashSet<(usize, u32, i64)>,
     /// Keys to check after this event besides those whose books were written.
     expired: Option<u32>,
@@ -357,6 +360,8 @@ impl<'a> Run<'a> {
             }
             Event::Expiry { region, key, local } => {
                 self.scheduled.remove(&(region, key, local));
+                // The next instant after this one, scheduled now that this one is here.
+                self.schedule_next_expiry(region, key, local);
                 self.expired = Some(key);
                 self.trace
                     .is_some()
@@ -523,24 +528,39 @@ impl<'a> Run<'a> {
         lines.join(", ")
     }
 
-    /// Schedules a check at every instant region `r`'s rate for `key` changes by itself.
+    /// Schedules a check at the next instant region `r`'s rate for `key` changes by
+    /// itself (after its book changed); each such event schedules the next when it comes,
+    /// so every instant gets its check.
     fn schedule_expiries(&mut self, r: usize, key: u32) {
+        let now_local = self.clocks[r].local_at(self.real.get());
+        self.schedule_next_expiry(r, key, now_local);
+    }
+
+    /// Schedules the first instant after `after` (local time of region `r`) at which its
+    /// rate for `key` changes by itself, unless it is in the queue already.
+    fn schedule_next_expiry(&mut self, r: usize, key: u32, after: LocalUs) {
         if self.mode != ModeKind::Lease {
             return;
         }
-        let now_local = self.clocks[r].local_at(self.real.get());
-        for local in self.regime.expiries(r, key) {
-            if local > now_local && self.scheduled.insert((r, key, local)) {
-                let at = self.clocks[r].real_at(local);
-                self.push(
-                    at,
-                    Event::Expiry {
-                        region: r,
-                        key,
-                        local,
-                    },
-                );
-            }
+        let Some(local) = self
+            .regime
+            .expiries(r, key)
+            .into_iter()
+            .filter(|&t| t > after)
+            .min()
+        else {
+            return;
+        };
+        if self.scheduled.insert((r, key, local)) {
+            let at = self.clocks[r].real_at(local);
+            self.push(
+                at,
+                Event::Expiry {
+                    region: r,
+                    key,
+                    local,
+                },
+            );
         }
     }
 
