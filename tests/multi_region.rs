@@ -244,6 +244,10 @@ impl Deployment {
     }
 }
 
+/// How long a phase's shares must stay within 5% of ρ of their targets before it ends
+/// early (six rounds).
+const HOLD: f64 = 3.0;
+
 /// Samples of every region's enforced rate: (seconds since the load started, rates).
 struct Trace(Vec<(f64, [f64; 3])>);
 
@@ -253,9 +257,37 @@ impl Trace {
     /// is kept short next to the 500 ms round.
     fn record(&mut self, d: &Deployment, load: &Load, until: f64) {
         while load.elapsed() < until {
-            let rates = [0, 1, 2].map(|r| d.enforced(r).unwrap_or(f64::NAN));
-            self.0.push((load.elapsed(), rates));
-            std::thread::sleep(Duration::from_millis(25));
+            self.sample(d, load);
+        }
+    }
+
+    fn sample(&mut self, d: &Deployment, load: &Load) {
+        let rates = [0, 1, 2].map(|r| d.enforced(r).unwrap_or(f64::NAN));
+        self.0.push((load.elapsed(), rates));
+        std::thread::sleep(Duration::from_millis(25));
+    }
+
+    /// Records from `from` until every region in `which` has stayed within 5% of ρ of
+    /// `target` for [`HOLD`], or for `longest` seconds; returns [`Self::settled`] over what
+    /// was recorded, and the end of the recording. A phase that has converged need not
+    /// wait out a fixed window: what it asserts is when the shares settled, and that they
+    /// stayed.
+    fn record_until_settled(
+        &mut self,
+        d: &Deployment,
+        load: &Load,
+        (from, longest): (f64, f64),
+        target: &[f64; 3],
+        which: &[usize],
+    ) -> (Option<f64>, f64) {
+        loop {
+            self.sample(d, load);
+            let now = load.elapsed();
+            let settled = self.settled(from, f64::INFINITY, target, which);
+            let held = settled.is_some_and(|t| now - (from + t) >= HOLD);
+            if held || now >= from + longest {
+                return (settled, now);
+            }
         }
     }
 
@@ -327,28 +359,27 @@ fn cut_heal_restart(backing: Backing) {
 
     // Phase 1: all demand in us.
     load.set_rate(us, 1500.0);
-    trace.record(&d, &load, 8.0);
     let t1 = targets([0.0, 0.0, 1500.0], [false; 3]);
-    let settle1 = trace.settled(0.0, 8.0, &t1, &[0, 1, 2]);
+    let (settle1, end1) = trace.record_until_settled(&d, &load, (0.0, 8.0), &t1, &[0, 1, 2]);
     println!("phase 1 targets {t1:?}: settled after {settle1:?} s");
     assert!(
         settle1.is_some(),
         "us never reached its share:\n{}",
-        trace.dump(0.0, 8.0)
+        trace.dump(0.0, end1)
     );
 
     // Phase 2: demand moves from us to ap in one step.
+    let step_at = load.elapsed();
     load.set_rate(us, 0.0);
     load.set_rate(ap, 1500.0);
-    trace.record(&d, &load, 16.0);
     let t2 = targets([1500.0, 0.0, 0.0], [false; 3]);
-    let tau = trace.settled(8.0, 16.0, &t2, &[0, 1, 2]);
+    let (tau, end2) = trace.record_until_settled(&d, &load, (step_at, 8.0), &t2, &[0, 1, 2]);
     println!("phase 2 (demand moves us -> ap) targets {t2:?}: converged after {tau:?} s");
-    let tau = tau.unwrap_or_else(|| panic!("no convergence:\n{}", trace.dump(8.0, 16.0)));
+    let tau = tau.unwrap_or_else(|| panic!("no convergence:\n{}", trace.dump(step_at, end2)));
     assert!(
         tau <= 6.0,
         "converged only after {tau} s:\n{}",
-        trace.dump(8.0, 16.0)
+        trace.dump(step_at, end2)
     );
 
     // Phase 3: ap (hot, borrowing) is cut off from both peers; eu gets demand too.
@@ -404,16 +435,16 @@ fn cut_heal_restart(backing: Backing) {
     // Phase 4: heal.
     let heal_at = load.elapsed();
     d.isolate(ap, false);
-    trace.record(&d, &load, heal_at + 8.0);
     let t4 = targets([1500.0, 800.0, 0.0], [false; 3]);
-    let reconverged = trace.settled(heal_at, heal_at + 8.0, &t4, &[0, 1, 2]);
+    let (reconverged, end4) =
+        trace.record_until_settled(&d, &load, (heal_at, 8.0), &t4, &[0, 1, 2]);
     println!("phase 4 (heal) targets {t4:?}: reconverged after {reconverged:?} s");
-    let reconverged = reconverged
-        .unwrap_or_else(|| panic!("no reconvergence:\n{}", trace.dump(heal_at, heal_at + 8.0)));
+    let reconverged =
+        reconverged.unwrap_or_else(|| panic!("no reconvergence:\n{}", trace.dump(heal_at, end4)));
     assert!(
         reconverged <= 6.0,
         "{reconverged}:\n{}",
-        trace.dump(heal_at, heal_at + 8.0)
+        trace.dump(heal_at, end4)
     );
 
     // Phase 5: a one-way cut: nothing from us reaches ap (ap's requests to us arrive, the
