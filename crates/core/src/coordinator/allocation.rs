@@ -211,27 +211,26 @@ fn water_fill(budget: f64, caps: &[f64]) -> Vec<f64> {
     out
 }
 
-/// The loans that move the escrow split to `target`: `loans[lender][borrower]`.
+/// The loans that move the escrow split to `target`, to one borrower: `loans_to(..)[lender]`.
 /// Each borrower's excess over its escrow is taken from the lenders in proportion to their
 /// surplus, so every region that computes this from the same targets gets the same plan.
-pub fn loans(escrow: &[f64], target: &[f64]) -> Vec<Vec<f64>> {
+/// A region plans only what it borrows, so only its column of the lender × borrower plan
+/// is computed (a key's plan is made for every exchange, with every region).
+pub fn loans_to(escrow: &[f64], target: &[f64], borrower: usize) -> Vec<f64> {
     let n = escrow.len();
-    let mut out = vec![vec![0.0; n]; n];
-    let surplus: Vec<f64> = (0..n).map(|i| (escrow[i] - target[i]).max(0.0)).collect();
-    let need: Vec<f64> = (0..n).map(|i| (target[i] - escrow[i]).max(0.0)).collect();
-    let surplus_total: f64 = surplus.iter().sum();
-    let need_total: f64 = need.iter().sum();
+    let surplus = |i: usize| (escrow[i] - target[i]).max(0.0);
+    let need = |i: usize| (target[i] - escrow[i]).max(0.0);
+    let surplus_total: f64 = (0..n).map(surplus).sum();
+    let need_total: f64 = (0..n).map(need).sum();
     if surplus_total <= 0.0 || need_total <= 0.0 {
-        return out;
+        return vec![0.0; n];
     }
     // Never plan to move more than is spare (targets from a stale view may over-ask).
     let moved = need_total.min(surplus_total);
-    for l in 0..n {
-        for b in 0..n {
-            out[l][b] = moved * (surplus[l] / surplus_total) * (need[b] / need_total);
-        }
-    }
-    out
+    let share = need(borrower) / need_total;
+    (0..n)
+        .map(|l| moved * (surplus(l) / surplus_total) * share)
+        .collect()
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -362,10 +361,10 @@ mod tests {
     fn loans_realise_the_targets() {
         let escrow = [6000.0, 3000.0, 1000.0];
         let target = example(Mode::Proportional);
-        let l = loans(&escrow, &target);
+        let to: Vec<Vec<f64>> = (0..3).map(|b| loans_to(&escrow, &target, b)).collect();
         for i in 0..3 {
-            let lent: f64 = l[i].iter().sum();
-            let borrowed: f64 = (0..3).map(|j| l[j][i]).sum();
+            let lent: f64 = (0..3).map(|b| to[b][i]).sum();
+            let borrowed: f64 = to[i].iter().sum();
             assert!((escrow[i] - lent + borrowed - target[i]).abs() < 1e-6);
         }
     }
@@ -390,9 +389,10 @@ mod tests {
             });
             proptest::prop_assert!(t.iter().all(|x| x.is_finite() && *x >= 0.0));
             proptest::prop_assert!(t.iter().sum::<f64>() <= 1000.0 * (1.0 + 1e-12));
-            let l = loans(&escrow, &t);
+            let to: Vec<Vec<f64>> = (0..n).map(|b| loans_to(&escrow, &t, b)).collect();
             for (i, e) in escrow.iter().enumerate() {
-                proptest::prop_assert!(l[i].iter().sum::<f64>() <= e * (1.0 + 1e-12));
+                let lent: f64 = (0..n).map(|b| to[b][i]).sum();
+                proptest::prop_assert!(lent <= e * (1.0 + 1e-12));
             }
         }
     }

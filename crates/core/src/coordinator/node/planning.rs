@@ -309,7 +309,7 @@ pub(super) fn plan(
         }
     }
     let target = policy.allocate(p, &demand, &pinned);
-    let loans = allocation::loans(&policy.escrow, &target);
+    let loans = allocation::loans_to(&policy.escrow, &target, me);
     ks.target_self = target[me];
     ks.planned = Some(round);
     for j in 0..n {
@@ -318,7 +318,7 @@ pub(super) fn plan(
             ks.peers[j].lender.want = 0.0;
             continue;
         }
-        let wanted = floor_milli(loans[j][me]);
+        let wanted = floor_milli(loans[j]);
         let lender = RegionId(j as u16);
         let held = ks.book.loan_from(lender, now).map_or(0.0, |l| l.amount);
         let want = if held > 0.0 && (wanted - held).abs() < p.hysteresis * policy.rho {
