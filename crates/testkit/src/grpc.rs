@@ -2,12 +2,9 @@
 //! tonic client of the same messages the daemon serves (`api::grpc::envoy`).
 
 use quotad_daemon::api::grpc::envoy::{
-    Entry, RateLimitDescriptor, RateLimitRequest, RateLimitResponse,
+    Entry, RateLimitDescriptor, RateLimitRequest, RateLimitResponse, SHOULD_RATE_LIMIT,
 };
 use tonic::transport::Channel;
-
-/// The method's full path.
-const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// A client of `envoy.service.ratelimit.v3.RateLimitService`, as Envoy calls it.
 #[derive(Debug, Clone)]

@@ -10,6 +10,9 @@
 
 use prost::{Enumeration, Message};
 
+/// The one method's full path: `RateLimitService/ShouldRateLimit`.
+pub const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
 /// `google.protobuf.UInt64Value`.
 #[derive(Clone, Copy, PartialEq, Eq, Message)]
 pub struct UInt64Value {

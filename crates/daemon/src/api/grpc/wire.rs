@@ -21,7 +21,7 @@ use tonic::codegen::{Body, BoxFuture, StdError, http};
 use tonic::server::{Grpc, NamedService, UnaryService};
 
 use super::RateLimiter;
-use super::envoy::{RateLimitResponse, UInt64Value};
+use super::envoy::{RateLimitResponse, SHOULD_RATE_LIMIT, UInt64Value};
 use crate::api::request_log::{self, Line};
 
 /// `envoy.service.ratelimit.v3.RateLimitRequest`, strings as bytes.
@@ -53,9 +53,6 @@ pub struct WireEntry {
     #[prost(bytes = "vec", tag = "2")]
     pub value: Vec<u8>,
 }
-
-/// The method's full path.
-const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 /// Decodes [`WireRequest`] (a decode error is the client's: `INVALID_ARGUMENT`), encodes
 /// Envoy's response.
