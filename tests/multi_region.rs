@@ -467,7 +467,7 @@ fn cut_heal_restart(backing: Backing) {
         std::thread::sleep(Duration::from_millis(100));
     }
     d.regions[us].daemons[0].restart();
-    // The restarted lender lends nothing for D(1+ε) + m, then lends again.
+    // The restarted lender takes over its books from Redis and lends again at once.
     trace.record(&d, &load, kill_at + 9.0);
     let answers = load.finish();
     println!("{} answers", answers.len());

@@ -22,9 +22,9 @@ struct Request<'a> {
     j: usize,
     /// Every link, as it stands once the sender was heard from.
     links: Vec<Link>,
-    /// Past the learning period and the sender connected: what is lendable may be granted
-    /// (otherwise every grant is zero).
-    can_lend: bool,
+    /// The sender connected: what is lendable may be granted, past a policy's learning
+    /// period (otherwise every grant is zero).
+    connected: bool,
     now: LocalUs,
 }
 
@@ -51,12 +51,12 @@ impl<C: Clock> Node<C> {
         let now = self.observe_clock(store);
         let j = self.accept(msg.from, msg.incarnation, now)?;
         let links = self.links(now);
-        let can_lend = now >= self.learning_until && links[j] == Link::Connected;
+        let connected = links[j] == Link::Connected;
         let request = Request {
             msg,
             j,
             links,
-            can_lend,
+            connected,
             now,
         };
         let replies = msg
@@ -186,6 +186,7 @@ impl<C: Clock> Node<C> {
     /// book is durably written).
     fn lend(&mut self, ps: &mut PolicyState, request: &Request, report: &KeyReport) -> Answer {
         let base = ps.escrow_in_force(self.me.index());
+        let lending = request.connected && request.now >= ps.learning_until;
         let Some(ks) = ps.keys.get_mut(&report.key) else {
             return Answer::default();
         };
@@ -198,7 +199,7 @@ impl<C: Clock> Node<C> {
                 gave_back,
             };
         };
-        let grant = self.reserve(ks, &ps.policy, base, request, want);
+        let grant = self.reserve(ks, &ps.policy, base, request, lending, want);
         Answer {
             write: true,
             grant: Some(grant),
@@ -272,8 +273,8 @@ impl<C: Clock> Node<C> {
     }
 
     /// The reservation for what the sender asks: as much of `want` as is lendable (the
-    /// escrow in force less this region's own target and what others hold; nothing while
-    /// learning or with the sender not connected), held until `now + D(1+ε) + m`. Notes
+    /// escrow in force less this region's own target and what others hold; nothing unless
+    /// `lending`: the policy past its learning period and the sender connected), held until `now + D(1+ε) + m`. Notes
     /// whether the sender was granted short, so that freed capacity is worth telling it.
     fn reserve(
         &mut self,
@@ -281,10 +282,11 @@ impl<C: Clock> Node<C> {
         policy: &GlobalPolicy,
         base: f64,
         request: &Request,
+        lending: bool,
         want: f64,
     ) -> Grant {
         let (msg, j, now, p) = (request.msg, request.j, request.now, self.params);
-        let lendable = if request.can_lend {
+        let lendable = if lending {
             let others: f64 = ks.book.reserved_total(now) - ks.book.reserved_for(msg.from, now);
             base - ks.target_self.min(base) - others
         } else {

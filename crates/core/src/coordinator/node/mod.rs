@@ -159,9 +159,6 @@ pub struct Node<C: Clock> {
     params: Params,
     clock: C,
     incarnation: u64,
-    /// A (re)started node lends nothing until every reservation of its previous life has
-    /// expired: it cannot know which of them borrowers still count (Doorman's learning mode).
-    learning_until: LocalUs,
     next_seq: u64,
     round: u64,
     started: LocalUs,
@@ -192,7 +189,6 @@ impl<C: Clock> Node<C> {
             params,
             clock,
             incarnation,
-            learning_until: now + params.lender_hold_us(),
             next_seq: 1,
             round: 0,
             started: now,
@@ -232,6 +228,17 @@ impl<C: Clock> Node<C> {
         };
         let new = policy.escrow[me];
         let previous_escrow = old.filter(|o| (o - new).abs() > 1e-12);
+        // Every reservation this region granted is in the store's books before its grant
+        // left, so a node that finds the policy's state there (the default escrow is set
+        // with the books and expires after them) knows everything a previous life lent and
+        // may lend at once. A store without it (a first start, or a store that lost its
+        // data) cannot say what borrowers still count: the policy lends nothing until any
+        // reservation of a previous life has ended (Doorman's learning mode).
+        let learning_until = match &running {
+            Some(ps) => ps.learning_until,
+            None if old.is_some() => LocalUs::MIN,
+            None => self.clock.now_us() + self.params.lender_hold_us(),
+        };
         // The newest version this region vouches for. A (re)start vouches for none until
         // its books show it (a stored default may already be lowered while books still
         // cover reservations of the old split); a transition keeps the last one complete.
@@ -245,6 +252,7 @@ impl<C: Clock> Node<C> {
             applied,
             peer_applied: vec![0; n],
             default_durable: false,
+            learning_until,
             keys: running.map(|ps| ps.keys).unwrap_or_default(),
         };
         // Every book in the store is re-asserted at the escrow now in force, also those of

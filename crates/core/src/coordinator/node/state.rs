@@ -25,6 +25,9 @@ pub(super) struct PolicyState {
     /// Whether the store acknowledged the escrow in force for keys without a book (a
     /// failover could bring back the old one otherwise; re-asserted every round).
     pub(super) default_durable: bool,
+    /// Until when (our clock) the policy lends nothing: a start that found none of its
+    /// state in the store (see [`super::Node::set_policy`]).
+    pub(super) learning_until: LocalUs,
     pub(super) keys: BTreeMap<String, KeyState>,
 }
 

@@ -87,18 +87,26 @@ fn pair() -> Pair {
 }
 
 /// One round of both regions with every message delivered at once; region 1 offers
-/// `offered` units in the round.
-fn round_trip(pair: &mut Pair, offered: u64) {
+/// `offered` units in the round. Returns the largest amount region 0 granted in it.
+fn round_trip(pair: &mut Pair, offered: u64) -> f64 {
     let (_, stores, nodes) = pair;
     stores[1].counters.rejected += offered;
+    let mut granted: f64 = 0.0;
     for i in 0..2 {
         let out = nodes[i].round(&mut stores[i]);
         for (to, ex) in out {
             let j = to.index();
             let reply = nodes[j].on_exchange(&ex, &mut stores[j]).expect("reply");
+            if j == 0 {
+                let grants = reply.policies.iter().flat_map(|p| &p.keys);
+                for g in grants.filter_map(|k| k.grant) {
+                    granted = granted.max(g.amount);
+                }
+            }
             nodes[i].on_reply(&reply, &mut stores[i]);
         }
     }
+    granted
 }
 
 fn rate(store: &MapStore, now: LocalUs) -> f64 {
@@ -247,6 +255,58 @@ fn a_hot_region_borrows_and_the_sum_stays_within_rho() {
     }
     assert!(max_sum <= 100.0 + 1e-9, "sum of enforced rates {max_sum}");
     assert!(borrowed_seen, "the hot region never borrowed");
+}
+
+/// A lender restarted on a store that holds its policy's state knows every reservation it
+/// granted (each was written before its grant left) and lends again at once. Restarted on
+/// a store that lost that state, it cannot know what the borrower still counts, and lends
+/// nothing until any reservation of its previous life has ended.
+#[test]
+fn a_restarted_lender_lends_at_once_from_its_books_and_learns_without_them() {
+    let mut pair = pair();
+    let p = Params::default();
+    let policy = GlobalPolicy::from_weights("g", 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional);
+    // A first start finds nothing in the store: no grant for D(1+ε) + m, then loans.
+    let mut first_loan = None;
+    for r in 1..=20i64 {
+        pair.0.set(r * 1_000_000);
+        if round_trip(&mut pair, 90) > 0.0 && first_loan.is_none() {
+            first_loan = Some(r * 1_000_000);
+        }
+    }
+    let first_loan = first_loan.expect("region 0 never lent");
+    assert!(first_loan >= p.lender_hold_us(), "lent at {first_loan} µs");
+    let restart = |pair: &mut Pair, incarnation: u64, t: i64| {
+        pair.0.set(t);
+        let (clock, stores, nodes) = pair;
+        nodes[0] = Node::start(
+            RegionId(0),
+            2,
+            p,
+            clock.clone(),
+            incarnation,
+            vec![policy.clone()],
+            &mut stores[0],
+        );
+    };
+    // Restarted with its books: the next round lends.
+    restart(&mut pair, 2, 20_500_000);
+    pair.0.set(21_000_000);
+    assert!(round_trip(&mut pair, 90) > 0.0, "no loan after a restart");
+    // Restarted on a store that lost everything: nothing until the old holds have ended.
+    pair.1[0] = MapStore::default();
+    restart(&mut pair, 3, 21_500_000);
+    for r in 22..=31i64 {
+        pair.0.set(r * 1_000_000);
+        let granted = round_trip(&mut pair, 90);
+        assert_eq!(granted, 0.0, "lent {granted} at {r} s with no books");
+    }
+    let mut lent_again = false;
+    for r in 32..=40i64 {
+        pair.0.set(r * 1_000_000);
+        lent_again |= round_trip(&mut pair, 90) > 0.0;
+    }
+    assert!(lent_again, "never lent again");
 }
 
 /// Three regions on map stores and one manual clock. Every message is delivered at
