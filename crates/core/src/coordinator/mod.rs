@@ -77,8 +77,9 @@ pub struct Params {
     /// growth of demand between rounds: false rejections in S4 went from 0.77% at 0.1 to
     /// 0.2%; underload means the spare exists.
     pub headroom: f64,
-    /// A borrower asks for a new amount only when it differs from what it holds by more
-    /// than this fraction of ρ (renewals keep the old amount: fewer changes, fewer writes).
+    /// A borrower asks a lender for a new amount only when it differs from what it holds
+    /// by more than this fraction of ρ, split over its lenders (renewals keep the old
+    /// amount: fewer changes, fewer writes); see [`GlobalPolicy::lender_hysteresis`].
     pub hysteresis: f64,
     /// A key is hot in a region when its demand is at least this fraction of the region's
     /// escrow; keys cold everywhere and without loans are neither exchanged nor planned.
@@ -236,6 +237,14 @@ impl GlobalPolicy {
                 headroom: p.headroom,
             },
         )
+    }
+
+    /// How far a loan from one lender may be from its plan before the borrower asks for
+    /// the difference: the hysteresis's share of ρ, split over the `regions − 1` lenders
+    /// so that a borrower's loans together stay within it (with nine lenders, a whole
+    /// fraction each left 9% of ρ unasked for).
+    pub fn lender_hysteresis(&self, p: &Params, regions: usize) -> f64 {
+        p.hysteresis * self.rho / regions.saturating_sub(1).max(1) as f64
     }
 
     /// The bucket capacity that goes with an enforced rate.

@@ -235,7 +235,8 @@ impl<C: Clock> Node<C> {
             .book
             .loan_from(request.msg.from, now)
             .map_or(0.0, |l| l.amount);
-        if report.freed && ks.peers[j].lender.want >= held_from_j + p.hysteresis * policy.rho {
+        let hysteresis = policy.lender_hysteresis(&p, self.peers.len());
+        if report.freed && ks.peers[j].lender.want >= held_from_j + hysteresis {
             ks.peers[j].early = true;
             self.peers[j].news = true;
         }
@@ -293,7 +294,8 @@ impl<C: Clock> Node<C> {
             0.0
         };
         let amount = floor_milli(sanitize(want).min(lendable.max(0.0)));
-        ks.peers[j].short = sanitize(want) - amount >= p.hysteresis * policy.rho;
+        ks.peers[j].short =
+            sanitize(want) - amount >= policy.lender_hysteresis(&p, self.peers.len());
         let seq = self.next_seq;
         self.next_seq += 1;
         ks.book.reserved.push(Reservation {

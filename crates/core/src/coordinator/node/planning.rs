@@ -321,7 +321,7 @@ pub(super) fn plan(
         let wanted = floor_milli(loans[j]);
         let lender = RegionId(j as u16);
         let held = ks.book.loan_from(lender, now).map_or(0.0, |l| l.amount);
-        let want = if held > 0.0 && (wanted - held).abs() < p.hysteresis * policy.rho {
+        let want = if held > 0.0 && (wanted - held).abs() < policy.lender_hysteresis(p, n) {
             held
         } else {
             wanted
