@@ -62,7 +62,7 @@ enum Command {
         #[arg(long, value_name = "PATH")]
         config: PathBuf,
     },
-    /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S17 of
+    /// Simulate global budgets: quotad's leases against the baselines, scenarios S1-S18 of
     /// docs/simulator.md, invariant S checked after every event (exit 1 if it breaks).
     Sim(SimArgs),
     /// Print the Lua script quotad sends to Redis for an algorithm (for redis-benchmark).
@@ -74,10 +74,10 @@ enum Command {
 
 #[derive(clap::Args)]
 struct SimArgs {
-    /// Every scenario, S1 to S16 (S17, heavy, only by name).
+    /// Every scenario, S1 to S16 (S17 and S18, heavy, only by name).
     #[arg(long, conflicts_with = "scenario")]
     all: bool,
-    /// Scenarios to run (S1 ... S17); repeatable.
+    /// Scenarios to run (S1 ... S18); repeatable.
     #[arg(long, value_name = "ID")]
     scenario: Vec<String>,
     /// Seeds per scenario.
@@ -121,7 +121,7 @@ fn sim(args: SimArgs) -> ExitCode {
             match Scenario::by_id(id) {
                 Some(s) => out.push(s),
                 None => {
-                    eprintln!("unknown scenario {id:?}: expected S1 ... S17");
+                    eprintln!("unknown scenario {id:?}: expected S1 ... S18");
                     return ExitCode::FAILURE;
                 }
             }

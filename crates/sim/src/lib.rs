@@ -4,7 +4,7 @@
 //! and measures quotad's leases against the baselines on identical offered load.
 //!
 //! Layout, in the order data flows through a run:
-//! - [`scenario`]: S1–S16 of docs/simulator.md (and random ones for the property tests).
+//! - [`scenario`]: S1–S18 of docs/simulator.md (and random ones for the property tests).
 //! - [`clock`]: real time and each region's drifted, offset, steppable clock.
 //! - [`net`]: delays, jitter, loss, duplication, reordering, cuts.
 //! - [`store`]: a region's store (books, buckets, counters, replication) as the daemon's
