@@ -10,7 +10,7 @@
 //! from the same seed with tracing on, and the error carries the events that led to it.
 
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashSet, VecDeque};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -576,14 +576,12 @@ impl<'a> Run<'a> {
     /// Invariant S for every key whose rates may have changed in the last event.
     fn check(&mut self, at: i64) -> Result<(), Violation> {
         let mut all = std::mem::take(&mut self.check_all);
-        let mut keys = BTreeSet::new();
         let mut changed = Vec::new();
         for r in 0..self.regime.stores.len() {
             for k in self.regime.stores[r].take_changed() {
                 if k == ALL_KEYS {
                     all = true;
                 } else {
-                    keys.insert(k);
                     changed.push((r, k));
                     self.schedule_expiries(r, k);
                 }
@@ -591,7 +589,6 @@ impl<'a> Run<'a> {
         }
         changed.extend(self.expired.take());
         if all {
-            keys.extend(0..self.sc.load.keys());
             for (r, column) in self.rates.iter_mut().enumerate() {
                 let store = &self.regime.stores[r];
                 for (k, rate) in column.iter_mut().enumerate() {
@@ -604,20 +601,22 @@ impl<'a> Run<'a> {
                 self.rates[r][k as usize] = store.rate(k, store.now());
             }
         }
+        if all {
+            // A clock step or a new default: every key, every region.
+            let every: Vec<usize> = (0..self.regime.stores.len()).collect();
+            for k in 0..self.sc.load.keys() {
+                self.check_key(at, k, &every)?;
+            }
+            return Ok(());
+        }
         // Per key, the regions whose entry changed: only their buckets and books can have
-        // broken the per-region checks (all of them after a clock step or a new default).
+        // broken the per-region checks.
         let mut regions: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for &(r, k) in &changed {
-            keys.insert(k);
+        for (r, k) in changed {
             regions.entry(k).or_default().push(r);
         }
-        let every: Vec<usize> = (0..self.regime.stores.len()).collect();
-        for k in keys {
-            let changed_here = match regions.get(&k) {
-                Some(rs) if !all => rs.as_slice(),
-                _ => &every,
-            };
-            self.check_key(at, k, changed_here)?;
+        for (k, rs) in &regions {
+            self.check_key(at, *k, rs)?;
         }
         Ok(())
     }
