@@ -12,7 +12,7 @@ use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use quotad_sim::{ModeKind, Scenario, SuiteOptions, run, run_suite};
+use quotad_sim::{ModeKind, Scenario, SuiteOptions, run_audited, run_suite};
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
@@ -25,7 +25,7 @@ proptest! {
     #[test]
     fn random_scenarios_keep_invariant_s(seed in any::<u64>()) {
         let sc = Scenario::random(&mut ChaCha8Rng::seed_from_u64(seed));
-        if let Err(v) = run(&sc, ModeKind::Lease, seed) {
+        if let Err(v) = run_audited(&sc, ModeKind::Lease, seed) {
             prop_assert!(false, "{}\n{v}", serde_json::to_string(&sc).unwrap());
         }
     }
@@ -44,7 +44,7 @@ fn shortened(mut sc: Scenario) -> Scenario {
 fn every_scenario_keeps_invariant_s_on_two_seeds() {
     for sc in Scenario::all().into_iter().map(shortened) {
         for seed in 0..2 {
-            if let Err(v) = run(&sc, ModeKind::Lease, seed) {
+            if let Err(v) = run_audited(&sc, ModeKind::Lease, seed) {
                 panic!("{v}");
             }
         }
@@ -80,7 +80,7 @@ fn scenarios_that_once_broke_invariant_s_keep_it() {
     let found = fixtures("tests/fixtures/sim");
     assert!(found.len() >= 10, "the regression fixtures are missing");
     for (path, sc, seed) in found {
-        if let Err(v) = run(&sc, ModeKind::Lease, seed) {
+        if let Err(v) = run_audited(&sc, ModeKind::Lease, seed) {
             panic!("{} ({}):\n{v}", path.display(), sc.title);
         }
     }
@@ -96,7 +96,7 @@ fn the_checker_stops_a_run_beyond_the_assumptions_with_seed_and_trace() {
     let found = fixtures("tests/fixtures/sim/beyond-assumptions");
     assert!(!found.is_empty());
     for (path, sc, seed) in found {
-        let v = run(&sc, ModeKind::Lease, seed).expect_err(&path.display().to_string());
+        let v = run_audited(&sc, ModeKind::Lease, seed).expect_err(&path.display().to_string());
         assert_eq!(v.seed, seed);
         assert!(v.what.contains("Σ R ="), "{}", v.what);
         assert!(v.trace.len() >= 20, "a trace of the events before: {v}");

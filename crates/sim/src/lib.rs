@@ -29,7 +29,7 @@ pub mod store;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-pub use engine::{Violation, run};
+pub use engine::{Violation, run, run_audited};
 pub use metrics::{RunMetrics, Sample};
 pub use regime::ModeKind;
 pub use report::Row;
