@@ -41,6 +41,9 @@ const COST: u64 = 5;
 /// region (key i in region i mod n), so it is hot there and, where that region's escrow
 /// is below 2/s, borrows.
 const BULK_RHO: u64 = 10;
+/// Its burst: at ten regions the smallest weight (1 of 24) still holds two units of it
+/// at its escrow (the config refuses less than one).
+const BULK_BURST: u64 = 5 * BULK_RHO;
 const BULK_OFFERED: f64 = 2.0;
 
 /// What to run.
@@ -243,7 +246,7 @@ fn region_config(n: usize, me: usize, store: &str, peer_urls: &[String], keys: u
     if keys > 0 {
         config = config.policy(
             Policy::new("bulk", "token_bucket", BULK_RHO, "1s")
-                .burst(2 * BULK_RHO)
+                .burst(BULK_BURST)
                 .on_store_error("closed")
                 .global(global()),
         );
@@ -557,4 +560,27 @@ fn print_exchange(regions: &Regions, before: &[Exchanged]) {
         );
     }
     println!("CPU of the demo process (daemons and load): {cpu:.0} s");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every region count the demo offers, with `--keys`, gives each region a config the
+    /// daemon takes: among others, every region holds at least one unit of each policy's
+    /// burst at its escrow.
+    #[test]
+    fn every_region_count_gives_configs_the_daemon_takes() {
+        for n in 2..=MAX_REGIONS {
+            let urls: Vec<String> = (0..n)
+                .map(|i| format!("http://127.0.0.1:{}", 9000 + i))
+                .collect();
+            for me in 0..n {
+                let config = region_config(n, me, "redis://127.0.0.1:6379", &urls, 1);
+                if let Err(e) = quotad_daemon::config::Settings::parse("demo.toml", &config) {
+                    panic!("{n} regions, region {me}:\n{e}");
+                }
+            }
+        }
+    }
 }

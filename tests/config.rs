@@ -15,6 +15,12 @@ const BAD: &[(&str, &[&str])] = &[
         &["12: policy[0].global.escrow: no weight for region \"eu-west\""],
     ),
     (
+        "global_escrow_below_one_unit.toml",
+        &[
+            "13: policy[0].global.escrow: \"eu-west\" would hold 0.20 units at its escrow (burst 20 times weight 1 of 100): less than one, so cut off from its peers it admits nothing; raise the burst to at least 100",
+        ],
+    ),
+    (
         "global_escrow_unknown_region.toml",
         &["12: policy[0].global.escrow: \"ap-south\" is neither this region nor a [[peer]]"],
     ),

@@ -395,6 +395,9 @@ impl Validator<'_> {
         let before = self.errors.len();
         self.global_restrictions(i, p);
         let weights = self.escrow_weights(i, g, regions, has_peers, before);
+        if self.errors.len() == before {
+            self.escrow_holds_a_unit(i, p, g, regions, &weights);
+        }
         let (lease, round) = self.lease_and_round(i, g);
         self.same_timing(i, g, lease, round, timing);
         let mode = self.allocation(i, g);
@@ -483,6 +486,53 @@ impl Validator<'_> {
             self.error(&g.escrow, &f("escrow"), "the weights must not all be 0");
         }
         weights
+    }
+
+    /// A region's bucket holds the burst (the limit without one) times its share of the
+    /// budget, which is its escrow while it neither lends nor borrows: when that is below
+    /// one unit, the region cut off from its peers admits nothing, and as a lender below
+    /// its escrow it holds budget it can never spend (docs/global-budgets.md, "Size the
+    /// burst for the number of regions"). A region with weight 0 only ever borrows.
+    fn escrow_holds_a_unit(
+        &mut self,
+        i: usize,
+        p: &raw::Policy,
+        g: &raw::Global,
+        regions: &[String],
+        weights: &[f64],
+    ) {
+        let capacity = *p.burst.as_ref().unwrap_or(&p.limit).get_ref();
+        let total: f64 = weights.iter().sum();
+        // An invalid burst or limit is the policy's own error (reported with its fields).
+        if capacity < 1 || total <= 0.0 {
+            return;
+        }
+        let size = if p.burst.is_some() {
+            "burst"
+        } else {
+            "limit (the burst)"
+        };
+        for (region, &w) in regions.iter().zip(weights) {
+            let held = capacity as f64 * w / total;
+            if w > 0.0 && held < 1.0 {
+                let need = (total / w).ceil();
+                let at = g
+                    .escrow
+                    .get_ref()
+                    .get(region)
+                    .map_or(g.escrow.span().start, |w| w.span().start);
+                self.error_at(
+                    at,
+                    &global_field(i, "escrow"),
+                    format!(
+                        "\"{region}\" would hold {held:.2} units at its escrow ({size} {capacity} \
+                         times weight {w} of {total}): less than one, so cut off from its \
+                         peers it admits nothing; raise the {size} to at least {need}, or \
+                         this weight"
+                    ),
+                );
+            }
+        }
     }
 
     /// `round` and `lease`: a loan must outlast the exchange interval that renews it.
