@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use quotad_daemon::config::Settings;
 use quotad_testkit::load::{Answer, Load, ManyKeys, admitted_between, max_admitted_in_window};
 use quotad_testkit::proxy::{Leg, LegHandle, Proxy};
 use quotad_testkit::{Config, Global, Peer, Policy, Quotad, RedisServer, redis_available};
@@ -131,6 +132,12 @@ pub enum DemoError {
     Redis(String),
     #[error("a daemon stopped")]
     DaemonStopped,
+    /// A region's config that the daemon would refuse (checked before any daemon starts).
+    #[error("region {region}: {errors}")]
+    Config {
+        region: &'static str,
+        errors: String,
+    },
 }
 
 /// The regions: their stores, daemons, and the proxies between them.
@@ -168,16 +175,26 @@ impl Regions {
                 *slot = Some(Proxy::start(legs[a][b].clone(), legs[b][a].clone()));
             }
         }
-        let daemons: Vec<Quotad> = (0..n)
+        // Every config is checked before any daemon starts: a refused one is the demo's
+        // error, not a daemon's panic.
+        let configs: Vec<String> = (0..n)
             .map(|me| {
                 let store = redis.get(me).map_or("memory".to_owned(), |r| r.url());
                 let urls: Vec<String> = proxies[me]
                     .iter()
                     .map(|p| p.as_ref().map_or(String::new(), Proxy::url))
                     .collect();
-                Quotad::serve(&region_config(n, me, &store, &urls, keys))
+                let config = region_config(n, me, &store, &urls, keys);
+                match Settings::parse("demo.toml", &config) {
+                    Ok(_) => Ok(config),
+                    Err(e) => Err(DemoError::Config {
+                        region: NAMES[me],
+                        errors: e.to_string(),
+                    }),
+                }
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
+        let daemons: Vec<Quotad> = configs.iter().map(|c| Quotad::serve(c)).collect();
         for row in &proxies {
             for (b, p) in row.iter().enumerate() {
                 if let Some(p) = p {
@@ -577,7 +594,7 @@ mod tests {
                 .collect();
             for me in 0..n {
                 let config = region_config(n, me, "redis://127.0.0.1:6379", &urls, 1);
-                if let Err(e) = quotad_daemon::config::Settings::parse("demo.toml", &config) {
+                if let Err(e) = Settings::parse("demo.toml", &config) {
                     panic!("{n} regions, region {me}:\n{e}");
                 }
             }
