@@ -184,14 +184,7 @@ impl Regions {
                     .iter()
                     .map(|p| p.as_ref().map_or(String::new(), Proxy::url))
                     .collect();
-                let config = region_config(n, me, &store, &urls, keys);
-                match Settings::parse("demo.toml", &config) {
-                    Ok(_) => Ok(config),
-                    Err(e) => Err(DemoError::Config {
-                        region: NAMES[me],
-                        errors: e.to_string(),
-                    }),
-                }
+                checked_config(n, me, &store, &urls, keys)
             })
             .collect::<Result<_, _>>()?;
         let daemons: Vec<Quotad> = configs.iter().map(|c| Quotad::serve(c)).collect();
@@ -234,6 +227,24 @@ impl Regions {
 
     fn urls(&self) -> Vec<Vec<String>> {
         self.daemons.iter().map(|d| vec![d.url()]).collect()
+    }
+}
+
+/// [`region_config`], as the daemon would take it (a refused one is the demo's error).
+fn checked_config(
+    n: usize,
+    me: usize,
+    store: &str,
+    peer_urls: &[String],
+    keys: usize,
+) -> Result<String, DemoError> {
+    let config = region_config(n, me, store, peer_urls, keys);
+    match Settings::parse("demo.toml", &config) {
+        Ok(_) => Ok(config),
+        Err(e) => Err(DemoError::Config {
+            region: NAMES[me],
+            errors: e.to_string(),
+        }),
     }
 }
 
@@ -593,9 +604,8 @@ mod tests {
                 .map(|i| format!("http://127.0.0.1:{}", 9000 + i))
                 .collect();
             for me in 0..n {
-                let config = region_config(n, me, "redis://127.0.0.1:6379", &urls, 1);
-                if let Err(e) = Settings::parse("demo.toml", &config) {
-                    panic!("{n} regions, region {me}:\n{e}");
+                if let Err(e) = checked_config(n, me, "redis://127.0.0.1:6379", &urls, 1) {
+                    panic!("{n} regions: {e}");
                 }
             }
         }
