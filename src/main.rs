@@ -83,6 +83,10 @@ struct SimArgs {
     /// Seeds per scenario.
     #[arg(long, default_value_t = 30)]
     seeds: u64,
+    /// Run the Zipf scenarios (S14, S17, S18) with this many keys, their total demand
+    /// scaled with it (S18 at 100,000 keys: `--scenario S18 --keys 100000`).
+    #[arg(long)]
+    keys: Option<u32>,
     /// The first seed (seeds run from here up).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -127,6 +131,20 @@ fn sim(args: SimArgs) -> ExitCode {
             }
         }
         out
+    };
+    let scenarios = match args.keys {
+        None => scenarios,
+        Some(keys) => match scenarios
+            .into_iter()
+            .map(|s| s.with_keys(keys))
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        },
     };
     if args.seeds == 0 {
         eprintln!("--seeds must be at least 1");
