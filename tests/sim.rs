@@ -198,6 +198,7 @@ fn the_cli_writes_table_json_and_plots() {
         "partition_utilization",
         "best_safe_utilization",
         "bytes_per_key_round",
+        "writes_per_key_round",
     ] {
         assert!(rows[0].get(key).is_some(), "{key} missing in {}", rows[0]);
     }

@@ -347,6 +347,7 @@ impl<'a> Run<'a> {
             self.check(q.at)?;
             self.observe_fallback(q.at);
         }
+        self.rec.book_writes = self.regime.stores.iter().map(|s| s.book_writes).sum();
         self.rec.finish();
         Ok(self.rec)
     }

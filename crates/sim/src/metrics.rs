@@ -48,6 +48,8 @@ pub struct Record {
     pub rounds: u64,
     pub bytes: u64,
     pub key_reports: u64,
+    /// Book writes over every region's store (warm-up included, as `bytes`).
+    pub book_writes: u64,
     pub fallback_since: Option<f64>,
     pub fallback_s: Option<f64>,
     pub reconverge_since: Option<f64>,
@@ -75,6 +77,7 @@ impl Record {
             rounds: 0,
             bytes: 0,
             key_reports: 0,
+            book_writes: 0,
             fallback_since: None,
             fallback_s: None,
             reconverge_since: None,
@@ -149,6 +152,10 @@ pub struct RunMetrics {
     pub best_safe_utilization: Option<f64>,
     pub reconverge_s: Option<f64>,
     pub bytes_per_key_round: Option<f64>,
+    /// Book writes per key and round in a region, over the keys it exchanges: writes ×
+    /// (regions − 1) / key reports. In Redis each is a script call: this is what the
+    /// coordinator costs the region's store per key.
+    pub writes_per_key_round: Option<f64>,
 }
 
 pub fn compare(sc: &Scenario, ours: &Record, central: &Record) -> RunMetrics {
@@ -223,6 +230,8 @@ pub fn compare(sc: &Scenario, ours: &Record, central: &Record) -> RunMetrics {
         reconverge_s: ours.reconverge_s,
         bytes_per_key_round: (ours.key_reports > 0)
             .then(|| ours.bytes as f64 / ours.key_reports as f64),
+        writes_per_key_round: (ours.key_reports > 0 && ours.book_writes > 0)
+            .then(|| ours.book_writes as f64 * (sc.regions - 1) as f64 / ours.key_reports as f64),
     }
 }
 

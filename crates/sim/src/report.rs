@@ -36,6 +36,7 @@ pub struct Row {
     pub best_safe_utilization: Option<f64>,
     pub reconverge_s: Option<f64>,
     pub bytes_per_key_round: Option<f64>,
+    pub writes_per_key_round: Option<f64>,
 }
 
 pub fn aggregate(scenarios: &[Scenario], modes: &[ModeKind], outcomes: &[Outcome]) -> Vec<Row> {
@@ -103,6 +104,7 @@ pub fn aggregate(scenarios: &[Scenario], modes: &[ModeKind], outcomes: &[Outcome
                     None
                 },
                 bytes_per_key_round: opt_mean(opt_all(&|m| m.bytes_per_key_round)),
+                writes_per_key_round: opt_mean(opt_all(&|m| m.writes_per_key_round)),
             });
         }
     }
@@ -118,7 +120,7 @@ pub fn table(rows: &[Row]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<4} {:<13} {:>5} {:>8} {:>6} {:>7} {:>6} {:>7} {:>11} {:>8} {:>11} {:>7} {:>7}",
+        "{:<4} {:<13} {:>5} {:>8} {:>6} {:>7} {:>6} {:>7} {:>11} {:>8} {:>11} {:>7} {:>7} {:>7}",
         "scen",
         "mode",
         "seeds",
@@ -131,7 +133,8 @@ pub fn table(rows: &[Row]) -> String {
         "fallback",
         "part η/best",
         "reconv",
-        "B/key"
+        "B/key",
+        "W/key"
     );
     for r in rows {
         let tau = match (r.tau5_s, r.tau5_max_s) {
@@ -149,7 +152,7 @@ pub fn table(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<4} {:<13} {:>5} {:>8.4} {:>6.3} {:>7.3} {:>6.3} {:>6.2}% {:>11} {:>8} {:>11} {:>7} {:>7}",
+            "{:<4} {:<13} {:>5} {:>8.4} {:>6.3} {:>7.3} {:>6.3} {:>6.2}% {:>11} {:>8} {:>11} {:>7} {:>7} {:>7}",
             r.scenario,
             r.mode,
             seeds,
@@ -163,6 +166,7 @@ pub fn table(rows: &[Row]) -> String {
             part,
             opt(r.reconverge_s, 2),
             opt(r.bytes_per_key_round, 0),
+            opt(r.writes_per_key_round, 2),
         );
     }
     out

@@ -50,6 +50,8 @@ pub struct RegionStore {
     pub lagging: bool,
     /// The daemon's incarnation counter (kept in the store, so a restart can bump it).
     pub incarnation: u64,
+    /// Book writes the coordinator made (in Redis, one script call each).
+    pub book_writes: u64,
 }
 
 /// Keys are `k<index>`; anything else is a key this simulation never has traffic for.
@@ -85,6 +87,7 @@ impl RegionStore {
             changed: BTreeSet::new(),
             lagging: false,
             incarnation: 0,
+            book_writes: 0,
         }
     }
 
@@ -285,6 +288,7 @@ impl LeaseStore for RegionStore {
                 epoch: book.epoch,
             };
         };
+        self.book_writes += 1;
         let now = self.now();
         let (d, shape) = (self.default(), self.shape);
         let durable = !self.lagging;
