@@ -46,7 +46,7 @@ impl DemandEstimator {
                     None => sample,
                     Some(e) => {
                         let a = if sample > e { p.ewma_up } else { p.ewma_down };
-                        e + a * (sample - e)
+                        e + a * evidence(sample.max(e), dt, p) * (sample - e)
                     }
                 };
                 self.estimate = Some(est);
@@ -64,6 +64,19 @@ impl DemandEstimator {
     pub fn is_known(&self) -> bool {
         self.estimate.is_some()
     }
+}
+
+/// How far a sample may move the estimate, from 0 to 1: in proportion to the arrivals
+/// the interval held at `rate` (the larger of the sample and the estimate: a rise counts
+/// what it brought, a fall what the old rate would have), in full from
+/// [`Params::demand_events`] arrivals on. Arrivals are random: a key offered 2/s shows 0
+/// to 5 in a one-second round, and taking each such sample at face value moves its share
+/// between regions on noise. Where few arrive, several rounds count together.
+fn evidence(rate: f64, dt: LocalUs, p: &Params) -> f64 {
+    if p.demand_events <= 0.0 {
+        return 1.0;
+    }
+    (rate * dt as f64 / 1e6 / p.demand_events).min(1.0)
 }
 
 #[cfg(test)]
@@ -87,6 +100,31 @@ mod tests {
         assert!((up - p.ewma_up * 400.0).abs() < 1e-9);
         assert!((down - p.ewma_down * before).abs() < 1e-9);
         assert!(p.ewma_up > p.ewma_down, "fast up, slower down");
+    }
+
+    #[test]
+    fn a_sample_of_few_arrivals_moves_the_estimate_in_proportion_to_them() {
+        let p = Params::default();
+        let k = p.demand_events;
+        let mut d = DemandEstimator::default();
+        d.observe(0, reading(0, 0), 1000.0, &p);
+        d.observe(1_000_000, reading(2, 0), 1000.0, &p); // 2/s
+        // 6 in the next second: 6 arrivals of evidence, not the full up weight.
+        let up = d.observe(2_000_000, reading(8, 0), 1000.0, &p) - 2.0;
+        assert!((up - p.ewma_up * 6.0 / k * 4.0).abs() < 1e-9, "rose {up}");
+        // None in the next: the 5.x/s it came from would have brought 5.x.
+        let before = d.value();
+        let down = before - d.observe(3_000_000, reading(8, 0), 1000.0, &p);
+        assert!(
+            (down - p.ewma_down * before / k * before).abs() < 1e-9,
+            "fell {down}"
+        );
+        // With many arrivals, the weights in full.
+        let mut busy = DemandEstimator::default();
+        busy.observe(0, reading(0, 0), 1000.0, &p);
+        busy.observe(1_000_000, reading(2 * k as u64, 0), 1000.0, &p);
+        let up = busy.observe(2_000_000, reading(6 * k as u64, 0), 1000.0, &p) - 2.0 * k;
+        assert!((up - p.ewma_up * 2.0 * k).abs() < 1e-9, "rose {up}");
     }
 
     #[test]
