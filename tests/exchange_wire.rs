@@ -24,17 +24,17 @@ const RHO: u64 = 10;
 fn start(encoding: [&'static str; 2]) -> TwoRegions {
     TwoRegions::start(
         |_| {},
-        move |me, redis, peer| config(me, redis, peer, encoding[me]),
+        move |me, redis, peer| config(me, redis, peer, encoding[me], 200_000),
     )
 }
 
-fn config(me: usize, redis: &str, peer_url: &str, encoding: &str) -> String {
+fn config(me: usize, redis: &str, peer_url: &str, encoding: &str, cap: usize) -> String {
     Config::redis(redis)
         .region(REGIONS[me])
         .coordinator("secret", SECRET)
         .coordinator("lock", timing().2)
         .coordinator("exchange_encoding", encoding)
-        .coordinator("max_exchange_keys", 200_000)
+        .coordinator("max_exchange_keys", cap as i64)
         .peer(Peer::new(REGIONS[1 - me], peer_url))
         .policy(
             Policy::new("g", "token_bucket", RHO, "1s")
@@ -192,6 +192,38 @@ fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
         pair.us()
             .metric("quotad_exchange_rejected_total{reason=\"malformed\"}"),
         0.0
+    );
+    assert_eq!(
+        pair.eu().metric("quotad_exchange_keys_deferred_total"),
+        0.0,
+        "a cap above the hot keys defers none"
+    );
+}
+
+/// More keys are hot than an exchange may carry (300 against a cap of 100): the most
+/// pressing go, and the operator sees the rest counted as deferred, not dropped in
+/// silence; the region still borrows for the keys that went.
+#[test]
+fn keys_beyond_the_exchange_cap_are_counted_as_deferred() {
+    let pair = TwoRegions::start(
+        |_| {},
+        |me, redis, peer| config(me, redis, peer, "binary", 100),
+    );
+    let _load = key_load(pair.eu().port, 300);
+    wait_for(
+        "keys deferred, and some borrowing",
+        Duration::from_secs(60),
+        || {
+            let deferred = pair.eu().metric("quotad_exchange_keys_deferred_total");
+            let borrowing = pair.eu().metric("quotad_borrowed_rate{policy=\"g\"}") > 0.0;
+            (deferred > 0.0 && borrowing).then_some(deferred)
+        },
+    );
+    let status: Value = pair.eu().json("/v1/status");
+    assert!(
+        status["coordinator"]["stats"]["keys_deferred"].as_u64() > Some(0),
+        "/v1/status: {}",
+        status["coordinator"]["stats"]
     );
 }
 

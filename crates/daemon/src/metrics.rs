@@ -161,6 +161,10 @@ pub struct GlobalMetrics {
     /// exchange once (not per attempt): bytes sent over keys sent, summed over the regions,
     /// is the exchange's cost per key and round (the simulator's measure).
     pub exchange_keys: IntCounterVec,
+    /// `quotad_exchange_keys_deferred_total`: keys left out of an exchange because more
+    /// qualified than `coordinator.max_exchange_keys` (each runs on its escrow until there
+    /// is room): above zero, the cap is smaller than the keys hot at once.
+    pub exchange_keys_deferred: IntCounter,
     /// `quotad_exchange_binary{peer}`: 1 while this instance sends the peer the binary
     /// form, 0 while JSON (pinned, or the peer refused the binary form: an older version).
     pub exchange_binary: IntGaugeVec,
@@ -250,6 +254,10 @@ impl GlobalMetrics {
             exchange_keys: c.labels(&["peer"]).counter(Opts::new(
                 "quotad_exchange_keys_total",
                 "Keys in exchanges sent.",
+            )),
+            exchange_keys_deferred: c.counter(Opts::new(
+                "quotad_exchange_keys_deferred_total",
+                "Keys left out of exchanges by coordinator.max_exchange_keys.",
             )),
             exchange_binary: c.labels(&["peer"]).int_gauge(Opts::new(
                 "quotad_exchange_binary",

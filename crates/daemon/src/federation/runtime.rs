@@ -104,6 +104,8 @@ struct Leading<B: Backend> {
     /// When a loan or reservation ends next: published then too (nothing else wakes the
     /// thread of a cut-off region whose loans run out between rounds).
     next_change: Option<Instant>,
+    /// The node's count of deferred keys when last published (the metric adds the rest).
+    deferred_published: u64,
 }
 
 impl<B: Backend> Runtime<B> {
@@ -246,6 +248,7 @@ impl<B: Backend> Runtime<B> {
             published: now,
             unpublished: false,
             next_change: None,
+            deferred_published: 0,
         })
     }
 
@@ -477,6 +480,10 @@ impl<B: Backend> Runtime<B> {
             policies: node.policy_status(),
         };
         let m = &self.shared.metrics.global;
+        let deferred = status.stats.keys_deferred;
+        m.exchange_keys_deferred
+            .inc_by(deferred.saturating_sub(l.deferred_published));
+        l.deferred_published = deferred;
         for p in &s.peers {
             let link = node.link(p.id);
             let rtt = node.rtt_us(p.id);
