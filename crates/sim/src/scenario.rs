@@ -526,7 +526,16 @@ impl Scenario {
             },
             _ => return None,
         };
-        Some(s)
+        Some(s.exchange_sized())
+    }
+
+    /// An exchange may carry every key of the scenario, as an operator sizes
+    /// `coordinator.max_exchange_keys` for the keys it has (the demo does): with the
+    /// default of 10,000, 100,000 hot keys would mostly wait on their escrow.
+    fn exchange_sized(mut self) -> Scenario {
+        let keys = self.load.keys() as usize;
+        self.params.max_exchange_keys = self.params.max_exchange_keys.max(keys);
+        self
     }
 
     /// The same scenario with `keys` keys of Zipf demand, the total scaled with them so
@@ -552,7 +561,7 @@ impl Scenario {
         *k = keys;
         self.oa_keys = self.oa_keys.min(keys);
         self.title = format!("{} ({keys} keys)", self.title);
-        Ok(self)
+        Ok(self.exchange_sized())
     }
 
     /// A random scenario for the property tests: 2–4 regions, random weights, a random
@@ -842,6 +851,7 @@ mod tests {
         let s18 = Scenario::by_id("S18").unwrap();
         let big = s18.clone().with_keys(100_000).unwrap();
         assert_eq!(big.load.keys(), 100_000);
+        assert_eq!(big.params.max_exchange_keys, 100_000);
         let per_key =
             |s: &Scenario| s.load.rates(0.0, 10).iter().sum::<f64>() / f64::from(s.load.keys());
         assert!((per_key(&big) - per_key(&s18)).abs() < 1e-9);
