@@ -29,6 +29,10 @@ const BAD: &[(&str, &[&str])] = &[
         &["4: coordinator.exchange_encoding: must be \"binary\" or \"json\""],
     ),
     (
+        "global_sense_too_long.toml",
+        &["4: coordinator.sense: must be between 0s and 500ms"],
+    ),
+    (
         "global_lease_not_above_round.toml",
         &["13: policy[0].global.lease: must be longer than round (1s)"],
     ),

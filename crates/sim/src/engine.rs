@@ -104,6 +104,8 @@ fn run_checked(sc: &Scenario, mode: ModeKind, seed: u64, audit: bool) -> Result<
 enum Event {
     Tick,
     Timer(usize),
+    /// A region's coordinator reads demand between rounds ([`Node::sense`]).
+    Sense(usize),
     Deliver {
         from: usize,
         to: usize,
@@ -255,6 +257,12 @@ impl<'a> Run<'a> {
                 self.push(start + phase, Event::Timer(r));
             }
         }
+        if let Some(every) = self.regime.sense_us() {
+            let n = self.sc.regions as i64;
+            for r in 0..self.sc.regions {
+                self.push(start + every * (r as i64 + 1) / (n + 1), Event::Sense(r));
+            }
+        }
     }
 
     /// Queues the scenario's faults as events, in the order the scenario lists them (the
@@ -371,6 +379,14 @@ impl<'a> Run<'a> {
                 self.push(now + next, Event::Timer(r));
                 let sent = self.send(now);
                 self.trace.is_some().then(|| format!("round r{r}: {sent}"))
+            }
+            Event::Sense(r) => {
+                self.regime.sense(r, &mut self.out);
+                if let Some(every) = self.regime.sense_us() {
+                    self.push(now + every, Event::Sense(r));
+                }
+                let sent = self.send(now);
+                self.trace.is_some().then(|| format!("sense r{r}: {sent}"))
             }
             Event::Deliver { from, to, bytes } => {
                 if self.net.is_cut(from, to, now) {

@@ -240,6 +240,22 @@ impl Regime {
         }
     }
 
+    /// How often a lease node senses demand between rounds, if it does.
+    pub fn sense_us(&self) -> Option<i64> {
+        (self.kind == ModeKind::Lease && self.params.sense_us > 0).then_some(self.params.sense_us)
+    }
+
+    /// The region's sense timer fired: its node reads demand again and sends what should
+    /// not wait for the round.
+    pub fn sense(&mut self, r: usize, out: &mut Vec<Send>) {
+        let (Some(node), store) = (self.nodes[r].as_mut(), &mut self.stores[r]) else {
+            return;
+        };
+        node.sense(store);
+        let early = node.early_exchanges(store);
+        self.send_exchanges(r, early, out);
+    }
+
     /// One tick's arrivals, `(region, key, count)`; returns how many of each are admitted.
     ///
     /// Requests within a tick count as simultaneous. Per-region buckets do not care in

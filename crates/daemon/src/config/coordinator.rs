@@ -310,6 +310,14 @@ impl Validator<'_> {
             100,
             1_000_000,
         ) as usize;
+        // Demand read between rounds: a quarter of a round unless set ("0s": only in rounds).
+        let sense = self.duration(
+            c.sense.as_ref(),
+            "coordinator.sense",
+            round / 4,
+            Duration::ZERO,
+            round / 2,
+        );
         let encoding = match &c.exchange_encoding {
             None => Encoding::Binary,
             Some(e) => match e.get_ref().as_str() {
@@ -331,6 +339,7 @@ impl Validator<'_> {
             epsilon,
             margin_us: margin.as_micros() as i64,
             max_exchange_keys,
+            sense_us: sense.as_micros() as i64,
             ..defaults
         };
         GlobalSettings {

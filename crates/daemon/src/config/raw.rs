@@ -56,6 +56,7 @@ pub struct Coordinator {
     pub max_skew: Option<Spanned<String>>,
     pub max_exchange_keys: Option<Spanned<i64>>,
     pub exchange_encoding: Option<Spanned<String>>,
+    pub sense: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -95,6 +95,8 @@ struct Leading<B: Backend> {
     store: B::Store,
     token: u64,
     next_round: Instant,
+    /// The next read of demand between rounds (`None`: `coordinator.sense` is off).
+    next_sense: Option<Instant>,
     next_renew: Instant,
     /// When `/v1/status` and the metrics were last published, and whether a message has
     /// changed what they would show since (published at most every tenth of a round, so
@@ -244,6 +246,8 @@ impl<B: Backend> Runtime<B> {
             store,
             token,
             next_round: now,
+            next_sense: (s.params.sense_us > 0)
+                .then(|| now + Duration::from_micros(s.params.sense_us as u64)),
             next_renew: now + s.lock / 5,
             published: now,
             unpublished: false,
@@ -274,6 +278,10 @@ impl<B: Backend> Runtime<B> {
             }
             self.round(&mut l);
             l.next_round = now + jittered(self.shared.settings.params.round_us);
+        }
+        if l.next_sense.is_some_and(|t| now >= t) && l.store.failure().is_none() {
+            self.sense(&mut l);
+            l.next_sense = self.sense_after(now);
         }
         let changed = l.next_change.is_some_and(|t| now >= t);
         if (changed || l.unpublished && now >= l.published + self.publish_gap())
@@ -312,6 +320,9 @@ impl<B: Backend> Runtime<B> {
     /// publication or loan end, whichever comes first (a message may wake it earlier).
     fn wake_at(&self, l: &Leading<B>) -> Instant {
         let mut wake = l.next_round.min(l.next_renew);
+        if let Some(t) = l.next_sense {
+            wake = wake.min(t);
+        }
         if l.unpublished {
             wake = wake.min(l.published + self.publish_gap());
         }
@@ -413,6 +424,25 @@ impl<B: Backend> Runtime<B> {
                 false
             }
         }
+    }
+
+    /// Demand read between rounds (`coordinator.sense`): what moved goes to the peers
+    /// concerned in early exchanges, sent only if the store kept up.
+    fn sense(&self, l: &mut Leading<B>) {
+        if l.store.begin(false).is_err() {
+            return;
+        }
+        l.node.sense(&mut l.store);
+        if l.store.failure().is_none() {
+            self.send(l.node.early_exchanges(&mut l.store));
+            l.unpublished = true;
+        }
+    }
+
+    /// When to sense next after `now`, if at all.
+    fn sense_after(&self, now: Instant) -> Option<Instant> {
+        let us = self.shared.settings.params.sense_us;
+        (us > 0).then(|| now + Duration::from_micros(us as u64))
     }
 
     /// One round of the node, its exchanges sent only if the store kept up, timed

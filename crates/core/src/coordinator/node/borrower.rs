@@ -256,13 +256,17 @@ impl KeyState {
             self.asked_until = self.asked_until.max(until);
         }
         let mine = from.release.incarnation == peer_inc && peer_inc != 0;
-        KeyReport {
+        let demand = self.demand.value() as f32;
+        let report = KeyReport {
             key: key.to_owned(),
-            demand: self.demand.value() as f32,
+            demand,
             want,
             release: mine.then_some(from.release.seq),
             held: from.held.filter(|_| mine),
             freed,
-        }
+        };
+        self.peers[j].told = demand;
+        self.peers[j].lender.asked = want.unwrap_or(0.0);
+        report
     }
 }

@@ -39,9 +39,12 @@ pub(super) struct Peer {
     rtt_us: Option<i64>,
     /// Heard from since the last round while its link was not connected before.
     pub(super) link_up: bool,
-    /// The round in which the last early exchange (news for a few keys, between rounds)
-    /// went to it. At most one per peer per round; the rest waits for the round.
-    pub(super) early_round: u64,
+    /// The tick (a round or a sense) in which the last early exchange (news for a few
+    /// keys, between rounds) went to it. At most one per peer per tick; the rest waits.
+    pub(super) early_tick: u64,
+    /// When (our clock) the last early exchange went to it: the next waits a round trip,
+    /// so that on a slow link news does not pile up behind answers still on the way.
+    pub(super) early_at: Option<LocalUs>,
     /// Some key has news for it since the last exchange to it (the keys' `early` flags),
     /// so that checking for early exchanges costs nothing per key.
     pub(super) news: bool,
@@ -77,6 +80,16 @@ impl<C: Clock> Node<C> {
 
     pub fn rtt_us(&self, peer: RegionId) -> Option<i64> {
         self.peers.get(peer.index()).and_then(|p| p.rtt_us)
+    }
+
+    /// Whether an early exchange may go to peer `j` at `now`: not twice in one tick, and
+    /// not within a round trip of the last one.
+    pub(super) fn early_due(&self, j: usize, now: LocalUs) -> bool {
+        let peer = &self.peers[j];
+        peer.early_tick != self.tick
+            && peer
+                .early_at
+                .is_none_or(|t| now - t >= peer.rtt_us.unwrap_or(0))
     }
 
     pub(super) fn link_at(&self, j: usize, now: LocalUs) -> Link {

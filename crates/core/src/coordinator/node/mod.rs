@@ -161,6 +161,8 @@ pub struct Node<C: Clock> {
     incarnation: u64,
     next_seq: u64,
     round: u64,
+    /// Rounds and senses so far: early exchanges go at most once per peer per tick.
+    tick: u64,
     started: LocalUs,
     high_water: LocalUs,
     /// Per peer (this region's own entry unused): its incarnation, its link, and what is
@@ -191,6 +193,7 @@ impl<C: Clock> Node<C> {
             incarnation,
             next_seq: 1,
             round: 0,
+            tick: 0,
             started: now,
             high_water: now,
             peers: vec![Peer::default(); regions],
@@ -370,6 +373,7 @@ impl<C: Clock> Node<C> {
     pub fn round(&mut self, store: &mut dyn LeaseStore) -> Vec<(RegionId, Exchange)> {
         let now = self.observe_clock(store);
         self.round += 1;
+        self.tick += 1;
         self.stats.rounds += 1;
         self.clear_link_up();
         self.refresh(store, now, true);
@@ -389,15 +393,15 @@ impl<C: Clock> Node<C> {
     ///   freed as a lender for a borrower it granted short, and the re-ask of a borrower
     ///   so told. After a heal, capacity moves from one borrower to another in a few
     ///   one-way delays instead of a round of each region in turn. At most one per peer
-    ///   per round.
+    ///   per tick (a round or a [`Self::sense`]), and one per round trip to it.
     pub fn early_exchanges(&mut self, store: &mut dyn LeaseStore) -> Vec<(RegionId, Exchange)> {
         let me = self.me.index();
-        let round = self.round;
+        let now = self.observe_clock(store);
         let news: Vec<usize> = self
             .peers
             .iter()
             .enumerate()
-            .filter(|&(j, peer)| j != me && !peer.link_up && peer.early_round != round && peer.news)
+            .filter(|&(j, peer)| j != me && !peer.link_up && peer.news && self.early_due(j, now))
             .map(|(j, _)| j)
             .collect();
         let up: Vec<usize> = self
@@ -410,7 +414,6 @@ impl<C: Clock> Node<C> {
         if up.is_empty() && news.is_empty() {
             return Vec::new();
         }
-        let now = self.observe_clock(store);
         let mut out = Vec::new();
         if !up.is_empty() {
             self.refresh(store, now, false);
@@ -421,7 +424,8 @@ impl<C: Clock> Node<C> {
         }
         for j in news {
             if self.link_at(j, now) == Link::Connected {
-                self.peers[j].early_round = self.round;
+                self.peers[j].early_tick = self.tick;
+                self.peers[j].early_at = Some(now);
                 out.push((RegionId(j as u16), self.exchange_for(j, now, true)));
             }
         }

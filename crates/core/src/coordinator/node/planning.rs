@@ -180,6 +180,94 @@ impl<C: Clock> Node<C> {
         Fate::Write
     }
 
+    /// Between rounds (every [`Params::sense_us`]): demand read again for every engaged key
+    /// (at most `max_exchange_keys`, the hottest), and each that moved beyond noise
+    /// planned again, so that a step in demand moves loans within a fraction of a round
+    /// rather than at the next one. Nothing joins or leaves, and only books the plan
+    /// changed (a give-back) are written. What should not wait becomes news for the peer
+    /// concerned, sent by [`Self::early_exchanges`]:
+    /// - as a borrower: a lender to ask for more than it holds and than it was last asked;
+    /// - as a lender: capacity freed (its own target fell) for a borrower granted short;
+    /// - this region's demand moved by [`Params::sense_change`] of ρ since the peer heard it.
+    pub fn sense(&mut self, store: &mut dyn LeaseStore) {
+        let now = self.observe_clock(store);
+        self.tick += 1;
+        let links = self.links(now);
+        let names: Vec<String> = self.policies.keys().cloned().collect();
+        for name in &names {
+            let mut ps = self.policies.remove(name).expect("listed above");
+            self.sense_policy(&mut ps, name, &links, now, store);
+            self.policies.insert(name.clone(), ps);
+        }
+    }
+
+    /// One policy's part of [`Self::sense`].
+    fn sense_policy(
+        &mut self,
+        ps: &mut PolicyState,
+        name: &str,
+        links: &[Link],
+        now: LocalUs,
+        store: &mut dyn LeaseStore,
+    ) {
+        let (round, p, me) = (self.round, self.params, self.me.index());
+        let mut engaged: Vec<(&String, f64)> = ps
+            .keys
+            .iter()
+            .filter(|(_, ks)| ks.engaged(round, &p, now))
+            .map(|(k, ks)| (k, ks.demand.value()))
+            .collect();
+        if engaged.is_empty() {
+            return;
+        }
+        // Bounded like an exchange: the hottest keys (in key order among equals), so that
+        // a sense costs the store at most `max_exchange_keys` reads however many are hot.
+        if engaged.len() > p.max_exchange_keys {
+            engaged.sort_by(|a, b| b.1.total_cmp(&a.1));
+            engaged.truncate(p.max_exchange_keys);
+        }
+        let keys: Vec<String> = engaged.into_iter().map(|(k, _)| k.clone()).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let counters = store.counters_of(name, &refs);
+        let n = self.peers.len();
+        let hysteresis = ps.policy.lender_hysteresis(&p, n);
+        let change = p.sense_change * ps.policy.rho;
+        let mut writes = Vec::new();
+        for (key, c) in keys.iter().zip(&counters) {
+            let ks = ps.keys.get_mut(key).expect("listed above");
+            if !ks
+                .demand
+                .observe_if_moved(now, *c, ps.policy.rho, change, &p)
+            {
+                continue;
+            }
+            let target_before = ks.target_self;
+            let gave_back = plan(ks, &ps.policy, self.me, links, round, &p, now);
+            let freed = target_before - ks.target_self >= hysteresis;
+            let demand = ks.demand.value();
+            for j in (0..n).filter(|&j| j != me && links[j] == Link::Connected) {
+                let held = ks
+                    .book
+                    .loan_from(RegionId(j as u16), now)
+                    .map_or(0.0, |l| l.amount);
+                let kp = &mut ks.peers[j];
+                let more = kp.lender.want >= held.max(kp.lender.asked) + hysteresis;
+                let moved = (demand - f64::from(kp.told)).abs() >= change;
+                if freed && kp.short {
+                    kp.freed = true;
+                }
+                if more || moved || (freed && kp.short) || gave_back[j] {
+                    kp.early = true;
+                    self.peers[j].news = true;
+                }
+            }
+            if ks.dirty {
+                writes.push(key.clone());
+            }
+        }
+        ps.write_and_announce(store, name, &writes, round);
+    }
+
     /// Ends a re-split once every peer reports the new version applied.
     fn finish_transition(&mut self, name: &str, links: &[Link], store: &mut dyn LeaseStore) {
         let me = self.me.index();

@@ -70,6 +70,8 @@ pub(super) struct KeyPeer {
     pub(super) short: bool,
     /// As a borrower, capacity was freed since it was granted short (sent as `freed`).
     pub(super) freed: bool,
+    /// The demand this region last reported to the peer.
+    pub(super) told: f32,
 }
 
 /// A peer's reported demand for a key, and the round it arrived in.
@@ -106,6 +108,8 @@ pub(super) struct FromLender {
     pub(super) held: Option<f64>,
     /// The loan to ask for in the next exchange.
     pub(super) want: f64,
+    /// The loan last asked for (a sense asks again only for more than this).
+    pub(super) asked: f64,
 }
 
 impl PolicyState {

@@ -443,6 +443,45 @@ fn freed_capacity_reaches_the_next_borrower_within_one_round() {
     );
 }
 
+/// A demand step between rounds is acted on before the next round: region 2 gets hot a
+/// quarter of a round after its last one; its sense reads the step, plans, and asks
+/// region 0 in an early exchange, which grants. Steady demand read between rounds, by
+/// contrast, sends nothing.
+#[test]
+fn a_demand_step_between_rounds_borrows_before_the_next_round() {
+    let mut trio = Trio::new(&[8.0, 1.0, 1.0], 1000.0);
+    trio.region_1_hot_past_learning();
+    // Steady: region 1 keeps its 1000/s, read a quarter of a round on.
+    trio.clock.set(14_250_000);
+    trio.stores[1].counters.rejected += 250;
+    trio.nodes[1].sense(&mut trio.stores[1]);
+    let steady = trio.nodes[1].early_exchanges(&mut trio.stores[1]);
+    assert!(
+        steady.is_empty(),
+        "steady demand sent {} early",
+        steady.len()
+    );
+    // The step: region 2, idle so far, offered 1000/s for that quarter.
+    trio.stores[2].counters.rejected += 250;
+    trio.grants.clear();
+    trio.nodes[2].sense(&mut trio.stores[2]);
+    let out = trio.nodes[2].early_exchanges(&mut trio.stores[2]);
+    assert!(
+        out.iter().any(|(to, _)| to.index() == 0),
+        "region 2 did not ask region 0"
+    );
+    trio.deliver(2, out);
+    assert!(
+        trio.loan(2, 0) > 0.0,
+        "no loan before region 2's next round"
+    );
+    assert!(
+        trio.max_sum <= 1000.0 + 1e-9,
+        "Σ R reached {}",
+        trio.max_sum
+    );
+}
+
 /// The bug a toy simulation of this protocol once found (docs/global-budgets.md, the safety rule):
 /// a borrower that took an older grant after announcing a newer release watermark
 /// counted a loan whose reservation the lender had already dropped (Σ R reached
