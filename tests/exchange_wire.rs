@@ -198,6 +198,10 @@ fn hot_keys_cross_in_the_binary_form_at_under_forty_bytes_a_key() {
         0.0,
         "a cap above the hot keys defers none"
     );
+    assert!(
+        pair.eu().metric("quotad_sense_duration_seconds_count") > 0.0,
+        "the coordinator reads demand between rounds"
+    );
 }
 
 /// More keys are hot than an exchange may carry (300 against a cap of 100): the most

@@ -183,6 +183,10 @@ pub struct GlobalMetrics {
     /// `quotad_round_duration_seconds`: how long a round took (reading demand, planning,
     /// writing every engaged book); it must stay well inside the lock period.
     pub round_duration: Histogram,
+    /// `quotad_sense_duration_seconds`: how long a read of demand between rounds took
+    /// (`coordinator.sense`: counters of the keys in the exchange, plans of the keys that
+    /// moved, their early exchanges built).
+    pub sense_duration: Histogram,
     /// `quotad_coordinator_cpu_seconds_total`: CPU time of the coordinator thread (rounds,
     /// peers' exchanges and replies, takeovers; Linux only, 0 elsewhere): what global
     /// budgets cost this instance beside its checks.
@@ -280,6 +284,13 @@ impl GlobalMetrics {
                 HistogramOpts::new(
                     "quotad_round_duration_seconds",
                     "Time a coordinator round took.",
+                )
+                .buckets(ROUND_BUCKETS.to_vec()),
+            ),
+            sense_duration: c.histogram(
+                HistogramOpts::new(
+                    "quotad_sense_duration_seconds",
+                    "Time a read of demand between rounds took.",
                 )
                 .buckets(ROUND_BUCKETS.to_vec()),
             ),

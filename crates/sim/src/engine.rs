@@ -1,7 +1,7 @@
 //! The discrete-event loop: one scenario, one mode, one seed.
 //!
-//! Events (arrivals every tick, protocol timers, message deliveries, lease expiries,
-//! faults) are popped in time order; real time jumps to each, and every region's clock
+//! Events (arrivals every tick, protocol timers and senses, message deliveries, lease
+//! expiries, faults) are popped in time order; real time jumps to each, and every region's clock
 //! reads its own drifted, offset local time from it. After every event the invariant is
 //! checked for every key whose rates may have changed: Σ_i R_i ≤ ρ, and every bucket
 //! within its capacity share. Lease expiries are events of their own (scheduled at the

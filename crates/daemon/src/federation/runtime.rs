@@ -427,16 +427,20 @@ impl<B: Backend> Runtime<B> {
     }
 
     /// Demand read between rounds (`coordinator.sense`): what moved goes to the peers
-    /// concerned in early exchanges, sent only if the store kept up.
+    /// concerned in early exchanges, sent only if the store kept up; timed
+    /// (`quotad_sense_duration_seconds`).
     fn sense(&self, l: &mut Leading<B>) {
         if l.store.begin(false).is_err() {
             return;
         }
+        let started = Instant::now();
         l.node.sense(&mut l.store);
         if l.store.failure().is_none() {
             self.send(l.node.early_exchanges(&mut l.store));
             l.unpublished = true;
         }
+        let took = started.elapsed().as_secs_f64();
+        self.shared.metrics.global.sense_duration.observe(took);
     }
 
     /// When to sense next after `now`, if at all.
