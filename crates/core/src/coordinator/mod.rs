@@ -67,8 +67,8 @@ pub struct Params {
     /// estimate (a shorter sample weighs less, see `demand`). Tuned with the simulator
     /// (`quotad sim`): after a step the old owner's estimate must fall for its share to
     /// move. 0.7 / 0.3 took 8 s to settle in S2, 0.9 / 0.8 4.0 s; with sensing between
-    /// rounds, 0.9 / 0.95 settles in 2.7 s (0.8: 3.5 s; 0.99: 2.4 s, but S8's worst seed
-    /// at 20% loss then takes 8 s).
+    /// rounds, 0.9 / 0.95 settles in 2.7 s (0.8: 3.5 s; 0.9: 3.0 s; 0.99, with every
+    /// reading between rounds taken: 2.4 s, but S8's worst seed at 20% loss took 8.4 s).
     pub ewma_up: f64,
     pub ewma_down: f64,
     /// A sample moves the estimate by those weights in full only when its interval held
