@@ -246,8 +246,7 @@ impl<B: Backend> Runtime<B> {
             store,
             token,
             next_round: now,
-            next_sense: (s.params.sense_us > 0)
-                .then(|| now + Duration::from_micros(s.params.sense_us as u64)),
+            next_sense: self.sense_after(now),
             next_renew: now + s.lock / 5,
             published: now,
             unpublished: false,

@@ -253,10 +253,9 @@ impl<C: Clock> Node<C> {
                 let kp = &mut ks.peers[j];
                 let more = kp.lender.want >= held.max(kp.lender.asked) + hysteresis;
                 let moved = (demand - f64::from(kp.told)).abs() >= change;
-                if freed && kp.short {
-                    kp.freed = true;
-                }
-                if more || moved || (freed && kp.short) || gave_back[j] {
+                let frees = freed && kp.short;
+                kp.freed |= frees;
+                if more || moved || frees || gave_back[j] {
                     kp.early = true;
                     self.peers[j].news = true;
                 }
