@@ -172,6 +172,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                             .entry(u)
                             .or_default()
                             .write_book(&d, &shape, now, book)
+                            .epoch
                     })
                     .collect();
                 assert_eq!(epochs, want, "seed {seed} step {step}");

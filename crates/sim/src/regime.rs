@@ -613,12 +613,10 @@ impl Regime {
         })
     }
 
-    /// Local times at which region `r`'s rate for `key` changes by itself.
-    pub fn expiries(&self, r: usize, key: u32) -> Vec<LocalUs> {
-        self.stores
-            .get(r)
-            .map(|s| s.expiries(key))
-            .unwrap_or_default()
+    /// The first local time after `after` at which region `r`'s rate for `key` changes by
+    /// itself.
+    pub fn next_expiry(&self, r: usize, key: u32, after: LocalUs) -> Option<LocalUs> {
+        self.stores.get(r)?.next_expiry(key, after)
     }
 }
 

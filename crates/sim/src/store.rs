@@ -29,6 +29,17 @@ struct Slot {
     active: bool,
 }
 
+impl Slot {
+    /// The replica acknowledged: the book as it is now is what a failover brings back
+    /// (copied into the kept allocation: this runs on every durable write).
+    fn keep_durable(&mut self) {
+        match (&mut self.durable, &self.key.book) {
+            (Some(kept), Some(book)) => kept.as_mut().clone_from(book),
+            (kept, book) => *kept = book.clone().map(Box::new),
+        }
+    }
+}
+
 /// In [`RegionStore::take_changed`]: the default escrow changed, so every key may have.
 pub const ALL_KEYS: u32 = u32::MAX;
 
@@ -119,7 +130,7 @@ impl RegionStore {
         if slot.key.touch(&d, &shape, now) {
             // The drop is a write like any other: replicated unless the replica lags.
             if !lagging {
-                slot.durable = slot.key.book.clone().map(Box::new);
+                slot.keep_durable();
             }
             self.changed.insert(key);
         }
@@ -205,19 +216,17 @@ impl RegionStore {
         std::mem::take(&mut self.changed).into_iter().collect()
     }
 
-    /// Store times at which `key`'s rate changes by itself: a lease ends, or (after a
-    /// backward step no touch has seen yet) the clock catches up with the high-water mark
-    /// and the loans the rate ignored meanwhile count again.
-    pub fn expiries(&self, key: u32) -> Vec<LocalUs> {
-        match self.book(key) {
-            Some(b) => {
-                let mut out = b.expiries_between(LocalUs::MIN, LocalUs::MAX);
-                if !b.borrowed.is_empty() {
-                    out.push(b.high_water.saturating_sub(self.shape.step_tolerance));
-                }
-                out
-            }
-            None => Vec::new(),
+    /// The first store time after `after` at which `key`'s rate changes by itself: a
+    /// lease ends, or (after a backward step no touch has seen yet) the clock catches up
+    /// with the high-water mark and the loans the rate ignored meanwhile count again.
+    pub fn next_expiry(&self, key: u32, after: LocalUs) -> Option<LocalUs> {
+        let b = self.book(key)?;
+        let caught_up = (!b.borrowed.is_empty())
+            .then(|| b.high_water.saturating_sub(self.shape.step_tolerance))
+            .filter(|&t| t > after);
+        match (b.next_expiry(after), caught_up) {
+            (Some(a), Some(c)) => Some(a.min(c)),
+            (a, c) => a.or(c),
         }
     }
 
@@ -248,7 +257,7 @@ impl RegionStore {
                 slot.key.book = slot.durable.as_deref().cloned();
                 slot.key.drop_loans(&d, &shape, now);
                 slot.key.clamp(&d, &shape, now);
-                slot.durable = slot.key.book.clone().map(Box::new);
+                slot.keep_durable();
                 self.changed.insert(k);
             }
         }
@@ -293,15 +302,17 @@ impl LeaseStore for RegionStore {
         let (d, shape) = (self.default(), self.shape);
         let durable = !self.lagging;
         let slot = &mut self.slots[k as usize];
-        let before = slot.key.book.clone();
-        let epoch = slot.key.write_book(&d, &shape, now, book);
-        if slot.key.book != before {
+        let written = slot.key.write_book(&d, &shape, now, book);
+        if written.changed {
             self.changed.insert(k);
         }
         if durable {
-            slot.durable = slot.key.book.clone().map(Box::new);
+            slot.keep_durable();
         }
-        Written { durable, epoch }
+        Written {
+            durable,
+            epoch: written.epoch,
+        }
     }
 
     fn read_book(&mut self, _policy: &str, key: &str) -> Option<LeaseBook> {

@@ -80,6 +80,14 @@ impl DefaultEscrow {
     }
 }
 
+/// What a book write did: the key's step epoch after it, and whether the stored book
+/// changed (its rate may have).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BookWritten {
+    pub epoch: u64,
+    pub changed: bool,
+}
+
 /// What the store holds for one key.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct KeySlot {
@@ -126,25 +134,28 @@ impl KeySlot {
         let Some(State::Bucket { ts, .. }) = self.bucket else {
             return;
         };
-        let mut points = match &self.book {
-            Some(b) => b.expiries_between(ts, now),
-            None if default.since > ts && default.since <= now => vec![default.since],
-            None => Vec::new(),
-        };
-        points.push(now);
+        // Stretch by stretch, each from one change of rate to the next (found one at a
+        // time: most settles cross none, and this runs on every decision).
         let mut from = ts;
-        for at in points {
-            if at <= from {
-                continue;
+        loop {
+            let next = match &self.book {
+                Some(b) => b.next_expiry(from).filter(|&t| t <= now),
+                None => (default.since > from && default.since <= now).then_some(default.since),
+            };
+            let at = next.unwrap_or(now);
+            if at > from {
+                let rate = shape.bucket_rate(self.rate_during(default, from));
+                self.put(algorithm::token_bucket_at(
+                    &rate,
+                    self.bucket.as_ref(),
+                    at,
+                    Op::Refund { cost: 0 },
+                ));
+                from = at;
             }
-            let rate = shape.bucket_rate(self.rate_during(default, from));
-            self.put(algorithm::token_bucket_at(
-                &rate,
-                self.bucket.as_ref(),
-                at,
-                Op::Refund { cost: 0 },
-            ));
-            from = at;
+            if next.is_none() {
+                return;
+            }
         }
     }
 
@@ -195,24 +206,30 @@ impl KeySlot {
 
     /// The coordinator writes `incoming`: the bucket settles at the old rate first, the
     /// store's high-water mark only rises, loans from before a step the store saw stay out,
-    /// and the bucket is clamped to the new share. Returns the key's epoch after the write.
+    /// and the bucket is clamped to the new share.
     pub fn write_book(
         &mut self,
         default: &DefaultEscrow,
         shape: &Shape,
         now: LocalUs,
         incoming: &LeaseBook,
-    ) -> u64 {
-        self.touch(default, shape, now);
+    ) -> BookWritten {
+        let high_water = self.book.as_ref().map(|b| b.high_water);
+        let stepped = self.touch(default, shape, now);
         self.settle(default, shape, now);
-        let new = match &self.book {
-            Some(old) => old.merge_write(incoming.clone()),
-            None => incoming.clone(),
+        let changed = match &mut self.book {
+            Some(book) => {
+                let rose = high_water != Some(book.high_water);
+                book.take_write(incoming) || stepped || rose
+            }
+            None => {
+                self.book = Some(incoming.clone());
+                true
+            }
         };
-        let epoch = new.epoch;
-        self.book = Some(new);
+        let epoch = self.book.as_ref().map_or(incoming.epoch, |b| b.epoch);
         self.clamp(default, shape, now);
-        epoch
+        BookWritten { epoch, changed }
     }
 
     /// A failover promoted a replica: every loan goes (the promoted copy may hold loans the
@@ -283,6 +300,87 @@ mod tests {
         assert_eq!(admit(&mut slot, &d, 2_500_000, 1000), 25);
     }
 
+    /// Two leases that end inside one gap: each stretch is credited at its own rate.
+    #[test]
+    fn refill_crosses_every_expiry_in_a_gap() {
+        let d = DefaultEscrow::new(10.0);
+        let mut slot = KeySlot::default();
+        assert_eq!(admit(&mut slot, &d, 0, 1000), 10, "capacity B·E/ρ = 10");
+        let mut book = LeaseBook::new(10.0);
+        book.borrowed.push(loan(60.0, 100_000));
+        book.borrowed.push(Loan {
+            lender: RegionId(2),
+            until: 300_000,
+            ..loan(20.0, 0)
+        });
+        slot.write_book(&d, &SHAPE, 0, &book);
+        // 0.1 s at 90/s, 0.2 s at 30/s, 0.1 s at 10/s: 9 + 6 + 1 = 16, capacity 10.
+        assert_eq!(admit(&mut slot, &d, 400_000, 1000), 10);
+        // Within the capacity: 0.05 s at 90/s, 0.2 s at 30/s, 0.05 s at 10/s.
+        let mut slot = KeySlot::default();
+        assert_eq!(admit(&mut slot, &d, 0, 1000), 10);
+        book.borrowed[0].until = 50_000;
+        book.borrowed[1].until = 250_000;
+        slot.write_book(&d, &SHAPE, 0, &book);
+        assert_eq!(admit(&mut slot, &d, 120_000, 1000), 6, "4.5 + 2.1 tokens");
+    }
+
+    /// What the store tells its caller of a write: the book changed, or not. The simulator
+    /// checks the bound only for keys whose books changed, so a write reported unchanged
+    /// that did change would hide a breach.
+    #[test]
+    fn a_book_write_says_whether_the_stored_book_changed() {
+        let d = DefaultEscrow::new(50.0);
+        let mut slot = KeySlot::default();
+        let mut book = LeaseBook::new(50.0);
+        book.high_water = 1_000_000;
+        assert!(
+            slot.write_book(&d, &SHAPE, 1_000_000, &book).changed,
+            "a first book"
+        );
+        assert!(
+            !slot.write_book(&d, &SHAPE, 1_000_000, &book).changed,
+            "the same book"
+        );
+        assert!(
+            slot.write_book(&d, &SHAPE, 2_000_000, &book).changed,
+            "the store's high-water mark rose"
+        );
+        book.borrowed.push(loan(10.0, 9_000_000));
+        assert!(
+            slot.write_book(&d, &SHAPE, 2_000_000, &book).changed,
+            "a loan"
+        );
+        book.escrow = 40.0;
+        assert!(
+            slot.write_book(&d, &SHAPE, 2_000_000, &book).changed,
+            "the escrow"
+        );
+        book.reserved.push(Reservation {
+            borrower: RegionId(2),
+            seq: 1,
+            amount: 5.0,
+            until: 9_000_000,
+        });
+        assert!(
+            slot.write_book(&d, &SHAPE, 2_000_000, &book).changed,
+            "a reservation"
+        );
+        assert!(!slot.write_book(&d, &SHAPE, 2_000_000, &book).changed);
+        // A step back the store sees: the loans go (the epoch rises), and a write of the
+        // old book cannot bring them back, so nothing else changes on the second write.
+        assert!(
+            slot.write_book(&d, &SHAPE, 100_000, &book).changed,
+            "the step"
+        );
+        let stored = slot.book.clone().expect("written");
+        assert!(stored.borrowed.is_empty());
+        assert_eq!(stored.epoch, 1);
+        let again = slot.write_book(&d, &SHAPE, 100_000, &book);
+        assert_eq!(again.epoch, 1);
+        assert!(!again.changed, "the old book's loans stay out");
+    }
+
     /// A reservation lowers the rate and the capacity at once.
     #[test]
     fn a_reservation_clamps_the_bucket() {
@@ -327,12 +425,12 @@ mod tests {
         let mut book = LeaseBook::new(50.0);
         book.borrowed.push(loan(50.0, 10_000_000));
         book.high_water = 2_000_000;
-        assert_eq!(slot.write_book(&d, &SHAPE, 2_000_000, &book), 0);
+        assert_eq!(slot.write_book(&d, &SHAPE, 2_000_000, &book).epoch, 0);
         assert_eq!(slot.rate(&d, &SHAPE, 2_000_000), 100.0);
         assert!(slot.touch(&d, &SHAPE, 1_000_000), "1 s back");
         assert_eq!(slot.rate(&d, &SHAPE, 3_000_000), 50.0);
         // A stale copy of the book cannot bring the loan back.
-        assert_eq!(slot.write_book(&d, &SHAPE, 3_000_000, &book), 1);
+        assert_eq!(slot.write_book(&d, &SHAPE, 3_000_000, &book).epoch, 1);
         assert_eq!(slot.rate(&d, &SHAPE, 3_000_000), 50.0);
     }
 }

@@ -99,12 +99,12 @@ impl LeaseStore for MemoryLeaseStore {
                 epoch: book.epoch,
             };
         }
-        let epoch = st.slots.entry(storage).or_default().write_book(
-            &d,
-            &shape_of(&p.global.shape),
-            now,
-            book,
-        );
+        let epoch = st
+            .slots
+            .entry(storage)
+            .or_default()
+            .write_book(&d, &shape_of(&p.global.shape), now, book)
+            .epoch;
         st.books
             .entry(p.global.keys.books.clone())
             .or_default()

@@ -112,18 +112,18 @@ impl<C: Clock> Node<C> {
 
     /// Writes the books the answers changed, in one batch; returns the keys the store took
     /// durably, sorted: only those may carry a grant or announce a give-back.
-    fn write_answered(
+    fn write_answered<'b>(
         &self,
         ps: &mut PolicyState,
-        block: &PolicyReport,
+        block: &'b PolicyReport,
         answers: &[Answer],
         store: &mut dyn LeaseStore,
-    ) -> Vec<String> {
-        let to_write: Vec<String> = answers
+    ) -> Vec<&'b str> {
+        let to_write: Vec<&str> = answers
             .iter()
             .zip(&block.keys)
             .filter(|(a, _)| a.write)
-            .map(|(_, r)| r.key.clone())
+            .map(|(_, r)| r.key.as_str())
             .collect();
         ps.write(store, &block.name, &to_write, self.round)
     }
@@ -136,11 +136,11 @@ impl<C: Clock> Node<C> {
         ps: &mut PolicyState,
         block: &PolicyReport,
         answers: Vec<Answer>,
-        durable: &[String],
+        durable: &[&str],
     ) -> Vec<KeyReply> {
         let mut keys = Vec::new();
         for (a, report) in answers.into_iter().zip(&block.keys) {
-            let durable = a.write && durable.binary_search(&report.key).is_ok();
+            let durable = a.write && durable.binary_search(&report.key.as_str()).is_ok();
             let Some(ks) = ps.keys.get_mut(&report.key) else {
                 continue;
             };

@@ -362,6 +362,7 @@ impl<C: Clock> Node<C> {
                         stepped.push(key.clone());
                     }
                 }
+                let stepped: Vec<&str> = stepped.iter().map(String::as_str).collect();
                 ps.write(store, name, &stepped, self.round);
             }
         }

@@ -98,6 +98,7 @@ impl<C: Clock> Node<C> {
                 Fate::Write => writes.push(key.clone()),
             }
         }
+        let writes: Vec<&str> = writes.iter().map(String::as_str).collect();
         ps.write_and_announce(store, name, &writes, self.round);
         for key in drop {
             ps.keys.remove(&key);
@@ -264,6 +265,7 @@ impl<C: Clock> Node<C> {
                 writes.push(key.clone());
             }
         }
+        let writes: Vec<&str> = writes.iter().map(String::as_str).collect();
         ps.write_and_announce(store, name, &writes, round);
     }
 

@@ -137,30 +137,17 @@ impl PolicyState {
         }
     }
 
-    /// Writes the books of `keys` (each once, in one batch) and takes in what the store
-    /// did; returns the keys whose write is durable, sorted.
-    pub(super) fn write(
+    /// Writes the books of `keys` (each once, in one batch: a key may be listed twice, and
+    /// one not tracked is skipped) and takes in what the store did; returns the keys whose
+    /// write is durable, sorted.
+    pub(super) fn write<'k>(
         &mut self,
         store: &mut dyn LeaseStore,
         name: &str,
-        keys: &[String],
+        keys: &[&'k str],
         round: u64,
-    ) -> Vec<String> {
-        let mut keys: Vec<&String> = keys.iter().collect();
-        keys.sort_unstable();
-        keys.dedup();
-        let books: Vec<(&str, &LeaseBook)> = keys
-            .iter()
-            .filter_map(|k| Some((k.as_str(), &self.keys.get(*k)?.book)))
-            .collect();
-        let written = store.write_books(name, &books);
-        let names: Vec<String> = books.iter().map(|(k, _)| (*k).to_owned()).collect();
-        names
-            .into_iter()
-            .zip(written)
-            .filter(|(key, w)| self.keys.get_mut(key).is_some_and(|ks| ks.taken(*w, round)))
-            .map(|(key, _)| key)
-            .collect()
+    ) -> Vec<&'k str> {
+        self.write_with(store, name, keys, round, |_| {})
     }
 
     /// [`Self::write`], then what each durably written book holds may be announced to the
@@ -169,14 +156,45 @@ impl PolicyState {
         &mut self,
         store: &mut dyn LeaseStore,
         name: &str,
-        keys: &[String],
+        keys: &[&str],
         round: u64,
     ) {
-        for key in self.write(store, name, keys, round) {
-            if let Some(ks) = self.keys.get_mut(&key) {
-                ks.durable_written();
-            }
-        }
+        self.write_with(store, name, keys, round, KeyState::durable_written);
+    }
+
+    /// [`Self::write`], calling `durable` on each key whose write the store took durably.
+    /// Two lookups of each key and no copy of its name: this runs for every key of every
+    /// exchange.
+    fn write_with<'k>(
+        &mut self,
+        store: &mut dyn LeaseStore,
+        name: &str,
+        keys: &[&'k str],
+        round: u64,
+        mut durable: impl FnMut(&mut KeyState),
+    ) -> Vec<&'k str> {
+        let mut keys = keys.to_vec();
+        keys.sort_unstable();
+        keys.dedup();
+        let (keys, books): (Vec<&'k str>, Vec<(&str, &LeaseBook)>) = keys
+            .into_iter()
+            .filter_map(|k| Some((k, (k, &self.keys.get(k)?.book))))
+            .unzip();
+        let written = store.write_books(name, &books);
+        keys.into_iter()
+            .zip(written)
+            .filter(|(key, w)| {
+                let Some(ks) = self.keys.get_mut(*key) else {
+                    return false;
+                };
+                let taken = ks.taken(*w, round);
+                if taken {
+                    durable(ks);
+                }
+                taken
+            })
+            .map(|(key, _)| key)
+            .collect()
     }
 
     /// Takes every book in the store that is not tracked yet (a start, a restart, a new
