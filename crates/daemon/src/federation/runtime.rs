@@ -505,11 +505,14 @@ impl<B: Backend> Runtime<B> {
         });
         let s = &self.shared.settings;
         let node = &l.node;
+        // `/v1/status` lists the busiest keys only: with 100,000 tracked keys the whole list
+        // is megabytes per request (the metrics below sum over all of them).
+        let summary = node.key_summary(super::STATUS_KEYS);
         let mut status = Status {
             stats: node.stats(),
             peers: Vec::new(),
-            keys: node.key_status(),
-            keys_total: 0,
+            keys: summary.busiest,
+            keys_total: summary.tracked,
             policies: node.policy_status(),
         };
         let m = &self.shared.metrics.global;
@@ -536,34 +539,21 @@ impl<B: Backend> Runtime<B> {
             });
         }
         for policy in self.shared.policies().iter().filter(|p| p.global.is_some()) {
-            let keys = status.keys.iter().filter(|k| k.policy == policy.name);
-            let (mut share, mut lent, mut borrowed, mut demand, mut n) = (0.0, 0.0, 0.0, 0.0, 0);
-            for k in keys {
-                share += k.enforced;
-                lent += k.lent;
-                borrowed += k.borrowed;
-                demand += k.demand;
-                n += 1;
-            }
             let name = policy.name.as_str();
+            // A policy loaded but not installed yet counts nothing.
+            let sum = summary
+                .totals
+                .iter()
+                .find(|t| t.policy == name)
+                .cloned()
+                .unwrap_or_default();
             m.share_rate
                 .with_label_values(&[name, &s.regions[s.me.index()]])
-                .set(share);
-            m.lent_rate.with_label_values(&[name]).set(lent);
-            m.borrowed_rate.with_label_values(&[name]).set(borrowed);
-            m.demand_rate.with_label_values(&[name]).set(demand);
-            m.hot_keys.with_label_values(&[name]).set(n);
-        }
-        // `/v1/status` lists the busiest keys only: with 100,000 tracked keys the whole list
-        // is megabytes per request (the metrics above sum over all of them).
-        status.keys_total = status.keys.len();
-        if status.keys.len() > super::STATUS_KEYS {
-            status.keys.sort_by(|a, b| {
-                b.demand
-                    .total_cmp(&a.demand)
-                    .then_with(|| a.key.cmp(&b.key))
-            });
-            status.keys.truncate(super::STATUS_KEYS);
+                .set(sum.enforced);
+            m.lent_rate.with_label_values(&[name]).set(sum.lent);
+            m.borrowed_rate.with_label_values(&[name]).set(sum.borrowed);
+            m.demand_rate.with_label_values(&[name]).set(sum.demand);
+            m.hot_keys.with_label_values(&[name]).set(sum.keys as i64);
         }
         self.shared.set_status(status);
     }

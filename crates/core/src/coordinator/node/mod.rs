@@ -137,6 +137,49 @@ pub struct KeyStatus {
     pub target: f64,
 }
 
+/// A key's figures, before its names are copied for a status page.
+#[derive(Debug, Clone, Copy)]
+struct KeyNumbers {
+    escrow: f64,
+    enforced: f64,
+    lent: f64,
+    borrowed: f64,
+    demand: f64,
+    target: f64,
+}
+
+/// Per policy, the sums over its tracked keys (for the metrics).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct PolicyTotals {
+    pub policy: String,
+    pub enforced: f64,
+    pub lent: f64,
+    pub borrowed: f64,
+    pub demand: f64,
+    pub keys: usize,
+}
+
+impl PolicyTotals {
+    fn add(&mut self, k: &KeyNumbers) {
+        self.enforced += k.enforced;
+        self.lent += k.lent;
+        self.borrowed += k.borrowed;
+        self.demand += k.demand;
+        self.keys += 1;
+    }
+}
+
+/// What [`Node::key_summary`] returns.
+#[derive(Debug, Clone, Default)]
+pub struct KeySummary {
+    /// One entry per policy the node runs, in name order.
+    pub totals: Vec<PolicyTotals>,
+    /// The keys with the most demand here, busiest first.
+    pub busiest: Vec<KeyStatus>,
+    /// Keys tracked, over every policy.
+    pub tracked: usize,
+}
+
 /// One global policy as the coordinator runs it: which version, and how far a re-split
 /// to it has come (for status pages: an operator rolling out a new split watches this).
 #[derive(Debug, Clone, Serialize)]
@@ -287,26 +330,72 @@ impl<C: Clock> Node<C> {
         self.policies.values().map(|p| p.keys.len()).sum()
     }
 
-    pub fn key_status(&self) -> Vec<KeyStatus> {
+    /// The keys as status pages show them: per policy the sums over every tracked key,
+    /// and the `busiest` keys with the most demand here (ties in key order), busiest
+    /// first. Only those are copied out: the daemon publishes this up to ten times a
+    /// round, and a list of 10,000 keys built and sorted each time was most of a
+    /// coordinator's CPU.
+    pub fn key_summary(&self, busiest: usize) -> KeySummary {
         let now = self.clock.now_us();
         let tol = self.params.step_tolerance_us();
-        let mut out = Vec::new();
+        let mut totals = Vec::new();
+        let mut all = Vec::new();
         for (name, ps) in &self.policies {
+            let mut sum = PolicyTotals {
+                policy: name.clone(),
+                ..PolicyTotals::default()
+            };
             for (key, ks) in &ps.keys {
-                out.push(KeyStatus {
-                    policy: name.clone(),
-                    key: key.clone(),
+                // The rate as `LeaseBook::rate` computes it, from sums taken once.
+                let (lent, borrowed) = (
+                    ks.book.reserved_total(now),
+                    ks.book.borrowed_total(now, tol),
+                );
+                let numbers = KeyNumbers {
                     escrow: ks.book.escrow,
-                    enforced: ks.book.rate(now, tol),
+                    enforced: (ks.book.escrow - lent + borrowed).max(0.0),
                     // `+ 0.0`: an empty f64 sum is -0.0, which status pages print as such.
-                    lent: ks.book.reserved_total(now) + 0.0,
-                    borrowed: ks.book.borrowed_total(now, tol) + 0.0,
+                    lent: lent + 0.0,
+                    borrowed: borrowed + 0.0,
                     demand: ks.demand.value(),
                     target: ks.target_self,
-                });
+                };
+                sum.add(&numbers);
+                all.push((name.as_str(), key.as_str(), numbers));
             }
+            totals.push(sum);
         }
-        out
+        let tracked = all.len();
+        // Most demand first, then key and policy order: the same list however many keys
+        // there are beyond it.
+        let order = |a: &(&str, &str, KeyNumbers), b: &(&str, &str, KeyNumbers)| {
+            b.2.demand
+                .total_cmp(&a.2.demand)
+                .then_with(|| a.1.cmp(b.1))
+                .then_with(|| a.0.cmp(b.0))
+        };
+        if all.len() > busiest && busiest > 0 {
+            all.select_nth_unstable_by(busiest - 1, order);
+        }
+        all.truncate(busiest);
+        all.sort_by(order);
+        KeySummary {
+            totals,
+            busiest: all
+                .into_iter()
+                .map(|(policy, key, n)| KeyStatus {
+                    policy: policy.to_owned(),
+                    key: key.to_owned(),
+                    escrow: n.escrow,
+                    enforced: n.enforced,
+                    lent: n.lent,
+                    borrowed: n.borrowed,
+                    demand: n.demand,
+                    target: n.target,
+                })
+                .collect(),
+            tracked,
+        }
     }
 
     /// The version of `policy` installed here, if it is one of the node's.

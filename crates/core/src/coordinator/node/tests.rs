@@ -14,6 +14,8 @@ use std::sync::Arc;
 struct MapStore {
     books: BTreeMap<String, LeaseBook>,
     counters: Counters,
+    /// Keys whose counters differ from `counters`.
+    key_counters: BTreeMap<String, Counters>,
     escrow: Option<f64>,
     /// (policy, key) of every book write, in order.
     writes: Vec<(String, String)>,
@@ -44,8 +46,8 @@ impl LeaseStore for MapStore {
     fn take_active(&mut self, _: &str) -> Vec<String> {
         vec!["k".to_owned()]
     }
-    fn counters(&mut self, _: &str, _: &str) -> Counters {
-        self.counters
+    fn counters(&mut self, _: &str, key: &str) -> Counters {
+        self.key_counters.get(key).copied().unwrap_or(self.counters)
     }
     fn default_escrow(&mut self, _: &str) -> Option<f64> {
         self.escrow
@@ -688,4 +690,60 @@ fn a_borrower_of_nine_lenders_splits_the_hysteresis_between_them() {
         assert!(planned > 5.0, "lender {j} plans {planned}");
         assert_eq!(want, planned, "lender {j}: asks {want}, plan {planned}");
     }
+}
+
+/// Status pages list the busiest keys: the most demand here first, ties in key order, at
+/// most as many as asked; the totals and the count cover every tracked key.
+#[test]
+fn the_key_summary_lists_the_busiest_keys_and_sums_every_key() {
+    let clock = Arc::new(ManualClock::new(0));
+    let policy = GlobalPolicy::from_weights("g", 1, 100.0, 100.0, &[1.0, 1.0], Mode::Proportional);
+    let mut store = MapStore::default();
+    for key in ["c", "b", "a"] {
+        let mut book = LeaseBook::new(50.0);
+        book.reserved.push(Reservation {
+            borrower: RegionId(1),
+            seq: 1,
+            amount: 5.0,
+            until: 60_000_000,
+        });
+        store.books.insert(key.to_owned(), book);
+        store
+            .key_counters
+            .insert(key.to_owned(), Counters::default());
+    }
+    let mut node = Node::start(
+        RegionId(0),
+        2,
+        Params::default(),
+        clock.clone(),
+        1,
+        vec![policy],
+        &mut store,
+    );
+    // "k", the store's one active key, has traffic: 40 requests a second.
+    for r in 1..=3 {
+        clock.set(r * 1_000_000);
+        store.counters.admitted += 40;
+        node.round(&mut store);
+    }
+    let keys = |s: &KeySummary| s.busiest.iter().map(|k| k.key.clone()).collect::<Vec<_>>();
+    let all = node.key_summary(10);
+    assert_eq!(keys(&all), ["k", "a", "b", "c"]);
+    assert!(all.busiest[0].demand > 0.0, "{:?}", all.busiest[0]);
+    assert_eq!(all.tracked, 4);
+    let two = node.key_summary(2);
+    assert_eq!(keys(&two), ["k", "a"]);
+    assert_eq!(two.tracked, 4);
+    assert_eq!(two.totals, all.totals);
+    let [sum] = &two.totals[..] else {
+        panic!("one policy: {:?}", two.totals)
+    };
+    assert_eq!((sum.policy.as_str(), sum.keys), ("g", 4));
+    assert_eq!(sum.lent, 15.0, "every key's reservation, listed or not");
+    assert_eq!(sum.demand, all.busiest[0].demand);
+    assert_eq!(
+        sum.enforced,
+        all.busiest.iter().map(|k| k.enforced).sum::<f64>()
+    );
 }
