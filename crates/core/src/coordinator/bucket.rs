@@ -217,19 +217,25 @@ impl KeySlot {
         let high_water = self.book.as_ref().map(|b| b.high_water);
         let stepped = self.touch(default, shape, now);
         self.settle(default, shape, now);
-        let changed = match &mut self.book {
+        let written = match &mut self.book {
             Some(book) => {
                 let rose = high_water != Some(book.high_water);
-                book.take_write(incoming) || stepped || rose
+                let changed = book.take_write(incoming) || stepped || rose;
+                BookWritten {
+                    epoch: book.epoch,
+                    changed,
+                }
             }
             None => {
                 self.book = Some(incoming.clone());
-                true
+                BookWritten {
+                    epoch: incoming.epoch,
+                    changed: true,
+                }
             }
         };
-        let epoch = self.book.as_ref().map_or(incoming.epoch, |b| b.epoch);
         self.clamp(default, shape, now);
-        BookWritten { epoch, changed }
+        written
     }
 
     /// A failover promoted a replica: every loan goes (the promoted copy may hold loans the

@@ -159,8 +159,7 @@ impl<C: Clock> Node<C> {
             let Some(mut ps) = self.policies.remove(&name) else {
                 continue;
             };
-            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            ps.write_and_announce(store, &name, &keys, self.round);
+            ps.write_and_announce(store, &name, keys.iter().map(String::as_str), self.round);
             self.policies.insert(name, ps);
         }
     }

@@ -119,13 +119,12 @@ impl<C: Clock> Node<C> {
         answers: &[Answer],
         store: &mut dyn LeaseStore,
     ) -> Vec<&'b str> {
-        let to_write: Vec<&str> = answers
+        let to_write = answers
             .iter()
             .zip(&block.keys)
             .filter(|(a, _)| a.write)
-            .map(|(_, r)| r.key.as_str())
-            .collect();
-        ps.write(store, &block.name, &to_write, self.round)
+            .map(|(_, r)| r.key.as_str());
+        ps.write(store, &block.name, to_write, self.round)
     }
 
     /// The reply's keys, once the books are written: a grant leaves only if its key's book

@@ -451,8 +451,7 @@ impl<C: Clock> Node<C> {
                         stepped.push(key.clone());
                     }
                 }
-                let stepped: Vec<&str> = stepped.iter().map(String::as_str).collect();
-                ps.write(store, name, &stepped, self.round);
+                ps.write(store, name, stepped.iter().map(String::as_str), self.round);
             }
         }
         self.high_water = self.high_water.max(now);

@@ -98,8 +98,7 @@ impl<C: Clock> Node<C> {
                 Fate::Write => writes.push(key.clone()),
             }
         }
-        let writes: Vec<&str> = writes.iter().map(String::as_str).collect();
-        ps.write_and_announce(store, name, &writes, self.round);
+        ps.write_and_announce(store, name, writes.iter().map(String::as_str), self.round);
         for key in drop {
             ps.keys.remove(&key);
         }
@@ -265,8 +264,7 @@ impl<C: Clock> Node<C> {
                 writes.push(key.clone());
             }
         }
-        let writes: Vec<&str> = writes.iter().map(String::as_str).collect();
-        ps.write_and_announce(store, name, &writes, round);
+        ps.write_and_announce(store, name, writes.iter().map(String::as_str), round);
     }
 
     /// Ends a re-split once every peer reports the new version applied.

@@ -144,7 +144,7 @@ impl PolicyState {
         &mut self,
         store: &mut dyn LeaseStore,
         name: &str,
-        keys: &[&'k str],
+        keys: impl IntoIterator<Item = &'k str>,
         round: u64,
     ) -> Vec<&'k str> {
         self.write_with(store, name, keys, round, |_| {})
@@ -152,11 +152,11 @@ impl PolicyState {
 
     /// [`Self::write`], then what each durably written book holds may be announced to the
     /// lenders (see [`KeyState::durable_written`]).
-    pub(super) fn write_and_announce(
+    pub(super) fn write_and_announce<'k>(
         &mut self,
         store: &mut dyn LeaseStore,
         name: &str,
-        keys: &[&str],
+        keys: impl IntoIterator<Item = &'k str>,
         round: u64,
     ) {
         self.write_with(store, name, keys, round, KeyState::durable_written);
@@ -169,11 +169,11 @@ impl PolicyState {
         &mut self,
         store: &mut dyn LeaseStore,
         name: &str,
-        keys: &[&'k str],
+        keys: impl IntoIterator<Item = &'k str>,
         round: u64,
         mut durable: impl FnMut(&mut KeyState),
     ) -> Vec<&'k str> {
-        let mut keys = keys.to_vec();
+        let mut keys: Vec<&'k str> = keys.into_iter().collect();
         keys.sort_unstable();
         keys.dedup();
         let (keys, books): (Vec<&'k str>, Vec<(&str, &LeaseBook)>) = keys
