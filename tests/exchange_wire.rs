@@ -90,8 +90,18 @@ fn borrowed(daemon: &Quotad, key: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn enforced(daemon: &Quotad, key: &str) -> Option<f64> {
-    status_key(daemon, key).and_then(|k| k["enforced"].as_f64())
+/// The enforced rate of `key` on `daemon`'s status page, and the instant (µs of the
+/// region's Redis clock) at which the page holds.
+fn enforced_at(daemon: &Quotad, key: &str) -> Option<(i64, f64)> {
+    let v: Value = daemon.json("/v1/status");
+    let at = v["coordinator"]["as_of_us"].as_i64()?;
+    let enforced = v["policies"]
+        .as_array()?
+        .iter()
+        .flat_map(|p| p["keys"].as_array().cloned().unwrap_or_default())
+        .find(|k| k["key"] == key)?["enforced"]
+        .as_f64()?;
+    Some((at, enforced))
 }
 
 /// What the two regions' metrics say of their link, at one moment: rounds of eu, bytes
@@ -233,11 +243,15 @@ fn keys_beyond_the_exchange_cap_are_counted_as_deferred() {
 
 /// us speaks only JSON (as a version before the binary form): it refuses eu's first
 /// binary exchange as malformed, eu sends it JSON from then on, and the loans flow as
-/// before. What both enforce for a key never sums past ρ. The two status pages are read
-/// one after the other, so a pair can straddle a change: us read after eu has grown its
-/// reservation is safe, but a give-back lowers eu first and us after, and eu's page read
-/// before it beside us's read after it sums past ρ for an instant. So eu is read again
-/// after us: a real breach shows in both readings, a give-back in the first only.
+/// before. What both enforce for a key never sums past ρ at any instant.
+///
+/// Each status page holds at the instant it names (`as_of_us`, the region's Redis clock:
+/// both Redis servers here read one host clock), and pages are published after events,
+/// so two pages read one after the other hold at different instants. eu grows only after
+/// us has shrunk, and us grows only after eu has shrunk; so eu's page is read before and
+/// after us's, a reading counts only where eu's two instants bracket us's within a tenth
+/// of a second, and the smaller of eu's two figures is the one summed: a give-back
+/// between them (eu down, then us up) shows in eu's first figure only, a breach in both.
 #[test]
 fn a_region_on_the_json_envelope_and_one_on_the_binary_form_keep_lending() {
     let pair = start(["binary", "json"]);
@@ -252,22 +266,31 @@ fn a_region_on_the_json_envelope_and_one_on_the_binary_form_keep_lending() {
             >= 1.0
     );
     assert_eq!(pair.us().metric("quotad_exchange_binary{peer=\"eu\"}"), 0.0);
-    let mut above_escrow = 0;
-    for _ in 0..20 {
-        let eu_before = enforced(pair.eu(), &key(0));
-        let us = enforced(pair.us(), &key(0));
-        let eu_after = enforced(pair.eu(), &key(0));
-        let (Some(before), Some(us), Some(after)) = (eu_before, us, eu_after) else {
+    let (mut bracketed, mut above_escrow) = (0, 0);
+    let started = std::time::Instant::now();
+    while bracketed < 20 && started.elapsed() < Duration::from_secs(60) {
+        let page = |d: &Quotad| enforced_at(d, &key(0));
+        let (Some((a1, before)), Some((b, us)), Some((a2, after))) =
+            (page(pair.eu()), page(pair.us()), page(pair.eu()))
+        else {
             continue;
         };
+        if !(a1 <= b && b <= a2 && a2 - a1 <= 100_000) {
+            continue;
+        }
+        bracketed += 1;
         let eu = before.min(after);
         assert!(
             eu + us <= RHO as f64 + 1e-9,
-            "eu {before} then {after} + us {us} > {RHO}"
+            "eu {before} at {a1} then {after} at {a2} + us {us} at {b} > {RHO}"
         );
         above_escrow += (eu > 2.0) as usize;
-        std::thread::sleep(Duration::from_millis(100));
     }
+    eprintln!(
+        "bracketed {bracketed} in {:?}, above escrow {above_escrow}",
+        started.elapsed()
+    );
+    assert_eq!(bracketed, 20, "pages of eu bracketing one of us's");
     assert!(above_escrow > 0, "eu never enforced more than its escrow");
 }
 

@@ -359,6 +359,7 @@ fn status_json(region: &str, r: StatusReport) -> Value {
             "stats": st.stats,
             "keys_tracked": st.keys_total,
             "keys_listed_max": STATUS_KEYS,
+            "as_of_us": st.as_of_us,
         },
         "peers": st.peers,
         "policies": policies,

@@ -52,6 +52,9 @@ pub struct Status {
     pub keys_total: usize,
     /// Each global policy's version and escrow in force here (a re-split's progress).
     pub policies: Vec<PolicyStatus>,
+    /// The region's Redis clock (µs since the epoch) at which the keys' figures hold;
+    /// None until a coordinator here has published.
+    pub as_of_us: Option<i64>,
 }
 
 /// Keys listed in `/v1/status` at most.

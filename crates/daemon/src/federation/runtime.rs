@@ -514,6 +514,7 @@ impl<B: Backend> Runtime<B> {
             keys: summary.busiest,
             keys_total: summary.tracked,
             policies: node.policy_status(),
+            as_of_us: Some(summary.at_us),
         };
         let m = &self.shared.metrics.global;
         let deferred = status.stats.keys_deferred;

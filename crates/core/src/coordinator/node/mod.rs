@@ -178,6 +178,9 @@ pub struct KeySummary {
     pub busiest: Vec<KeyStatus>,
     /// Keys tracked, over every policy.
     pub tracked: usize,
+    /// The node's clock when the figures were taken: each key's rate holds at this
+    /// instant, and changes after it with the next message or loan end.
+    pub at_us: i64,
 }
 
 /// One global policy as the coordinator runs it: which version, and how far a re-split
@@ -395,6 +398,7 @@ impl<C: Clock> Node<C> {
                 })
                 .collect(),
             tracked,
+            at_us: now,
         }
     }
 
