@@ -74,14 +74,18 @@ fn key_load(port: u16, keys: usize) -> ManyKeys {
     )
 }
 
-/// Keys of `daemon`'s status that borrow (eu) or lend (us), and the enforced rate of key 0.
-fn status_key(daemon: &Quotad, key: &str) -> Option<Value> {
-    let v: Value = daemon.json("/v1/status");
-    v["policies"]
+/// `key`'s entry on a status page.
+fn key_on(page: &Value, key: &str) -> Option<Value> {
+    page["policies"]
         .as_array()?
         .iter()
         .flat_map(|p| p["keys"].as_array().cloned().unwrap_or_default())
         .find(|k| k["key"] == key)
+}
+
+/// `key`'s entry on `daemon`'s status page now.
+fn status_key(daemon: &Quotad, key: &str) -> Option<Value> {
+    key_on(&daemon.json("/v1/status"), key)
 }
 
 fn borrowed(daemon: &Quotad, key: &str) -> f64 {
@@ -93,15 +97,9 @@ fn borrowed(daemon: &Quotad, key: &str) -> f64 {
 /// The enforced rate of `key` on `daemon`'s status page, and the instant (µs of the
 /// region's Redis clock) at which the page holds.
 fn enforced_at(daemon: &Quotad, key: &str) -> Option<(i64, f64)> {
-    let v: Value = daemon.json("/v1/status");
-    let at = v["coordinator"]["as_of_us"].as_i64()?;
-    let enforced = v["policies"]
-        .as_array()?
-        .iter()
-        .flat_map(|p| p["keys"].as_array().cloned().unwrap_or_default())
-        .find(|k| k["key"] == key)?["enforced"]
-        .as_f64()?;
-    Some((at, enforced))
+    let page: Value = daemon.json("/v1/status");
+    let at = page["coordinator"]["as_of_us"].as_i64()?;
+    Some((at, key_on(&page, key)?["enforced"].as_f64()?))
 }
 
 /// What the two regions' metrics say of their link, at one moment: rounds of eu, bytes
