@@ -25,6 +25,9 @@ struct Request<'a> {
     /// The sender connected: what is lendable may be granted, past a policy's learning
     /// period (otherwise every grant is zero).
     connected: bool,
+    /// Not older than an exchange already taken from the sender (see [`Node::in_order`]):
+    /// otherwise only its releases are taken, and nothing is granted.
+    in_order: bool,
     now: LocalUs,
 }
 
@@ -52,11 +55,16 @@ impl<C: Clock> Node<C> {
         let j = self.accept(msg.from, msg.incarnation, now)?;
         let links = self.links(now);
         let connected = links[j] == Link::Connected;
+        let in_order = self.in_order(j, msg.t_req);
+        if !in_order {
+            self.stats.stale_exchanges += 1;
+        }
         let request = Request {
             msg,
             j,
             links,
             connected,
+            in_order,
             now,
         };
         let replies = msg
@@ -189,6 +197,13 @@ impl<C: Clock> Node<C> {
         let Some(ks) = ps.keys.get_mut(&report.key) else {
             return Answer::default();
         };
+        if !request.in_order {
+            return Answer {
+                write: self.take_release(ks, request, report),
+                grant: None,
+                gave_back: false,
+            };
+        }
         let gave_back = self.replan(ks, &ps.policy, request, report);
         let changed = self.take_release(ks, request, report);
         let Some(want) = report.want else {

@@ -48,6 +48,9 @@ pub(super) struct Peer {
     /// Some key has news for it since the last exchange to it (the keys' `early` flags),
     /// so that checking for early exchanges costs nothing per key.
     pub(super) news: bool,
+    /// `t_req` of the newest exchange taken from its current incarnation: one sent
+    /// before it and delayed past it is out of order (see [`Node::in_order`]).
+    newest_exchange: Option<LocalUs>,
 }
 
 impl Peer {
@@ -120,9 +123,32 @@ impl<C: Clock> Node<C> {
         if incarnation < self.peers[j].incarnation {
             return None; // a previous life of that peer, delayed
         }
+        if incarnation > self.peers[j].incarnation {
+            self.peers[j].newest_exchange = None;
+        }
         self.peers[j].incarnation = incarnation;
         self.heard(j, now);
         Some(j)
+    }
+
+    /// Whether an exchange of peer `j` (its current incarnation, sent at `t_req` on its
+    /// clock) is not older than one already taken: messages overtake each other on a WAN
+    /// (separate connections, retries), and an older exchange carries an older demand and
+    /// ask. Answering its ask would grant, under a newer seq, what the peer wanted before:
+    /// the peer would replace a larger loan with it while this region still reserved the
+    /// larger one, capacity neither side uses until the reservation ends.
+    ///
+    /// One older by more than a lease is taken as the newest: the peer's clock stepped
+    /// back (a message delayed that long answers nothing the peer still counts), and its
+    /// asks must not go unanswered until its clock is back where it was.
+    pub(super) fn in_order(&mut self, j: usize, t_req: LocalUs) -> bool {
+        let lease = self.params.lease_us;
+        let newest = &mut self.peers[j].newest_exchange;
+        if newest.is_some_and(|t| t_req < t && t.saturating_sub(t_req) <= lease) {
+            return false;
+        }
+        *newest = Some(t_req);
+        true
     }
 
     /// A message of peer `j` arrived.

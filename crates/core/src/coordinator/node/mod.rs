@@ -117,6 +117,8 @@ pub struct NodeStats {
     pub grants_withheld: u64,
     pub loans_accepted: u64,
     pub stale_grants: u64,
+    /// Exchanges that arrived after a newer one of the same peer: nothing granted.
+    pub stale_exchanges: u64,
     pub backward_steps: u64,
     /// Σ over rounds of the keys exchanged with each peer (for bytes per key).
     pub key_reports: u64,

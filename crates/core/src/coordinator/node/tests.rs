@@ -111,6 +111,34 @@ fn round_trip(pair: &mut Pair, offered: u64) -> f64 {
     granted
 }
 
+/// A pair after 15 rounds in which region 1 offered `offered` units each: past the
+/// learning period, region 1 borrowing if `offered` is more than its escrow.
+fn warmed_up(offered: u64) -> Pair {
+    let mut pair = pair();
+    for r in 1..=15i64 {
+        pair.0.set(r * 1_000_000);
+        round_trip(&mut pair, offered);
+    }
+    pair
+}
+
+/// Region 1's exchange for region 0, out of what its round sent.
+fn to_lender(out: Vec<(RegionId, Exchange)>) -> Exchange {
+    out.into_iter()
+        .find(|(to, _)| *to == RegionId(0))
+        .expect("an exchange for region 0")
+        .1
+}
+
+/// Region 1's round at `t_us`, having offered `offered` units since the last: its
+/// exchange for region 0, not delivered.
+fn asks_at(pair: &mut Pair, t_us: LocalUs, offered: u64) -> Exchange {
+    let (clock, stores, nodes) = pair;
+    clock.set(t_us);
+    stores[1].counters.rejected += offered;
+    to_lender(nodes[1].round(&mut stores[1]))
+}
+
 fn rate(store: &MapStore, now: LocalUs) -> f64 {
     let tol = Params::default().step_tolerance_us();
     store.books.get("k").map_or(50.0, |b| b.rate(now, tol))
@@ -490,18 +518,8 @@ fn a_demand_step_between_rounds_borrows_before_the_next_round() {
 /// 1.0006 ρ). Here the older grant is also the larger one, so taking it would show.
 #[test]
 fn a_grant_older_than_the_announced_watermark_is_refused() {
-    let mut pair = pair();
-    for r in 1..=15i64 {
-        pair.0.set(r * 1_000_000);
-        round_trip(&mut pair, 90);
-    }
+    let mut pair = warmed_up(90);
     let (clock, stores, nodes) = &mut pair;
-    let to_lender = |out: Vec<(RegionId, Exchange)>| {
-        out.into_iter()
-            .find(|(to, _)| *to == RegionId(0))
-            .expect("an exchange for region 0")
-            .1
-    };
     let grant = |r: &ExchangeReply| r.policies[0].keys[0].grant.expect("a grant");
     // Two requests in a row: the first while region 1 is hot, the second once it has
     // cooled down (it wants much less). Their replies come back in the wrong order.
@@ -537,6 +555,64 @@ fn a_grant_older_than_the_announced_watermark_is_refused() {
     assert!(loan.is_none_or(|l| l.seq == gb.seq), "{loan:?}");
     let sum = rate(&stores[0], now) + rate(&stores[1], now);
     assert!(sum <= 100.0 + 1e-9, "Σ R = {sum}");
+}
+
+/// Exchanges overtake each other on a WAN. An ask that arrives after a newer one of the
+/// same borrower is not answered with a grant: under a newer seq, its smaller loan would
+/// replace the larger one the borrower holds, while the lender still reserved the larger
+/// one until the borrower's release came back (capacity that neither region used; in the
+/// slow-WAN scenario, for seconds on end).
+#[test]
+fn an_exchange_overtaken_by_a_newer_one_is_not_granted() {
+    let mut pair = warmed_up(10);
+    // Region 1 asks while mildly hot, then, its demand up, for more. The second
+    // exchange arrives first.
+    let older = asks_at(&mut pair, 16_000_000, 60);
+    let newer = asks_at(&mut pair, 17_000_000, 90);
+    let (clock, stores, nodes) = &mut pair;
+    let want = |ex: &Exchange| ex.policies[0].keys[0].want.unwrap_or(0.0);
+    assert!(want(&newer) > want(&older), "{newer:?} {older:?}");
+    let reply_new = nodes[0].on_exchange(&newer, &mut stores[0]).expect("reply");
+    let big = reply_new.policies[0].keys[0].grant.expect("a grant");
+    assert!(big.amount > want(&older), "{big:?}");
+    nodes[1].on_reply(&reply_new, &mut stores[1]);
+    // The older one, late: answered (its demand and releases are news), but not granted.
+    let reply_old = nodes[0].on_exchange(&older, &mut stores[0]).expect("reply");
+    assert_eq!(reply_old.policies[0].keys[0].grant, None);
+    assert_eq!(nodes[0].stats().stale_exchanges, 1);
+    nodes[1].on_reply(&reply_old, &mut stores[1]);
+    // The borrower still holds the larger loan, and the lender reserves nothing more.
+    let now = clock.now_us();
+    let loan = stores[1].books["k"].loan_from(RegionId(0), now).copied();
+    assert_eq!(loan.map(|l| (l.seq, l.amount)), Some((big.seq, big.amount)));
+    assert_eq!(
+        stores[0].books["k"].reserved_for(RegionId(1), now),
+        big.amount
+    );
+}
+
+/// An exchange more than a lease older than the newest is no late message (it would
+/// answer nothing its sender still counts): the sender's clock stepped back, and its
+/// asks are answered at once, not once its clock is back where it was. A restarted
+/// sender (a new incarnation) starts over.
+#[test]
+fn an_exchange_a_lease_older_than_the_newest_or_of_a_new_life_is_taken() {
+    let mut pair = warmed_up(90);
+    let ex = asks_at(&mut pair, 16_000_000, 90);
+    let (_, stores, nodes) = &mut pair;
+    let mut stepped = ex.clone();
+    stepped.t_req = ex.t_req - Params::default().lease_us - 1;
+    let mut late = ex.clone();
+    let granted = |r: Option<ExchangeReply>| r.expect("reply").policies[0].keys[0].grant;
+    assert!(granted(nodes[0].on_exchange(&ex, &mut stores[0])).is_some());
+    assert!(granted(nodes[0].on_exchange(&stepped, &mut stores[0])).is_some());
+    // From then on, the stepped clock is the newest: a message just before it is late.
+    late.t_req = stepped.t_req - 1;
+    assert_eq!(granted(nodes[0].on_exchange(&late, &mut stores[0])), None);
+    // A restarted sender starts over, whatever its clock says.
+    let mut reborn = late.clone();
+    reborn.incarnation += 1;
+    assert!(granted(nodes[0].on_exchange(&reborn, &mut stores[0])).is_some());
 }
 
 /// A re-split (version 2, 50/50 -> 80/20) rolled out region 0 first: region 0 waits at
