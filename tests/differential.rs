@@ -1,6 +1,7 @@
-//! The Lua scripts against the Rust reference model ([`quotad_core::algorithm`]): random
-//! sequences of keys, costs, refunds, peeks and time steps go through both, and every
-//! verdict (allowed, remaining, reset_after, retry_after) must be identical.
+//! The Lua scripts against the Rust reference models ([`quotad_core::algorithm`],
+//! [`quotad_core::concurrency`]): random sequences of keys, costs, refunds, peeks, leases
+//! and time steps go through both, and every answer (allowed, remaining, reset_after,
+//! retry_after; for leases also what is held and what expired) must be identical.
 //!
 //! Time is injected through the scripts' test-only ARGV[7], so it is virtual, while Redis
 //! expires keys on its real clock. To keep the comparison about decisions, every step checks
@@ -29,14 +30,56 @@ fn real_now_us() -> i64 {
         .as_micros() as i64
 }
 
+/// Loads a script; its SHA1.
+fn load(conn: &mut redis::Connection, source: &str) -> String {
+    redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(source)
+        .query(conn)
+        .unwrap()
+}
+
+/// A redis-server of its own with `source` loaded: the server (stopped when dropped), a
+/// connection, and the script's SHA1.
+fn with_script(source: &str) -> (RedisServer, redis::Connection, String) {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let sha = load(&mut conn, source);
+    (redis, conn, sha)
+}
+
 struct Run {
     alg: Algorithm,
     limits: Limits,
     seed: u64,
 }
 
-/// Runs the script, then reads the key's PTTL and removes it, in one MULTI/EXEC: nothing can
-/// expire in between, and PTTL sees the same clock snapshot as the script.
+/// Runs a one-key script with `args`, then reads the key's PTTL and removes it, in one
+/// MULTI/EXEC: nothing can expire in between, and PTTL sees the same clock snapshot as the
+/// script. Returns the script's reply and the PTTL (ms; -2: no key).
+fn eval_then_persist(
+    conn: &mut redis::Connection,
+    sha: &str,
+    key: &str,
+    args: &[String],
+) -> (Vec<i64>, i64) {
+    let (r, pttl, _): (Vec<i64>, i64, i64) = redis::pipe()
+        .atomic()
+        .cmd("EVALSHA")
+        .arg(sha)
+        .arg(1)
+        .arg(key)
+        .arg(args)
+        .cmd("PTTL")
+        .arg(key)
+        .cmd("PERSIST")
+        .arg(key)
+        .query(conn)
+        .unwrap_or_else(|e| panic!("EVALSHA failed: {e}"));
+    (r, pttl)
+}
+
+/// One operation of an algorithm's script (see [`eval_then_persist`]).
 fn lua(
     conn: &mut redis::Connection,
     sha: &str,
@@ -50,25 +93,16 @@ fn lua(
         Op::Check { cost } => ("check", cost),
         Op::Refund { cost } => ("refund", cost),
     };
-    let (r, pttl, _): (Vec<i64>, i64, i64) = redis::pipe()
-        .atomic()
-        .cmd("EVALSHA")
-        .arg(sha)
-        .arg(1)
-        .arg(key)
-        .arg(mode)
-        .arg(l.limit)
-        .arg(l.window_us)
-        .arg(l.burst)
-        .arg(cost)
-        .arg(member)
-        .arg(now)
-        .cmd("PTTL")
-        .arg(key)
-        .cmd("PERSIST")
-        .arg(key)
-        .query(conn)
-        .unwrap_or_else(|e| panic!("EVALSHA failed: {e}"));
+    let args = [
+        mode.to_owned(),
+        l.limit.to_string(),
+        l.window_us.to_string(),
+        l.burst.to_string(),
+        cost.to_string(),
+        member.to_owned(),
+        now.to_string(),
+    ];
+    let (r, pttl) = eval_then_persist(conn, sha, key, &args);
     let v = Verdict {
         allowed: r[0] == 1,
         remaining: r[1] as u64,
@@ -80,11 +114,7 @@ fn lua(
 
 fn drive(redis: &RedisServer, run: &Run, steps: usize) {
     let mut conn = redis.conn();
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(scripts::source(run.alg))
-        .query(&mut conn)
-        .unwrap();
+    let sha = load(&mut conn, scripts::source(run.alg));
     let mut rng = StdRng::seed_from_u64(run.seed);
     let l = run.limits;
     let cap = l.capacity(run.alg);
@@ -253,13 +283,7 @@ fn gcra_lua_matches_rust() {
 /// exactly the rate, in Lua as in Rust.
 #[test]
 fn gcra_is_exact_at_ten_thousand_per_second_in_lua() {
-    let redis = RedisServer::start();
-    let mut conn = redis.conn();
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(scripts::source(Algorithm::Gcra))
-        .query(&mut conn)
-        .unwrap();
+    let (_redis, mut conn, sha) = with_script(scripts::source(Algorithm::Gcra));
     let l = Limits {
         limit: 10_000,
         window_us: 1_000_000,
@@ -295,13 +319,7 @@ fn gcra_is_exact_at_ten_thousand_per_second_in_lua() {
 /// a batch must charge all its keys or none.
 #[test]
 fn composite_lua_matches_rust() {
-    let redis = RedisServer::start();
-    let mut conn = redis.conn();
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(scripts::COMPOSITE)
-        .query(&mut conn)
-        .unwrap();
+    let (_redis, mut conn, sha) = with_script(scripts::COMPOSITE);
     let ms = 1000;
     let keys: Vec<(String, Algorithm, Limits)> = Algorithm::ALL
         .iter()
@@ -407,4 +425,122 @@ fn composite_lua_matches_rust() {
             }
         }
     }
+}
+
+/// The concurrency script against its reference model ([`quotad_core::concurrency`]):
+/// random acquires (new leases of 1 to 3 units), releases and extends of leases taken
+/// before and of unknown ones, peeks, and time steps (a few backward) over keys of three
+/// limits. Every answer must be identical, and every write must carry the model's TTL.
+#[test]
+fn concurrency_lua_matches_rust() {
+    use quotad_core::concurrency::{self, LeaseAnswer, LeaseOp, LeaseWrite, Leases};
+    let (_redis, mut conn, sha) = with_script(scripts::CONCURRENCY);
+    let ms = 1000;
+    let keys = [("diff:cc:a", 3u64), ("diff:cc:b", 10), ("diff:cc:{c}", 1)];
+    let mut rng = StdRng::seed_from_u64(0xc0_4c);
+    let mut model: HashMap<&str, Leases> = HashMap::new();
+    // Leases acquired: (key, id, units).
+    let mut taken: Vec<(&str, String, u64)> = Vec::new();
+    let mut now = real_now_us();
+    let (mut granted, mut expired, mut unknown) = (0, 0, 0);
+    for step in 0..6_000 {
+        now += match rng.random_range(0..100) {
+            0..=19 => 0,
+            20..=79 => rng.random_range(1..=20 * ms),
+            80..=96 => rng.random_range(20 * ms..=300 * ms),
+            97 => -rng.random_range(1..=50 * ms),
+            _ => rng.random_range(300 * ms..=1_000 * ms),
+        };
+        let (key, limit) = keys[rng.random_range(0..keys.len())];
+        let hold_us = rng.random_range(1..=200 * ms);
+        let new_id = format!("l{step}");
+        let mine: Vec<usize> = (0..taken.len()).filter(|&i| taken[i].0 == key).collect();
+        let pick = |rng: &mut StdRng| mine.get(rng.random_range(0..mine.len().max(1))).copied();
+        let (mode, id, units) = match rng.random_range(0..100) {
+            0..=39 => ("acquire", new_id, rng.random_range(1..=limit.min(3))),
+            40..=74 => {
+                let mode = if rng.random_range(0..2) == 0 {
+                    "release"
+                } else {
+                    "extend"
+                };
+                match pick(&mut rng) {
+                    Some(i) => (mode, taken[i].1.clone(), taken[i].2),
+                    None => (mode, format!("u{step}"), 1),
+                }
+            }
+            75..=84 => ("release", format!("u{step}"), 1),
+            _ => ("peek", String::new(), 1),
+        };
+        let op = match mode {
+            "acquire" => LeaseOp::Acquire {
+                id: &id,
+                units,
+                hold_us,
+            },
+            "release" => LeaseOp::Release { id: &id, units },
+            "extend" => LeaseOp::Extend {
+                id: &id,
+                units,
+                hold_us,
+            },
+            _ => LeaseOp::Peek,
+        };
+        let args = [
+            mode.to_owned(),
+            limit.to_string(),
+            id.clone(),
+            units.to_string(),
+            hold_us.to_string(),
+            now.to_string(),
+        ];
+        let (r, pttl) = eval_then_persist(&mut conn, &sha, key, &args);
+        let got = LeaseAnswer {
+            ok: r[0] == 1,
+            held: r[1] as u64,
+            reset_after_us: r[2],
+            retry_after_us: r[3],
+            expired: r[4] as u64,
+        };
+        let out = concurrency::apply(limit, model.get(key), now, op);
+        assert_eq!(
+            got,
+            out.answer,
+            "step {step}: {key} {op:?} at {now}, model state {:?}",
+            model.get(key)
+        );
+        match out.write {
+            LeaseWrite::Keep => {}
+            LeaseWrite::Put { leases, ttl_us } => {
+                let logical = (ttl_us as u64).div_ceil(1000) as i64;
+                assert!(
+                    pttl >= logical && pttl <= ttl_ms(ttl_us),
+                    "step {step}: PTTL {pttl} ms, model TTL {ttl_us} us"
+                );
+                model.insert(key, leases);
+            }
+            LeaseWrite::Delete => {
+                assert_eq!(pttl, -2, "step {step}: the key should be gone");
+                model.remove(key);
+            }
+        }
+        match (mode, got.ok) {
+            ("acquire", true) => {
+                granted += 1;
+                taken.push((key, id.clone(), units));
+            }
+            ("release", true) => taken.retain(|t| t.1 != id),
+            ("release" | "extend", false) => unknown += 1,
+            _ => {}
+        }
+        expired += got.expired;
+        if taken.len() > 64 {
+            taken.remove(0);
+        }
+    }
+    // The sequence reached every branch.
+    assert!(
+        granted > 500 && expired > 100 && unknown > 100,
+        "{granted} {expired} {unknown}"
+    );
 }

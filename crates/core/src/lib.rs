@@ -3,6 +3,8 @@
 //! - [`algorithm`]: the five rate-limit algorithms as pure functions over a state and a
 //!   time. The daemon's embedded store runs them directly; the Lua scripts the daemon runs
 //!   inside Redis are tested against them (they are the reference model).
+//! - [`concurrency`]: concurrency limits (units held at once, under leases that end by the
+//!   store's clock) as pure functions, the reference model of their Lua script.
 //! - [`coordinator`]: global budgets: demand estimation, allocation, the lease book and the
 //!   node state machine that lends and borrows share between regions.
 //! - [`clock`]: time behind a trait, so everything above runs on a fake clock in tests and
@@ -13,4 +15,5 @@
 
 pub mod algorithm;
 pub mod clock;
+pub mod concurrency;
 pub mod coordinator;

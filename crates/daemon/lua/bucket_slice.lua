@@ -30,8 +30,7 @@ end
 local key = KEYS[1]
 local op, kind = ARGV[1], ARGV[2]
 local limit, window, burst = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = clock_us()
 local interval = window / limit
 
 -- The key's state as tokens (a GCRA's TAT read as the tokens it leaves) and its slices.

@@ -19,13 +19,7 @@ local n = #KEYS
 if n < 1 or (#ARGV ~= WIDTH * n and #ARGV ~= WIDTH * n + 1) then
   return redis.error_reply('ERR quotad composite: expected n keys and 7n or 7n+1 arguments')
 end
-local now
-if ARGV[WIDTH * n + 1] then
-  now = tonumber(ARGV[WIDTH * n + 1])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+local now = clock_us(ARGV[WIDTH * n + 1])
 
 -- Check i, charged or only evaluated (a write-less evaluation of its full cost).
 local function run(i, charge)

@@ -8,6 +8,13 @@
 local function ttl_ms(us)
   return math.ceil(us / 1000) + 1000
 end
+-- The store's clock in microseconds (Redis TIME), or `injected` when given: the
+-- differential tests pass virtual time that way; quotad never does.
+local function clock_us(injected)
+  if injected then return tonumber(injected) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
 local function floor_u(x)
   if x <= 0 then return 0 end
   return math.floor(x)

@@ -27,13 +27,7 @@ local window = tonumber(ARGV[3])
 local burst = tonumber(ARGV[4])
 local cost = tonumber(ARGV[5])
 local member = ARGV[6]
-local now
-if ARGV[7] then
-  now = tonumber(ARGV[7])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
+local now = clock_us(ARGV[7])
 -- A peek (check with cost 0) evaluates a cost-1 request and writes nothing.
 local write = refund or cost > 0
 local eval_cost = cost

@@ -20,8 +20,7 @@
 -- Every write keeps the key's TTL (the window's end plus grace, set by a take). O(1).
 -- Prefixed at build time with helpers.lua (ttl_ms, slice_grant).
 local key = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = clock_us()
 local st = redis.call('HMGET', key, 'w', 'n', 'hs', 'h', 'hl')
 local stored = tonumber(st[1])
 local count = tonumber(st[2]) or 0

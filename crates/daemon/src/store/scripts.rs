@@ -60,6 +60,13 @@ pub const BUCKET_SLICE: &str = concat!(
     include_str!("../../lua/bucket_slice.lua")
 );
 
+/// Concurrency limits: acquire, release, extend and peek of leases (see
+/// `lua/concurrency.lua`; its reference model is `quotad_core::concurrency`).
+pub const CONCURRENCY: &str = concat!(
+    include_str!("../../lua/helpers.lua"),
+    include_str!("../../lua/concurrency.lua")
+);
+
 /// The full source sent to Redis for `algorithm`.
 pub fn source(algorithm: Algorithm) -> &'static str {
     match algorithm {
