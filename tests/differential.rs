@@ -93,6 +93,21 @@ fn lua(
         Op::Check { cost } => ("check", cost),
         Op::Refund { cost } => ("refund", cost),
     };
+    lua_mode(conn, sha, key, mode, cost, l, member, now)
+}
+
+/// One operation of an algorithm's script by its name (`check`, `refund`, `charge`).
+#[allow(clippy::too_many_arguments)]
+fn lua_mode(
+    conn: &mut redis::Connection,
+    sha: &str,
+    key: &str,
+    mode: &str,
+    cost: u64,
+    l: &Limits,
+    member: &str,
+    now: i64,
+) -> (Verdict, i64) {
     let args = [
         mode.to_owned(),
         l.limit.to_string(),
@@ -163,13 +178,31 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
             ),
         };
         let storage_key = format!("diff:{}:{}:{key}", run.alg.key_tag(), run.seed);
-        let (got, pttl) = lua(&mut conn, &sha, &storage_key, op, &l, &member, now);
-        let out = algorithm::apply(run.alg, &l, model.get(key), now, op, &member);
-        // An admission writes the key with the model's TTL: never shorter than the time
-        // until the state is equivalent to absent, never longer than that plus the grace.
-        if let (Op::Check { cost: 1.. }, true, Write::Put { ttl_us, .. }) =
-            (op, got.allowed, &out.write)
-        {
+        // Where keys can owe, sometimes a charge instead: up to three times the capacity,
+        // spent whether or not the key has it.
+        let charged = (run.alg.holds_debt() && rng.random_range(0..100) < 8)
+            .then(|| rng.random_range(1..=3 * cap));
+        let (got, pttl, out) = match charged {
+            Some(c) => {
+                let (got, pttl) =
+                    lua_mode(&mut conn, &sha, &storage_key, "charge", c, &l, &member, now);
+                let out = algorithm::charge(run.alg, &l, model.get(key), now, c);
+                (got, pttl, out.expect("a key of this algorithm holds debt"))
+            }
+            None => {
+                let (got, pttl) = lua(&mut conn, &sha, &storage_key, op, &l, &member, now);
+                (
+                    got,
+                    pttl,
+                    algorithm::apply(run.alg, &l, model.get(key), now, op, &member),
+                )
+            }
+        };
+        // An admission or a charge writes the key with the model's TTL: never shorter than
+        // the time until the state is equivalent to absent, never longer than that plus the
+        // grace.
+        let spent = charged.is_some() || (matches!(op, Op::Check { cost: 1.. }) && got.allowed);
+        if let (true, Write::Put { ttl_us, .. }) = (spent, &out.write) {
             let want = ttl_ms(*ttl_us);
             let logical = (*ttl_us as u64).div_ceil(1000) as i64;
             assert!(
@@ -179,8 +212,12 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
                 run.seed
             );
         }
+        let what = match charged {
+            Some(c) => format!("Charge {{ cost: {c} }}"),
+            None => format!("{op:?}"),
+        };
         trace.push(format!(
-            "step {step}: t={now} key={key} {op:?} member={member} -> lua {got:?}"
+            "step {step}: t={now} key={key} {what} member={member} -> lua {got:?}"
         ));
         if got != out.verdict {
             let tail = trace
@@ -209,7 +246,7 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
                 model.remove(key);
             }
         }
-        if let Op::Check { cost } = op {
+        if let (Op::Check { cost }, None) = (op, charged) {
             if got.allowed && cost > 0 {
                 admitted.push((key, member, cost));
             }
@@ -543,4 +580,27 @@ fn concurrency_lua_matches_rust() {
         granted > 500 && expired > 100 && unknown > 100,
         "{granted} {expired} {unknown}"
     );
+}
+
+/// A window forgets what it counted when it ends, so it cannot hold a debt: its script
+/// refuses a charge with an error and writes nothing.
+#[test]
+fn a_window_script_refuses_a_charge() {
+    for alg in [
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::SlidingWindow,
+    ] {
+        let (_redis, mut conn, sha) = with_script(scripts::source(alg));
+        let r: redis::RedisResult<Vec<i64>> = redis::cmd("EVALSHA")
+            .arg(&sha)
+            .arg(1)
+            .arg("k")
+            .arg(&["charge", "10", "1000000", "10", "20", "m"])
+            .query(&mut conn);
+        let e = r.expect_err("a charge on a window");
+        assert!(e.to_string().contains("cannot hold a debt"), "{alg:?}: {e}");
+        let exists: bool = redis::cmd("EXISTS").arg("k").query(&mut conn).unwrap();
+        assert!(!exists, "{alg:?} wrote the key");
+    }
 }

@@ -6,6 +6,9 @@
 --           retry_after_us = the same when denied}
 -- The count and its PEXPIRE are written by the same script, so no counter can exist
 -- without a TTL. Denied requests are not counted. O(1).
+if charge then
+  return redis.error_reply('ERR quotad fixed_window: a window cannot hold a debt (charge)')
+end
 local slot = math.floor(now / window)
 local st = redis.call('HMGET', key, 'w', 'n')
 local stored = tonumber(st[1])

@@ -27,6 +27,14 @@ local function remaining_of(t)
   return floor_u((tau - (t - now)) / interval + 1e-9)
 end
 
+if charge then
+  -- Spent whether or not it conforms: a TAT beyond now + tau is debt, waited out before
+  -- any check passes again.
+  local t = base + cost * interval
+  store(t)
+  return verdict(true, remaining_of(t), math.ceil(t - now), 0)
+end
+
 if refund then
   if not tat then
     return verdict(true, remaining_of(base), 0, 0)

@@ -4,11 +4,13 @@
 -- parameters instead.
 --
 -- KEYS[1]  the key's storage key (built by quotad in one function; hash tag around the user key)
--- ARGV[1]  'check' | 'refund'
+-- ARGV[1]  'check' | 'refund' | 'charge' (token_bucket and gcra only: spend cost whether
+--          or not the key has it, the rest becoming debt; never denied)
 -- ARGV[2]  limit        admissions per window (token_bucket / gcra: refill of limit per window)
 -- ARGV[3]  window_us    window length in microseconds
 -- ARGV[4]  burst        token_bucket / gcra capacity (= limit for the window algorithms)
--- ARGV[5]  cost         units to take (check) or give back (refund); check with 0 = peek
+-- ARGV[5]  cost         units to take (check, charge) or give back (refund); check with 0
+--                       = peek
 -- ARGV[6]  member       unique id of this request (sliding_log entries; others ignore it)
 -- ARGV[7]  now_us       TESTS ONLY: the differential test injects time here. quotad never
 --                       passes it: production decisions always use redis.call('TIME').
@@ -22,6 +24,7 @@ if #KEYS ~= 1 or (#ARGV ~= 6 and #ARGV ~= 7) then
 end
 local key = KEYS[1]
 local refund = ARGV[1] == 'refund'
+local charge = ARGV[1] == 'charge'
 local limit = tonumber(ARGV[2])
 local window = tonumber(ARGV[3])
 local burst = tonumber(ARGV[4])
@@ -29,6 +32,6 @@ local cost = tonumber(ARGV[5])
 local member = ARGV[6]
 local now = clock_us(ARGV[7])
 -- A peek (check with cost 0) evaluates a cost-1 request and writes nothing.
-local write = refund or cost > 0
+local write = refund or charge or cost > 0
 local eval_cost = cost
-if not refund and cost == 0 then eval_cost = 1 end
+if not refund and not charge and cost == 0 then eval_cost = 1 end

@@ -8,6 +8,9 @@
 --           retry_after_us = until enough of the oldest entries leave for this cost}
 -- An entry at time t counts while now - t < window. Denied requests are not recorded.
 -- O(log N + M) for M expired entries trimmed (each entry is trimmed once) plus O(cost log N).
+if charge then
+  return redis.error_reply('ERR quotad sliding_log: a window cannot hold a debt (charge)')
+end
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
 local count = redis.call('ZCARD', key)
 

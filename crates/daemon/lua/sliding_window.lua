@@ -7,6 +7,9 @@
 --           retry_after_us = until the estimate leaves room for this cost}
 -- Smooth at window boundaries, two numbers per key; approximate (assumes the previous
 -- window's admissions were spread evenly). Denied requests are not counted. O(1).
+if charge then
+  return redis.error_reply('ERR quotad sliding_window: a window cannot hold a debt (charge)')
+end
 local slot = math.floor(now / window)
 local st = redis.call('HMGET', key, 'w', 'c', 'p')
 local stored = tonumber(st[1])

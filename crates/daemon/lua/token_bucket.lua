@@ -35,6 +35,14 @@ local function store()
   redis.call('PEXPIRE', key, ttl_ms(full_in(tokens) + (last - now)))
 end
 
+if charge then
+  -- Spent whether or not the bucket has it: below zero is debt, refilled before any check
+  -- passes again.
+  tokens = tokens - cost
+  store()
+  return verdict(true, floor_u(tokens), full_in(tokens), 0)
+end
+
 if refund then
   if not exists then
     return verdict(true, floor_u(tokens), 0, 0)

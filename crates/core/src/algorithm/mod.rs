@@ -17,6 +17,9 @@
 //!   "absent" mean the same thing ([`Outcome::ttl_us`]).
 //! - `cost = 0` is a peek: the verdict says whether a cost-1 request would pass now, and
 //!   nothing is written.
+//! - A [`charge`] spends whether or not the key has the units (a cost known only after the
+//!   work was done); a token bucket or GCRA key then owes the rest, and its TTL covers the
+//!   time to refill it.
 
 use serde::{Deserialize, Serialize};
 
@@ -72,6 +75,13 @@ impl Algorithm {
     pub fn has_burst(self) -> bool {
         matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
     }
+
+    /// Whether a key can owe units ([`charge`]): a token bucket (tokens below zero) and
+    /// GCRA (a TAT beyond now + τ) keep a debt until it is refilled; a window would forget
+    /// it when the window ends.
+    pub fn holds_debt(self) -> bool {
+        self.has_burst()
+    }
 }
 
 /// The numbers of a quota. Built only by [`crate::policy`], which guarantees
@@ -99,7 +109,8 @@ impl Limits {
     /// (fixed window, sliding log), two (the sliding counter keeps the previous window),
     /// or the time to refill a whole burst (token bucket, GCRA). A key of the policy found
     /// without a TTL can be given this (plus the stores' grace) without changing any
-    /// decision: by then its state would have expired anyway.
+    /// decision: by then its state would have expired anyway. A key in debt ([`charge`])
+    /// is the exception: its script gives it the longer TTL of its refill.
     pub fn longest_ttl_us(&self, algorithm: Algorithm) -> i64 {
         match algorithm {
             Algorithm::FixedWindow | Algorithm::SlidingLog => self.window_us,
@@ -190,6 +201,25 @@ pub fn apply(
         Algorithm::SlidingWindow => sliding_window(limits, state, now_us, op),
         Algorithm::TokenBucket => token_bucket(limits, state, now_us, op),
         Algorithm::Gcra => gcra(limits, state, now_us, op),
+    }
+}
+
+/// Spends `cost` units of a key whether or not it has them: the settlement of a cost known
+/// only once the work was done. Never denied. What the key lacked becomes debt, which
+/// later checks wait out as the key refills: a token bucket's tokens go below zero, a
+/// GCRA key's TAT runs beyond now + τ. `None` for an algorithm that cannot hold a debt
+/// ([`Algorithm::holds_debt`]). The scripts' `charge` operation does the same.
+pub fn charge(
+    algorithm: Algorithm,
+    limits: &Limits,
+    state: Option<&State>,
+    now_us: i64,
+    cost: u64,
+) -> Option<Outcome> {
+    match algorithm {
+        Algorithm::TokenBucket => Some(token_bucket_charge(limits, state, now_us, cost)),
+        Algorithm::Gcra => Some(gcra_charge(limits, state, now_us, cost)),
+        _ => None,
     }
 }
 
@@ -580,6 +610,24 @@ fn token_bucket(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome 
     token_bucket_at(&rate, state, now, op)
 }
 
+fn token_bucket_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
+    let (cap, lim, wf) = (l.burst as f64, l.limit as f64, l.window_us as f64);
+    let (tokens, ts) = match state {
+        Some(State::Bucket { tokens, ts }) => (*tokens, *ts),
+        _ => (cap, now),
+    };
+    let elapsed = (now - ts).max(0) as f64;
+    let tokens = cap.min(tokens + elapsed * lim / wf) - cost as f64;
+    let full_in = ceil((cap - tokens) * wf / lim);
+    Outcome {
+        verdict: allowed(floor_u(tokens), full_in),
+        write: Write::Put {
+            state: State::Bucket { tokens, ts: now },
+            ttl_us: full_in,
+        },
+    }
+}
+
 /// A token bucket's refill and capacity as plain numbers: `amount` units every `per_us`
 /// microseconds, holding at most `capacity`. A policy's [`Limits`] are one such rate; a
 /// region's share of a global budget is another (`amount` = the enforced rate R_i per
@@ -724,6 +772,25 @@ fn gcra(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
     }
 }
 
+fn gcra_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
+    let interval = l.window_us as f64 / l.limit as f64;
+    let tau = interval * l.burst as f64;
+    let nowf = now as f64;
+    let base = match state {
+        Some(State::Gcra { tat }) => nowf.max(*tat),
+        _ => nowf,
+    };
+    let new_tat = base + cost as f64 * interval;
+    let remaining = floor_u((tau - (new_tat - nowf)) / interval + GCRA_EPSILON);
+    Outcome {
+        verdict: allowed(remaining, ceil(new_tat - nowf)),
+        write: Write::Put {
+            state: State::Gcra { tat: new_tat },
+            ttl_us: ceil(new_tat - nowf),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -755,14 +822,47 @@ mod tests {
         Op::Check { cost }
     }
 
+    fn limits(limit: u64, window_us: i64, burst: u64) -> Limits {
+        Limits {
+            limit,
+            window_us,
+            burst,
+        }
+    }
+
+    /// A charge beyond what a key has is debt: checks wait it out, so over time the key
+    /// admits no more than its rate whatever the charges were.
+    #[test]
+    fn a_charge_beyond_the_capacity_is_debt_that_later_checks_wait_out() {
+        let (l, t0) = (limits(10, SEC, 10), 100 * SEC);
+        for alg in [Algorithm::TokenBucket, Algorithm::Gcra] {
+            // 25 units spent at once from a full key of 10: 15 owed, 1.5 s of refill.
+            let out = charge(alg, &l, None, t0, 25).expect("holds debt");
+            assert!(out.verdict.allowed);
+            assert_eq!(out.verdict.remaining, 0, "{alg:?}");
+            let Write::Put { state, .. } = out.write else {
+                panic!("{alg:?}: {:?}", out.write)
+            };
+            let at = |t: i64| apply(alg, &l, Some(&state), t, check(1), "r").verdict;
+            let v = at(t0 + SEC);
+            assert!(!v.allowed, "{alg:?} admitted while 5 units are still owed");
+            // The first unit passes once the debt is refilled and one unit more.
+            assert_eq!(v.retry_after_us, 600_000, "{alg:?}");
+            assert!(at(t0 + SEC + 600_000).allowed, "{alg:?}");
+        }
+        for alg in [
+            Algorithm::FixedWindow,
+            Algorithm::SlidingLog,
+            Algorithm::SlidingWindow,
+        ] {
+            assert!(charge(alg, &l, None, t0, 1).is_none());
+            assert!(!alg.holds_debt());
+        }
+    }
+
     #[test]
     fn fixed_window_counts_down_and_resets_at_the_boundary() {
-        let l = Limits {
-            limit: 3,
-            window_us: SEC,
-            burst: 3,
-        };
-        let t0 = 10 * SEC;
+        let (l, t0) = (limits(3, SEC, 3), 10 * SEC);
         let v = run(
             Algorithm::FixedWindow,
             l,
@@ -934,6 +1034,37 @@ mod tests {
         }
     }
 
+    /// Applies a write to a key held with its expiry; the TTL written, if any.
+    fn take(state: &mut Option<(State, i64)>, write: Write, now: i64) -> Option<i64> {
+        match write {
+            Write::Keep => None,
+            Write::Put { state: s, ttl_us } => {
+                *state = Some((s, now + ttl_us));
+                Some(ttl_us)
+            }
+            Write::Delete => {
+                *state = None;
+                None
+            }
+        }
+    }
+
+    /// A check of `cost`, `extra` after the key's expiry, on the expired state and on an
+    /// absent key (`None`: no key was left).
+    fn after_expiry(
+        alg: Algorithm,
+        l: &Limits,
+        state: &Option<(State, i64)>,
+        extra: i64,
+        cost: u64,
+    ) -> Option<(Verdict, Verdict)> {
+        let (s, exp) = state.as_ref()?;
+        let op = Op::Check { cost };
+        let a = apply(alg, l, Some(s), exp + extra, op, "p").verdict;
+        let b = apply(alg, l, None, exp + extra, op, "p").verdict;
+        Some((a, b))
+    }
+
     proptest::proptest! {
         /// Expiry is garbage collection: once a written state's TTL has passed, every
         /// operation gives the same verdict on it as on an absent key; and no TTL is longer
@@ -960,24 +1091,48 @@ mod tests {
                 let op = if *refund { Op::Refund { cost } } else { Op::Check { cost } };
                 let live = state.as_ref().filter(|(_, exp)| *exp > now).map(|(s, _)| s);
                 let out = apply(alg, &l, live, now, op, &format!("m{}", i % 3));
-                match out.write {
-                    Write::Keep => {}
-                    Write::Put { state: s, ttl_us } => {
-                        // What the TTL janitor relies on to repair a key's lost TTL.
-                        proptest::prop_assert!(
-                            ttl_us <= l.longest_ttl_us(alg),
-                            "{alg:?}: ttl {ttl_us} over {}", l.longest_ttl_us(alg)
-                        );
-                        state = Some((s, now + ttl_us))
-                    }
-                    Write::Delete => state = None,
+                if let Some(ttl_us) = take(&mut state, out.write, now) {
+                    // What the TTL janitor relies on to repair a key's lost TTL.
+                    proptest::prop_assert!(
+                        ttl_us <= l.longest_ttl_us(alg),
+                        "{alg:?}: ttl {ttl_us} over {}", l.longest_ttl_us(alg)
+                    );
                 }
             }
-            if let Some((s, exp)) = state {
-                let t = exp + extra;
-                let op = Op::Check { cost: probe_cost % (cap + 1) };
-                let a = apply(alg, &l, Some(&s), t, op, "p").verdict;
-                let b = apply(alg, &l, None, t, op, "p").verdict;
+            if let Some((a, b)) = after_expiry(alg, &l, &state, extra, probe_cost % (cap + 1)) {
+                proptest::prop_assert_eq!(a, b);
+            }
+        }
+
+        /// A key in debt keeps it until refilled: with charges beyond the capacity among
+        /// the checks and refunds, a written state's TTL still ends exactly where it has
+        /// become equivalent to an absent key, however long the debt makes it.
+        #[test]
+        fn a_key_in_debt_expires_only_once_its_debt_is_refilled(
+            bucket in proptest::bool::ANY,
+            limit in 1u64..20,
+            window_ms in 1i64..2000,
+            burst in 1u64..30,
+            steps in proptest::collection::vec((0i64..3_000_000, 0u64..80, 0u8..3), 1..40),
+            probe_cost in 0u64..25,
+            extra in 0i64..5_000_000,
+        ) {
+            let alg = if bucket { Algorithm::TokenBucket } else { Algorithm::Gcra };
+            let l = Limits { limit, window_us: window_ms * 1000, burst };
+            let cap = l.capacity(alg);
+            let mut now = 1_700_000_000_000_000i64;
+            let mut state: Option<(State, i64)> = None; // (state, expires at)
+            for (dt, cost, kind) in &steps {
+                now += dt;
+                let live = state.as_ref().filter(|(_, exp)| *exp > now).map(|(s, _)| s);
+                let out = match kind {
+                    0 => charge(alg, &l, live, now, (*cost).max(1)).expect("holds debt"),
+                    1 => apply(alg, &l, live, now, Op::Refund { cost: cost % (cap + 1) }, "m"),
+                    _ => apply(alg, &l, live, now, Op::Check { cost: cost % (cap + 1) }, "m"),
+                };
+                take(&mut state, out.write, now);
+            }
+            if let Some((a, b)) = after_expiry(alg, &l, &state, extra, probe_cost % (cap + 1)) {
                 proptest::prop_assert_eq!(a, b);
             }
         }

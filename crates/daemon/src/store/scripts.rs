@@ -25,7 +25,7 @@ macro_rules! algorithm_function {
         concat!(
             "local function ",
             $name,
-            "(key, refund, limit, window, burst, cost, member, now, write, eval_cost)\n",
+            "(key, refund, limit, window, burst, cost, member, now, write, eval_cost, charge)\n",
             include_str!(concat!("../../lua/", $name, ".lua")),
             "\nend\n"
         )
