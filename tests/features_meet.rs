@@ -353,6 +353,70 @@ impl Drop for StopOnDrop<'_> {
 
 /// The tokens a peek finds in `algorithm`'s bucket for `key` of policy `hot` (burst and
 /// refill as [`hot_bucket`]), through the algorithm's own script.
+/// A fixed window's debt (a charge beyond its limit, owed to the windows after it) is
+/// counted by a hot key's slices too: the window-slice script rolls the window with the
+/// debt carried, as the window script does, so a slice cannot spend what is owed.
+#[test]
+fn a_hot_keys_window_slice_counts_the_debt_carried_into_its_window() {
+    use quotad_core::algorithm::Algorithm;
+    use quotad_daemon::store::scripts;
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let window_us: i64 = 3_600_000_000;
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64;
+    // A charge in the window before this one: `cost` units, 1,000 of them fit there.
+    let charge_last_window = |key: &str, cost: u64, conn: &mut redis::Connection| {
+        let _: Vec<i64> = redis::cmd("EVAL")
+            .arg(scripts::source(Algorithm::FixedWindow))
+            .arg(1)
+            .arg(key)
+            .arg("charge")
+            .arg(1000)
+            .arg(window_us)
+            .arg(1000)
+            .arg(cost)
+            .arg("m")
+            .arg(now_us - window_us)
+            .query(conn)
+            .unwrap();
+    };
+    let take = |key: &str, demand: u64, conn: &mut redis::Connection| -> Vec<i64> {
+        redis::cmd("EVAL")
+            .arg(scripts::SLICE)
+            .arg(1)
+            .arg(key)
+            .arg("take")
+            .arg(1000)
+            .arg(window_us)
+            .arg(1)
+            .arg(demand)
+            .arg(0)
+            .query(conn)
+            .unwrap()
+    };
+    // 1,500 owed: this window is full, and so nothing is taken.
+    charge_last_window("full", 2500, &mut conn);
+    let t = take("full", 10, &mut conn);
+    assert_eq!(
+        (t[0], t[1]),
+        (0, 0),
+        "a slice of a window the debt fills: {t:?}"
+    );
+    // 300 owed: 700 are left in this window, and the debt is paid once taken.
+    charge_last_window("part", 1300, &mut conn);
+    let t = take("part", 1000, &mut conn);
+    assert_eq!((t[0], t[1]), (700, 0), "{t:?}");
+    let owed: Option<u64> = redis::cmd("HGET")
+        .arg("part")
+        .arg("o")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(owed, None, "paid in this window");
+}
+
 fn bucket_tokens(
     redis: &RedisServer,
     algorithm: quotad_core::algorithm::Algorithm,

@@ -1,47 +1,63 @@
 -- fixed_window: a counter per window slot; the slot comes from the clock (Redis TIME).
 --
--- KEYS[1]  hash {w = window slot (floor(now / window)), n = units admitted in that slot}
+-- KEYS[1]  hash {w = window slot (floor(now / window)), n = units admitted in that slot,
+--                o = units charged beyond the limit, owed to the slots after w (absent: 0)}
 -- ARGV     see prelude.lua (member unused)
--- Returns  {allowed, remaining = limit - n, reset_after_us = time to the slot's end,
---           retry_after_us = the same when denied}
+-- Returns  {allowed, remaining = limit - n, reset_after_us = until the slot's end and the
+--           slots a debt fills, retry_after_us = until a slot with room, when denied}
 -- The count and its PEXPIRE are written by the same script, so no counter can exist
--- without a TTL. Denied requests are not counted. O(1).
-if charge then
-  return redis.error_reply('ERR quotad fixed_window: a window cannot hold a debt (charge)')
-end
-local slot = math.floor(now / window)
-local st = redis.call('HMGET', key, 'w', 'n')
+-- without a TTL. Denied requests are not counted. A charge (see prelude.lua) counts what
+-- fits and owes the rest: each later slot starts with up to `limit` units of the debt
+-- counted (helpers.lua, fixed_roll), and the TTL lasts until it is paid. O(1).
+local st = redis.call('HMGET', key, 'w', 'n', 'o')
 local stored = tonumber(st[1])
-local count = tonumber(st[2]) or 0
-if stored == slot + 1 then
-  slot = stored -- the clock stepped back (less than a window): stay in the newer window
-elseif stored ~= slot then
-  count = 0 -- older, or written under another window length (a config change)
-end
+local slot, count, owed = fixed_roll(stored, tonumber(st[2]) or 0, tonumber(st[3]) or 0,
+  math.floor(now / window), limit)
 local reset_after = (slot + 1) * window - now
+-- Until the key is as if absent: the slot's end, then a slot per `limit` units owed.
+local function clear_after(o) return reset_after + math.ceil(o / limit) * window end
 -- After a lowered limit the count may exceed it: never report negative remaining.
 local function left(c) return math.max(0, limit - c) end
+-- The slot's count and debt (the debt's field only while there is one), with the TTL.
+local function store(c, o)
+  if o > 0 then
+    redis.call('HSET', key, 'w', slot, 'n', c, 'o', o)
+  else
+    redis.call('HSET', key, 'w', slot, 'n', c)
+    if st[3] then redis.call('HDEL', key, 'o') end
+  end
+  redis.call('PEXPIRE', key, ttl_ms(clear_after(o)))
+end
+
+if charge then
+  local total = count + cost
+  local c = math.max(count, math.min(total, limit))
+  owed = owed + (total - c)
+  store(c, owed)
+  return verdict(true, left(c), clear_after(owed), 0)
+end
 
 if refund then
   if stored ~= slot then
-    return verdict(true, left(count), reset_after, 0)
+    return verdict(true, left(count), clear_after(owed), 0)
   end
   count = math.max(0, count - cost)
-  redis.call('HSET', key, 'w', slot, 'n', count)
-  redis.call('PEXPIRE', key, ttl_ms(reset_after))
-  return verdict(true, left(count), reset_after, 0)
+  store(count, owed)
+  return verdict(true, left(count), clear_after(owed), 0)
 end
 
 if count + eval_cost <= limit then
   if write then
     if stored == slot then
       count = redis.call('HINCRBY', key, 'n', cost)
+      redis.call('PEXPIRE', key, ttl_ms(clear_after(owed)))
     else
-      count = cost
-      redis.call('HSET', key, 'w', slot, 'n', count)
+      count = count + cost
+      store(count, owed)
     end
-    redis.call('PEXPIRE', key, ttl_ms(reset_after))
   end
-  return verdict(true, left(count), reset_after, 0)
+  return verdict(true, left(count), clear_after(owed), 0)
 end
-return verdict(false, left(count), reset_after, reset_after)
+-- The first slot with room: the next, or the first past those the debt fills.
+local full = math.ceil(math.max(0, owed + eval_cost - limit) / limit)
+return verdict(false, left(count), clear_after(owed), reset_after + full * window)

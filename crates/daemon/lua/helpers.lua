@@ -15,6 +15,21 @@ local function clock_us(injected)
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
+-- A fixed window brought to `slot` from the state stored in window `stored` (nil: none),
+-- `count` units in it and `owed` charged beyond its limit (quotad_core's fixed_at): a
+-- clock that stepped back by less than a window stays in the newer window; the windows
+-- after `stored` start with the debt, up to `limit` units each, until it is paid; a slot
+-- further ahead (another window length) is discarded. Returns slot, count, owed.
+local function fixed_roll(stored, count, owed, slot, limit)
+  if stored == slot + 1 then return stored, count, owed end
+  if stored == slot then return slot, count, owed end
+  if stored ~= nil and stored < slot then
+    local left = math.max(0, owed - limit * (slot - stored - 1))
+    local n = math.min(left, limit)
+    return slot, n, left - n
+  end
+  return slot, 0, 0
+end
 local function floor_u(x)
   if x <= 0 then return 0 end
   return math.floor(x)

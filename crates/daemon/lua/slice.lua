@@ -2,7 +2,8 @@
 -- key hot takes units of the key's current window here, atomically, and admits from them
 -- in memory; what it did not spend it gives back to the same window.
 --
--- KEYS[1]  the fixed window's hash {w = slot, n = units admitted in it} (fixed_window.lua),
+-- KEYS[1]  the fixed window's hash {w = slot, n = units admitted in it, o = debt}
+--          (fixed_window.lua),
 --          with fields of its own, the slices' ledger: hs = the slot the slices were taken
 --          in, h = units taken as slices in slot hs and not given back, hl = the ledger's
 --          id (Redis's time when it was opened: a reset deletes the hash, and a ledger
@@ -21,7 +22,7 @@
 -- Prefixed at build time with helpers.lua (ttl_ms, slice_grant).
 local key = KEYS[1]
 local now = clock_us()
-local st = redis.call('HMGET', key, 'w', 'n', 'hs', 'h', 'hl')
+local st = redis.call('HMGET', key, 'w', 'n', 'hs', 'h', 'hl', 'o')
 local stored = tonumber(st[1])
 local count = tonumber(st[2]) or 0
 local held_slot = tonumber(st[3])
@@ -50,12 +51,9 @@ local window = tonumber(ARGV[3])
 local need = tonumber(ARGV[4])
 local demand = tonumber(ARGV[5])
 local prefetch = tonumber(ARGV[6])
-local slot = math.floor(now / window)
-if stored == slot + 1 then
-  slot = stored -- the clock stepped back (less than a window): stay in the newer window
-elseif stored ~= slot then
-  count = 0
-end
+-- A debt carried into this slot counts in it (helpers.lua, fixed_roll).
+local slot, owed
+slot, count, owed = fixed_roll(stored, count, tonumber(st[6]) or 0, math.floor(now / window), limit)
 if held_slot ~= slot or stored ~= slot or ledger == nil then
   held = 0
   ledger = now
@@ -67,5 +65,10 @@ if left < need then
 end
 local granted = slice_grant(left, limit, demand, prefetch)
 redis.call('HSET', key, 'w', slot, 'n', count + granted, 'hs', slot, 'h', held + granted, 'hl', ledger)
-redis.call('PEXPIRE', key, ttl_ms(reset_after))
+if owed > 0 then
+  redis.call('HSET', key, 'o', owed)
+elseif st[6] then
+  redis.call('HDEL', key, 'o')
+end
+redis.call('PEXPIRE', key, ttl_ms(reset_after + math.ceil(owed / limit) * window))
 return {granted, left - granted, reset_after, slot, ledger}

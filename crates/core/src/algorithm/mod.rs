@@ -18,8 +18,8 @@
 //! - `cost = 0` is a peek: the verdict says whether a cost-1 request would pass now, and
 //!   nothing is written.
 //! - A [`charge`] spends whether or not the key has the units (a cost known only after the
-//!   work was done); a token bucket or GCRA key then owes the rest, and its TTL covers the
-//!   time to refill it.
+//!   work was done); a token bucket, GCRA or fixed-window key then owes the rest, and its
+//!   TTL lasts until it is paid.
 
 use serde::{Deserialize, Serialize};
 
@@ -77,10 +77,13 @@ impl Algorithm {
     }
 
     /// Whether a key can owe units ([`charge`]): a token bucket (tokens below zero) and
-    /// GCRA (a TAT beyond now + τ) keep a debt until it is refilled; a window would forget
-    /// it when the window ends.
+    /// GCRA (a TAT beyond now + τ) keep a debt until it is refilled, a fixed window carries
+    /// it into the windows after. A sliding window or log forgets what leaves it.
     pub fn holds_debt(self) -> bool {
-        self.has_burst()
+        matches!(
+            self,
+            Algorithm::FixedWindow | Algorithm::TokenBucket | Algorithm::Gcra
+        )
     }
 }
 
@@ -150,6 +153,9 @@ pub enum State {
     Fixed {
         slot: i64,
         count: u64,
+        /// Units charged beyond the limit in `slot` ([`charge`]): the windows after it
+        /// start with them counted, up to the limit each, until they are paid.
+        owed: u64,
     },
     Log {
         entries: Vec<(i64, String)>,
@@ -206,9 +212,10 @@ pub fn apply(
 
 /// Spends `cost` units of a key whether or not it has them: the settlement of a cost known
 /// only once the work was done. Never denied. What the key lacked becomes debt, which
-/// later checks wait out as the key refills: a token bucket's tokens go below zero, a
-/// GCRA key's TAT runs beyond now + τ. `None` for an algorithm that cannot hold a debt
-/// ([`Algorithm::holds_debt`]). The scripts' `charge` operation does the same.
+/// later checks wait out: a token bucket's tokens go below zero, a GCRA key's TAT runs
+/// beyond now + τ, a fixed window owes the windows after it. `None` for an algorithm that
+/// cannot hold a debt ([`Algorithm::holds_debt`]). The scripts' `charge` operation does
+/// the same.
 pub fn charge(
     algorithm: Algorithm,
     limits: &Limits,
@@ -217,6 +224,7 @@ pub fn charge(
     cost: u64,
 ) -> Option<Outcome> {
     match algorithm {
+        Algorithm::FixedWindow => Some(fixed_window_charge(limits, state, now_us, cost)),
         Algorithm::TokenBucket => Some(token_bucket_charge(limits, state, now_us, cost)),
         Algorithm::Gcra => Some(gcra_charge(limits, state, now_us, cost)),
         _ => None,
@@ -313,62 +321,100 @@ fn floor_u(x: f64) -> u64 {
 
 // ---------------------------------------------------------------------------- fixed window
 
-fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let w = l.window_us;
-    let mut slot = now.div_euclid(w);
-    let (stored_slot, mut count) = match state {
-        Some(State::Fixed { slot, count }) => (Some(*slot), *count),
-        _ => (None, 0),
+/// A fixed window's count and debt in `slot`, from those stored in window `stored`: the
+/// debt fills the windows after `stored`, up to `limit` units each, until it is paid.
+fn fixed_roll(stored: i64, owed: u64, slot: i64, limit: u64) -> (u64, u64) {
+    let between = u64::try_from(slot - stored - 1).unwrap_or(0);
+    let left = owed.saturating_sub(limit.saturating_mul(between));
+    let count = left.min(limit);
+    (count, left - count)
+}
+
+/// The fixed window's state at `now`: the slot counted in, its count and the debt beyond
+/// it, and the slot the state was stored under (`None`: no state).
+fn fixed_at(l: &Limits, state: Option<&State>, now: i64) -> (i64, u64, u64, Option<i64>) {
+    let mut slot = now.div_euclid(l.window_us);
+    let (stored, mut count, mut owed) = match state {
+        Some(State::Fixed { slot, count, owed }) => (Some(*slot), *count, *owed),
+        _ => (None, 0, 0),
     };
-    match stored_slot {
+    match stored {
         // A clock that stepped back (by less than a window) stays in the newer window rather
         // than reopening it. A slot further ahead is not ours: state written under another
         // window length (a config change); it is discarded.
         Some(s) if s == slot + 1 => slot = s,
         Some(s) if s == slot => {}
-        _ => count = 0,
+        Some(s) if s < slot => (count, owed) = fixed_roll(s, owed, slot, l.limit),
+        _ => (count, owed) = (0, 0),
     }
+    (slot, count, owed, stored)
+}
+
+fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
+    let w = l.window_us;
+    let (slot, mut count, owed, stored_slot) = fixed_at(l, state, now);
     let reset_after = (slot + 1) * w - now;
+    // Until the key is as if absent: this window's end, and then one window per `limit`
+    // units still owed.
+    let clear_after = |owed: u64| reset_after + owed.div_ceil(l.limit) as i64 * w;
     // Saturating: after the limit is lowered, a count may exceed it.
     let left = |count: u64| l.limit.saturating_sub(count);
+    let put = |count: u64| Write::Put {
+        state: State::Fixed { slot, count, owed },
+        ttl_us: clear_after(owed),
+    };
     let (cost, write) = eval_cost(op);
     if let Op::Refund { .. } = op {
         if stored_slot != Some(slot) {
             // The charge belonged to a window that no longer counts: nothing to give back.
             return Outcome {
-                verdict: allowed(left(count), reset_after),
+                verdict: allowed(left(count), clear_after(owed)),
                 write: Write::Keep,
             };
         }
         count = count.saturating_sub(cost);
         return Outcome {
-            verdict: allowed(left(count), reset_after),
-            write: Write::Put {
-                state: State::Fixed { slot, count },
-                ttl_us: reset_after,
-            },
+            verdict: allowed(left(count), clear_after(owed)),
+            write: put(count),
         };
     }
     if count + cost <= l.limit {
         if !write {
             return Outcome {
-                verdict: allowed(left(count), reset_after),
+                verdict: allowed(left(count), clear_after(owed)),
                 write: Write::Keep,
             };
         }
         count += cost;
         Outcome {
-            verdict: allowed(left(count), reset_after),
-            write: Write::Put {
-                state: State::Fixed { slot, count },
-                ttl_us: reset_after,
-            },
+            verdict: allowed(left(count), clear_after(owed)),
+            write: put(count),
         }
     } else {
+        // The first window with room: the next, or one past the windows the debt fills.
+        let full = (owed + cost).saturating_sub(l.limit).div_ceil(l.limit);
+        let retry = reset_after + full as i64 * w;
         Outcome {
-            verdict: denied(left(count), reset_after, reset_after),
+            verdict: denied(left(count), clear_after(owed), retry),
             write: Write::Keep,
         }
+    }
+}
+
+/// A fixed window's [`charge`]: the units that fit count in this window, the rest is owed
+/// to the windows after it.
+fn fixed_window_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
+    let (slot, count, owed, _) = fixed_at(l, state, now);
+    let total = count + cost;
+    let count = count.max(total.min(l.limit));
+    let owed = owed + (total - count);
+    let ttl_us = (slot + 1) * l.window_us - now + owed.div_ceil(l.limit) as i64 * l.window_us;
+    Outcome {
+        verdict: allowed(l.limit.saturating_sub(count), ttl_us),
+        write: Write::Put {
+            state: State::Fixed { slot, count, owed },
+            ttl_us,
+        },
     }
 }
 
@@ -850,14 +896,42 @@ mod tests {
             assert_eq!(v.retry_after_us, 600_000, "{alg:?}");
             assert!(at(t0 + SEC + 600_000).allowed, "{alg:?}");
         }
-        for alg in [
-            Algorithm::FixedWindow,
-            Algorithm::SlidingLog,
-            Algorithm::SlidingWindow,
-        ] {
+        for alg in [Algorithm::SlidingLog, Algorithm::SlidingWindow] {
             assert!(charge(alg, &l, None, t0, 1).is_none());
             assert!(!alg.holds_debt());
         }
+    }
+
+    /// A fixed window owes what a charge could not count in it: the windows after start
+    /// with the debt counted, a limit's worth each, until it is paid.
+    #[test]
+    fn a_fixed_windows_debt_fills_the_windows_after_it() {
+        let (l, t0) = (limits(10, SEC, 10), 100 * SEC);
+        // 4 spent, then 31 charged: 6 fit here and 25 are owed: the two windows after
+        // this one are full, and the third starts with 5.
+        let mut state = match apply(Algorithm::FixedWindow, &l, None, t0, check(4), "a").write {
+            Write::Put { state, .. } => state,
+            w => panic!("{w:?}"),
+        };
+        let out = charge(Algorithm::FixedWindow, &l, Some(&state), t0 + 1, 31).unwrap();
+        assert_eq!(out.verdict.remaining, 0);
+        assert_eq!(out.verdict.reset_after_us, 4 * SEC - 1, "clear once paid");
+        if let Write::Put { state: s, ttl_us } = out.write {
+            assert_eq!(ttl_us, 4 * SEC - 1);
+            state = s;
+        }
+        let at = |t: i64, c: u64| {
+            apply(Algorithm::FixedWindow, &l, Some(&state), t, check(c), "b").verdict
+        };
+        let v = at(t0 + 2, 1);
+        assert!(!v.allowed);
+        assert_eq!(v.retry_after_us, 3 * SEC - 2, "the third window has room");
+        assert!(!at(t0 + SEC, 1).allowed, "the next window is full of debt");
+        assert!(!at(t0 + 2 * SEC, 1).allowed, "and the one after");
+        assert!(!at(t0 + 3 * SEC, 6).allowed, "the third holds 5 owed");
+        assert!(at(t0 + 3 * SEC, 5).allowed);
+        let paid = at(t0 + 4 * SEC, 10);
+        assert!(paid.allowed, "paid: a whole window again");
     }
 
     #[test]
@@ -1109,7 +1183,7 @@ mod tests {
         /// become equivalent to an absent key, however long the debt makes it.
         #[test]
         fn a_key_in_debt_expires_only_once_its_debt_is_refilled(
-            bucket in proptest::bool::ANY,
+            alg_i in 0usize..3,
             limit in 1u64..20,
             window_ms in 1i64..2000,
             burst in 1u64..30,
@@ -1117,8 +1191,8 @@ mod tests {
             probe_cost in 0u64..25,
             extra in 0i64..5_000_000,
         ) {
-            let alg = if bucket { Algorithm::TokenBucket } else { Algorithm::Gcra };
-            let l = Limits { limit, window_us: window_ms * 1000, burst };
+            let alg = [Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra][alg_i];
+            let l = Limits { limit, window_us: window_ms * 1000, burst: if alg.has_burst() { burst } else { limit } };
             let cap = l.capacity(alg);
             let mut now = 1_700_000_000_000_000i64;
             let mut state: Option<(State, i64)> = None; // (state, expires at)
@@ -1137,7 +1211,8 @@ mod tests {
             }
         }
 
-        /// What lets a denial be answered from memory (`store::deny_cache`): a denial
+        /// What lets a denial be answered from memory (`store::deny_cache`), also for a
+        /// key in debt ([`charge`]): a denial
         /// writes nothing, and with no other write to the key the same check, or one that
         /// costs more (a peek counting as 1), is denied at every instant up to a microsecond
         /// before the retry time the denial gave (which is rounded up to the microsecond;
@@ -1150,7 +1225,7 @@ mod tests {
             limit in 1u64..20,
             window_ms in 1i64..2000,
             burst in 1u64..30,
-            steps in proptest::collection::vec((0i64..400_000, 1u64..25, proptest::bool::weighted(0.1)), 1..60),
+            steps in proptest::collection::vec((0i64..400_000, 1u64..25, 0u8..20), 1..60),
             cost in 0u64..25,
             more in 0u64..25,
             probes in proptest::collection::vec(0.0f64..1.0, 8),
@@ -1160,11 +1235,14 @@ mod tests {
             let cap = l.capacity(alg);
             let mut now = 1_700_000_000_000_000i64;
             let mut state: Option<State> = None;
-            for (i, (dt, c, refund)) in steps.iter().enumerate() {
+            for (i, (dt, c, kind)) in steps.iter().enumerate() {
                 now += dt;
+                // A tenth refunds; where keys can owe, a twentieth charges up to twice the
+                // capacity (a key in debt); the rest checks.
+                let debt = (*kind == 2).then(|| charge(alg, &l, state.as_ref(), now, 2 * c)).flatten();
                 let c = c % (cap + 1);
-                let op = if *refund { Op::Refund { cost: c } } else { Op::Check { cost: c } };
-                let out = apply(alg, &l, state.as_ref(), now, op, &format!("m{}", i % 3));
+                let op = if *kind < 2 { Op::Refund { cost: c } } else { Op::Check { cost: c } };
+                let out = debt.unwrap_or_else(|| apply(alg, &l, state.as_ref(), now, op, &format!("m{}", i % 3)));
                 match out.write {
                     Write::Keep => {}
                     Write::Put { state: s, .. } => state = Some(s),
