@@ -79,6 +79,16 @@ fn eval_then_persist(
     (r, pttl)
 }
 
+/// A key written with a model TTL of `ttl_us` has a PTTL between that (rounded up to a
+/// millisecond) and that plus the scripts' grace.
+fn assert_model_ttl(pttl: i64, ttl_us: i64, step: usize) {
+    let logical = (ttl_us as u64).div_ceil(1000) as i64;
+    assert!(
+        pttl >= logical && pttl <= ttl_ms(ttl_us),
+        "step {step}: PTTL {pttl} ms, model TTL {ttl_us} us"
+    );
+}
+
 /// One operation of an algorithm's script (see [`eval_then_persist`]).
 fn lua(
     conn: &mut redis::Connection,
@@ -549,11 +559,7 @@ fn concurrency_lua_matches_rust() {
         match out.write {
             LeaseWrite::Keep => {}
             LeaseWrite::Put { leases, ttl_us } => {
-                let logical = (ttl_us as u64).div_ceil(1000) as i64;
-                assert!(
-                    pttl >= logical && pttl <= ttl_ms(ttl_us),
-                    "step {step}: PTTL {pttl} ms, model TTL {ttl_us} us"
-                );
+                assert_model_ttl(pttl, ttl_us, step);
                 model.insert(key, leases);
             }
             LeaseWrite::Delete => {
@@ -599,4 +605,155 @@ fn a_sliding_script_refuses_a_charge() {
         let exists: bool = redis::cmd("EXISTS").arg("k").query(&mut conn).unwrap();
         assert!(!exists, "{alg:?} wrote the key");
     }
+}
+
+/// The settlement script against its model ([`quotad_core::settlement`]): reservations at
+/// random estimates, settled at random real costs (up to three times the capacity: into
+/// debt), settled again, and settlements of reservations that do not exist, over a fixed
+/// window, a token bucket and a GCRA key; every answer, every stored reservation and every
+/// TTL the key gets must be the model's.
+#[test]
+fn settlement_lua_matches_rust() {
+    use quotad_core::settlement::{self, Reservation, Settled};
+    let (_redis, mut conn, sha) = with_script(scripts::SETTLE);
+    let ms = 1000;
+    let keys = [
+        ("diff:st:{fw}", Algorithm::FixedWindow, 5u64, 200 * ms, 5u64),
+        ("diff:st:{tb}", Algorithm::TokenBucket, 4, 300 * ms, 6),
+        ("diff:st:{gc}", Algorithm::Gcra, 10, 1000 * ms, 3),
+    ];
+    let mut rng = StdRng::seed_from_u64(0x5e_771e);
+    let mut model: HashMap<usize, State> = HashMap::new();
+    let mut booked: HashMap<String, Reservation> = HashMap::new();
+    // Reservations made: (key index, reservation key).
+    let mut made: Vec<(usize, String)> = Vec::new();
+    let mut now = real_now_us();
+    let (mut settled, mut again, mut unknown, mut into_debt) = (0, 0, 0, 0);
+    for step in 0..4_000 {
+        now += match rng.random_range(0..10) {
+            0..=2 => 0,
+            3..=8 => rng.random_range(1..=50 * ms),
+            _ => rng.random_range(100 * ms..=1_500 * ms),
+        };
+        let k = rng.random_range(0..keys.len());
+        let (key, alg, limit, window_us, burst) = keys[k];
+        let l = Limits {
+            limit,
+            window_us,
+            burst,
+        };
+        let cap = l.capacity(alg);
+        let member = format!("m{step}");
+        let mine: Vec<&String> = made.iter().filter(|m| m.0 == k).map(|m| &m.1).collect();
+        let (mode, rkey, cost) = match rng.random_range(0..10) {
+            0..=3 => (
+                "reserve",
+                format!("{key}:r:{step}"),
+                rng.random_range(1..=cap),
+            ),
+            4..=8 if !mine.is_empty() => (
+                "settle",
+                mine[rng.random_range(0..mine.len())].clone(),
+                rng.random_range(0..=3 * cap),
+            ),
+            _ => (
+                "settle",
+                format!("{key}:r:none{step}"),
+                rng.random_range(0..=cap),
+            ),
+        };
+        let (r, pttl, stored, _): (Vec<i64>, i64, Option<String>, i64) = redis::pipe()
+            .atomic()
+            .cmd("EVALSHA")
+            .arg(&sha)
+            .arg(2)
+            .arg(key)
+            .arg(&rkey)
+            .arg(mode)
+            .arg(alg.key_tag())
+            .arg(limit)
+            .arg(window_us)
+            .arg(burst)
+            .arg(cost)
+            .arg(&member)
+            .arg(3_600_000)
+            .arg(now)
+            .cmd("PTTL")
+            .arg(key)
+            .cmd("GET")
+            .arg(&rkey)
+            .cmd("PERSIST")
+            .arg(key)
+            .query(&mut conn)
+            .unwrap_or_else(|e| panic!("EVALSHA failed: {e}"));
+        let state = model.get(&k);
+        let write = if mode == "reserve" {
+            let (out, opened) = settlement::reserve(alg, &l, state, now, cost, &member).unwrap();
+            let got = Verdict {
+                allowed: r[0] == 1,
+                remaining: r[1] as u64,
+                reset_after_us: r[2],
+                retry_after_us: r[3],
+            };
+            assert_eq!(got, out.verdict, "step {step}: reserve {cost} on {key}");
+            if let Some(res) = opened {
+                booked.insert(rkey.clone(), res);
+                made.push((k, rkey.clone()));
+            }
+            out.write
+        } else {
+            let out = settlement::settle(alg, &l, state, booked.get(&rkey), now, cost, &member);
+            let out = out.unwrap();
+            let (code, charged, refunded) = match out.settled {
+                Settled::Now { charged, refunded } => (1, charged, refunded),
+                Settled::Already => (2, 0, 0),
+                Settled::Unknown => (0, 0, 0),
+            };
+            let want = [
+                code,
+                out.verdict.remaining as i64,
+                out.verdict.reset_after_us,
+                charged as i64,
+                refunded as i64,
+            ];
+            assert_eq!(
+                r,
+                want,
+                "step {step}: settle {rkey} at {cost} ({:?})",
+                booked.get(&rkey)
+            );
+            match code {
+                1 => settled += 1,
+                2 => again += 1,
+                _ => unknown += 1,
+            }
+            into_debt += u64::from(charged > 0 && out.verdict.remaining == 0);
+            if let Some(res) = out.reservation {
+                booked.insert(rkey.clone(), res);
+            }
+            out.write
+        };
+        let want_stored = booked.get(&rkey).map(|res| match res {
+            Reservation::Open { estimate } => format!("o:{estimate}"),
+            Reservation::Settled { cost } => format!("s:{cost}"),
+        });
+        assert_eq!(stored, want_stored, "step {step}: the stored reservation");
+        match write {
+            Write::Keep => {}
+            Write::Put { state, ttl_us } => {
+                assert_model_ttl(pttl, ttl_us, step);
+                model.insert(k, state);
+            }
+            Write::Delete => {
+                model.remove(&k);
+            }
+        }
+        if made.len() > 48 {
+            made.remove(0);
+        }
+    }
+    assert!(
+        settled > 500 && again > 200 && unknown > 200 && into_debt > 100,
+        "{settled} {again} {unknown} {into_debt}"
+    );
 }

@@ -5,6 +5,8 @@
 //!   inside Redis are tested against them (they are the reference model).
 //! - [`concurrency`]: concurrency limits (units held at once, under leases that end by the
 //!   store's clock) as pure functions, the reference model of their Lua script.
+//! - [`settlement`]: a check that reserves an estimated cost and its settlement at the real
+//!   cost, charged as debt where the key lacks it.
 //! - [`coordinator`]: global budgets: demand estimation, allocation, the lease book and the
 //!   node state machine that lends and borrows share between regions.
 //! - [`clock`]: time behind a trait, so everything above runs on a fake clock in tests and
@@ -17,3 +19,4 @@ pub mod algorithm;
 pub mod clock;
 pub mod concurrency;
 pub mod coordinator;
+pub mod settlement;

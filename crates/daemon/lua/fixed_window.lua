@@ -41,7 +41,10 @@ if refund then
   if stored ~= slot then
     return verdict(true, left(count), clear_after(owed), 0)
   end
-  count = math.max(0, count - cost)
+  -- What is given back comes off the debt first: it was charged beyond the window.
+  local off_debt = math.min(cost, owed)
+  owed = owed - off_debt
+  count = math.max(0, count - (cost - off_debt))
   store(count, owed)
   return verdict(true, left(count), clear_after(owed), 0)
 end

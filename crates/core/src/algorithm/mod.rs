@@ -185,6 +185,17 @@ pub enum Write {
     Delete,
 }
 
+impl Write {
+    /// Applies this write to a key's state held in memory (`None`: no key).
+    pub fn apply_to(self, state: &mut Option<State>) {
+        match self {
+            Write::Keep => {}
+            Write::Put { state: s, .. } => *state = Some(s),
+            Write::Delete => *state = None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     pub verdict: Verdict,
@@ -352,14 +363,14 @@ fn fixed_at(l: &Limits, state: Option<&State>, now: i64) -> (i64, u64, u64, Opti
 
 fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
     let w = l.window_us;
-    let (slot, mut count, owed, stored_slot) = fixed_at(l, state, now);
+    let (slot, mut count, mut owed, stored_slot) = fixed_at(l, state, now);
     let reset_after = (slot + 1) * w - now;
     // Until the key is as if absent: this window's end, and then one window per `limit`
     // units still owed.
     let clear_after = |owed: u64| reset_after + owed.div_ceil(l.limit) as i64 * w;
     // Saturating: after the limit is lowered, a count may exceed it.
     let left = |count: u64| l.limit.saturating_sub(count);
-    let put = |count: u64| Write::Put {
+    let put = |count: u64, owed: u64| Write::Put {
         state: State::Fixed { slot, count, owed },
         ttl_us: clear_after(owed),
     };
@@ -372,10 +383,13 @@ fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome 
                 write: Write::Keep,
             };
         }
-        count = count.saturating_sub(cost);
+        // What is given back comes off the debt first: it was charged beyond the window.
+        let off_debt = cost.min(owed);
+        owed -= off_debt;
+        count = count.saturating_sub(cost - off_debt);
         return Outcome {
             verdict: allowed(left(count), clear_after(owed)),
-            write: put(count),
+            write: put(count, owed),
         };
     }
     if count + cost <= l.limit {
@@ -388,7 +402,7 @@ fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome 
         count += cost;
         Outcome {
             verdict: allowed(left(count), clear_after(owed)),
-            write: put(count),
+            write: put(count, owed),
         }
     } else {
         // The first window with room: the next, or one past the windows the debt fills.

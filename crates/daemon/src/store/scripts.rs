@@ -43,6 +43,17 @@ pub const COMPOSITE: &str = concat!(
     include_str!("../../lua/composite.lua"),
 );
 
+/// Reservations of an estimated cost and their settlement at the real one (see
+/// `lua/settle.lua`; the model is `quotad_core::settlement`), over the algorithms that can
+/// hold a debt, wrapped as for the composite script.
+pub const SETTLE: &str = concat!(
+    include_str!("../../lua/helpers.lua"),
+    algorithm_function!("fixed_window"),
+    algorithm_function!("token_bucket"),
+    algorithm_function!("gcra"),
+    include_str!("../../lua/settle.lua"),
+);
+
 /// A reset: the key's state forgotten and the invalidation published, atomically (see
 /// `lua/reset.lua`).
 pub const RESET: &str = include_str!("../../lua/reset.lua");

@@ -1,0 +1,206 @@
+//! Settlement: a check that reserves an estimated cost, and its settlement at the real
+//! cost once the work is done. The reference model of `lua/settle.lua`.
+//!
+//! A reservation is admitted like any check of its estimate. Its settlement charges what
+//! the real cost is above the estimate, as debt where the key lacks it
+//! ([`crate::algorithm::charge`]), or gives back what it is below (a refund, as much as
+//! the key can take back: a fixed window only within the window the estimate was counted
+//! in). A reservation is settled once: settling it again charges nothing. So however the
+//! estimates miss, what a key is charged in the end is the sum of the real costs, and what
+//! it owes is waited out before any check passes again.
+//!
+//! Only the algorithms that can hold a debt settle ([`Algorithm::holds_debt`]); the
+//! others answer `None`.
+
+use crate::algorithm::{self, Algorithm, Limits, Op, Outcome, State, Verdict, Write};
+
+/// A reservation as stored beside its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reservation {
+    /// Admitted at `estimate`, not settled yet.
+    Open { estimate: u64 },
+    /// Settled at `cost`.
+    Settled { cost: u64 },
+}
+
+/// What a settlement did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Settled now: `charged` above the estimate, or `refunded` below it.
+    Now { charged: u64, refunded: u64 },
+    /// Settled before: nothing charged again.
+    Already,
+    /// No such reservation (never made, denied, or kept no longer): nothing charged.
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SettleOutcome {
+    pub settled: Settled,
+    /// The key after the settlement (as a peek reports it when nothing was charged).
+    pub verdict: Verdict,
+    pub write: Write,
+    /// The reservation to store (`None`: leave it as it is).
+    pub reservation: Option<Reservation>,
+}
+
+/// A check of `estimate` units (at least 1) that, if admitted, opens a reservation.
+/// `None` for an algorithm that cannot settle.
+pub fn reserve(
+    algorithm: Algorithm,
+    limits: &Limits,
+    state: Option<&State>,
+    now_us: i64,
+    estimate: u64,
+    member: &str,
+) -> Option<(Outcome, Option<Reservation>)> {
+    if !algorithm.holds_debt() {
+        return None;
+    }
+    let op = Op::Check { cost: estimate };
+    let out = algorithm::apply(algorithm, limits, state, now_us, op, member);
+    let opened = out
+        .verdict
+        .allowed
+        .then_some(Reservation::Open { estimate });
+    Some((out, opened))
+}
+
+/// Settles `reservation` at the real `cost`. `None` for an algorithm that cannot settle.
+pub fn settle(
+    algorithm: Algorithm,
+    limits: &Limits,
+    state: Option<&State>,
+    reservation: Option<&Reservation>,
+    now_us: i64,
+    cost: u64,
+    member: &str,
+) -> Option<SettleOutcome> {
+    if !algorithm.holds_debt() {
+        return None;
+    }
+    let peek = |settled| SettleOutcome {
+        settled,
+        verdict: algorithm::apply(
+            algorithm,
+            limits,
+            state,
+            now_us,
+            Op::Check { cost: 0 },
+            member,
+        )
+        .verdict,
+        write: Write::Keep,
+        reservation: None,
+    };
+    let estimate = match reservation {
+        None => return Some(peek(Settled::Unknown)),
+        Some(Reservation::Settled { .. }) => return Some(peek(Settled::Already)),
+        Some(Reservation::Open { estimate }) => *estimate,
+    };
+    let (out, settled) = if cost > estimate {
+        let more = cost - estimate;
+        let out = algorithm::charge(algorithm, limits, state, now_us, more)?;
+        (
+            out,
+            Settled::Now {
+                charged: more,
+                refunded: 0,
+            },
+        )
+    } else if cost < estimate {
+        let back = estimate - cost;
+        let op = Op::Refund { cost: back };
+        let out = algorithm::apply(algorithm, limits, state, now_us, op, member);
+        (
+            out,
+            Settled::Now {
+                charged: 0,
+                refunded: back,
+            },
+        )
+    } else {
+        let SettleOutcome { verdict, .. } = peek(Settled::Unknown);
+        let out = Outcome {
+            verdict,
+            write: Write::Keep,
+        };
+        (
+            out,
+            Settled::Now {
+                charged: 0,
+                refunded: 0,
+            },
+        )
+    };
+    Some(SettleOutcome {
+        settled,
+        verdict: out.verdict,
+        write: out.write,
+        reservation: Some(Reservation::Settled { cost }),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: i64 = 1_000_000;
+
+    /// 10 a second, at most 10 at once.
+    const TEN: Limits = Limits {
+        limit: 10,
+        window_us: SEC,
+        burst: 10,
+    };
+
+    /// Whatever the estimates, a key is charged the sum of the real costs: here 10 a
+    /// second, reserved at 3 and settled at 7, then reserved at 6 and settled at 1.
+    #[test]
+    fn a_key_is_charged_the_real_costs_whatever_was_estimated() {
+        let (l, t0) = (TEN, 100 * SEC);
+        for alg in [
+            Algorithm::FixedWindow,
+            Algorithm::TokenBucket,
+            Algorithm::Gcra,
+        ] {
+            let mut state = None;
+            let (out, r1) = reserve(alg, &l, state.as_ref(), t0, 3, "a").unwrap();
+            out.write.apply_to(&mut state);
+            let (out, r2) = reserve(alg, &l, state.as_ref(), t0, 6, "b").unwrap();
+            out.write.apply_to(&mut state);
+            // (charged, refunded) of a settlement made now.
+            let now = |s: &SettleOutcome| match s.settled {
+                Settled::Now { charged, refunded } => Some((charged, refunded)),
+                _ => None,
+            };
+            let s1 = settle(alg, &l, state.as_ref(), r1.as_ref(), t0, 7, "a").unwrap();
+            assert_eq!(now(&s1), Some((4, 0)));
+            s1.write.apply_to(&mut state);
+            let s2 = settle(alg, &l, state.as_ref(), r2.as_ref(), t0, 1, "b").unwrap();
+            assert_eq!(now(&s2), Some((0, 5)));
+            s2.write.apply_to(&mut state);
+            // 8 spent of 10: exactly 2 left.
+            assert_eq!(s2.verdict.remaining, 2, "{alg:?}");
+            // Settling again charges nothing.
+            let again = settle(alg, &l, state.as_ref(), s1.reservation.as_ref(), t0, 7, "a");
+            let again = again.unwrap();
+            assert_eq!(
+                (again.settled, &again.write),
+                (Settled::Already, &Write::Keep)
+            );
+            assert_eq!(again.verdict.remaining, 2);
+            let unknown = settle(alg, &l, state.as_ref(), None, t0, 7, "c").unwrap();
+            assert_eq!(unknown.settled, Settled::Unknown);
+        }
+    }
+
+    #[test]
+    fn only_the_algorithms_that_hold_a_debt_settle() {
+        let l = TEN;
+        for alg in [Algorithm::SlidingLog, Algorithm::SlidingWindow] {
+            assert!(reserve(alg, &l, None, 0, 1, "a").is_none());
+            assert!(settle(alg, &l, None, None, 0, 1, "a").is_none());
+        }
+    }
+}

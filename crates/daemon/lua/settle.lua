@@ -1,0 +1,71 @@
+-- settle: a check that reserves an estimated cost, and its settlement at the real cost
+-- (the model is quotad_core::settlement). The algorithm functions above are the
+-- algorithm scripts' bodies, wrapped at build time (src/store/scripts.rs), so the
+-- arithmetic is theirs; only those that can hold a debt settle.
+--
+-- KEYS[1]  the limiter key
+-- KEYS[2]  the reservation: "o:<estimate>" while open, "s:<cost>" once settled; in the
+--          limiter key's slot
+-- ARGV     'reserve' | 'settle', algorithm tag (fw tb gc), limit, window_us, burst,
+--          cost (reserve: the estimate, at least 1; settle: the real cost), member,
+--          keep_ms (how long the reservation is kept, open or settled), [now_us: TESTS ONLY]
+-- reserve  a check of the estimate; admitted, the reservation is opened.
+--          Returns {allowed, remaining, reset_after_us, retry_after_us}
+-- settle   what the real cost is above the estimate is charged (as debt where the key
+--          lacks it), what it is below is given back; the reservation is marked settled,
+--          and settling it again charges nothing.
+--          Returns {1 settled now | 2 settled before | 0 no such reservation, remaining,
+--          reset_after_us, charged, refunded}
+local ALGORITHMS = {fw = fixed_window, tb = token_bucket, gc = gcra}
+if #KEYS ~= 2 or (#ARGV ~= 8 and #ARGV ~= 9) then
+  return redis.error_reply('ERR quotad settle: expected 2 keys and 8 or 9 arguments')
+end
+local mode = ARGV[1]
+local algorithm = ALGORITHMS[ARGV[2]]
+if not algorithm then
+  return redis.error_reply('ERR quotad settle: ' .. tostring(ARGV[2]) .. ' cannot hold a debt')
+end
+local key, reservation = KEYS[1], KEYS[2]
+local limit, window, burst = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local cost, member, keep_ms = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
+local now = clock_us(ARGV[9])
+
+-- The algorithm's operation: (refund, units, write, charge).
+local function run(refund, units, write, charge)
+  local eval_cost = units
+  if units == 0 then eval_cost = 1 end
+  return algorithm(key, refund, limit, window, burst, units, member, now, write, eval_cost, charge)
+end
+
+if mode == 'reserve' then
+  local v = run(false, cost, true, nil)
+  if v[1] == 1 then
+    redis.call('SET', reservation, 'o:' .. cost, 'PX', keep_ms)
+  end
+  return v
+end
+if mode ~= 'settle' then
+  return redis.error_reply('ERR quotad settle: expected reserve or settle')
+end
+
+local r = redis.call('GET', reservation)
+if not r or string.sub(r, 1, 2) ~= 'o:' then
+  local v = run(false, 0, false, nil)
+  local code = 0
+  if r then code = 2 end
+  return {code, v[2], v[3], 0, 0}
+end
+local estimate = tonumber(string.sub(r, 3))
+local v, charged, refunded
+if cost > estimate then
+  charged, refunded = cost - estimate, 0
+  v = run(false, charged, true, true)
+elseif cost < estimate then
+  charged, refunded = 0, estimate - cost
+  v = run(true, refunded, true, nil)
+else
+  charged, refunded = 0, 0
+  v = run(false, 0, false, nil)
+end
+redis.call('SET', reservation, 's:' .. cost, 'PX', keep_ms)
+return {1, v[2], v[3], charged, refunded}
