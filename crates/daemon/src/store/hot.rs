@@ -487,16 +487,21 @@ impl HotKeys {
     /// Someone gave capacity back to `key` (a refund or a reset, here or on another
     /// instance; the invalidation does not say which): its slice stops being spent and
     /// its units go back at the next [`HotKeys::tend`]. After a reset the script finds
-    /// another ledger (or none) and gives nothing back.
-    pub fn forget(&self, key: &str) {
+    /// another ledger (or none) and gives nothing back. Returns whether it ended a slice
+    /// (one spent to its last unit too; a take in flight gives its units back when it
+    /// lands instead).
+    pub fn forget(&self, key: &str) -> bool {
         self.invalidations.fetch_add(1, Ordering::AcqRel);
-        let Some(e) = self.entry(key) else { return };
+        let Some(e) = self.entry(key) else {
+            return false;
+        };
         let Some(s) = e.state().slice.take() else {
-            return;
+            return false;
         };
         if s.units > 0 {
             self.give_back(returned(key, &s));
         }
+        true
     }
 
     /// Whether slices may be used: only while invalidations from other instances arrive
@@ -790,11 +795,8 @@ mod tests {
         }
     }
 
-    /// A take in flight when an invalidation arrives may predate a reset: its own check
-    /// stands (as any check sent before the reset), its other units do not become a
-    /// slice: they go back (the script refuses them if the ledger is gone).
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_take_in_flight_during_an_invalidation_keeps_no_slice() {
+    /// A live table in which key `k` of 100 a minute is hot, and prefetches at once.
+    fn hot_window_key() -> (HotKeys, Limits) {
         let h = HotKeys::with_steady(Duration::ZERO);
         h.set_live(true);
         assert_eq!(h.note("k", 1, Instant::now()), Heat::Hot);
@@ -803,6 +805,15 @@ mod tests {
             window_us: 60_000_000,
             burst: 100,
         };
+        (h, limits)
+    }
+
+    /// A take in flight when an invalidation arrives may predate a reset: its own check
+    /// stands (as any check sent before the reset), its other units do not become a
+    /// slice: they go back (the script refuses them if the ledger is gone).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_take_in_flight_during_an_invalidation_keeps_no_slice() {
+        let (h, limits) = hot_window_key();
         let v = h
             .decide("k", limits, 1, |_| {
                 h.forget("k");
@@ -822,6 +833,33 @@ mod tests {
                 units: 5
             }]
         );
+    }
+
+    /// An invalidation ends a key's slice and says so, also when the slice was spent to
+    /// its last unit (nothing goes back for it); with no slice it ends nothing.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_invalidation_ends_a_spent_slice_too() {
+        assert!(
+            !HotKeys::with_steady(Duration::ZERO).forget("k"),
+            "no slice yet"
+        );
+        let (h, limits) = hot_window_key();
+        let v = h
+            .decide("k", limits, 1, |_| async {
+                Ok::<_, ()>(window_grant(3, 97, 30_000_000, 1, 9))
+            })
+            .await
+            .unwrap();
+        assert!(v.allowed);
+        // The two units left in the slice, spent.
+        for _ in 0..2 {
+            assert!(h.spend("k", limits, 1, Instant::now()).is_some());
+        }
+        assert!(h.forget("k"), "the spent slice is ended");
+        assert!(h.spend("k", limits, 1, Instant::now()).is_none());
+        let (back, _) = h.tend(Instant::now(), false);
+        assert_eq!(back, Vec::new(), "nothing to give back");
+        assert!(!h.forget("k"), "ended already");
     }
 
     /// A bucket's slice in the last [`COOL`] of its life goes back while its key stays hot

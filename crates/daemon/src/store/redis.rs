@@ -163,8 +163,15 @@ impl RedisStore {
     /// Forgets `key`'s remembered denial (and slice) here and in every other instance.
     async fn gave_back(&self, key: &str) {
         self.deny.invalidate(key);
-        self.hot.forget(key);
+        self.end_slice(key);
         self.publish(key).await;
+    }
+
+    /// Ends `key`'s hot slice here, if it has one (capacity was given back to the key).
+    fn end_slice(&self, key: &str) {
+        if self.hot.forget(key) {
+            self.metrics.hot_slices.with_label_values(&["ended"]).inc();
+        }
     }
 
     async fn publish(&self, payload: &str) {
@@ -236,7 +243,7 @@ impl RedisStore {
                             Ok(key) if key == HEARTBEAT_PAYLOAD => {}
                             Ok(key) => {
                                 self.deny.invalidate(&key);
-                                self.hot.forget(&key);
+                                self.end_slice(&key);
                                 self.metrics.invalidations_received.inc();
                             }
                             Err(_) => {}
@@ -581,7 +588,7 @@ impl RedisStore {
     /// the error says so.
     pub async fn reset(&self, key: &str, forget: super::Forget) -> Result<(), StoreError> {
         self.deny.invalidate(key);
-        self.hot.forget(key);
+        self.end_slice(key);
         let inv = {
             let mut inv = self.reset.key(key);
             inv.arg(&self.channel).arg(forget.word());
