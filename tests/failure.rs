@@ -1,7 +1,8 @@
 //! Store failures: Redis killed in the middle of a load, and Redis hung (SIGSTOP). Each
 //! policy answers with its fail mode, every response comes within the store timeout plus a
 //! small margin, the counts show in /metrics, and enforcement returns once Redis does, with
-//! no client-visible error.
+//! no client-visible error. A hot key's slice that a hung Redis cannot take back is
+//! counted too.
 //!
 //! Process daemons (`Quotad::start`): the latency bounds (the store timeout plus a margin)
 //! are about the binary a deployment runs, on its own allocator and runtime, not about a
@@ -272,4 +273,41 @@ fn hung_redis_costs_at_most_the_timeout_then_fails_fast() {
         "enforcement took {recovery:?} to return"
     );
     redis.assert_every_key_has_ttl();
+}
+
+/// A hot key's slice whose give-back Redis does not answer (hung) is counted: its units
+/// lapse unspent (never admitted, only fewer), and `not_returned` says how often.
+#[test]
+fn a_slice_redis_cannot_take_back_is_counted_as_not_returned() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .store("timeout", format!("{TIMEOUT_MS}ms"))
+        .policy(Policy::new("hot", "fixed_window", 1_000_000, "1h").set("hot_key_rate", 5))
+        .to_toml();
+    let q = Quotad::start(&config);
+    let metric = |name: &str, event: &str| q.metric(&format!("{name}{{event=\"{event}\"}}"));
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                q.check1("hot", "k");
+            }
+        });
+        // Hot and steady: takes prefetch, so the slice holds units not yet spent.
+        wait_for("a prefetched slice", Duration::from_secs(10), || {
+            (metric("quotad_hot_key_units_total", "taken")
+                > metric("quotad_hot_key_slices_total", "taken") + 1.0)
+                .then_some(())
+        });
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(metric("quotad_hot_key_slices_total", "not_returned"), 0.0);
+    // Hung before the key cools: its slice goes back to a Redis that does not answer.
+    redis.signal("-STOP");
+    let lost = wait_for("a give-back that failed", Duration::from_secs(10), || {
+        let n = metric("quotad_hot_key_slices_total", "not_returned");
+        (n > 0.0).then_some(n)
+    });
+    redis.signal("-CONT");
+    assert!(lost >= 1.0);
 }

@@ -97,9 +97,10 @@ pub struct Metrics {
     /// `quotad_hot_key_admits_total{policy}`: checks admitted from a hot key's slice, in
     /// memory (also counted in `quotad_decisions_total` as `allowed`).
     pub hot_admits: IntCounterVec,
-    /// `quotad_hot_key_slices_total{event}`: slices `taken` from Redis and `returned`, and
+    /// `quotad_hot_key_slices_total{event}`: slices `taken` from Redis and `returned`;
     /// slices `ended` early because capacity was given back to the key (a reset or a
-    /// refund, here or on another instance).
+    /// refund, here or on another instance); and slices `not_returned`, whose give-back
+    /// the store did not answer (their units lapse unspent).
     pub hot_slices: IntCounterVec,
     /// `quotad_hot_key_units_total{event}`: units in the slices `taken`, `admitted` from
     /// them (counted every 100 ms), and `returned` to their window; what is left of what
@@ -460,7 +461,7 @@ impl Metrics {
             )),
             hot_slices: c.labels(&["event"]).counter(Opts::new(
                 "quotad_hot_key_slices_total",
-                "Hot-key slices taken from Redis, returned, and ended by a reset or refund.",
+                "Hot-key slices taken from Redis, returned, ended by a reset or refund, and not returned (the store failed).",
             )),
             hot_units: c.labels(&["event"]).counter(Opts::new(
                 "quotad_hot_key_units_total",

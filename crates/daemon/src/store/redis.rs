@@ -548,7 +548,13 @@ impl RedisStore {
                             self.publish(&r.key).await;
                         }
                     }
-                    Err(e) => tracing::debug!(error = %e, "giving a hot key's slice back failed"),
+                    Err(e) => {
+                        self.metrics
+                            .hot_slices
+                            .with_label_values(&["not_returned"])
+                            .inc();
+                        tracing::debug!(error = %e, "giving a hot key's slice back failed");
+                    }
                 }
             })
             .await;
