@@ -79,8 +79,8 @@ pub fn settle(
     if !algorithm.holds_debt() {
         return None;
     }
-    let peek = |settled| SettleOutcome {
-        settled,
+    // What a peek reports: the outcome when nothing is charged or given back.
+    let unchanged = || Outcome {
         verdict: algorithm::apply(
             algorithm,
             limits,
@@ -90,6 +90,11 @@ pub fn settle(
             member,
         )
         .verdict,
+        write: Write::Keep,
+    };
+    let peek = |settled| SettleOutcome {
+        settled,
+        verdict: unchanged().verdict,
         write: Write::Keep,
         reservation: None,
     };
@@ -120,18 +125,11 @@ pub fn settle(
             },
         )
     } else {
-        let SettleOutcome { verdict, .. } = peek(Settled::Unknown);
-        let out = Outcome {
-            verdict,
-            write: Write::Keep,
+        let settled = Settled::Now {
+            charged: 0,
+            refunded: 0,
         };
-        (
-            out,
-            Settled::Now {
-                charged: 0,
-                refunded: 0,
-            },
-        )
+        (unchanged(), settled)
     };
     Some(SettleOutcome {
         settled,

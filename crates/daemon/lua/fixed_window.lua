@@ -15,17 +15,13 @@ local slot, count, owed = fixed_roll(stored, tonumber(st[2]) or 0, tonumber(st[3
   math.floor(now / window), limit)
 local reset_after = (slot + 1) * window - now
 -- Until the key is as if absent: the slot's end, then a slot per `limit` units owed.
-local function clear_after(o) return reset_after + math.ceil(o / limit) * window end
+local function clear_after(o) return fixed_clear_after(reset_after, o, limit, window) end
 -- After a lowered limit the count may exceed it: never report negative remaining.
 local function left(c) return math.max(0, limit - c) end
 -- The slot's count and debt (the debt's field only while there is one), with the TTL.
 local function store(c, o)
-  if o > 0 then
-    redis.call('HSET', key, 'w', slot, 'n', c, 'o', o)
-  else
-    redis.call('HSET', key, 'w', slot, 'n', c)
-    if st[3] then redis.call('HDEL', key, 'o') end
-  end
+  redis.call('HSET', key, 'w', slot, 'n', c)
+  fixed_owed_field(key, o, st[3])
   redis.call('PEXPIRE', key, ttl_ms(clear_after(o)))
 end
 

@@ -30,6 +30,20 @@ local function fixed_roll(stored, count, owed, slot, limit)
   end
   return slot, 0, 0
 end
+-- Until a fixed window's key is as if absent: the slot's end (`reset_after` from now),
+-- then a slot per `limit` units owed.
+local function fixed_clear_after(reset_after, owed, limit, window)
+  return reset_after + math.ceil(owed / limit) * window
+end
+-- A fixed window's debt field: written while there is a debt, removed once it is paid
+-- (`had`: the field was there).
+local function fixed_owed_field(key, owed, had)
+  if owed > 0 then
+    redis.call('HSET', key, 'o', owed)
+  elseif had then
+    redis.call('HDEL', key, 'o')
+  end
+end
 local function floor_u(x)
   if x <= 0 then return 0 end
   return math.floor(x)

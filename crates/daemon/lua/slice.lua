@@ -19,7 +19,7 @@
 --          what its slices still hold (after a reset or in a new window: a no-op).
 --          Returns the units given back.
 -- Every write keeps the key's TTL (the window's end plus grace, set by a take). O(1).
--- Prefixed at build time with helpers.lua (ttl_ms, slice_grant).
+-- Prefixed at build time with helpers.lua (ttl_ms, slice_grant, the fixed window helpers).
 local key = KEYS[1]
 local now = clock_us()
 local st = redis.call('HMGET', key, 'w', 'n', 'hs', 'h', 'hl', 'o')
@@ -65,10 +65,6 @@ if left < need then
 end
 local granted = slice_grant(left, limit, demand, prefetch)
 redis.call('HSET', key, 'w', slot, 'n', count + granted, 'hs', slot, 'h', held + granted, 'hl', ledger)
-if owed > 0 then
-  redis.call('HSET', key, 'o', owed)
-elseif st[6] then
-  redis.call('HDEL', key, 'o')
-end
-redis.call('PEXPIRE', key, ttl_ms(reset_after + math.ceil(owed / limit) * window))
+fixed_owed_field(key, owed, st[6])
+redis.call('PEXPIRE', key, ttl_ms(fixed_clear_after(reset_after, owed, limit, window)))
 return {granted, left - granted, reset_after, slot, ledger}

@@ -361,13 +361,17 @@ fn fixed_at(l: &Limits, state: Option<&State>, now: i64) -> (i64, u64, u64, Opti
     (slot, count, owed, stored)
 }
 
+/// Until a fixed window in `slot` owing `owed` is as if absent at `now`: the window's
+/// end, then one window per `limit` units still owed.
+fn fixed_clear_after(l: &Limits, slot: i64, now: i64, owed: u64) -> i64 {
+    (slot + 1) * l.window_us - now + owed.div_ceil(l.limit) as i64 * l.window_us
+}
+
 fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
     let w = l.window_us;
     let (slot, mut count, mut owed, stored_slot) = fixed_at(l, state, now);
     let reset_after = (slot + 1) * w - now;
-    // Until the key is as if absent: this window's end, and then one window per `limit`
-    // units still owed.
-    let clear_after = |owed: u64| reset_after + owed.div_ceil(l.limit) as i64 * w;
+    let clear_after = |owed: u64| fixed_clear_after(l, slot, now, owed);
     // Saturating: after the limit is lowered, a count may exceed it.
     let left = |count: u64| l.limit.saturating_sub(count);
     let put = |count: u64, owed: u64| Write::Put {
@@ -422,7 +426,7 @@ fn fixed_window_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -
     let total = count + cost;
     let count = count.max(total.min(l.limit));
     let owed = owed + (total - count);
-    let ttl_us = (slot + 1) * l.window_us - now + owed.div_ceil(l.limit) as i64 * l.window_us;
+    let ttl_us = fixed_clear_after(l, slot, now, owed);
     Outcome {
         verdict: allowed(l.limit.saturating_sub(count), ttl_us),
         write: Write::Put {
@@ -662,23 +666,13 @@ fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcom
 // ---------------------------------------------------------------------------- token bucket
 
 fn token_bucket(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let rate = BucketRate {
-        amount: l.limit as f64,
-        per_us: l.window_us as f64,
-        capacity: l.burst as f64,
-    };
-    token_bucket_at(&rate, state, now, op)
+    token_bucket_at(&BucketRate::of(l), state, now, op)
 }
 
 fn token_bucket_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
-    let (cap, lim, wf) = (l.burst as f64, l.limit as f64, l.window_us as f64);
-    let (tokens, ts) = match state {
-        Some(State::Bucket { tokens, ts }) => (*tokens, *ts),
-        _ => (cap, now),
-    };
-    let elapsed = (now - ts).max(0) as f64;
-    let tokens = cap.min(tokens + elapsed * lim / wf) - cost as f64;
-    let full_in = ceil((cap - tokens) * wf / lim);
+    let rate = BucketRate::of(l);
+    let tokens = bucket_tokens(&rate, state, now) - cost as f64;
+    let full_in = ceil((rate.capacity - tokens) * rate.per_us / rate.amount);
     Outcome {
         verdict: allowed(floor_u(tokens), full_in),
         write: Write::Put {
@@ -700,6 +694,15 @@ pub struct BucketRate {
 }
 
 impl BucketRate {
+    /// A policy's token bucket: `limit` per window, holding at most `burst`.
+    fn of(l: &Limits) -> Self {
+        BucketRate {
+            amount: l.limit as f64,
+            per_us: l.window_us as f64,
+            capacity: l.burst as f64,
+        }
+    }
+
     /// `per_second` units per second, holding at most `capacity`.
     pub fn per_second(per_second: f64, capacity: f64) -> Self {
         BucketRate {
@@ -720,12 +723,7 @@ pub fn token_bucket_at(rate: &BucketRate, state: Option<&State>, now: i64, op: O
     let cap = rate.capacity;
     let lim = rate.amount;
     let wf = rate.per_us;
-    let (mut tokens, ts) = match state {
-        Some(State::Bucket { tokens, ts }) => (*tokens, *ts),
-        _ => (cap, now),
-    };
-    let elapsed = (now - ts).max(0) as f64;
-    tokens = cap.min(tokens + elapsed * lim / wf);
+    let mut tokens = bucket_tokens(rate, state, now);
     let full_in = |tokens: f64| ceil((cap - tokens) * wf / lim);
     let put = |tokens: f64| Write::Put {
         state: State::Bucket { tokens, ts: now },
@@ -767,23 +765,63 @@ pub fn token_bucket_at(rate: &BucketRate, state: Option<&State>, now: i64, op: O
     }
 }
 
+/// The bucket's tokens at `now`: refilled since its last write, at most its capacity (a
+/// missing key is a full bucket).
+fn bucket_tokens(rate: &BucketRate, state: Option<&State>, now: i64) -> f64 {
+    let (tokens, ts) = match state {
+        Some(State::Bucket { tokens, ts }) => (*tokens, *ts),
+        _ => (rate.capacity, now),
+    };
+    let elapsed = (now - ts).max(0) as f64;
+    rate.capacity
+        .min(tokens + elapsed * rate.amount / rate.per_us)
+}
+
 // ---------------------------------------------------------------------------- GCRA
 
 /// Keeps `remaining` from reading 4 where exact arithmetic gives 5 (e.g. T = 1/3 s).
 const GCRA_EPSILON: f64 = 1e-9;
 
+/// A GCRA key as of `now`: the emission interval T, the tolerance τ and the stored TAT.
+struct GcraAt {
+    /// Microseconds per unit (may be below 1 ms).
+    interval: f64,
+    /// How far ahead of now the TAT may run.
+    tau: f64,
+    nowf: f64,
+    tat: Option<f64>,
+}
+
+impl GcraAt {
+    fn new(l: &Limits, state: Option<&State>, now: i64) -> Self {
+        let interval = l.window_us as f64 / l.limit as f64;
+        let tat = match state {
+            Some(State::Gcra { tat }) => Some(*tat),
+            _ => None,
+        };
+        GcraAt {
+            interval,
+            tau: interval * l.burst as f64,
+            nowf: now as f64,
+            tat,
+        }
+    }
+
+    /// Where the next unit's emission starts: the TAT, or now if it has passed.
+    fn base(&self) -> f64 {
+        self.nowf.max(self.tat.unwrap_or(self.nowf))
+    }
+
+    /// Units that would still conform now with the TAT at `t`.
+    fn remaining_of(&self, t: f64) -> u64 {
+        floor_u((self.tau - (t - self.nowf)) / self.interval + GCRA_EPSILON)
+    }
+}
+
 fn gcra(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let lim = l.limit as f64;
-    let wf = l.window_us as f64;
-    let interval = wf / lim; // emission interval T, microseconds per unit (may be < 1 ms)
-    let tau = interval * l.burst as f64; // how far ahead of now the TAT may run
-    let nowf = now as f64;
-    let tat = match state {
-        Some(State::Gcra { tat }) => Some(*tat),
-        _ => None,
-    };
-    let base = nowf.max(tat.unwrap_or(nowf));
-    let remaining_of = |t: f64| floor_u((tau - (t - nowf)) / interval + GCRA_EPSILON);
+    let g = GcraAt::new(l, state, now);
+    let (interval, tau, nowf, tat, base) = (g.interval, g.tau, g.nowf, g.tat, g.base());
+    let remaining_of = |t: f64| g.remaining_of(t);
     let (cost, write) = eval_cost(op);
     let cost_f = cost as f64;
     if let Op::Refund { .. } = op {
@@ -833,20 +871,13 @@ fn gcra(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
 }
 
 fn gcra_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
-    let interval = l.window_us as f64 / l.limit as f64;
-    let tau = interval * l.burst as f64;
-    let nowf = now as f64;
-    let base = match state {
-        Some(State::Gcra { tat }) => nowf.max(*tat),
-        _ => nowf,
-    };
-    let new_tat = base + cost as f64 * interval;
-    let remaining = floor_u((tau - (new_tat - nowf)) / interval + GCRA_EPSILON);
+    let g = GcraAt::new(l, state, now);
+    let new_tat = g.base() + cost as f64 * g.interval;
     Outcome {
-        verdict: allowed(remaining, ceil(new_tat - nowf)),
+        verdict: allowed(g.remaining_of(new_tat), ceil(new_tat - g.nowf)),
         write: Write::Put {
             state: State::Gcra { tat: new_tat },
-            ttl_us: ceil(new_tat - nowf),
+            ttl_us: ceil(new_tat - g.nowf),
         },
     }
 }
