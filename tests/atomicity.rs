@@ -116,6 +116,140 @@ fn a_hot_gcra_key_across_four_instances_admits_exactly_its_burst_every_run() {
     a_hot_key_admits_exactly_its_limit("gcra", "1d");
 }
 
+/// Settlement's bound across processes: four load processes, each talking to its own
+/// daemon (four processes on one Redis), make 1,000 calls on one key, each a reservation
+/// of a random estimate settled at a random real cost (over HTTP), or a request-path peek
+/// followed by a response-path charge of the real cost (over Envoy's gRPC service). What
+/// the key was charged in Redis is exactly the sum of the real costs of the admitted
+/// work, whatever the estimates were; admissions stopped once the key ran out; and a key
+/// in debt admits nothing, on any instance, until the debt is paid.
+fn metered_work_is_charged_exactly_its_real_costs(mode: &str) {
+    const CAPACITY: u64 = 5_000;
+    let redis = RedisServer::start();
+    let mut config = Config::redis(&redis.url())
+        // Exactness, not timeouts: see assert_every_algorithm_admits_exactly_the_limit.
+        .store("timeout", "5s")
+        .store("queue_timeout", "5s")
+        // 5,000 at once, refilled at 100 a day: nothing to speak of refills in a run.
+        .policy(
+            quotad_testkit::Policy::new("tb", "token_bucket", 100, "1d")
+                .burst(CAPACITY)
+                .on_store_error("closed")
+                .set("settle_within", "1m"),
+        )
+        .policy(
+            quotad_testkit::Policy::new("fw", "fixed_window", CAPACITY, "1d")
+                .on_store_error("closed")
+                .set("settle_within", "1m"),
+        );
+    for p in ["tb", "fw"] {
+        config = config.descriptor(
+            p,
+            quotad_testkit::Descriptor::new("api_key")
+                .policy(p)
+                .charge(),
+        );
+    }
+    let config = config.to_toml();
+    let grpc_ports: Vec<u16> = (0..4).map(|_| quotad_testkit::free_port()).collect();
+    let daemons: Vec<Quotad> = grpc_ports
+        .iter()
+        .map(|p| Quotad::start_with(&config, &format!("grpc_listen = \"127.0.0.1:{p}\"")))
+        .collect();
+    let targets: Vec<String> = match mode {
+        "charge_grpc" => grpc_ports
+            .iter()
+            .map(|p| format!("http://127.0.0.1:{p}"))
+            .collect(),
+        _ => daemons.iter().map(Quotad::url).collect(),
+    };
+    let targets: Vec<&str> = targets.iter().map(String::as_str).collect();
+    // A fixed window of a day: not within a minute of its end (UTC midnight).
+    let into_day = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        % 86_400;
+    if into_day > 86_400 - 60 {
+        std::thread::sleep(std::time::Duration::from_secs(86_400 - into_day + 1));
+    }
+    let metric = |name: &str| -> f64 { daemons.iter().map(|q| q.metric(name)).sum() };
+    for (policy, tag) in [("tb", "tb"), ("fw", "fw")] {
+        let key = format!("{mode}-key");
+        let run = quotad_testkit::metered::run(mode, &targets, 4, 250, policy, &key, 20);
+        eprintln!("{mode} {policy}: {run:?}");
+        assert_eq!(run.admitted + run.denied, 1_000, "{policy}: {run:?}");
+        assert!(run.denied > 0, "{policy}: the key never ran out: {run:?}");
+        let stored = format!("rl:{policy}:{tag}:{{{key}}}");
+        let charged = match policy {
+            "tb" => {
+                let tokens: f64 = redis::cmd("HGET")
+                    .arg(&stored)
+                    .arg("t")
+                    .query(&mut redis.conn())
+                    .unwrap();
+                CAPACITY as f64 - tokens
+            }
+            _ => {
+                let (n, o): (u64, Option<u64>) = redis::cmd("HMGET")
+                    .arg(&stored)
+                    .arg("n")
+                    .arg("o")
+                    .query(&mut redis.conn())
+                    .unwrap();
+                (n + o.unwrap_or(0)) as f64
+            }
+        };
+        // What refilled during the run (100 a day: well under a unit) is all the slack.
+        let real = run.real as f64;
+        assert!(
+            charged <= real && charged > real - 0.5,
+            "{mode} {policy}: Redis charged {charged}, the admitted work cost {real}: {run:?}"
+        );
+        // The instances' own account agrees: the estimates, plus what the settlements
+        // charged beyond them, less what they gave back.
+        let units = |d: &str| {
+            metric(&format!(
+                "quotad_settled_units_total{{direction=\"{d}\",policy=\"{policy}\"}}"
+            ))
+        };
+        let accounted = run.estimated as f64 + units("charged") - units("refunded");
+        assert_eq!(accounted, real, "{mode} {policy}: {run:?}");
+        let again = metric(&format!(
+            "quotad_settlements_total{{policy=\"{policy}\",result=\"already_settled\"}}"
+        ));
+        assert_eq!(again, run.repeated as f64, "{policy}");
+        // Deep in debt now (three capacities more, charged at the real cost): every
+        // instance denies, and says how long the debt takes to pay.
+        let (status, _, _) = daemons[0].post(
+            "/v1/check",
+            &serde_json::json!({"policy": policy, "key": "debtor", "cost": 1, "settle": true}),
+        );
+        assert_eq!(status, 200);
+        let debt = quotad_testkit::grpc::charge(grpc_ports[1], policy, "debtor", 4 * CAPACITY);
+        assert_eq!(debt, Ok(()), "{policy}: the response-path charge");
+        for q in &daemons {
+            let v = q.check1(policy, "debtor");
+            assert_eq!(v["outcome"], "denied", "{policy}: {v}");
+            let wait = v["retry_after_ms"].as_u64().unwrap();
+            // A day per 100 (token bucket) or per 5,000 (window): days, either way.
+            assert!(
+                wait > 86_400_000 / 2,
+                "{policy}: retry after {wait} ms: {v}"
+            );
+        }
+    }
+    redis.assert_every_key_has_ttl();
+}
+
+fn four_processes_settling_random_costs_are_charged_exactly_the_real_costs() {
+    metered_work_is_charged_exactly_its_real_costs("settle_http");
+}
+
+fn four_processes_charging_through_envoys_grpc_service_are_charged_exactly() {
+    metered_work_is_charged_exactly_its_real_costs("charge_grpc");
+}
+
 /// The tests, or, in a child started by the race, that child's share of the load.
 fn main() -> ExitCode {
     if race::child_main() {
@@ -127,5 +261,7 @@ fn main() -> ExitCode {
         a_hot_fixed_window_key_across_four_instances_admits_exactly_its_limit_every_run,
         a_hot_token_bucket_key_across_four_instances_admits_exactly_its_burst_every_run,
         a_hot_gcra_key_across_four_instances_admits_exactly_its_burst_every_run,
+        four_processes_settling_random_costs_are_charged_exactly_the_real_costs,
+        four_processes_charging_through_envoys_grpc_service_are_charged_exactly,
     )
 }

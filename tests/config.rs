@@ -251,6 +251,17 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "settlement_problems.toml",
+        &[
+            "12: policy[0].settle_within: settlement needs token_bucket, gcra or fixed_window, not sliding_window",
+            "20: policy[1].settle_within: settlement and hot_key_rate do not mix",
+            "27: policy[2].settle_within: must be between 1s and 1day",
+            "34: policy[3].settle_within: a global policy cannot take settlements",
+            "48: descriptor[0].charge: policy \"plain\" takes no settlements",
+            "53: descriptor[1].charge: a charged descriptor needs its policy on the same node",
+        ],
+    ),
+    (
         "sliding_log_too_big.toml",
         &["4: policy[0].limit: sliding_log keeps one entry per admission"],
     ),
@@ -328,6 +339,7 @@ fn shipped_configs_validate() {
         ("config/examples/login.toml", "2 policies"),
         ("config/examples/api.toml", "1 policy"),
         ("config/examples/envoy.toml", "3 policies"),
+        ("config/examples/llm.toml", "2 policies"),
     ] {
         let out = Command::new(quotad_binary())
             .arg("validate")

@@ -845,3 +845,52 @@ fn a_value_with_the_separator_is_not_two_entries() {
         assert_eq!(code(&r), Code::Ok, "another key: {r:?}");
     });
 }
+
+/// A descriptor marked `charge = true` is Envoy's response path: its hits are charged
+/// whole, past what the key has (debt), answered `OK`, and stand even when another
+/// descriptor of the call is over its limit; a hit of 0 on it is the request path's peek,
+/// `OVER_LIMIT` while the key is in debt.
+#[test]
+fn a_charged_descriptor_is_counted_never_denied_and_never_given_back() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(
+            Policy::new("tokens", "token_bucket", 10, "1h")
+                .burst(100)
+                .set("settle_within", "1m"),
+        )
+        .policy(Policy::new("calls", "token_bucket", 1, "1h"))
+        .descriptor("llm", Descriptor::new("api_key").policy("tokens").charge())
+        .descriptor("llm", Descriptor::new("caller").policy("calls"))
+        .to_toml();
+    let (q, port) = serve(&config);
+    runtime().block_on(async {
+        let mut c = client(port).await;
+        let tokens = |hits| with_hits(desc(&[("api_key", "k")]), hits);
+        let r = ask(&mut c, "llm", vec![tokens(0)]).await;
+        assert_eq!(code(&r), Code::Ok, "a peek of a fresh key: {r:?}");
+        // 150 of 100: charged whole, answered OK.
+        let r = ask(&mut c, "llm", vec![tokens(150)]).await;
+        assert_eq!(code(&r), Code::Ok, "{r:?}");
+        assert_eq!(r.statuses[0].limit_remaining, 0);
+        let r = ask(&mut c, "llm", vec![tokens(0)]).await;
+        assert_eq!(code(&r), Code::OverLimit, "in debt: {r:?}");
+        // Another descriptor over its limit does not give the charge back.
+        let caller = || desc(&[("caller", "c")]);
+        assert_eq!(code(&ask(&mut c, "llm", vec![caller()]).await), Code::Ok);
+        let r = ask(&mut c, "llm", vec![caller(), tokens(7)]).await;
+        assert_eq!(r.statuses[0].code, Code::OverLimit as i32, "{r:?}");
+        assert_eq!(r.statuses[1].code, Code::Ok as i32, "{r:?}");
+    });
+    // 150 + 7 charged: the bucket is 57 in debt (refill in the run: a thousandth).
+    let tokens: f64 = redis::cmd("HGET")
+        .arg("rl:tokens:tb:{k}")
+        .arg("t")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert!((-57.0..-56.9).contains(&tokens), "{tokens}");
+    let charged = "quotad_settlements_total{policy=\"tokens\",result=\"charged\"}";
+    assert_eq!(q.metric(charged), 2.0);
+    let units = "quotad_settled_units_total{direction=\"charged\",policy=\"tokens\"}";
+    assert_eq!(q.metric(units), 157.0);
+}

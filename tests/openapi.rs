@@ -203,9 +203,17 @@ fn the_spec_is_the_contract() {
             429,
         ))
         .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()))
+        .policy(Policy::new("metered", "token_bucket", 100, "1s").set("settle_within", "1m"))
         .to_toml();
     let q = Quotad::serve(&config);
     let big = "x".repeat(70_000);
+    let (_, _, reserved) = q.post(
+        "/v1/check",
+        &json!({"policy": "metered", "key": "m", "cost": 5, "settle": true}),
+    );
+    let reservation = reserved["reservation"].clone();
+    let settle =
+        |id: &Value| json!({"policy": "metered", "key": "m", "reservation": id, "cost": 8});
     let mut cases = vec![
         case(
             "POST",
@@ -245,6 +253,25 @@ fn the_spec_is_the_contract() {
             "/v1/reset",
             json!({"policy": "nope", "key": "a"}),
         ),
+        case(
+            "POST",
+            "/v1/check",
+            "/v1/check",
+            json!({"policy": "metered", "key": "m2", "cost": 5, "settle": true}),
+        ),
+        case("POST", "/v1/settle", "/v1/settle", settle(&reservation)),
+        case(
+            "POST",
+            "/v1/settle",
+            "/v1/settle",
+            settle(&json!("0123456789abcdef0123456789abcdef")),
+        ),
+        case(
+            "POST",
+            "/v1/settle",
+            "/v1/settle",
+            json!({"policy": "metered", "key": "m", "cost": 1}),
+        ),
         case("GET", "/v1/policies", "/v1/policies", Value::Null),
         case("GET", "/v1/status", "/v1/status", Value::Null),
         case("GET", "/healthz", "/healthz", Value::Null),
@@ -257,6 +284,9 @@ fn the_spec_is_the_contract() {
     c.headers = vec![("content-type", "text/plain")];
     cases.push(c);
     let mut c = case("POST", "/v1/reset", "/v1/reset", json!("x"));
+    c.headers = vec![("content-type", "text/plain")];
+    cases.push(c);
+    let mut c = case("POST", "/v1/settle", "/v1/settle", json!("x"));
     c.headers = vec![("content-type", "text/plain")];
     cases.push(c);
     for m in ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"] {
@@ -312,6 +342,7 @@ fn the_spec_is_the_contract() {
     let plain = Quotad::serve(
         &common::Config::redis(&redis.url())
             .policy(Policy::new("api", "fixed_window", 1, "1h"))
+            .policy(Policy::new("metered", "token_bucket", 100, "1s").set("settle_within", "1m"))
             .to_toml(),
     );
     let (status, _, text) = request(plain.port, "POST", "/v1/peer/exchange", &[], "{}").unwrap();
@@ -344,6 +375,23 @@ fn the_spec_is_the_contract() {
     let schema = err.pointer("/content/application~1json/schema").unwrap();
     conforms(&spec, schema, &serde_json::from_str(&text).unwrap()).unwrap();
     covered.insert(("/v1/reset".into(), "post".into(), "503".into()));
+    // And a settlement cannot be made: nothing changed, and a retry is safe.
+    let (status, _, text) = request(
+        plain.port,
+        "POST",
+        "/v1/settle",
+        &json_ct,
+        &settle(&reservation).to_string(),
+    )
+    .unwrap();
+    assert_eq!(status, 503, "{text}");
+    let err = resolve(
+        &spec,
+        &spec["paths"]["/v1/settle"]["post"]["responses"]["503"],
+    );
+    let schema = err.pointer("/content/application~1json/schema").unwrap();
+    conforms(&spec, schema, &serde_json::from_str(&text).unwrap()).unwrap();
+    covered.insert(("/v1/settle".into(), "post".into(), "503".into()));
 
     let elsewhere = |route: &str, method: &str, status: &str| {
         ELSEWHERE

@@ -60,6 +60,11 @@ fn config(region: &str, peer: &str, peer_url: &str, redis: &RedisServer) -> Stri
                         .set("round", "500ms"),
                 ),
         )
+        .policy(
+            Policy::new("metered", "token_bucket", 1_000, "1m")
+                .on_store_error("open")
+                .set("settle_within", "1m"),
+        )
         .descriptor("envoy", Descriptor::new("user").policy("api"))
         .to_toml()
 }

@@ -57,6 +57,7 @@ mod prometheus;
 mod redis_store;
 mod reload;
 mod sentinel;
+mod settlement;
 mod shutdown;
 mod sim;
 mod stateful;

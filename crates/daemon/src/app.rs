@@ -126,6 +126,13 @@ pub async fn serve_both(
         settings.policies.iter().map(|p| p.name.as_str()),
         &StoreError::KINDS,
     ));
+    for p in settings
+        .policies
+        .iter()
+        .filter(|p| p.settle_within.is_some())
+    {
+        metrics.preregister_settlements(&p.name);
+    }
     let layouts = Arc::new(layouts(&settings));
     let background = Background::default();
     let local = Arc::new(MemoryStore::new(

@@ -15,6 +15,10 @@ use prometheus::{
 /// sets it (its build script knows it) before the daemon starts; unset, `unknown`.
 pub static REVISION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
 
+/// The results of a settlement (`quotad_settlements_total{result}`).
+pub const SETTLE_RESULTS: [&str; 5] =
+    ["settled", "already_settled", "unknown", "charged", "failed"];
+
 /// The results of a config reload (`quotad_config_reloads_total{result}`).
 pub const RELOAD_RESULTS: [&str; 3] = ["ok", "invalid", "refused"];
 
@@ -129,6 +133,14 @@ pub struct Metrics {
     /// `server.max_key_bytes`) or a cost above the policy's capacity: each answered
     /// `OVER_LIMIT`, the request's other descriptors peeked, nothing charged.
     pub grpc_invalid_descriptors: IntCounterVec,
+    /// `quotad_settlements_total{policy,result}`: costs counted after the work: a
+    /// reservation `settled`, one `already_settled` (nothing charged again), one
+    /// `unknown` (never made, or kept no longer: its estimate stands), a gRPC descriptor
+    /// `charged` on the response path, and `failed` ones the store did not answer.
+    pub settlements: IntCounterVec,
+    /// `quotad_settled_units_total{policy,direction}`: units `charged` beyond the
+    /// estimates (a gRPC charge is charged whole) and `refunded` below them.
+    pub settled_units: IntCounterVec,
     /// `quotad_config_reloads_total{result}`: reloads of the config file (SIGHUP or a
     /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
     /// that cannot apply without a restart). The running config stays on all but `ok`.
@@ -499,6 +511,14 @@ impl Metrics {
                 "quotad_grpc_invalid_descriptors_total",
                 "gRPC descriptors of a policy without a usable key or with a cost over its capacity: answered OVER_LIMIT.",
             )),
+            settlements: c.labels(&["policy", "result"]).counter(Opts::new(
+                "quotad_settlements_total",
+                "Costs counted after the work, by policy and result (settled, already_settled, unknown, charged, failed).",
+            )),
+            settled_units: c.labels(&["policy", "direction"]).counter(Opts::new(
+                "quotad_settled_units_total",
+                "Units charged beyond the estimates, and refunded below them, by policy.",
+            )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",
                 "Config reloads by result (ok, invalid, refused).",
@@ -539,6 +559,16 @@ impl Metrics {
                 REVISION.get().copied().unwrap_or("unknown"),
             ])
             .set(1);
+    }
+
+    /// The zero series of a policy that takes settlements.
+    pub fn preregister_settlements(&self, policy: &str) {
+        for r in SETTLE_RESULTS {
+            self.settlements.with_label_values(&[policy, r]);
+        }
+        for d in ["charged", "refunded"] {
+            self.settled_units.with_label_values(&[policy, d]);
+        }
     }
 
     /// Counts a store call that produced no decision; `kind` is `StoreError::kind`.

@@ -158,6 +158,8 @@ pub struct Descriptor {
     value: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     policy: Option<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    charge: bool,
     #[serde(rename = "descriptor", skip_serializing_if = "Vec::is_empty")]
     children: Vec<Descriptor>,
 }
@@ -170,8 +172,15 @@ impl Descriptor {
             key: key.into(),
             value: None,
             policy: None,
+            charge: false,
             children: Vec::new(),
         }
+    }
+
+    /// Counted on Envoy's response path: charged, never denied (`charge = true`).
+    pub fn charge(mut self) -> Self {
+        self.charge = true;
+        self
     }
 
     /// Only this value.

@@ -82,3 +82,30 @@ pub fn should_rate_limit(
             .map_err(|s| s.code())
     })
 }
+
+/// Envoy's response-path call: one descriptor `("api_key", key)` of `domain` with
+/// `hits` as its own `hits_addend`; `Ok` when answered `OK`.
+pub fn charge(port: u16, domain: &str, key: &str, hits: u64) -> Result<(), String> {
+    crate::runtime().block_on(async {
+        let mut client = RateLimitServiceClient::connect(format!("http://127.0.0.1:{port}"))
+            .await
+            .map_err(|e| e.to_string())?;
+        let request = RateLimitRequest {
+            domain: domain.into(),
+            descriptors: vec![RateLimitDescriptor {
+                hits_addend: Some(quotad_daemon::api::grpc::envoy::UInt64Value { value: hits }),
+                ..descriptor(&[("api_key", key)])
+            }],
+            hits_addend: 0,
+        };
+        let r = client
+            .should_rate_limit(request)
+            .await
+            .map_err(|s| s.to_string())?
+            .into_inner();
+        match r.overall_code {
+            1 => Ok(()),
+            code => Err(format!("overall code {code}: {r:?}")),
+        }
+    })
+}

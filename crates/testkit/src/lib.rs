@@ -16,6 +16,7 @@ pub mod federation;
 pub mod grpc;
 mod inproc;
 pub mod load;
+pub mod metered;
 pub mod prometheus;
 pub mod proxy;
 pub mod race;

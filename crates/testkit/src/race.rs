@@ -112,7 +112,11 @@ pub fn child_main() -> bool {
     let Ok(mode) = std::env::var(MODE) else {
         return false;
     };
-    child_load(&mode);
+    if crate::metered::MODES.contains(&mode.as_str()) {
+        crate::metered::child_load(&mode);
+    } else {
+        child_load(&mode);
+    }
     true
 }
 

@@ -20,6 +20,7 @@ use crate::reload::LiveConfig;
 
 pub const CHECK: &str = "/v1/check";
 pub const RESET: &str = "/v1/reset";
+pub const SETTLE: &str = "/v1/settle";
 pub const AUTHZ: &str = "/v1/authz/{policy}";
 pub const POLICIES: &str = "/v1/policies";
 pub const STATUS: &str = "/v1/status";
@@ -28,9 +29,10 @@ pub const READYZ: &str = "/readyz";
 pub const METRICS: &str = "/metrics";
 
 /// Every route without a path parameter.
-const FIXED: [&str; 8] = [
+const FIXED: [&str; 9] = [
     CHECK,
     RESET,
+    SETTLE,
     POLICIES,
     STATUS,
     EXCHANGE_PATH,

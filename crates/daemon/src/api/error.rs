@@ -42,6 +42,12 @@ pub enum ApiError {
         "the reset was refused by the store (quotad's Redis user needs PUBLISH on the invalidation channel: docs/operations.md); nothing was changed"
     )]
     ResetRefused,
+    /// `POST /v1/settle` of a reservation the store does not hold (never made, denied,
+    /// or kept longer than the policy's `settle_within`): nothing was charged.
+    #[error(
+        "reservation: no such reservation of this policy and key (never made, denied, or older than the policy's settle_within); nothing was charged, the estimate stands"
+    )]
+    UnknownReservation,
     /// Shed by admission control (see `store::admission`): quotad is at its Redis
     /// concurrency limit. Not a decision; nothing was charged. 503 with `Retry-After`.
     #[error("overloaded ({0}): nothing was charged; retry after the Retry-After delay")]
@@ -63,7 +69,9 @@ impl ApiError {
             | ApiError::InvalidBody(_)
             | ApiError::BatchTooLarge { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ApiError::UnknownPolicy { .. } | ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::UnknownPolicy { .. } | ApiError::UnknownReservation | ApiError::NotFound => {
+                StatusCode::NOT_FOUND
+            }
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -78,6 +86,7 @@ impl ApiError {
             ApiError::InvalidJson(_) => "invalid_json",
             ApiError::InvalidRequest { .. } => "invalid_request",
             ApiError::UnknownPolicy { .. } => "unknown_policy",
+            ApiError::UnknownReservation => "unknown_reservation",
             ApiError::BatchTooLarge { .. } => "batch_too_large",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::InvalidBody(_) => "invalid_body",
@@ -97,6 +106,7 @@ impl ApiError {
                 Some(field)
             }
             ApiError::BatchTooLarge { .. } => Some("checks"),
+            ApiError::UnknownReservation => Some("reservation"),
             _ => None,
         }
     }

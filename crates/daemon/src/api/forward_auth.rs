@@ -78,6 +78,7 @@ pub async fn authz(
         key,
         cost: 1,
         group: None,
+        reserve: false,
     };
     let d = state.limiter.check(&check).await?;
     state

@@ -26,12 +26,13 @@ use serde_json::{Value, json};
 
 use crate::federation::auth::{HEADER_SIGNATURE, Rejection, Signed};
 use crate::federation::{Federation, STATUS_KEYS, StatusReport};
-use crate::limiter::{Decision, Limiter, ResetError};
+use crate::limiter::{Decision, Limiter, ResetError, SettleError};
 use crate::metrics::Metrics;
 use crate::policy::KeyMatch;
 use crate::server::Drain;
 use crate::store::{Store, StoreError};
 use error::ApiError;
+use quotad_core::settlement::Settled;
 use request::{Caps, CheckRequest};
 
 /// What the handlers share, read-only (the drain is the server's: readiness reads it).
@@ -58,10 +59,11 @@ pub fn router(state: AppState) -> Router {
         metrics: state.metrics.clone(),
         live: state.live.clone(),
     };
-    use answers::{AUTHZ, CHECK, HEALTHZ, METRICS, POLICIES, READYZ, RESET, STATUS};
+    use answers::{AUTHZ, CHECK, HEALTHZ, METRICS, POLICIES, READYZ, RESET, SETTLE, STATUS};
     Router::new()
         .route(CHECK, post(check))
         .route(RESET, post(reset))
+        .route(SETTLE, post(settle))
         .route(AUTHZ, any(forward_auth::authz))
         .route(POLICIES, get(policies))
         .route(STATUS, get(status))
@@ -171,6 +173,44 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
     }
 }
 
+/// `POST /v1/settle`: a reservation settled at the real cost (docs/api.md, Settlement).
+async fn settle(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
+    let body = json_body(&state, req).await?;
+    let (check, id, cost) = request::parse_settle(&body, &state.live.get().policies, &state.caps)?;
+    let reply = match state.limiter.settle(&check, &id, cost).await {
+        Ok(r) => r,
+        Err(SettleError::Shed(s)) => return Err(s.into()),
+        Err(SettleError::Store(_)) => return Err(ApiError::StoreUnavailable),
+    };
+    let wait = |us: i64| {
+        if us <= 0 {
+            0
+        } else {
+            (us as u64).div_ceil(1000)
+        }
+    };
+    let mut body = json!({
+        "policy": check.policy.name,
+        "key": check.key,
+        "reservation": id,
+        "limit": check.policy.limit.get(),
+        "remaining": reply.remaining,
+        "reset_after_ms": wait(reply.reset_after_us),
+    });
+    match reply.settled {
+        Settled::Now { charged, refunded } => {
+            body["status"] = json!("settled");
+            body["cost"] = json!(cost);
+            body["charged"] = json!(charged);
+            body["refunded"] = json!(refunded);
+        }
+        // Settled before, perhaps at another cost: that settlement stands.
+        Settled::Already => body["status"] = json!("already_settled"),
+        Settled::Unknown => return Err(ApiError::UnknownReservation),
+    }
+    Ok(Json(body).into_response())
+}
+
 async fn policies(State(state): State<AppState>) -> Response {
     let live = state.live.get();
     let list: Vec<_> = live
@@ -185,6 +225,7 @@ async fn policies(State(state): State<AppState>) -> Response {
                 "burst": p.burst.get(),
                 "on_store_error": p.on_store_error.name(),
                 "shadow": p.shadow,
+                "settle_within_ms": p.settle_within.map(|d| d.as_millis() as u64),
                 // The limit this region enforces (global shares arrive with multi-region).
                 "effective_limit": p.limit.get(),
                 "overrides": live.policies.overrides(&p.name).iter().map(|o| {

@@ -9,6 +9,7 @@ use serde_json::{Map, Value};
 use crate::api::error::ApiError;
 use crate::limiter::Check;
 use crate::policy::{Policies, Policy};
+use crate::store::layout::ReservationId;
 
 /// Caps from `[server]`.
 #[derive(Debug, Clone, Copy)]
@@ -221,38 +222,16 @@ fn key(obj: &Map<String, Value>, prefix: &str, caps: &Caps) -> Result<String, Ap
 }
 
 fn cost(obj: &Map<String, Value>, prefix: &str, policy: &Policy) -> Result<u64, ApiError> {
-    let field = format!("{prefix}cost");
-    let cost = match obj.get("cost") {
-        None => 1,
-        Some(Value::Number(n)) => match (n.as_u64(), n.as_f64()) {
-            (Some(c), _) => c,
-            (None, Some(f)) if f < 0.0 => {
-                return Err(ApiError::invalid(field, "must not be negative"));
-            }
-            (None, Some(f)) if f.fract() != 0.0 => {
-                return Err(ApiError::invalid(
-                    field,
-                    format!("must be a whole number (0 = peek), got {n}"),
-                ));
-            }
-            // Past u64 (2^64 and up parse as floats): a size problem, not a format one.
-            (None, _) => {
-                return Err(ApiError::invalid(
-                    field,
-                    format!(
-                        "{n} is too large: at most the capacity {} of policy \"{}\"",
-                        policy.capacity(),
-                        policy.name
-                    ),
-                ));
-            }
-        },
-        Some(_) => return Err(ApiError::invalid(field, "must be an integer")),
-    };
     let capacity = policy.capacity();
+    let cost = units(obj, "cost", prefix, u64::MAX, || {
+        format!(
+            "at most the capacity {capacity} of policy \"{}\"",
+            policy.name
+        )
+    })?;
     if cost > capacity {
         return Err(ApiError::invalid(
-            field,
+            format!("{prefix}cost"),
             format!(
                 "{cost} exceeds the capacity {capacity} of policy \"{}\"; it could never pass",
                 policy.name
@@ -262,6 +241,48 @@ fn cost(obj: &Map<String, Value>, prefix: &str, policy: &Policy) -> Result<u64, 
     Ok(cost)
 }
 
+/// A whole number of units in field `name` (absent: 1), at most `max`; `bound` says what
+/// the most is, for a number too large.
+fn units(
+    obj: &Map<String, Value>,
+    name: &str,
+    prefix: &str,
+    max: u64,
+    bound: impl Fn() -> String,
+) -> Result<u64, ApiError> {
+    let field = format!("{prefix}{name}");
+    let n = match obj.get(name) {
+        None => 1,
+        Some(Value::Number(n)) => match (n.as_u64(), n.as_f64()) {
+            (Some(c), _) => c,
+            (None, Some(f)) if f < 0.0 => {
+                return Err(ApiError::invalid(field, "must not be negative"));
+            }
+            (None, Some(f)) if f.fract() != 0.0 => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("must be a whole number, got {n}"),
+                ));
+            }
+            // Past u64 (2^64 and up parse as floats): a size problem, not a format one.
+            (None, _) => {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("{n} is too large: {}", bound()),
+                ));
+            }
+        },
+        Some(_) => return Err(ApiError::invalid(field, "must be an integer")),
+    };
+    if n > max {
+        return Err(ApiError::invalid(
+            field,
+            format!("{n} is too large: {}", bound()),
+        ));
+    }
+    Ok(n)
+}
+
 fn check(v: &Value, prefix: &str, policies: &Policies, caps: &Caps) -> Result<Check, ApiError> {
     let what = if prefix.is_empty() {
         "body"
@@ -269,19 +290,104 @@ fn check(v: &Value, prefix: &str, policies: &Policies, caps: &Caps) -> Result<Ch
         prefix.trim_end_matches('.')
     };
     let obj = object(v, what)?;
-    no_unknown_fields(obj, &["policy", "key", "cost", "group"], prefix)?;
+    no_unknown_fields(obj, &["policy", "key", "cost", "group", "settle"], prefix)?;
     let base = policy(policies, obj, prefix)?;
     let key = key(obj, prefix, caps)?;
     // A key with an override is checked (and its cost bounded) under the override's limits.
     let policy = policies.for_key(base, &key);
     let cost = cost(obj, prefix, &policy)?;
     let group = group(obj, prefix, &policy, caps)?;
+    let reserve = settle_flag(obj, prefix, &policy, cost, group.is_some())?;
     Ok(Check {
         policy,
         key,
         cost,
         group,
+        reserve,
     })
+}
+
+/// `settle: true`: the cost is an estimate, reserved for `POST /v1/settle`. A single
+/// check of a policy with `settle_within`, of at least 1 unit, in no group.
+fn settle_flag(
+    obj: &Map<String, Value>,
+    prefix: &str,
+    policy: &Policy,
+    cost: u64,
+    grouped: bool,
+) -> Result<bool, ApiError> {
+    let field = format!("{prefix}settle");
+    match obj.get("settle") {
+        None | Some(Value::Bool(false)) => return Ok(false),
+        Some(Value::Bool(true)) => {}
+        Some(_) => return Err(ApiError::invalid(field, "must be true or false")),
+    }
+    let refusal = if !prefix.is_empty() {
+        "a batch cannot reserve: send each reservation as a single check".to_owned()
+    } else if policy.settle_within.is_none() {
+        format!(
+            "policy \"{}\" takes no settlements (its settle_within is not set)",
+            policy.name
+        )
+    } else if grouped {
+        "a check in a group cannot reserve: the group's script decides its keys together".to_owned()
+    } else if cost == 0 {
+        "a reservation needs an estimate (cost) of at least 1".to_owned()
+    } else {
+        return Ok(true);
+    };
+    Err(ApiError::invalid(field, refusal))
+}
+
+/// A parsed `POST /v1/settle` body: the check whose key holds the reservation (its cost
+/// unused), the reservation, and the real cost.
+pub fn parse_settle(
+    v: &Value,
+    policies: &Policies,
+    caps: &Caps,
+) -> Result<(Check, ReservationId, u64), ApiError> {
+    let obj = object(v, "body")?;
+    no_unknown_fields(obj, &["policy", "key", "reservation", "cost"], "")?;
+    let base = policy(policies, obj, "")?;
+    let key = key(obj, "", caps)?;
+    let policy = policies.for_key(base, &key);
+    if policy.settle_within.is_none() {
+        return Err(ApiError::invalid(
+            "policy",
+            format!(
+                "policy \"{}\" takes no settlements (its settle_within is not set)",
+                policy.name
+            ),
+        ));
+    }
+    let text = string_field(obj, "reservation", "")?;
+    let id = ReservationId::parse(text).ok_or_else(|| {
+        ApiError::invalid(
+            "reservation",
+            format!(
+                "must be the {} hex digits a reserving check returned",
+                ReservationId::LEN
+            ),
+        )
+    })?;
+    if !obj.contains_key("cost") {
+        return Err(ApiError::invalid("cost", "missing field: the real cost"));
+    }
+    let cost = units(obj, "cost", "", policy.max_settle_cost(), || {
+        format!(
+            "at most {} (what policy \"{}\" refills in a year)",
+            policy.max_settle_cost(),
+            policy.name
+        )
+    })?;
+    let check = Check {
+        policy,
+        key,
+        cost: 0,
+        group: None,
+        reserve: false,
+    };
+    Ok((check, id, cost))
 }
 
 /// The optional co-location group: a string like a key (it becomes a hash tag), for local

@@ -20,6 +20,12 @@
 //! A value ending in `*` (`value = "api-*"`) matches every value with that prefix, as in
 //! envoyproxy/ratelimit; each matching value is its own quotad key, as with no value.
 //!
+//! A node with `charge = true` is counted after the work (Envoy's response path,
+//! `apply_on_stream_done`, with the real cost as its `hits_addend`): its hits are charged
+//! whether or not the key has them, the key going into debt, and never denied; a hit of
+//! 0 is a peek, denied while the key is in debt (what the request path sends). Its policy
+//! must take settlements (`settle_within`).
+//!
 //! A request descriptor's entries walk the tree level by level: at each level the node with
 //! the entry's key and exact value wins, else the one whose wildcard value is the longest
 //! prefix of it, else the node with the key and no value; the node the last entry lands
@@ -40,7 +46,15 @@ pub struct DescriptorNode {
     pub value: Option<String>,
     /// The policy of a request descriptor that ends here; `None`: not limited.
     pub policy: Option<String>,
+    /// Its hits are charged, never denied (see the module docs).
+    pub charge: bool,
     pub children: Vec<DescriptorNode>,
+}
+
+/// The policies a descriptor may name, and those it may charge.
+struct Names<'a> {
+    policies: &'a [&'a str],
+    settling: &'a [&'a str],
 }
 
 /// A level's `(key, value)` pairs so far (duplicates are errors).
@@ -69,6 +83,15 @@ impl Descriptors {
         domain: &str,
         entries: impl IntoIterator<Item = (&'e str, &'e str)>,
     ) -> Option<&'a str> {
+        self.matched(domain, entries).map(|m| m.policy)
+    }
+
+    /// What a request descriptor lands on: its policy, and whether it is charged.
+    pub fn matched<'a, 'e>(
+        &'a self,
+        domain: &str,
+        entries: impl IntoIterator<Item = (&'e str, &'e str)>,
+    ) -> Option<Matched<'a>> {
         let mut level = self.domains.get(domain)?.as_slice();
         let mut node = None;
         for (key, value) in entries {
@@ -81,8 +104,20 @@ impl Descriptors {
             level = &n.children;
             node = Some(n);
         }
-        node?.policy.as_deref()
+        let node = node?;
+        Some(Matched {
+            policy: node.policy.as_deref()?,
+            charge: node.charge,
+        })
     }
+}
+
+/// The node a request descriptor landed on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Matched<'a> {
+    pub policy: &'a str,
+    /// Charged on the response path, never denied.
+    pub charge: bool,
 }
 
 /// How well a node matches a value, best highest: exact beats a longer wildcard prefix
@@ -114,6 +149,7 @@ impl Validator<'_> {
         &mut self,
         raw: &[raw::Descriptor],
         policies: &[&str],
+        settling: &[&str],
     ) -> Descriptors {
         let mut domains: HashMap<String, Vec<DescriptorNode>> = HashMap::new();
         let mut seen: HashMap<String, Vec<Seen>> = HashMap::new();
@@ -134,8 +170,9 @@ impl Validator<'_> {
                     continue;
                 }
             };
+            let names = Names { policies, settling };
             let node =
-                self.descriptor_node(d, &field, policies, seen.entry(domain.clone()).or_default());
+                self.descriptor_node(d, &field, &names, seen.entry(domain.clone()).or_default());
             if let Some(node) = node {
                 domains.entry(domain).or_default().push(node);
             }
@@ -148,7 +185,7 @@ impl Validator<'_> {
         &mut self,
         d: &raw::Descriptor,
         field: &str,
-        policies: &[&str],
+        names: &Names<'_>,
         seen: &mut Vec<Seen>,
     ) -> Option<DescriptorNode> {
         let before = self.errors.len();
@@ -184,7 +221,22 @@ impl Validator<'_> {
         let policy = d
             .policy
             .as_ref()
-            .and_then(|p| self.descriptor_policy(p, field, policies));
+            .and_then(|p| self.descriptor_policy(p, field, names.policies));
+        let charge = d.charge.as_ref().is_some_and(|c| *c.get_ref());
+        if let Some(c) = d.charge.as_ref().filter(|c| *c.get_ref()) {
+            let why = match &policy {
+                None if d.policy.is_none() => {
+                    Some("a charged descriptor needs its policy on the same node".to_owned())
+                }
+                Some(p) if !names.settling.contains(&p.as_str()) => Some(format!(
+                    "policy \"{p}\" takes no settlements: a charge needs a policy that can carry a debt (set its settle_within)"
+                )),
+                _ => None,
+            };
+            if let Some(why) = why {
+                self.error(c, &format!("{field}.charge"), why);
+            }
+        }
         if d.policy.is_none() && d.descriptor.is_empty() {
             let why =
                 "names no policy and holds no [[descriptor.descriptor]]: it would limit nothing";
@@ -198,7 +250,7 @@ impl Validator<'_> {
                 let why = "only a top-level descriptor names a domain";
                 self.error(dom, &format!("{cfield}.domain"), why);
             }
-            if let Some(node) = self.descriptor_node(c, &cfield, policies, &mut seen_children) {
+            if let Some(node) = self.descriptor_node(c, &cfield, names, &mut seen_children) {
                 children.push(node);
             }
         }
@@ -206,6 +258,7 @@ impl Validator<'_> {
             key,
             value,
             policy,
+            charge,
             children,
         })
     }

@@ -353,7 +353,13 @@ impl Validator<'_> {
             .iter()
             .map(|p| p.name.get_ref().as_str())
             .collect();
-        let descriptors = self.descriptors(&raw.descriptor, &names);
+        // The policies a response-path descriptor may charge: those that take settlements.
+        let settling: Vec<&str> = policies
+            .iter()
+            .filter(|p| p.settle_within.is_some())
+            .map(|p| p.name.as_str())
+            .collect();
+        let descriptors = self.descriptors(&raw.descriptor, &names, &settling);
         let global = timing.map(|timing| {
             self.global(
                 &coordinator,

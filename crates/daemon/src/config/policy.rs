@@ -152,6 +152,7 @@ impl Validator<'_> {
                 Some(mut policy) => {
                     // An overridden key is as hot as any other of the policy.
                     policy.hot_key_rate = base.hot_key_rate;
+                    policy.settle_within = base.settle_within;
                     out.push(Override {
                         keys,
                         policy: std::sync::Arc::new(policy),
@@ -226,6 +227,7 @@ impl Validator<'_> {
         let burst = self.burst(i, p.burst.as_ref(), algorithm);
         let on_store_error = self.on_store_error(i, p.on_store_error.as_ref());
         let hot_key_rate = self.hot_key_rate(i, p.hot_key_rate.as_ref(), algorithm);
+        let settle_within = self.settle_within(i, p, algorithm);
         if self.errors.len() == errors_before {
             if let Some(a) = algorithm {
                 if let Err(why) =
@@ -253,8 +255,47 @@ impl Validator<'_> {
         }
         policy.map(|mut p| {
             p.hot_key_rate = hot_key_rate.and_then(NonZeroU64::new);
+            p.settle_within = settle_within;
             p
         })
+    }
+
+    /// `settle_within`: how long a reservation waits for its settlement. Only where a
+    /// debt has a meaning and keeps the bound: a token bucket, GCRA or fixed window
+    /// (`Algorithm::holds_debt`) of a local policy that admits from Redis alone.
+    fn settle_within(
+        &mut self,
+        i: usize,
+        p: &raw::Policy,
+        algorithm: Option<Algorithm>,
+    ) -> Option<Duration> {
+        let value = p.settle_within.as_ref()?;
+        let field = policy_field(i, "settle_within");
+        let refusal = match algorithm {
+            None => return None,
+            Some(a) if !a.holds_debt() => Some(format!(
+                "settlement needs token_bucket, gcra or fixed_window, not {}: a sliding window or log forgets a charge as it slides out, so a debt would not hold (docs/api.md, Settlement)",
+                a.name()
+            )),
+            Some(_) if p.global.is_some() => Some(
+                "a global policy cannot take settlements: a debt is work done beyond what the region's share held, so the regions together could spend more than the budget in a window, which a global policy promises never happens (docs/global-budgets.md)".to_owned(),
+            ),
+            Some(_) if p.hot_key_rate.is_some() => Some(
+                "settlement and hot_key_rate do not mix: a hot key admits from slices taken beforehand, which a debt settled meanwhile cannot reach; drop one of them".to_owned(),
+            ),
+            Some(_) => None,
+        };
+        if let Some(why) = refusal {
+            self.error(value, &field, why);
+            return None;
+        }
+        Some(self.duration(
+            Some(value),
+            &field,
+            policy::MAX_SETTLE_WITHIN,
+            policy::MIN_SETTLE_WITHIN,
+            policy::MAX_SETTLE_WITHIN,
+        ))
     }
 
     /// `hot_key_rate`: checks per second of one key on one instance from which the key

@@ -40,6 +40,8 @@ pub struct Descriptor {
     pub key: Spanned<String>,
     pub value: Option<Spanned<String>>,
     pub policy: Option<Spanned<String>>,
+    /// A descriptor counted on Envoy's response path: charged, never denied.
+    pub charge: Option<Spanned<bool>>,
     #[serde(default)]
     pub descriptor: Vec<Descriptor>,
 }
@@ -140,6 +142,9 @@ pub struct Policy {
     /// Checks per second of one key on one instance from which it takes slices
     /// (`store::hot`); absent: never.
     pub hot_key_rate: Option<Spanned<i64>>,
+    /// How long a reservation of this policy may wait for its settlement (`POST
+    /// /v1/settle`); absent: checks cannot reserve.
+    pub settle_within: Option<Spanned<String>>,
     /// A local policy's state version (see `reload::state_refusal`).
     pub version: Option<Spanned<i64>>,
     pub global: Option<Global>,

@@ -17,10 +17,13 @@ use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
 use crate::store::hot::{Heat, HotKeys, Taker};
-use crate::store::layout::{GlobalLayout, Layouts};
+use crate::store::layout::{GlobalLayout, Layouts, ReservationId};
 use crate::store::memory::MemoryStore;
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
+
+mod settle;
+pub use settle::SettleError;
 
 /// How a decision was reached: the API's `outcome` and the metrics' label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -65,6 +68,9 @@ pub struct Check {
     /// The co-location group (a composite limit): the hash tag of the key's storage key,
     /// so a batch whose checks all name it is decided by one all-or-nothing script.
     pub group: Option<String>,
+    /// Admitted, the cost is a reservation to settle at the real cost later
+    /// ([`Limiter::settle`]); single checks of policies with `settle_within` only.
+    pub reserve: bool,
 }
 
 /// The answer to one check.
@@ -92,6 +98,10 @@ pub struct Decision {
     /// Which store charged this check (to refund it there).
     #[serde(skip)]
     charged: Option<Charged>,
+    /// The reservation a reserving check opened, to settle with `POST /v1/settle`: only
+    /// when the store admitted it (a fail mode's answer opens none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<ReservationId>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +137,7 @@ impl Decision {
             quota,
             quota_window_secs,
             charged: None,
+            reservation: None,
         }
     }
 }
@@ -214,6 +225,10 @@ impl Limiter {
         let key = self.target(check);
         let d = match self.in_memory(check, &key) {
             Some(d) => d,
+            None if check.reserve => {
+                let _admitted = self.store.admit(1).await?;
+                self.decide_reserving(check, &key).await
+            }
             None => {
                 let _admitted = self.store.admit(1).await?;
                 self.decide(check, &key, &self.member(check.policy.algorithm))
@@ -258,6 +273,7 @@ impl Limiter {
             && policy.global.is_none()
             && !policy.shadow
             && check.cost > 0
+            && !check.reserve
             && check.group.is_none())
         .then(|| self.store.hot())
         .flatten()
@@ -461,20 +477,28 @@ impl Limiter {
             }
             Err(e) => {
                 self.store_failed(policy, &e);
-                match policy.on_store_error {
-                    FailMode::Open => unenforced(check, true),
-                    FailMode::Closed => unenforced(check, false),
-                    FailMode::Local => match self.local.apply(&call) {
-                        Ok(v) => decision(check, &v, Outcome::Local, charged(&v, Charged::Local)),
-                        // The in-process store is at its bound too: nothing can enforce
-                        // this check, and `local` leans to availability.
-                        Err(full) => {
-                            self.metrics.store_error(StoreError::Full(full.0).kind());
-                            unenforced(check, true)
-                        }
-                    },
-                }
+                self.fallback(check, &call)
             }
+        }
+    }
+
+    /// A check the store could not decide, answered by its policy's `on_store_error`.
+    fn fallback(&self, check: &Check, call: &StoreCall<'_>) -> Decision {
+        match check.policy.on_store_error {
+            FailMode::Open => unenforced(check, true),
+            FailMode::Closed => unenforced(check, false),
+            FailMode::Local => match self.local.apply(call) {
+                Ok(v) => {
+                    let charged = (v.allowed && check.cost > 0).then_some(Charged::Local);
+                    decision(check, &v, Outcome::Local, charged)
+                }
+                // The in-process store is at its bound too: nothing can enforce
+                // this check, and `local` leans to availability.
+                Err(full) => {
+                    self.metrics.store_error(StoreError::Full(full.0).kind());
+                    unenforced(check, true)
+                }
+            },
         }
     }
 
@@ -603,6 +627,7 @@ fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charge
         quota: policy.capacity(),
         quota_window_secs: policy.quota_window_secs(),
         charged,
+        reservation: None,
     }
 }
 
@@ -627,5 +652,6 @@ fn unenforced(check: &Check, open: bool) -> Decision {
         quota: policy.capacity(),
         quota_window_secs: policy.quota_window_secs(),
         charged: None,
+        reservation: None,
     }
 }

@@ -52,6 +52,10 @@ pub struct Policy {
     /// its quota and is admitted from them in memory (`store::hot`); fixed windows, token
     /// buckets and GCRA only (`store::hot::Taker`).
     pub hot_key_rate: Option<NonZeroU64>,
+    /// Checks of this policy may reserve an estimated cost, settled at the real one
+    /// within this long (`quotad_core::settlement`); `None`: no reservations. Token
+    /// buckets, GCRA and fixed windows of local policies only (config validation).
+    pub settle_within: Option<Duration>,
 }
 
 /// How a global policy splits its budget (validated by the config layer).
@@ -70,6 +74,10 @@ pub const MIN_WINDOW: Duration = Duration::from_millis(1);
 /// Largest window: keeps every microsecond product far inside a double's exact range.
 pub const MAX_WINDOW: Duration = Duration::from_secs(31_557_600); // humantime's "1year"
 pub const MAX_LIMIT: u64 = 1_000_000_000;
+/// The shortest and longest time a reservation may wait for its settlement
+/// (`settle_within`): a request's work, from a second to a day.
+pub const MIN_SETTLE_WITHIN: Duration = Duration::from_secs(1);
+pub const MAX_SETTLE_WITHIN: Duration = Duration::from_secs(86_400);
 /// See `config::MAX_SLIDING_LOG_LIMIT`.
 pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
 
@@ -159,6 +167,7 @@ impl Policy {
             shadow,
             global,
             hot_key_rate: None,
+            settle_within: None,
         })
     }
 
@@ -191,6 +200,18 @@ impl Policy {
     /// The largest cost a single request may ask for.
     pub fn capacity(&self) -> u64 {
         self.limits().capacity(self.algorithm)
+    }
+
+    /// The largest real cost a settlement (or a charge) may carry: what the policy
+    /// refills in [`MAX_WINDOW`], so a debt is paid within a year and every time the
+    /// scripts compute from it stays inside a double's exact range. Never below the
+    /// capacity.
+    pub fn max_settle_cost(&self) -> u64 {
+        let per_year =
+            u128::from(self.limit.get()) * MAX_WINDOW.as_micros() / self.window.as_micros().max(1);
+        u64::try_from(per_year)
+            .unwrap_or(u64::MAX)
+            .max(self.capacity())
     }
 
     /// The time over which the capacity (the quota `remaining` counts against) is

@@ -285,6 +285,19 @@ mod tests {
         );
     }
 
+    /// A policy that takes settlements: its keys may be in debt for up to a year of
+    /// refill, and its reservations wait `settle_within`; a repaired TTL forgives neither.
+    #[test]
+    fn a_settling_policys_keys_and_reservations_keep_their_debt_and_wait() {
+        let mut p = policy("llm", Algorithm::TokenBucket, 10, 1, Some(50), false);
+        p.settle_within = Some(Duration::from_secs(600));
+        let l = Layouts::new(Layout::new("rl"), [&p], None);
+        let year_ms = crate::policy::MAX_WINDOW.as_millis() as i64;
+        assert_eq!(repair_ttl_ms(&l, "rl:llm:tb:{alice}"), Some(year_ms + 1000));
+        let reservation = format!("rl:llm:tb:{{alice}}:r:{}", "0".repeat(32));
+        assert_eq!(repair_ttl_ms(&l, &reservation), Some(year_ms + 1000));
+    }
+
     #[test]
     fn orphans_go_soon_and_the_coordinator_and_strangers_are_left_alone() {
         let l = layouts();

@@ -13,6 +13,9 @@
 //! - `<prefix>:<policy>:<tag>:{<user key>}`: a key's state. `<tag>` is the algorithm's
 //!   (`fw`, `sl`, `sw`, `tb`, `gc`); the escaped user key is the hash tag, so keys spread
 //!   over the cluster's masters.
+//! - `<prefix>:<policy>:<tag>:{<user key>}:r:<id>`: a reservation of that key awaiting its
+//!   settlement (`lua/settle.lua`), in the key's slot; `<id>` is quotad's, 32 hex digits.
+//!   No other key has `:r:` after its closing brace.
 //! - `<prefix>:<policy>:g:{<prefix>:<policy>}:{<user key>}`: a key of a global policy,
 //!   whose hash holds a bucket, a lease book and counters (`lua/global/common.lua`). The
 //!   hash tag is the policy's: its scripts also read and write the policy's default
@@ -123,7 +126,16 @@ impl Layout {
                 if policy.hot_key_rate.is_some() && policy.algorithm.has_burst() {
                     longest += crate::store::hot::BUCKET_SLICE_LIFE.as_micros() as i64;
                 }
-                (longest.max(0) as u64).div_ceil(1000) as i64 + TTL_GRACE_MS
+                let longest_ms = (longest.max(0) as u64).div_ceil(1000) as i64;
+                // A policy that takes settlements: a key in debt lives until refill has
+                // paid it, which a settlement bounds by a year (each; the scripts give
+                // such a key its own longer TTL), and a reservation as long as it may
+                // wait for its settlement.
+                let settling_ms = match policy.settle_within {
+                    Some(_) => crate::policy::MAX_WINDOW.as_millis() as i64,
+                    None => 0,
+                };
+                longest_ms.max(settling_ms) + TTL_GRACE_MS
             }
         };
         PolicyLayout {
@@ -249,6 +261,13 @@ impl PolicyLayout {
         out
     }
 
+    /// Where reservation `id` of the key stored at `storage_key` waits for its settlement:
+    /// `<storage key>:r:<id>`, in the key's slot. `id` is quotad's own
+    /// ([`ReservationId`]), never a client's text.
+    pub fn reservation_key(storage_key: &str, id: &ReservationId) -> String {
+        format!("{storage_key}:r:{}", id.as_str())
+    }
+
     /// The storage key of a key checked in a co-location group (a composite limit):
     /// `<stem>{<escaped group>}:{<escaped key>}`. The group is the hash tag, so every key
     /// of the group shares a slot and one script can decide them together. Distinct from
@@ -261,6 +280,31 @@ impl PolicyLayout {
         out.push(':');
         push_tagged(&mut out, key);
         out
+    }
+}
+
+/// A reservation's id: 32 lowercase hex digits (128 random bits), so ids cannot be guessed
+/// and a settlement's text cannot reach any other key.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(transparent)]
+pub struct ReservationId(String);
+
+impl ReservationId {
+    pub const LEN: usize = 32;
+
+    /// A new random id.
+    pub fn random() -> Self {
+        ReservationId(format!("{:032x}", rand::random::<u128>()))
+    }
+
+    /// A client's text, if it is an id's shape.
+    pub fn parse(text: &str) -> Option<Self> {
+        (text.len() == Self::LEN && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .then(|| ReservationId(text.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
     }
 }
 

@@ -23,10 +23,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::store::layout::GLOBAL_KEEP_MS;
 use crate::store::layout::{PolicyKeys, ScriptShape};
-use crate::store::{GlobalCall, StoreCall};
+use crate::store::{GlobalCall, SettleCall, SettleReply, StoreCall};
 use quotad_core::algorithm::{self, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
+use quotad_core::settlement::{self, Reservation, Settled};
 
 const SHARDS: usize = 32;
 
@@ -49,6 +50,10 @@ pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     /// Keys of global policies (zero-setup multi-region, `quotad demo` without Redis).
     global: Mutex<GlobalState>,
+    /// Reservations awaiting their settlement, by reservation key, with their expiry (µs);
+    /// each counts as a key against `max_keys`. Locked only while holding the shard of
+    /// the key it charges (that order), so a settlement is atomic with its charge.
+    reservations: Mutex<HashMap<String, (Reservation, i64)>>,
 }
 
 /// Global policies in the embedded store: what `lua/global/` keeps in Redis, under the same
@@ -108,6 +113,7 @@ impl MemoryStore {
             hasher: RandomState::new(),
             clock,
             global: Mutex::new(GlobalState::default()),
+            reservations: Mutex::new(HashMap::new()),
         }
     }
 
@@ -194,6 +200,107 @@ impl MemoryStore {
         }
         self.write(&mut map, call.key, out.write, now);
         Ok(out.verdict)
+    }
+
+    /// Spends `cost` units whether or not the key has them ([`algorithm::charge`]): the
+    /// key goes into debt where it lacks them. Never denied; `Ok` with a peek's verdict
+    /// for an algorithm that cannot hold a debt (config validation keeps those out).
+    pub fn charge(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, Full> {
+        let now = self.clock.now_us();
+        let mut map = self.shard(call.key);
+        let state = live(&map, call.key, now);
+        let Some(out) = algorithm::charge(call.algorithm, &call.limits, state, now, cost) else {
+            let peek = Op::Check { cost: 0 };
+            let out = algorithm::apply(call.algorithm, &call.limits, state, now, peek, "");
+            return Ok(out.verdict);
+        };
+        if matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key) {
+            self.reserve_n(1)?;
+        }
+        self.write(&mut map, call.key, out.write, now);
+        Ok(out.verdict)
+    }
+
+    fn reservations(&self) -> MutexGuard<'_, HashMap<String, (Reservation, i64)>> {
+        self.reservations.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A check of `estimate` that, admitted, opens the reservation (what `lua/settle.lua`
+    /// does on `reserve`); room for the key and the reservation, or neither.
+    pub fn reserve_units(&self, call: &SettleCall<'_>, estimate: u64) -> Result<Verdict, Full> {
+        let now = self.clock.now_us();
+        let mut map = self.shard(call.key);
+        let state = live(&map, call.key, now);
+        let Some((out, opened)) = settlement::reserve(
+            call.algorithm,
+            &call.limits,
+            state,
+            now,
+            estimate,
+            call.member,
+        ) else {
+            return Ok(self.peek(call, &map, now));
+        };
+        let new_key = matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key);
+        let mut reservations = self.reservations();
+        let new_reservation = opened.is_some() && !reservations.contains_key(call.reservation);
+        self.reserve_n(usize::from(new_key) + usize::from(new_reservation))?;
+        self.write(&mut map, call.key, out.write, now);
+        if let Some(r) = opened {
+            let until = now.saturating_add(call.keep_ms.saturating_mul(1000));
+            reservations.insert(call.reservation.to_owned(), (r, until));
+        }
+        Ok(out.verdict)
+    }
+
+    /// Settles a reservation at the real `cost` (what `lua/settle.lua` does on `settle`).
+    /// Never refused for room: the reservation holds the room of the key it charges...
+    /// unless that key had expired, when its debt needs a key again, taken past the
+    /// bound rather than lost.
+    pub fn settle(&self, call: &SettleCall<'_>, cost: u64) -> SettleReply {
+        let now = self.clock.now_us();
+        let mut map = self.shard(call.key);
+        let mut reservations = self.reservations();
+        let booked = reservations
+            .get(call.reservation)
+            .filter(|(_, until)| *until > now)
+            .map(|(r, _)| *r);
+        let state = live(&map, call.key, now);
+        let Some(out) = settlement::settle(
+            call.algorithm,
+            &call.limits,
+            state,
+            booked.as_ref(),
+            now,
+            cost,
+            call.member,
+        ) else {
+            let v = self.peek(call, &map, now);
+            return SettleReply {
+                settled: Settled::Unknown,
+                remaining: v.remaining,
+                reset_after_us: v.reset_after_us,
+            };
+        };
+        if matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key) {
+            self.keys.fetch_add(1, Ordering::AcqRel);
+        }
+        self.write(&mut map, call.key, out.write, now);
+        if let Some(r) = out.reservation {
+            let until = now.saturating_add(call.keep_ms.saturating_mul(1000));
+            reservations.insert(call.reservation.to_owned(), (r, until));
+        }
+        SettleReply {
+            settled: out.settled,
+            remaining: out.verdict.remaining,
+            reset_after_us: out.verdict.reset_after_us,
+        }
+    }
+
+    fn peek(&self, call: &SettleCall<'_>, map: &HashMap<String, Entry>, now: i64) -> Verdict {
+        let state = live(map, call.key, now);
+        let peek = Op::Check { cost: 0 };
+        algorithm::apply(call.algorithm, &call.limits, state, now, peek, call.member).verdict
     }
 
     /// An all-or-nothing batch (a co-location group; see [`algorithm::apply_all`]): the
@@ -294,6 +401,12 @@ impl MemoryStore {
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_us();
         let mut dropped = self.sweep_global(now);
+        {
+            let mut reservations = self.reservations();
+            let before = reservations.len();
+            reservations.retain(|_, (_, until)| *until > now);
+            dropped += before - reservations.len();
+        }
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|p| p.into_inner());
             let before = map.len();
@@ -341,6 +454,50 @@ mod tests {
     use super::*;
     use quotad_core::algorithm::{Algorithm, Limits, Op};
     use quotad_core::clock::ManualClock;
+
+    /// A reservation is a key against the bound, read as absent once it expires, and
+    /// swept; at the bound a reserving check that would add one is refused whole.
+    #[test]
+    fn reservations_count_against_the_bound_expire_and_sweep() {
+        let clock = Arc::new(ManualClock::new(1_000_000_000));
+        let store = MemoryStore::new(clock.clone(), 3);
+        let call = |key: &'static str, reservation: &'static str| SettleCall {
+            algorithm: Algorithm::TokenBucket,
+            limits: Limits {
+                limit: 10,
+                window_us: 1_000_000,
+                burst: 10,
+            },
+            key,
+            reservation,
+            keep_ms: 1_000,
+            member: "",
+        };
+        assert!(store.reserve_units(&call("k", "k:r:1"), 2).unwrap().allowed);
+        assert_eq!(store.len(), 2, "the key and its reservation");
+        // One room left: a new key with its reservation needs two.
+        assert_eq!(store.reserve_units(&call("j", "j:r:1"), 2), Err(Full(3)));
+        assert_eq!(store.len(), 2, "nothing taken");
+        let settled = store.settle(&call("k", "k:r:1"), 5);
+        assert_eq!(
+            settled.settled,
+            Settled::Now {
+                charged: 3,
+                refunded: 0
+            }
+        );
+        clock.advance(1_000_001);
+        assert_eq!(
+            store.settle(&call("k", "k:r:1"), 5).settled,
+            Settled::Unknown
+        );
+        store.sweep();
+        assert_eq!(
+            store.len(),
+            1,
+            "the reservation swept; the key in debt kept"
+        );
+    }
 
     #[test]
     fn expired_state_reads_as_absent_and_sweeps() {

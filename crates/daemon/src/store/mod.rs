@@ -21,6 +21,7 @@ pub mod redis;
 pub mod scripts;
 
 use quotad_core::algorithm::{Algorithm, Limits, Op, Verdict};
+use quotad_core::settlement::Settled;
 
 /// One operation on one key.
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +35,53 @@ pub struct StoreCall<'a> {
     pub member: &'a str,
     /// A key of a global policy: the regional bucket script instead of `algorithm`'s.
     pub global: Option<GlobalCall<'a>>,
+}
+
+/// A reservation of one key: the key it charges, and where it waits for its settlement
+/// (see `quotad_core::settlement`; local policies that can hold a debt only).
+#[derive(Debug, Clone, Copy)]
+pub struct SettleCall<'a> {
+    pub algorithm: Algorithm,
+    pub limits: Limits,
+    /// The key's storage key ([`layout::PolicyLayout::storage_key`]).
+    pub key: &'a str,
+    /// [`layout::PolicyLayout::reservation_key`] of it.
+    pub reservation: &'a str,
+    /// How long the reservation is kept, open or settled (the policy's `settle_within`).
+    pub keep_ms: i64,
+    pub member: &'a str,
+}
+
+/// What a settlement did, and the key after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SettleReply {
+    pub settled: Settled,
+    pub remaining: u64,
+    pub reset_after_us: i64,
+}
+
+impl SettleReply {
+    /// `lua/settle.lua`'s reply to a settlement: `{code, remaining, reset_after_us,
+    /// charged, refunded}`.
+    pub fn parse(reply: &[i64]) -> Result<SettleReply, StoreError> {
+        let settled = match reply {
+            [1, _, _, charged, refunded] if *charged >= 0 && *refunded >= 0 => Settled::Now {
+                charged: *charged as u64,
+                refunded: *refunded as u64,
+            },
+            [2, _, _, 0, 0] => Settled::Already,
+            [0, _, _, 0, 0] => Settled::Unknown,
+            other => return Err(StoreError::Reply(format!("{other:?}"))),
+        };
+        match reply[1] {
+            remaining @ 0.. => Ok(SettleReply {
+                settled,
+                remaining: remaining as u64,
+                reset_after_us: reply[2],
+            }),
+            _ => Err(StoreError::Reply(format!("{reply:?}"))),
+        }
+    }
 }
 
 /// What a decision on a global policy's key needs beyond [`StoreCall`].
@@ -183,6 +231,42 @@ impl Store {
                 None => m.apply(call),
             }
             .map_err(|e| StoreError::Full(e.0)),
+        }
+    }
+
+    /// Spends `cost` units whether or not the key has them (a cost counted after the
+    /// work: debt where it lacks them). Never denied. Local policies that can hold a debt.
+    pub async fn charge(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Redis(r) => r.charge(call, cost).await,
+            Store::Memory(m) => m.charge(call, cost).map_err(|e| StoreError::Full(e.0)),
+        }
+    }
+
+    /// A check of `estimate` units that, admitted, opens the reservation.
+    pub async fn reserve(
+        &self,
+        call: &SettleCall<'_>,
+        estimate: u64,
+    ) -> Result<Verdict, StoreError> {
+        match self {
+            Store::Redis(r) => r.reserve(call, estimate).await,
+            Store::Memory(m) => m
+                .reserve_units(call, estimate)
+                .map_err(|e| StoreError::Full(e.0)),
+        }
+    }
+
+    /// Settles a reservation at the real `cost`: the difference charged (as debt where
+    /// the key lacks it) or given back; once.
+    pub async fn settle(
+        &self,
+        call: &SettleCall<'_>,
+        cost: u64,
+    ) -> Result<SettleReply, StoreError> {
+        match self {
+            Store::Redis(r) => r.settle(call, cost).await,
+            Store::Memory(m) => Ok(m.settle(call, cost)),
         }
     }
 

@@ -40,8 +40,9 @@ use crate::store::deny_cache::{DenyCache, Question};
 use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Taker, Want};
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
-use crate::store::{StoreCall, StoreError, global, parse_verdict};
+use crate::store::{SettleCall, SettleReply, StoreCall, StoreError, global, parse_verdict};
 use quotad_core::algorithm::{Op, Verdict};
+use quotad_core::settlement::Settled;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RedisSettings {
@@ -75,6 +76,8 @@ pub struct RedisStore {
     composite: redis::Script,
     /// A reset and its invalidation in one step (`lua/reset.lua`).
     reset: redis::Script,
+    /// Reservations and their settlement (`lua/settle.lua`).
+    settle: redis::Script,
     settings: RedisSettings,
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
@@ -132,6 +135,7 @@ impl RedisStore {
             global_check: scripts::Global::Check.script(),
             composite: redis::Script::new(scripts::COMPOSITE),
             reset: redis::Script::new(scripts::RESET),
+            settle: redis::Script::new(scripts::SETTLE),
             breaker,
             loaded: AtomicBool::new(false),
             tripped: tokio::sync::Notify::new(),
@@ -306,35 +310,13 @@ impl RedisStore {
                 .await?;
             return parse_verdict(&reply);
         }
-        let sha = self.scripts.sha(call.algorithm);
+        let (mode, cost) = match call.op {
+            Op::Check { cost } => ("check", cost),
+            Op::Refund { cost } => ("refund", cost),
+        };
         let sent = Instant::now();
         let epoch = self.deny.epoch();
-        let reply: Vec<i64> = self
-            .guarded(|mut conn| async move {
-                let (mode, cost) = match call.op {
-                    Op::Check { cost } => ("check", cost),
-                    Op::Refund { cost } => ("refund", cost),
-                };
-                let mut cmd = redis::cmd("EVALSHA");
-                cmd.arg(sha)
-                    .arg(1)
-                    .arg(call.key)
-                    .arg(mode)
-                    .arg(call.limits.limit)
-                    .arg(call.limits.window_us)
-                    .arg(call.limits.burst)
-                    .arg(cost)
-                    .arg(call.member);
-                match cmd.query_async(&mut conn).await {
-                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        self.load(&mut conn, call.algorithm).await?;
-                        cmd.query_async(&mut conn).await
-                    }
-                    r => r,
-                }
-            })
-            .await?;
-        let v = parse_verdict(&reply)?;
+        let v = parse_verdict(&self.run_algorithm(call, mode, cost).await?)?;
         match call.op {
             Op::Check { cost } if !v.allowed => {
                 self.deny.remember(&question(call, cost), &v, sent, epoch)
@@ -343,6 +325,109 @@ impl RedisStore {
             Op::Check { .. } => {}
         }
         Ok(v)
+    }
+
+    /// One call of `call`'s algorithm script in `mode` (`check`, `refund`, `charge`).
+    async fn run_algorithm(
+        &self,
+        call: &StoreCall<'_>,
+        mode: &str,
+        cost: u64,
+    ) -> Result<Vec<i64>, StoreError> {
+        let sha = self.scripts.sha(call.algorithm);
+        self.guarded(|mut conn| async move {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(sha)
+                .arg(1)
+                .arg(call.key)
+                .arg(mode)
+                .arg(call.limits.limit)
+                .arg(call.limits.window_us)
+                .arg(call.limits.burst)
+                .arg(cost)
+                .arg(call.member);
+            match cmd.query_async(&mut conn).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.load(&mut conn, call.algorithm).await?;
+                    cmd.query_async(&mut conn).await
+                }
+                r => r,
+            }
+        })
+        .await
+    }
+
+    /// Spends `cost` units of `call`'s key whether or not it has them (a charge counted
+    /// after the work; see `quotad_core::algorithm::charge`). Never denied.
+    pub async fn charge(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+        parse_verdict(&self.run_algorithm(call, "charge", cost).await?)
+    }
+
+    /// A check of `estimate` that, admitted, opens the reservation (`lua/settle.lua`).
+    pub async fn reserve(
+        &self,
+        call: &SettleCall<'_>,
+        estimate: u64,
+    ) -> Result<Verdict, StoreError> {
+        let sent = Instant::now();
+        let epoch = self.deny.epoch();
+        let v = parse_verdict(&self.run_settle(call, "reserve", estimate).await?)?;
+        if !v.allowed {
+            let q = Question {
+                key: call.key,
+                algorithm: call.algorithm,
+                limits: call.limits,
+                cost: estimate,
+            };
+            self.deny.remember(&q, &v, sent, epoch);
+        }
+        Ok(v)
+    }
+
+    /// Settles the reservation at the real `cost` (`lua/settle.lua`); what it gave back
+    /// is announced like a refund's.
+    pub async fn settle(
+        &self,
+        call: &SettleCall<'_>,
+        cost: u64,
+    ) -> Result<SettleReply, StoreError> {
+        let reply = SettleReply::parse(&self.run_settle(call, "settle", cost).await?)?;
+        if let Settled::Now { refunded: 1.., .. } = reply.settled {
+            self.gave_back(call.key).await;
+        }
+        Ok(reply)
+    }
+
+    async fn run_settle(
+        &self,
+        call: &SettleCall<'_>,
+        mode: &str,
+        cost: u64,
+    ) -> Result<Vec<i64>, StoreError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.settle.get_hash())
+            .arg(2)
+            .arg(call.key)
+            .arg(call.reservation)
+            .arg(mode)
+            .arg(call.algorithm.key_tag())
+            .arg(call.limits.limit)
+            .arg(call.limits.window_us)
+            .arg(call.limits.burst)
+            .arg(cost)
+            .arg(call.member)
+            .arg(call.keep_ms);
+        let cmd = &cmd;
+        self.guarded(|mut conn| async move {
+            match cmd.query_async(&mut conn).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.load_source(&mut conn, scripts::SETTLE).await?;
+                    cmd.query_async(&mut conn).await
+                }
+                r => r,
+            }
+        })
+        .await
     }
 
     /// A co-location group's checks in one script (see [`super::Store::apply_all`]).
@@ -743,9 +828,10 @@ impl RedisStore {
                 self.load(&mut conn, a).await?;
             }
             self.load_source(&mut conn, scripts::COMPOSITE).await?;
+            self.load_source(&mut conn, scripts::SETTLE).await?;
             Ok::<_, RedisError>((conn, master))
         };
-        match tokio::time::timeout(self.settings.connect_timeout + t * 7, attempt).await {
+        match tokio::time::timeout(self.settings.connect_timeout + t * 8, attempt).await {
             Ok(Ok((conn, master))) => {
                 self.install(conn.coalesced(crate::store::coalesce::Counters {
                     pipelines: self.metrics.store_pipelines.clone(),

@@ -11,10 +11,15 @@
 //! - Cost: the descriptor's `hits_addend` if set (0 = a peek), else the request's
 //!   `hits_addend`, where proto3's 0 means "not set" and so 1 (as Envoy and
 //!   envoyproxy/ratelimit read it).
+//! - A descriptor whose node says `charge = true` (Envoy's response path, the real cost as
+//!   its `hits_addend`) is charged whole, into debt where the key lacks it, and answered
+//!   `OK`: never denied, never refunded when another descriptor is. Its hits of 0 are a
+//!   peek like any other (the request path), denied while the key is in debt.
 //! - `overall_code` is `OVER_LIMIT` if any descriptor is: the most restrictive wins.
 //! - What a client chooses fails only its own descriptor: a descriptor of a policy whose
 //!   value is empty, not UTF-8 or over `server.max_key_bytes`, or whose cost is above the
-//!   policy's capacity, is `OVER_LIMIT` (counted in
+//!   policy's capacity (a charged one: above what the policy refills in a year), is
+//!   `OVER_LIMIT` (counted in
 //!   `quotad_grpc_invalid_descriptors_total`), and the others are peeked, not charged.
 //! - What Envoy's configuration decides fails the call with `INVALID_ARGUMENT`: no domain,
 //!   no descriptors, more than `server.max_batch`; so does a message that is not a
@@ -102,6 +107,8 @@ enum Slot {
     /// Matches no policy: not limited.
     NotLimited,
     Check(Check),
+    /// Counted after the work: charged, never denied ([`Limiter::charge`]).
+    Charge(Check),
     /// Matches `policy` but has no usable key (a value empty, not UTF-8, or over
     /// `server.max_key_bytes`) or asks more than the policy's capacity: `OVER_LIMIT`, as a
     /// forward-auth request without its key is denied. The value is the client's to
@@ -139,6 +146,15 @@ impl RateLimiter {
                 .await
                 .map_err(|shed| Status::unavailable(shed.to_string()))?
         };
+        // The work was done whatever the other descriptors say: each charge stands alone.
+        let charges = futures_util::future::join_all(slots.iter().filter_map(|s| match s {
+            Slot::Charge(c) => Some(self.limiter.charge(c)),
+            _ => None,
+        }))
+        .await
+        .into_iter()
+        .collect::<Result<Vec<Decision>, _>>()
+        .map_err(|shed| Status::unavailable(shed.to_string()))?;
         for s in &slots {
             if let Slot::Invalid(p) = s {
                 self.metrics
@@ -147,7 +163,7 @@ impl RateLimiter {
                     .inc();
             }
         }
-        let response = respond(&slots, &decisions);
+        let response = respond(&slots, &decisions, &charges);
         self.metrics
             .check_duration
             .grpc
@@ -198,10 +214,10 @@ impl RateLimiter {
             })
             .collect();
         let entries = lossy.iter().map(|(k, v)| (k.as_ref(), v.as_ref()));
-        let Some(name) = live.descriptors.policy_of(domain, entries) else {
+        let Some(matched) = live.descriptors.matched(domain, entries) else {
             return Slot::NotLimited;
         };
-        let Some(base) = live.policies.get(name) else {
+        let Some(base) = live.policies.get(matched.policy) else {
             return Slot::NotLimited; // validated at load: cannot happen
         };
         let values: Option<Vec<&str>> = d
@@ -222,26 +238,43 @@ impl RateLimiter {
             None if request_hits == 0 => 1,
             None => u64::from(request_hits),
         };
-        if cost > policy.capacity() {
+        let charge = matched.charge && cost > 0;
+        let most = if charge {
+            policy.max_settle_cost()
+        } else {
+            policy.capacity()
+        };
+        if cost > most {
             return Slot::Invalid(policy);
         }
-        Slot::Check(Check {
+        let check = Check {
             policy,
             key,
             cost,
             group: None,
-        })
+            reserve: false,
+        };
+        if charge {
+            Slot::Charge(check)
+        } else {
+            Slot::Check(check)
+        }
     }
 }
 
 /// The response: a status per request descriptor, in order (the decisions are those of
 /// the checks, in order), and the RateLimit headers of the decisions.
-fn respond(slots: &[Slot], decisions: &[Decision]) -> RateLimitResponse {
+fn respond(slots: &[Slot], decisions: &[Decision], charges: &[Decision]) -> RateLimitResponse {
     let mut ds = decisions.iter();
+    let mut cs = charges.iter();
     let statuses: Vec<DescriptorStatus> = slots
         .iter()
         .map(|s| match s {
             Slot::Check(c) => match ds.next() {
+                Some(d) => status(&c.policy, d),
+                None => DescriptorStatus::default(),
+            },
+            Slot::Charge(c) => match cs.next() {
                 Some(d) => status(&c.policy, d),
                 None => DescriptorStatus::default(),
             },
