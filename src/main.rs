@@ -233,7 +233,7 @@ fn main() -> ExitCode {
                 println!(
                     "{}: ok ({})",
                     path.display(),
-                    policies_found(s.policies.len())
+                    policies_found(s.policies.len() + s.concurrency.len())
                 );
                 ExitCode::SUCCESS
             }

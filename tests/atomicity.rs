@@ -250,6 +250,203 @@ fn four_processes_charging_through_envoys_grpc_service_are_charged_exactly() {
     metered_work_is_charged_exactly_its_real_costs("charge_grpc");
 }
 
+/// Units of `key` held now by Redis's clock: the members whose lease ends after now.
+fn held_now(redis: &RedisServer, key: &str) -> (u64, i64) {
+    let script = "local t = redis.call('TIME') local now = t[1] * 1000000 + t[2] \
+                  return {redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf'), now}";
+    let (held, now): (u64, i64) = redis::cmd("EVAL")
+        .arg(script)
+        .arg(1)
+        .arg(key)
+        .query(&mut redis.conn())
+        .unwrap();
+    (held, now)
+}
+
+/// A concurrency limit across instances: four daemons (processes) on one Redis.
+///
+/// - 500 acquires of one key sent at once from four processes at a limit of 50: exactly
+///   50 granted, and Redis, read throughout by a sampler, never holds more than 50.
+/// - Clients killed while holding leases: their slots stay held until the leases end by
+///   Redis's clock, and come back then (the delay is measured and printed).
+/// - An extended lease outlives its first end; a release of a lease nobody holds is a
+///   404 that changes nothing.
+fn concurrent_acquires_hold_exactly_the_limit_and_crashed_holders_free_at_expiry() {
+    const LIMIT: usize = 50;
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .store("timeout", "5s")
+        .store("queue_timeout", "5s")
+        .policy(quotad_testkit::Policy::new(
+            "slots",
+            "concurrency",
+            LIMIT as u64,
+            "1h",
+        ))
+        .policy(quotad_testkit::Policy::new(
+            "short",
+            "concurrency",
+            LIMIT as u64,
+            "3s",
+        ))
+        .to_toml();
+    let daemons: Vec<Quotad> = (0..4).map(|_| Quotad::start(&config)).collect();
+    let urls: Vec<String> = daemons.iter().map(Quotad::url).collect();
+    let targets: Vec<&str> = urls.iter().map(String::as_str).collect();
+
+    // 500 at once against 50, with Redis sampled all along.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (stop, url) = (stop.clone(), redis.url());
+        std::thread::spawn(move || {
+            let mut conn = redis::Client::open(url).unwrap().get_connection().unwrap();
+            let (mut max, mut samples) = (0u64, 0u64);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let script = "local t = redis.call('TIME') local now = t[1] * 1000000 + t[2] \
+                              return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')";
+                let held: u64 = redis::cmd("EVAL")
+                    .arg(script)
+                    .arg(1)
+                    .arg("rl:slots:cc:{hot}")
+                    .query(&mut conn)
+                    .unwrap();
+                max = max.max(held);
+                samples += 1;
+            }
+            (max, samples)
+        })
+    };
+    let race = Race {
+        processes: 4,
+        per_process: 125,
+    };
+    let t = race.run_across("acquire", &targets, "slots", "hot", 0);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (max, samples) = sampler.join().unwrap();
+    assert_eq!(t.answered, 500);
+    assert_eq!(
+        t.allowed, LIMIT,
+        "granted {} of 500 at limit {LIMIT}",
+        t.allowed
+    );
+    assert_eq!(held_now(&redis, "rl:slots:cc:{hot}").0, LIMIT as u64);
+    assert!(
+        max <= LIMIT as u64 && samples > 10,
+        "max {max} held in {samples} samples"
+    );
+    eprintln!(
+        "500 acquires at limit {LIMIT}: {} granted; at most {max} held in {samples} samples of Redis",
+        t.allowed
+    );
+
+    // A release of a lease nobody holds: 404, and the key as it was.
+    let dump = || -> Vec<u8> {
+        redis::cmd("DUMP")
+            .arg("rl:slots:cc:{hot}")
+            .query(&mut redis.conn())
+            .unwrap()
+    };
+    let before = dump();
+    let stranger = serde_json::json!({"policy": "slots", "key": "hot",
+        "lease": "0123456789abcdef0123456789abcdef-1"});
+    let (status, _, v) = daemons[1].post("/v1/release", &stranger);
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (404, Some("unknown_lease")),
+        "{v}"
+    );
+    assert_eq!(dump(), before, "an unknown release changed the key");
+
+    // Holders killed: their slots come back when their leases end, not before.
+    let race = Race {
+        processes: 4,
+        per_process: 25,
+    };
+    let (t, mut holders) = race.hold_across(&targets, "short", "crash");
+    assert_eq!((t.answered, t.allowed), (100, LIMIT));
+    for h in &mut holders {
+        h.kill().unwrap();
+        h.wait().unwrap();
+    }
+    let ends: Vec<(String, i64)> = redis::cmd("ZRANGE")
+        .arg("rl:short:cc:{crash}")
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(&mut redis.conn())
+        .unwrap();
+    let first_end = ends.iter().map(|e| e.1).min().unwrap();
+    let last_end = ends.iter().map(|e| e.1).max().unwrap();
+    let acquire = serde_json::json!({"policy": "short", "key": "crash"});
+    let (held, now) = held_now(&redis, "rl:short:cc:{crash}");
+    assert!(
+        now < first_end,
+        "the leases ended before the holders were killed"
+    );
+    assert_eq!(
+        held, LIMIT as u64,
+        "the killed holders' slots are held until their leases end"
+    );
+    let (_, _, v) = daemons[2].post("/v1/acquire", &acquire);
+    assert_eq!(v["outcome"], "denied", "{v}");
+    // The first lease's end passes by Redis's clock: its slot is free at once, with no
+    // release and nothing but the store's clock to free it.
+    quotad_testkit::wait_for(
+        "the first lease's end",
+        std::time::Duration::from_secs(10),
+        || (held_now(&redis, "rl:short:cc:{crash}").1 > first_end).then_some(()),
+    );
+    let (_, _, v) = daemons[3].post("/v1/acquire", &acquire);
+    assert_eq!(v["outcome"], "allowed", "a slot past its lease's end: {v}");
+    let back_at = held_now(&redis, "rl:short:cc:{crash}").1;
+    eprintln!(
+        "killed holders: {LIMIT} leases of 3 s ending within {:.1} ms of each other; a slot acquired again by {:.1} ms after the first ended",
+        (last_end - first_end) as f64 / 1000.0,
+        (back_at - first_end) as f64 / 1000.0
+    );
+    quotad_testkit::wait_for(
+        "every slot back",
+        std::time::Duration::from_secs(10),
+        || (held_now(&redis, "rl:short:cc:{crash}").1 > last_end).then_some(()),
+    );
+    let all = serde_json::json!({"policy": "short", "key": "crash", "units": LIMIT - 1});
+    let (_, _, v) = daemons[0].post("/v1/acquire", &all);
+    assert_eq!(v["outcome"], "allowed", "all {LIMIT} back: {v}");
+
+    // An extended lease outlives the end it was acquired with.
+    let (_, _, v) = daemons[0].post(
+        "/v1/acquire",
+        &serde_json::json!({"policy": "short", "key": "ext", "hold_ms": 1000}),
+    );
+    let lease = v["lease"].clone();
+    let held = serde_json::json!({"policy": "short", "key": "ext", "lease": lease});
+    let (status, _, v) = daemons[1].post(
+        "/v1/extend",
+        &serde_json::json!({"policy": "short", "key": "ext", "lease": lease, "hold_ms": 3000}),
+    );
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("extended")),
+        "{v}"
+    );
+    let first = held_now(&redis, "rl:short:cc:{ext}").1 + 1_000_000;
+    quotad_testkit::wait_for(
+        "the first end passed",
+        std::time::Duration::from_secs(5),
+        || (held_now(&redis, "rl:short:cc:{ext}").1 > first + 100_000).then_some(()),
+    );
+    assert_eq!(
+        held_now(&redis, "rl:short:cc:{ext}").0,
+        1,
+        "the extended lease ended"
+    );
+    let (status, _, v) = daemons[2].post("/v1/release", &held);
+    assert_eq!((status, v["held"].as_u64()), (200, Some(0)), "{v}");
+    let (status, _, _) = daemons[3].post("/v1/release", &held);
+    assert_eq!(status, 404, "released twice");
+    redis.assert_every_key_has_ttl();
+}
+
 /// The tests, or, in a child started by the race, that child's share of the load.
 fn main() -> ExitCode {
     if race::child_main() {
@@ -263,5 +460,6 @@ fn main() -> ExitCode {
         a_hot_gcra_key_across_four_instances_admits_exactly_its_burst_every_run,
         four_processes_settling_random_costs_are_charged_exactly_the_real_costs,
         four_processes_charging_through_envoys_grpc_service_are_charged_exactly,
+        concurrent_acquires_hold_exactly_the_limit_and_crashed_holders_free_at_expiry,
     )
 }

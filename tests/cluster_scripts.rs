@@ -1,5 +1,6 @@
 //! Every script quotad runs, on a real Redis Cluster, which refuses a script whose keys
 //! are not all in one slot (CROSSSLOT): each algorithm's, the composite script of a group,
+//! a reservation and its settlement, a concurrency limit's lease,
 //! the hot-key slices' takes and returns, and the coordinator's whole lease store (lock and fences, replication and WAIT routed
 //! to the policy's master, books written, read, listed and dropped after a failover,
 //! active keys, counters, the default escrow) beside the global decision script.
@@ -23,6 +24,7 @@ use quotad_daemon::federation::lock::Lock;
 use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::store::cluster::slot;
 use quotad_daemon::store::connect::{Target, Topology};
+use quotad_daemon::store::layout::{PolicyLayout, ReservationId};
 use quotad_daemon::store::{global, scripts};
 
 const ALGORITHMS: [&str; 5] = [
@@ -40,6 +42,7 @@ fn settings() -> Settings {
     for a in ALGORITHMS {
         config = config.policy(Policy::new(a, a, 10, "1s"));
     }
+    config = config.policy(Policy::new("slots", "concurrency", 5, "1m"));
     Settings::parse("cluster.toml", &config.to_toml()).unwrap()
 }
 
@@ -141,6 +144,53 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .unwrap_or_else(|e| panic!("{a} slice return on {key}: {e}"))
         };
         assert_eq!(back, 1, "{a}: the slice's unit did not go back");
+    }
+
+    // A reservation beside its key, and its settlement: two keys, one slot.
+    let settle = redis::Script::new(scripts::SETTLE);
+    for a in ["fixed_window", "token_bucket", "gcra"] {
+        let policy = settings.policies.iter().find(|p| p.name == a).unwrap();
+        let key = layouts.by_name(a).unwrap().storage_key("dave");
+        let id = ReservationId::random();
+        let reservation = PolicyLayout::reservation_key(&key, &id);
+        assert_eq!(slot(&key), slot(&reservation), "{a}");
+        let l = policy.limits();
+        for (mode, cost) in [("reserve", 2), ("settle", 5)] {
+            let reply: Vec<i64> = settle
+                .key(&key)
+                .key(&reservation)
+                .arg(mode)
+                .arg(policy.algorithm.key_tag())
+                .arg(l.limit)
+                .arg(l.window_us)
+                .arg(l.burst)
+                .arg(cost)
+                .arg("m3")
+                .arg(60_000)
+                .invoke(&mut conn)
+                .unwrap_or_else(|e| panic!("{a} {mode} on {key}: {e}"));
+            assert_eq!(reply[0], 1, "{a} {mode}: {reply:?}");
+        }
+    }
+    // A concurrency limit's lease: acquired and released.
+    let concurrency = redis::Script::new(scripts::CONCURRENCY);
+    let slots = settings
+        .concurrency
+        .iter()
+        .find(|c| c.name == "slots")
+        .unwrap();
+    let key = layouts.of_concurrency(slots).storage_key("erin");
+    for (mode, held) in [("acquire", 2), ("release", 0)] {
+        let reply: Vec<i64> = concurrency
+            .key(&key)
+            .arg(mode)
+            .arg(5)
+            .arg("0123456789abcdef0123456789abcdef")
+            .arg(2)
+            .arg(60_000_000)
+            .invoke(&mut conn)
+            .unwrap_or_else(|e| panic!("{mode} on {key}: {e}"));
+        assert_eq!(reply[..2], [1, held], "{mode}: {reply:?}");
     }
 
     let composite = redis::Script::new(scripts::COMPOSITE);

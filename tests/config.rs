@@ -251,6 +251,21 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "concurrency_problems.toml",
+        &[
+            "10: policy[0].limit: must be between 1 and 10000, got 20000",
+            "11: policy[0].window: must be between 100ms and 1day",
+            "12: policy[0].burst: a concurrency limit has no burst",
+            "13: policy[0].hot_key_rate: hot-key slices are units of a rate taken ahead",
+            "14: policy[0].settle_within: a lease is released, not settled",
+            "15: policy[0].shadow: a concurrency limit cannot be in shadow mode",
+            "17: policy[0].global.escrow: a concurrency limit cannot be global",
+            "19: policy[0].forward_auth.key: a proxy's auth subrequest cannot release what it acquired",
+            "22: policy[0].override[0].limit: per-key overrides are not supported for concurrency limits",
+            "33: descriptor[0].policy: \"jobs\" is a concurrency limit",
+        ],
+    ),
+    (
         "settlement_problems.toml",
         &[
             "12: policy[0].settle_within: settlement needs token_bucket, gcra or fixed_window, not sliding_window",
@@ -339,7 +354,7 @@ fn shipped_configs_validate() {
         ("config/examples/login.toml", "2 policies"),
         ("config/examples/api.toml", "1 policy"),
         ("config/examples/envoy.toml", "3 policies"),
-        ("config/examples/llm.toml", "2 policies"),
+        ("config/examples/llm.toml", "3 policies"),
     ] {
         let out = Command::new(quotad_binary())
             .arg("validate")

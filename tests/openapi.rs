@@ -182,6 +182,12 @@ const ELSEWHERE: &[(&str, &str, &str, &str)] = &[
     ),
     ("/readyz", "get", "503", "tests/shutdown.rs (draining)"),
     (
+        "/v1/acquire",
+        "post",
+        "503",
+        "the same shedding as /v1/check (tests/overload.rs)",
+    ),
+    (
         "/v1/authz/{policy}",
         "*",
         "503",
@@ -204,8 +210,14 @@ fn the_spec_is_the_contract() {
         ))
         .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()))
         .policy(Policy::new("metered", "token_bucket", 100, "1s").set("settle_within", "1m"))
+        .policy(Policy::new("streams", "concurrency", 5, "1m"))
         .to_toml();
     let q = Quotad::serve(&config);
+    let (_, _, acquired) = q.post("/v1/acquire", &json!({"policy": "streams", "key": "s"}));
+    let lease = acquired["lease"].clone();
+    let (_, _, extended) = q.post("/v1/acquire", &json!({"policy": "streams", "key": "s"}));
+    let held = |lease: &Value| json!({"policy": "streams", "key": "s", "lease": lease});
+    let nobody = json!("0123456789abcdef0123456789abcdef-1");
     let big = "x".repeat(70_000);
     let (_, _, reserved) = q.post(
         "/v1/check",
@@ -272,6 +284,30 @@ fn the_spec_is_the_contract() {
             "/v1/settle",
             json!({"policy": "metered", "key": "m", "cost": 1}),
         ),
+        case(
+            "POST",
+            "/v1/acquire",
+            "/v1/acquire",
+            json!({"policy": "streams", "key": "s", "units": 2}),
+        ),
+        case(
+            "POST",
+            "/v1/acquire",
+            "/v1/acquire",
+            json!({"policy": "streams", "key": "s", "units": 0}),
+        ),
+        case(
+            "POST",
+            "/v1/acquire",
+            "/v1/acquire",
+            json!({"policy": "nope", "key": "s"}),
+        ),
+        case("POST", "/v1/release", "/v1/release", held(&lease)),
+        case("POST", "/v1/release", "/v1/release", held(&json!("x"))),
+        case("POST", "/v1/release", "/v1/release", held(&nobody)),
+        case("POST", "/v1/extend", "/v1/extend", held(&extended["lease"])),
+        case("POST", "/v1/extend", "/v1/extend", held(&json!("x"))),
+        case("POST", "/v1/extend", "/v1/extend", held(&nobody)),
         case("GET", "/v1/policies", "/v1/policies", Value::Null),
         case("GET", "/v1/status", "/v1/status", Value::Null),
         case("GET", "/healthz", "/healthz", Value::Null),
@@ -286,9 +322,11 @@ fn the_spec_is_the_contract() {
     let mut c = case("POST", "/v1/reset", "/v1/reset", json!("x"));
     c.headers = vec![("content-type", "text/plain")];
     cases.push(c);
-    let mut c = case("POST", "/v1/settle", "/v1/settle", json!("x"));
-    c.headers = vec![("content-type", "text/plain")];
-    cases.push(c);
+    for path in ["/v1/settle", "/v1/acquire", "/v1/release", "/v1/extend"] {
+        let mut c = case("POST", path, path, json!("x"));
+        c.headers = vec![("content-type", "text/plain")];
+        cases.push(c);
+    }
     for m in ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"] {
         let route = "/v1/authz/{policy}";
         let key: &'static str = Box::leak(format!("k-{m}").into_boxed_str());
@@ -343,6 +381,7 @@ fn the_spec_is_the_contract() {
         &common::Config::redis(&redis.url())
             .policy(Policy::new("api", "fixed_window", 1, "1h"))
             .policy(Policy::new("metered", "token_bucket", 100, "1s").set("settle_within", "1m"))
+            .policy(Policy::new("streams", "concurrency", 5, "1m"))
             .to_toml(),
     );
     let (status, _, text) = request(plain.port, "POST", "/v1/peer/exchange", &[], "{}").unwrap();
@@ -392,6 +431,22 @@ fn the_spec_is_the_contract() {
     let schema = err.pointer("/content/application~1json/schema").unwrap();
     conforms(&spec, schema, &serde_json::from_str(&text).unwrap()).unwrap();
     covered.insert(("/v1/settle".into(), "post".into(), "503".into()));
+    // Nor a release or an extend.
+    for path in ["/v1/release", "/v1/extend"] {
+        let (status, _, text) = request(
+            plain.port,
+            "POST",
+            path,
+            &json_ct,
+            &held(&lease).to_string(),
+        )
+        .unwrap();
+        assert_eq!(status, 503, "{path}: {text}");
+        let err = resolve(&spec, &spec["paths"][path]["post"]["responses"]["503"]);
+        let schema = err.pointer("/content/application~1json/schema").unwrap();
+        conforms(&spec, schema, &serde_json::from_str(&text).unwrap()).unwrap();
+        covered.insert((path.into(), "post".into(), "503".into()));
+    }
 
     let elsewhere = |route: &str, method: &str, status: &str| {
         ELSEWHERE

@@ -65,6 +65,7 @@ fn config(region: &str, peer: &str, peer_url: &str, redis: &RedisServer) -> Stri
                 .on_store_error("open")
                 .set("settle_within", "1m"),
         )
+        .policy(Policy::new("streams", "concurrency", 10, "1m").on_store_error("open"))
         .descriptor("envoy", Descriptor::new("user").policy("api"))
         .to_toml()
 }

@@ -187,7 +187,7 @@ fn policies_endpoint_and_metric_catalogue() {
         "quotad_check_duration_seconds_bucket",
         "quotad_store_errors_total{kind=\"timeout\"} 0",
         "quotad_store_up 1",
-        "quotad_script_loads_total 7", // five algorithms, the composite and settle scripts
+        "quotad_script_loads_total 8", // five algorithms, the composite, settle and concurrency scripts
         "quotad_build_info{revision=",
     ] {
         assert!(metrics.contains(name), "/metrics lacks {name}");

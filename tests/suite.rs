@@ -26,6 +26,7 @@ mod clock_jump;
 mod cluster_faults;
 mod cluster_scripts;
 mod coalescing;
+mod concurrency;
 mod config;
 mod connections;
 mod coordinator_scale;

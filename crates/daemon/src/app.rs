@@ -84,6 +84,7 @@ pub fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layouts {
         globals.chain(local),
         region.as_ref(),
     )
+    .with_concurrency(policies.concurrency_limits().map(|c| &**c))
 }
 
 /// Binds the configured endpoint and serves until `shutdown` is cancelled.
@@ -132,6 +133,9 @@ pub async fn serve_both(
         .filter(|p| p.settle_within.is_some())
     {
         metrics.preregister_settlements(&p.name);
+    }
+    for c in &settings.concurrency {
+        metrics.preregister_concurrency(&c.name);
     }
     let layouts = Arc::new(layouts(&settings));
     let background = Background::default();

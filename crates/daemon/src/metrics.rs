@@ -19,6 +19,9 @@ pub static REVISION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::ne
 pub const SETTLE_RESULTS: [&str; 5] =
     ["settled", "already_settled", "unknown", "charged", "failed"];
 
+/// The events of a lease's units (`quotad_lease_units_total{event}`).
+pub const LEASE_EVENTS: [&str; 4] = ["acquired", "released", "extended", "expired"];
+
 /// The results of a config reload (`quotad_config_reloads_total{result}`).
 pub const RELOAD_RESULTS: [&str; 3] = ["ok", "invalid", "refused"];
 
@@ -141,6 +144,11 @@ pub struct Metrics {
     /// `quotad_settled_units_total{policy,direction}`: units `charged` beyond the
     /// estimates (a gRPC charge is charged whole) and `refunded` below them.
     pub settled_units: IntCounterVec,
+    /// `quotad_lease_units_total{policy,event}`: units of concurrency limits' leases
+    /// `acquired`, `released`, `extended`, and `expired` (found ended by an operation on
+    /// their key: a holder that never released; counted once, by the instance whose
+    /// operation dropped them).
+    pub lease_units: IntCounterVec,
     /// `quotad_config_reloads_total{result}`: reloads of the config file (SIGHUP or a
     /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
     /// that cannot apply without a restart). The running config stays on all but `ok`.
@@ -519,6 +527,10 @@ impl Metrics {
                 "quotad_settled_units_total",
                 "Units charged beyond the estimates, and refunded below them, by policy.",
             )),
+            lease_units: c.labels(&["policy", "event"]).counter(Opts::new(
+                "quotad_lease_units_total",
+                "Units of concurrency leases acquired, released, extended and expired, by policy.",
+            )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",
                 "Config reloads by result (ok, invalid, refused).",
@@ -559,6 +571,16 @@ impl Metrics {
                 REVISION.get().copied().unwrap_or("unknown"),
             ])
             .set(1);
+    }
+
+    /// The zero series of a concurrency limit.
+    pub fn preregister_concurrency(&self, policy: &str) {
+        for o in OUTCOMES {
+            self.decisions.with_label_values(&[policy, o]);
+        }
+        for e in LEASE_EVENTS {
+            self.lease_units.with_label_values(&[policy, e]);
+        }
     }
 
     /// The zero series of a policy that takes settlements.

@@ -67,7 +67,9 @@ impl Live {
 
 /// The policies of `settings` with their per-key overrides, as a reload puts them in force.
 pub fn policies(settings: &Settings) -> Policies {
-    Policies::new(settings.policies.iter().cloned()).with_overrides(settings.overrides.clone())
+    Policies::new(settings.policies.iter().cloned())
+        .with_overrides(settings.overrides.clone())
+        .with_concurrency(settings.concurrency.iter().cloned())
 }
 
 /// The live config, swapped whole by a reload. A std RwLock: held only to clone the Arc.

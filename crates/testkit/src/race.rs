@@ -6,10 +6,11 @@
 //! the requests, prints a tally and exits instead of running tests. So the race is
 //! between OS processes end to end, each with its own connections and runtime.
 
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// Set in the environment of a child: the mode it runs (`http` or `naive`).
+/// Set in the environment of a child: the mode it runs (`http`, `acquire`, `naive`, or
+/// one of [`crate::metered::MODES`]).
 const MODE: &str = "QUOTAD_CHILD_MODE";
 
 /// What the children of one race got back, summed.
@@ -52,9 +53,53 @@ impl Race {
         key: &str,
         limit: u64,
     ) -> Tally {
+        let mut tally = Tally {
+            allowed: 0,
+            answered: 0,
+        };
+        for c in self.spawn(mode, targets, policy, key, limit) {
+            let out = c.wait_with_output().expect("child");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let err = String::from_utf8_lossy(&out.stderr);
+            let t = result_of(&text, &err);
+            tally.allowed += t.allowed;
+            tally.answered += t.answered;
+        }
+        tally
+    }
+
+    /// Acquires of `policy` on `key` from the children, each of which then keeps running
+    /// holding what it got, until the caller kills it: clients that crash holding leases.
+    /// Returns once every child has its answers: what they hold, and the children.
+    pub fn hold_across(&self, targets: &[&str], policy: &str, key: &str) -> (Tally, Vec<Child>) {
+        let mut children = self.spawn("hold", targets, policy, key, 0);
+        let mut tally = Tally {
+            allowed: 0,
+            answered: 0,
+        };
+        for c in &mut children {
+            let out = c.stdout.take().expect("the child's stdout");
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line)
+                .expect("the child's result");
+            let t = result_of(&line, "(still running)");
+            tally.allowed += t.allowed;
+            tally.answered += t.answered;
+        }
+        (tally, children)
+    }
+
+    fn spawn(
+        &self,
+        mode: &str,
+        targets: &[&str],
+        policy: &str,
+        key: &str,
+        limit: u64,
+    ) -> Vec<Child> {
         let go_at = unix_ms() + 1500; // every child is connected and waiting by then
         let exe = std::env::current_exe().unwrap();
-        let children: Vec<_> = (0..self.processes)
+        (0..self.processes)
             .map(|i| {
                 let target = targets[i % targets.len()];
                 Command::new(&exe)
@@ -70,39 +115,27 @@ impl Race {
                     .spawn()
                     .expect("spawn child")
             })
-            .collect();
-        let mut tally = Tally {
-            allowed: 0,
-            answered: 0,
-        };
-        for c in children {
-            let out = c.wait_with_output().expect("child");
-            let text = String::from_utf8_lossy(&out.stdout);
-            let line = text
-                .lines()
-                .find_map(|l| l.find("RESULT ").map(|i| &l[i..]))
-                .unwrap_or_else(|| {
-                    panic!(
-                        "child gave no result: {text}\n{}",
-                        String::from_utf8_lossy(&out.stderr)
-                    )
-                });
-            let field = |name: &str| -> usize {
-                line.split_whitespace()
-                    .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
-                    .and_then(|v| v.parse().ok())
-                    .unwrap()
-            };
-            tally.allowed += field("allowed");
-            tally.answered += field("allowed") + field("denied");
-            assert_eq!(
-                field("errors"),
-                0,
-                "child errors: {line}\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        tally
+            .collect()
+    }
+}
+
+/// A child's `RESULT allowed=… denied=… errors=…` line in `text`; panics on none, or on
+/// errors.
+fn result_of(text: &str, stderr: &str) -> Tally {
+    let line = text
+        .lines()
+        .find_map(|l| l.find("RESULT ").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("child gave no result: {text}\n{stderr}"));
+    let field = |name: &str| -> usize {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name).and_then(|v| v.strip_prefix('=')))
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    assert_eq!(field("errors"), 0, "child errors: {line}\n{stderr}");
+    Tally {
+        allowed: field("allowed"),
+        answered: field("allowed") + field("denied"),
     }
 }
 
@@ -138,12 +171,15 @@ fn child_load(mode: &str) {
     let (allowed, denied, errors) = rt.block_on(async move {
         let wait = go_at.saturating_sub(unix_ms());
         match mode {
-            "http" => {
+            // Checks of a rate policy, or acquires of a concurrency limit (never released:
+            // the child exits holding what it got, as a crashed client would).
+            "http" | "acquire" | "hold" => {
                 let client = reqwest::Client::builder()
                     .timeout(Duration::from_secs(20))
                     .build()
                     .unwrap();
-                let url = format!("{target}/v1/check");
+                let path = if mode == "http" { "check" } else { "acquire" };
+                let url = format!("{target}/v1/{path}");
                 let body = serde_json::json!({"policy": policy, "key": key});
                 // Open the connections first so the requests leave together.
                 futures_util::future::join_all(
@@ -205,6 +241,12 @@ fn child_load(mode: &str) {
         }
     });
     println!("RESULT allowed={allowed} denied={denied} errors={errors}");
+    if mode == "hold" {
+        // Holding what it acquired until killed (a crash, never a release).
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::thread::sleep(Duration::from_secs(3600));
+    }
 }
 
 /// Every algorithm quotad has, by its config name.

@@ -21,6 +21,9 @@ use crate::reload::LiveConfig;
 pub const CHECK: &str = "/v1/check";
 pub const RESET: &str = "/v1/reset";
 pub const SETTLE: &str = "/v1/settle";
+pub const ACQUIRE: &str = "/v1/acquire";
+pub const RELEASE: &str = "/v1/release";
+pub const EXTEND: &str = "/v1/extend";
 pub const AUTHZ: &str = "/v1/authz/{policy}";
 pub const POLICIES: &str = "/v1/policies";
 pub const STATUS: &str = "/v1/status";
@@ -29,10 +32,13 @@ pub const READYZ: &str = "/readyz";
 pub const METRICS: &str = "/metrics";
 
 /// Every route without a path parameter.
-const FIXED: [&str; 9] = [
+const FIXED: [&str; 12] = [
     CHECK,
     RESET,
     SETTLE,
+    ACQUIRE,
+    RELEASE,
+    EXTEND,
     POLICIES,
     STATUS,
     EXCHANGE_PATH,

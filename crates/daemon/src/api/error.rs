@@ -48,6 +48,12 @@ pub enum ApiError {
         "reservation: no such reservation of this policy and key (never made, denied, or older than the policy's settle_within); nothing was charged, the estimate stands"
     )]
     UnknownReservation,
+    /// `POST /v1/release` or `/v1/extend` of a lease the key does not hold (never
+    /// acquired, released already, or ended by expiry): nothing changed.
+    #[error(
+        "lease: the key holds no such lease (never acquired, released already, or ended by its expiry); nothing changed"
+    )]
+    UnknownLease,
     /// Shed by admission control (see `store::admission`): quotad is at its Redis
     /// concurrency limit. Not a decision; nothing was charged. 503 with `Retry-After`.
     #[error("overloaded ({0}): nothing was charged; retry after the Retry-After delay")]
@@ -69,9 +75,10 @@ impl ApiError {
             | ApiError::InvalidBody(_)
             | ApiError::BatchTooLarge { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ApiError::UnknownPolicy { .. } | ApiError::UnknownReservation | ApiError::NotFound => {
-                StatusCode::NOT_FOUND
-            }
+            ApiError::UnknownPolicy { .. }
+            | ApiError::UnknownReservation
+            | ApiError::UnknownLease
+            | ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -87,6 +94,7 @@ impl ApiError {
             ApiError::InvalidRequest { .. } => "invalid_request",
             ApiError::UnknownPolicy { .. } => "unknown_policy",
             ApiError::UnknownReservation => "unknown_reservation",
+            ApiError::UnknownLease => "unknown_lease",
             ApiError::BatchTooLarge { .. } => "batch_too_large",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::InvalidBody(_) => "invalid_body",
@@ -107,6 +115,7 @@ impl ApiError {
             }
             ApiError::BatchTooLarge { .. } => Some("checks"),
             ApiError::UnknownReservation => Some("reservation"),
+            ApiError::UnknownLease => Some("lease"),
             _ => None,
         }
     }

@@ -9,6 +9,7 @@ pub mod forward_auth;
 pub mod grpc;
 pub mod headers;
 pub mod key;
+mod leases;
 pub mod request;
 pub mod request_log;
 
@@ -59,11 +60,17 @@ pub fn router(state: AppState) -> Router {
         metrics: state.metrics.clone(),
         live: state.live.clone(),
     };
-    use answers::{AUTHZ, CHECK, HEALTHZ, METRICS, POLICIES, READYZ, RESET, SETTLE, STATUS};
+    use answers::{
+        ACQUIRE, AUTHZ, CHECK, EXTEND, HEALTHZ, METRICS, POLICIES, READYZ, RELEASE, RESET, SETTLE,
+        STATUS,
+    };
     Router::new()
         .route(CHECK, post(check))
         .route(RESET, post(reset))
         .route(SETTLE, post(settle))
+        .route(ACQUIRE, post(leases::acquire))
+        .route(RELEASE, post(leases::release))
+        .route(EXTEND, post(leases::extend))
         .route(AUTHZ, any(forward_auth::authz))
         .route(POLICIES, get(policies))
         .route(STATUS, get(status))
@@ -247,6 +254,22 @@ async fn policies(State(state): State<AppState>) -> Response {
             })
         })
         .collect();
+    // Concurrency limits: `limit` units held at once, a lease of `window_ms` at most.
+    let limits = live.policies.concurrency_limits().map(|c| {
+        json!({
+            "name": c.name,
+            "algorithm": "concurrency",
+            "limit": c.limit.get(),
+            "window_ms": c.lease.as_millis() as u64,
+            "burst": c.limit.get(),
+            "on_store_error": c.on_store_error.name(),
+            "shadow": false,
+            "settle_within_ms": null,
+            "effective_limit": c.limit.get(),
+            "overrides": [],
+        })
+    });
+    let list: Vec<Value> = list.into_iter().chain(limits).collect();
     let body = json!({"store": state.store.describe(), "config_hash": live.hash, "policies": list});
     Json(body).into_response()
 }

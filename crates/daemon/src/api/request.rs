@@ -7,9 +7,10 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use crate::api::error::ApiError;
-use crate::limiter::Check;
-use crate::policy::{Policies, Policy};
+use crate::limiter::{Acquire, Check, Held, LeaseId};
+use crate::policy::{ConcurrencyPolicy, Policies, Policy};
 use crate::store::layout::ReservationId;
+use std::time::Duration;
 
 /// Caps from `[server]`.
 #[derive(Debug, Clone, Copy)]
@@ -194,9 +195,107 @@ fn policy<'a>(
     prefix: &str,
 ) -> Result<&'a Arc<Policy>, ApiError> {
     let name = string_field(obj, "policy", prefix)?;
+    if policies.concurrency(name).is_some() {
+        return Err(ApiError::invalid(
+            format!("{prefix}policy"),
+            format!(
+                "\"{name}\" is a concurrency limit: acquire and release it (POST /v1/acquire, /v1/release)"
+            ),
+        ));
+    }
     policies.get(name).ok_or_else(|| ApiError::UnknownPolicy {
         field: format!("{prefix}policy"),
         name: name.chars().take(80).collect(),
+    })
+}
+
+/// The concurrency limit a lease request names (a rate policy: 400; none: 404).
+fn concurrency_policy<'a>(
+    policies: &'a Policies,
+    obj: &Map<String, Value>,
+) -> Result<&'a Arc<ConcurrencyPolicy>, ApiError> {
+    let name = string_field(obj, "policy", "")?;
+    if policies.get(name).is_some() {
+        return Err(ApiError::invalid(
+            "policy",
+            format!("\"{name}\" is a rate policy: check it with POST /v1/check"),
+        ));
+    }
+    policies
+        .concurrency(name)
+        .ok_or_else(|| ApiError::UnknownPolicy {
+            field: "policy".into(),
+            name: name.chars().take(80).collect(),
+        })
+}
+
+/// `hold_ms`: how long a lease lasts from now, 1 ms to the policy's lease (absent: the
+/// policy's lease).
+fn hold(obj: &Map<String, Value>, policy: &ConcurrencyPolicy) -> Result<Duration, ApiError> {
+    let most = policy.lease.as_millis() as u64;
+    if !obj.contains_key("hold_ms") {
+        return Ok(policy.lease);
+    }
+    let ms = units(obj, "hold_ms", "", most, || {
+        format!("at most the lease of policy \"{}\", {most} ms", policy.name)
+    })?;
+    if ms == 0 {
+        return Err(ApiError::invalid("hold_ms", "must be at least 1"));
+    }
+    Ok(Duration::from_millis(ms))
+}
+
+/// A parsed `POST /v1/acquire` body.
+pub fn parse_acquire(v: &Value, policies: &Policies, caps: &Caps) -> Result<Acquire, ApiError> {
+    let obj = object(v, "body")?;
+    no_unknown_fields(obj, &["policy", "key", "units", "hold_ms"], "")?;
+    let policy = concurrency_policy(policies, obj)?.clone();
+    let key = key(obj, "", caps)?;
+    let limit = policy.limit.get();
+    let units = units(obj, "units", "", limit, || {
+        format!("at most the limit {limit} of policy \"{}\"", policy.name)
+    })?;
+    if units == 0 {
+        return Err(ApiError::invalid("units", "must be at least 1"));
+    }
+    let hold = hold(obj, &policy)?;
+    Ok(Acquire {
+        policy,
+        key,
+        units,
+        hold,
+    })
+}
+
+/// A parsed `POST /v1/release` or `POST /v1/extend` body (`extend`: it may name a hold).
+pub fn parse_held(
+    v: &Value,
+    policies: &Policies,
+    caps: &Caps,
+    extend: bool,
+) -> Result<Held, ApiError> {
+    let obj = object(v, "body")?;
+    let fields: &[&str] = if extend {
+        &["policy", "key", "lease", "hold_ms"]
+    } else {
+        &["policy", "key", "lease"]
+    };
+    no_unknown_fields(obj, fields, "")?;
+    let policy = concurrency_policy(policies, obj)?.clone();
+    let key = key(obj, "", caps)?;
+    let text = string_field(obj, "lease", "")?;
+    let lease = LeaseId::parse(text, policy.limit.get()).ok_or_else(|| {
+        ApiError::invalid(
+            "lease",
+            "must be a lease an acquire of this policy returned",
+        )
+    })?;
+    let hold = hold(obj, &policy)?;
+    Ok(Held {
+        policy,
+        key,
+        lease,
+        hold,
     })
 }
 

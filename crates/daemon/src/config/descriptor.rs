@@ -55,6 +55,8 @@ pub struct DescriptorNode {
 struct Names<'a> {
     policies: &'a [&'a str],
     settling: &'a [&'a str],
+    /// Concurrency limits: named by no descriptor (Envoy cannot release a lease).
+    concurrency: &'a [&'a str],
 }
 
 /// A level's `(key, value)` pairs so far (duplicates are errors).
@@ -150,6 +152,7 @@ impl Validator<'_> {
         raw: &[raw::Descriptor],
         policies: &[&str],
         settling: &[&str],
+        concurrency: &[&str],
     ) -> Descriptors {
         let mut domains: HashMap<String, Vec<DescriptorNode>> = HashMap::new();
         let mut seen: HashMap<String, Vec<Seen>> = HashMap::new();
@@ -170,7 +173,11 @@ impl Validator<'_> {
                     continue;
                 }
             };
-            let names = Names { policies, settling };
+            let names = Names {
+                policies,
+                settling,
+                concurrency,
+            };
             let node =
                 self.descriptor_node(d, &field, &names, seen.entry(domain.clone()).or_default());
             if let Some(node) = node {
@@ -221,7 +228,7 @@ impl Validator<'_> {
         let policy = d
             .policy
             .as_ref()
-            .and_then(|p| self.descriptor_policy(p, field, names.policies));
+            .and_then(|p| self.descriptor_policy(p, field, names));
         let charge = d.charge.as_ref().is_some_and(|c| *c.get_ref());
         if let Some(c) = d.charge.as_ref().filter(|c| *c.get_ref()) {
             let why = match &policy {
@@ -267,9 +274,17 @@ impl Validator<'_> {
         &mut self,
         p: &Spanned<String>,
         field: &str,
-        policies: &[&str],
+        names: &Names<'_>,
     ) -> Option<String> {
-        if policies.contains(&p.get_ref().as_str()) {
+        let name = p.get_ref().as_str();
+        if names.concurrency.contains(&name) {
+            let why = format!(
+                "\"{name}\" is a concurrency limit: Envoy's rate-limit calls name no lease to release, so a descriptor cannot hold one; acquire and release it from the service (docs/envoy.md)"
+            );
+            self.error(p, &format!("{field}.policy"), why);
+            return None;
+        }
+        if names.policies.contains(&name) {
             return Some(p.get_ref().clone());
         }
         let why = format!(

@@ -11,6 +11,7 @@
 //! `server` (`[server]`), `store` (`[store]`), `coordinator` (`[coordinator]`, `[[peer]]`)
 //! and `policy` (`[[policy]]`, `[policy.global]`).
 
+mod concurrency;
 mod coordinator;
 mod descriptor;
 mod forward_auth;
@@ -27,7 +28,7 @@ use std::time::Duration;
 
 use toml::Spanned;
 
-use crate::policy::{FailMode, Policy, PolicySpec};
+use crate::policy::{ConcurrencyPolicy, FailMode, Policy, PolicySpec};
 use quotad_core::algorithm::Algorithm;
 
 pub use coordinator::{
@@ -99,6 +100,8 @@ pub struct Settings {
     /// holds at most.
     pub memory_max_keys: usize,
     pub policies: Vec<Policy>,
+    /// `[[policy]]` with `algorithm = "concurrency"`: concurrency limits.
+    pub concurrency: Vec<ConcurrencyPolicy>,
     /// Present when at least one policy is global.
     pub global: Option<GlobalSettings>,
     /// `[policy.forward_auth]` of the policies that have one, by policy name.
@@ -142,6 +145,7 @@ impl Settings {
             key_prefix: DEFAULT_KEY_PREFIX.into(),
             memory_max_keys: DEFAULT_MEMORY_MAX_KEYS as usize,
             policies: vec![policy],
+            concurrency: Vec::new(),
             global: None,
             forward_auth: ForwardAuths::new(),
             overrides: Overrides::new(),
@@ -331,12 +335,17 @@ impl Validator<'_> {
         let coordinator = raw.coordinator.unwrap_or_default();
         let peers = self.peers(&region, &raw.peer, &coordinator);
         let regions = coordinator::regions(&region, &peers);
-        let (policies, timing, overrides) =
-            self.policies(&raw.policy, &regions, !raw.peer.is_empty());
+        let policy::Compiled {
+            policies,
+            concurrency,
+            timing,
+            overrides,
+        } = self.policies(&raw.policy, &regions, !raw.peer.is_empty());
         let forward_auth = raw
             .policy
             .iter()
             .enumerate()
+            .filter(|(_, p)| !policy::is_concurrency(p))
             .filter_map(|(i, p)| {
                 let f = self.forward_auth(i, p.forward_auth.as_ref()?)?;
                 Some((p.name.get_ref().clone(), f))
@@ -359,7 +368,8 @@ impl Validator<'_> {
             .filter(|p| p.settle_within.is_some())
             .map(|p| p.name.as_str())
             .collect();
-        let descriptors = self.descriptors(&raw.descriptor, &names, &settling);
+        let limits: Vec<&str> = concurrency.iter().map(|c| c.name.as_str()).collect();
+        let descriptors = self.descriptors(&raw.descriptor, &names, &settling, &limits);
         let global = timing.map(|timing| {
             self.global(
                 &coordinator,
@@ -377,6 +387,7 @@ impl Validator<'_> {
             key_prefix,
             memory_max_keys,
             policies,
+            concurrency,
             global,
             forward_auth,
             overrides,

@@ -8,7 +8,9 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::{ConfigError, NAME_RULE, Validator, raw};
-use crate::policy::{self, FailMode, GlobalSpec, KeyMatch, Override, Policy, PolicySpec};
+use crate::policy::{
+    self, ConcurrencyPolicy, FailMode, GlobalSpec, KeyMatch, Override, Policy, PolicySpec,
+};
 use crate::store::layout::GLOBAL_KEEP_MS;
 use quotad_core::algorithm::Algorithm;
 use quotad_core::coordinator::Mode;
@@ -38,6 +40,20 @@ fn policy_field(i: usize, name: &str) -> String {
 
 fn global_field(i: usize, name: &str) -> String {
     format!("policy[{i}].global.{name}")
+}
+
+/// What `[[policy]]` compiles to.
+pub(super) struct Compiled {
+    pub policies: Vec<Policy>,
+    pub concurrency: Vec<ConcurrencyPolicy>,
+    /// The lease and round of the global policies, if any.
+    pub timing: Option<Timing>,
+    pub overrides: Overrides,
+}
+
+/// Whether `[[policy]]` `p` is a concurrency limit (`config::concurrency`).
+pub(super) fn is_concurrency(p: &raw::Policy) -> bool {
+    p.algorithm.get_ref() == "concurrency"
 }
 
 /// Per-key overrides by policy name.
@@ -170,9 +186,10 @@ impl Validator<'_> {
         raw: &[raw::Policy],
         regions: &[String],
         has_peers: bool,
-    ) -> (Vec<Policy>, Option<Timing>, Overrides) {
+    ) -> Compiled {
         let mut timing = None;
         let mut policies = Vec::new();
+        let mut concurrency = Vec::new();
         let mut overrides = Overrides::new();
         let mut names = BTreeSet::new();
         if raw.is_empty() {
@@ -184,6 +201,17 @@ impl Validator<'_> {
             });
         }
         for (i, p) in raw.iter().enumerate() {
+            if is_concurrency(p) {
+                if let Some(c) = self.concurrency_policy(i, p) {
+                    if names.insert(c.name.clone()) {
+                        concurrency.push(c);
+                    } else {
+                        let why = format!("duplicate policy name \"{}\"", c.name);
+                        self.error(&p.name, &policy_field(i, "name"), why);
+                    }
+                }
+                continue;
+            }
             let global = p
                 .global
                 .as_ref()
@@ -204,7 +232,12 @@ impl Validator<'_> {
                 }
             }
         }
-        (policies, timing, overrides)
+        Compiled {
+            policies,
+            concurrency,
+            timing,
+            overrides,
+        }
     }
 
     /// One `[[policy]]`: each field on its own, then the rates together (only when every
@@ -247,7 +280,7 @@ impl Validator<'_> {
             window,
             burst,
             on_store_error,
-            shadow: p.shadow.unwrap_or(false),
+            shadow: p.shadow.as_ref().is_some_and(|s| *s.get_ref()),
             global,
         });
         if policy.is_none() {
@@ -405,7 +438,7 @@ impl Validator<'_> {
     }
 
     /// `on_store_error`: what a check answers while the store is unusable (open by default).
-    fn on_store_error(&mut self, i: usize, mode: Option<&Spanned<String>>) -> FailMode {
+    pub(super) fn on_store_error(&mut self, i: usize, mode: Option<&Spanned<String>>) -> FailMode {
         match mode.map(|s| (s, s.get_ref().as_str())) {
             None => FailMode::Open,
             Some((_, "open")) => FailMode::Open,

@@ -138,7 +138,7 @@ pub struct Policy {
     pub window: Spanned<String>,
     pub burst: Option<Spanned<i64>>,
     pub on_store_error: Option<Spanned<String>>,
-    pub shadow: Option<bool>,
+    pub shadow: Option<Spanned<bool>>,
     /// Checks per second of one key on one instance from which it takes slices
     /// (`store::hot`); absent: never.
     pub hot_key_rate: Option<Spanned<i64>>,

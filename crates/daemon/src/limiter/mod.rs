@@ -22,7 +22,9 @@ use crate::store::memory::MemoryStore;
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
+mod lease;
 mod settle;
+pub use lease::{Acquire, Acquired, Held, LeaseError, LeaseId};
 pub use settle::SettleError;
 
 /// How a decision was reached: the API's `outcome` and the metrics' label.

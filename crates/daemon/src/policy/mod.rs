@@ -58,6 +58,27 @@ pub struct Policy {
     pub settle_within: Option<Duration>,
 }
 
+/// A concurrency limit (`algorithm = "concurrency"`): at most `limit` units of a key held
+/// at once, each lease ending at most `lease` after it was acquired or last extended,
+/// by the store's clock (`quotad_core::concurrency`). A local policy of its own kind:
+/// it is acquired and released (`/v1/acquire`, `/v1/release`, `/v1/extend`), never
+/// checked, and has no burst, overrides, global budget, hot keys or settlement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConcurrencyPolicy {
+    pub name: String,
+    pub limit: NonZeroU64,
+    /// The longest a lease lasts without an extend (the policy's `window`), and the hold
+    /// of an acquire or extend that names none.
+    pub lease: Duration,
+    pub on_store_error: FailMode,
+}
+
+/// Units a concurrency limit may hold at once: one sorted-set entry each.
+pub const MAX_CONCURRENCY: u64 = 10_000;
+/// The shortest and longest lease of a concurrency limit.
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
+pub const MAX_LEASE: Duration = Duration::from_secs(86_400);
+
 /// How a global policy splits its budget (validated by the config layer).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GlobalSpec {
@@ -254,6 +275,8 @@ pub struct Policies {
     exact: BTreeMap<String, std::collections::HashMap<String, Arc<Policy>>>,
     /// The prefix and glob overrides, by policy name, in config order.
     patterns: BTreeMap<String, Vec<Override>>,
+    /// Concurrency limits, by name (no rate policy has the same name).
+    concurrency: BTreeMap<String, Arc<ConcurrencyPolicy>>,
 }
 
 /// Which keys an override applies to.
@@ -293,7 +316,26 @@ impl Policies {
             overrides: BTreeMap::new(),
             exact: BTreeMap::new(),
             patterns: BTreeMap::new(),
+            concurrency: BTreeMap::new(),
         }
+    }
+
+    /// With concurrency limits (names validated unique by the config).
+    pub fn with_concurrency(mut self, limits: impl IntoIterator<Item = ConcurrencyPolicy>) -> Self {
+        self.concurrency = limits
+            .into_iter()
+            .map(|p| (p.name.clone(), Arc::new(p)))
+            .collect();
+        self
+    }
+
+    /// The concurrency limit named `name`.
+    pub fn concurrency(&self, name: &str) -> Option<&Arc<ConcurrencyPolicy>> {
+        self.concurrency.get(name)
+    }
+
+    pub fn concurrency_limits(&self) -> impl Iterator<Item = &Arc<ConcurrencyPolicy>> {
+        self.concurrency.values()
     }
 
     /// With per-key overrides, by policy name (validated by the config).

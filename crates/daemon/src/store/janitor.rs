@@ -298,6 +298,19 @@ mod tests {
         assert_eq!(repair_ttl_ms(&l, &reservation), Some(year_ms + 1000));
     }
 
+    /// A concurrency limit's key lives until its latest lease ends: at most a lease.
+    #[test]
+    fn a_concurrency_limits_key_gets_its_lease_plus_grace() {
+        let c = crate::policy::ConcurrencyPolicy {
+            name: "jobs".into(),
+            limit: std::num::NonZeroU64::new(5).unwrap(),
+            lease: Duration::from_secs(30),
+            on_store_error: FailMode::Open,
+        };
+        let l = Layouts::new(Layout::new("rl"), [], None).with_concurrency([&c]);
+        assert_eq!(repair_ttl_ms(&l, "rl:jobs:cc:{alice}"), Some(30_000 + 1000));
+    }
+
     #[test]
     fn orphans_go_soon_and_the_coordinator_and_strangers_are_left_alone() {
         let l = layouts();

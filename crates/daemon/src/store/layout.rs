@@ -13,6 +13,8 @@
 //! - `<prefix>:<policy>:<tag>:{<user key>}`: a key's state. `<tag>` is the algorithm's
 //!   (`fw`, `sl`, `sw`, `tb`, `gc`); the escaped user key is the hash tag, so keys spread
 //!   over the cluster's masters.
+//! - `<prefix>:<policy>:cc:{<user key>}`: a concurrency limit's key, a sorted set of the
+//!   units held (`lua/concurrency.lua`).
 //! - `<prefix>:<policy>:<tag>:{<user key>}:r:<id>`: a reservation of that key awaiting its
 //!   settlement (`lua/settle.lua`), in the key's slot; `<id>` is quotad's, 32 hex digits.
 //!   No other key has `:r:` after its closing brace.
@@ -34,13 +36,16 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::policy::Policy;
+use crate::policy::{ConcurrencyPolicy, Policy};
 use crate::store::memory::TTL_GRACE_MS;
 use quotad_core::coordinator::{RegionId, escrow_share};
 
 /// How long every key of a global policy lives after its last touch, in ms: longer than
 /// any lease, so a book outlives what it records.
 pub const GLOBAL_KEEP_MS: i64 = 3_600_000;
+
+/// The tag of a concurrency limit's keys.
+const CONCURRENCY_TAG: &str = "cc";
 
 /// The tag of a global policy's keys in place of the algorithm's.
 const GLOBAL_TAG: &str = "g";
@@ -140,9 +145,21 @@ impl Layout {
         };
         PolicyLayout {
             stem,
-            algorithm: policy.algorithm,
+            tag: policy.algorithm.key_tag(),
             global,
             repair_ttl_ms,
+        }
+    }
+
+    /// Where a concurrency limit's keys live: `<prefix>:<policy>:cc:{<user key>}`, each a
+    /// sorted set of the units held, living until its latest lease ends.
+    pub fn concurrency(&self, policy: &ConcurrencyPolicy) -> PolicyLayout {
+        let lease_ms = policy.lease.as_millis() as i64;
+        PolicyLayout {
+            stem: format!("{}:{}:{CONCURRENCY_TAG}:", self.prefix, policy.name),
+            tag: CONCURRENCY_TAG,
+            global: None,
+            repair_ttl_ms: lease_ms + TTL_GRACE_MS,
         }
     }
 
@@ -208,9 +225,10 @@ pub struct RegionPlace {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyLayout {
     stem: String,
-    /// The algorithm the stem was built for: a policy reloaded with another one gets
-    /// other keys (states of two algorithms must never meet in one key).
-    algorithm: quotad_core::algorithm::Algorithm,
+    /// The tag the stem was built with (the algorithm's, or a concurrency limit's): a
+    /// policy reloaded with another algorithm gets other keys (states of two algorithms
+    /// must never meet in one key).
+    tag: &'static str,
     /// Set exactly for global policies (shared: every check of the policy carries it).
     pub global: Option<Arc<GlobalLayout>>,
     /// The TTL a key of this policy found without one may be given without changing any
@@ -380,9 +398,29 @@ impl Layouts {
     /// out on the spot, without a region's escrow.
     pub fn of(&self, policy: &Policy) -> std::borrow::Cow<'_, PolicyLayout> {
         match self.by_name.get(&policy.name) {
-            Some(l) if l.algorithm == policy.algorithm => std::borrow::Cow::Borrowed(l),
+            Some(l) if l.tag == policy.algorithm.key_tag() => std::borrow::Cow::Borrowed(l),
             _ => std::borrow::Cow::Owned(self.layout.policy(policy, None)),
         }
+    }
+
+    /// The layout of a concurrency limit, as [`Layouts::of`].
+    pub fn of_concurrency(&self, policy: &ConcurrencyPolicy) -> std::borrow::Cow<'_, PolicyLayout> {
+        match self.by_name.get(&policy.name) {
+            Some(l) if l.tag == CONCURRENCY_TAG => std::borrow::Cow::Borrowed(l),
+            _ => std::borrow::Cow::Owned(self.layout.concurrency(policy)),
+        }
+    }
+
+    /// With the layouts of concurrency limits (names distinct from the policies').
+    pub fn with_concurrency<'a>(
+        mut self,
+        limits: impl IntoIterator<Item = &'a ConcurrencyPolicy>,
+    ) -> Self {
+        for c in limits {
+            self.by_name
+                .insert(c.name.clone(), self.layout.concurrency(c));
+        }
+        self
     }
 
     pub fn layout(&self) -> &Layout {

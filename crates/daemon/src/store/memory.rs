@@ -23,9 +23,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::store::layout::GLOBAL_KEEP_MS;
 use crate::store::layout::{PolicyKeys, ScriptShape};
-use crate::store::{GlobalCall, SettleCall, SettleReply, StoreCall};
+use crate::store::{GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
 use quotad_core::algorithm::{self, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
+use quotad_core::concurrency::{self, LeaseAnswer, LeaseWrite, Leases};
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
 use quotad_core::settlement::{self, Reservation, Settled};
 
@@ -54,6 +55,9 @@ pub struct MemoryStore {
     /// each counts as a key against `max_keys`. Locked only while holding the shard of
     /// the key it charges (that order), so a settlement is atomic with its charge.
     reservations: Mutex<HashMap<String, (Reservation, i64)>>,
+    /// Concurrency limits' keys, by storage key, with their expiry (µs: the latest lease's
+    /// end). One mutex: a lease operation is one short pure function call.
+    leases: Mutex<HashMap<String, (Leases, i64)>>,
 }
 
 /// Global policies in the embedded store: what `lua/global/` keeps in Redis, under the same
@@ -114,6 +118,7 @@ impl MemoryStore {
             clock,
             global: Mutex::new(GlobalState::default()),
             reservations: Mutex::new(HashMap::new()),
+            leases: Mutex::new(HashMap::new()),
         }
     }
 
@@ -219,6 +224,33 @@ impl MemoryStore {
         }
         self.write(&mut map, call.key, out.write, now);
         Ok(out.verdict)
+    }
+
+    /// One operation on a concurrency limit's key (what `lua/concurrency.lua` does).
+    pub fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, Full> {
+        let now = self.clock.now_us();
+        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let held = leases
+            .get(call.key)
+            .filter(|(_, until)| *until > now)
+            .map(|(l, _)| l);
+        let out = concurrency::apply(call.limit, held, now, call.op);
+        match out.write {
+            LeaseWrite::Keep => {}
+            LeaseWrite::Put { leases: l, ttl_us } => {
+                if !leases.contains_key(call.key) {
+                    self.reserve_n(1)?;
+                }
+                let until = now.saturating_add(ttl_ms(ttl_us).saturating_mul(1000));
+                leases.insert(call.key.to_owned(), (l, until));
+            }
+            LeaseWrite::Delete => {
+                if leases.remove(call.key).is_some() {
+                    self.released(1);
+                }
+            }
+        }
+        Ok(out.answer)
     }
 
     fn reservations(&self) -> MutexGuard<'_, HashMap<String, (Reservation, i64)>> {
@@ -406,6 +438,12 @@ impl MemoryStore {
             let before = reservations.len();
             reservations.retain(|_, (_, until)| *until > now);
             dropped += before - reservations.len();
+        }
+        {
+            let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+            let before = leases.len();
+            leases.retain(|_, (_, until)| *until > now);
+            dropped += before - leases.len();
         }
         for shard in &self.shards {
             let mut map = shard.lock().unwrap_or_else(|p| p.into_inner());

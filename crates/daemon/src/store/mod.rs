@@ -21,6 +21,7 @@ pub mod redis;
 pub mod scripts;
 
 use quotad_core::algorithm::{Algorithm, Limits, Op, Verdict};
+use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
 use quotad_core::settlement::Settled;
 
 /// One operation on one key.
@@ -81,6 +82,46 @@ impl SettleReply {
             }),
             _ => Err(StoreError::Reply(format!("{reply:?}"))),
         }
+    }
+}
+
+/// One operation on a concurrency limit's key (`quotad_core::concurrency`).
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseCall<'a> {
+    /// The key's storage key ([`layout::PolicyLayout::storage_key`]).
+    pub key: &'a str,
+    /// Units that may be held at once.
+    pub limit: u64,
+    pub op: LeaseOp<'a>,
+}
+
+impl LeaseCall<'_> {
+    /// The concurrency script's arguments after the key: mode, limit, id, units, hold.
+    fn args(&self) -> (&'static str, &str, u64, i64) {
+        match self.op {
+            LeaseOp::Acquire { id, units, hold_us } => ("acquire", id, units, hold_us),
+            LeaseOp::Release { id, units } => ("release", id, units, 0),
+            LeaseOp::Extend { id, units, hold_us } => ("extend", id, units, hold_us),
+            LeaseOp::Peek => ("peek", "", 0, 0),
+        }
+    }
+}
+
+/// `lua/concurrency.lua`'s reply: `{ok, held, reset_after_us, retry_after_us, expired}`.
+pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
+    match reply {
+        [ok @ (0 | 1), held, reset, retry, expired]
+            if [*held, *reset, *retry, *expired].iter().all(|n| *n >= 0) =>
+        {
+            Ok(LeaseAnswer {
+                ok: *ok == 1,
+                held: *held as u64,
+                reset_after_us: *reset,
+                retry_after_us: *retry,
+                expired: *expired as u64,
+            })
+        }
+        other => Err(StoreError::Reply(format!("{other:?}"))),
     }
 }
 
@@ -267,6 +308,14 @@ impl Store {
         match self {
             Store::Redis(r) => r.settle(call, cost).await,
             Store::Memory(m) => Ok(m.settle(call, cost)),
+        }
+    }
+
+    /// One operation on a concurrency limit's key: acquire, release, extend or peek.
+    pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, StoreError> {
+        match self {
+            Store::Redis(r) => r.lease(call).await,
+            Store::Memory(m) => m.lease(call).map_err(|e| StoreError::Full(e.0)),
         }
     }
 

@@ -40,8 +40,11 @@ use crate::store::deny_cache::{DenyCache, Question};
 use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Taker, Want};
 use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
-use crate::store::{SettleCall, SettleReply, StoreCall, StoreError, global, parse_verdict};
+use crate::store::{
+    LeaseCall, SettleCall, SettleReply, StoreCall, StoreError, global, parse_lease, parse_verdict,
+};
 use quotad_core::algorithm::{Op, Verdict};
+use quotad_core::concurrency::LeaseAnswer;
 use quotad_core::settlement::Settled;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -78,6 +81,8 @@ pub struct RedisStore {
     reset: redis::Script,
     /// Reservations and their settlement (`lua/settle.lua`).
     settle: redis::Script,
+    /// Leases of concurrency limits (`lua/concurrency.lua`).
+    concurrency: redis::Script,
     settings: RedisSettings,
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
@@ -136,6 +141,7 @@ impl RedisStore {
             composite: redis::Script::new(scripts::COMPOSITE),
             reset: redis::Script::new(scripts::RESET),
             settle: redis::Script::new(scripts::SETTLE),
+            concurrency: redis::Script::new(scripts::CONCURRENCY),
             breaker,
             loaded: AtomicBool::new(false),
             tripped: tokio::sync::Notify::new(),
@@ -334,21 +340,30 @@ impl RedisStore {
         mode: &str,
         cost: u64,
     ) -> Result<Vec<i64>, StoreError> {
-        let sha = self.scripts.sha(call.algorithm);
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.scripts.sha(call.algorithm))
+            .arg(1)
+            .arg(call.key)
+            .arg(mode)
+            .arg(call.limits.limit)
+            .arg(call.limits.window_us)
+            .arg(call.limits.burst)
+            .arg(cost)
+            .arg(call.member);
+        self.eval(&cmd, scripts::source(call.algorithm)).await
+    }
+
+    /// Runs `cmd`, an EVALSHA of `source`, under the guard; a Redis that lost its scripts
+    /// (NOSCRIPT) gets `source` loaded and the command once more, in the same call.
+    async fn eval<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        source: &'static str,
+    ) -> Result<T, StoreError> {
         self.guarded(|mut conn| async move {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(sha)
-                .arg(1)
-                .arg(call.key)
-                .arg(mode)
-                .arg(call.limits.limit)
-                .arg(call.limits.window_us)
-                .arg(call.limits.burst)
-                .arg(cost)
-                .arg(call.member);
             match cmd.query_async(&mut conn).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    self.load(&mut conn, call.algorithm).await?;
+                    self.load_source(&mut conn, source).await?;
                     cmd.query_async(&mut conn).await
                 }
                 r => r,
@@ -398,6 +413,22 @@ impl RedisStore {
         Ok(reply)
     }
 
+    /// One operation on a concurrency limit's key (`lua/concurrency.lua`).
+    pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, StoreError> {
+        let (mode, id, units, hold_us) = call.args();
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.concurrency.get_hash())
+            .arg(1)
+            .arg(call.key)
+            .arg(mode)
+            .arg(call.limit)
+            .arg(id)
+            .arg(units)
+            .arg(hold_us);
+        let reply: Vec<i64> = self.eval(&cmd, scripts::CONCURRENCY).await?;
+        parse_lease(&reply)
+    }
+
     async fn run_settle(
         &self,
         call: &SettleCall<'_>,
@@ -417,17 +448,7 @@ impl RedisStore {
             .arg(cost)
             .arg(call.member)
             .arg(call.keep_ms);
-        let cmd = &cmd;
-        self.guarded(|mut conn| async move {
-            match cmd.query_async(&mut conn).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    self.load_source(&mut conn, scripts::SETTLE).await?;
-                    cmd.query_async(&mut conn).await
-                }
-                r => r,
-            }
-        })
-        .await
+        self.eval(&cmd, scripts::SETTLE).await
     }
 
     /// A co-location group's checks in one script (see [`super::Store::apply_all`]).
@@ -453,18 +474,7 @@ impl RedisStore {
                 .arg(c.member)
                 .arg(u8::from(*enforced));
         }
-        let cmd = &cmd;
-        let reply: Vec<i64> = self
-            .guarded(|mut conn| async move {
-                match cmd.query_async(&mut conn).await {
-                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        self.load_source(&mut conn, scripts::COMPOSITE).await?;
-                        cmd.query_async(&mut conn).await
-                    }
-                    r => r,
-                }
-            })
-            .await?;
+        let reply: Vec<i64> = self.eval(&cmd, scripts::COMPOSITE).await?;
         if reply.len() != calls.len() * 4 {
             return Err(StoreError::Reply(format!(
                 "{} numbers for {} checks",
@@ -829,9 +839,10 @@ impl RedisStore {
             }
             self.load_source(&mut conn, scripts::COMPOSITE).await?;
             self.load_source(&mut conn, scripts::SETTLE).await?;
+            self.load_source(&mut conn, scripts::CONCURRENCY).await?;
             Ok::<_, RedisError>((conn, master))
         };
-        match tokio::time::timeout(self.settings.connect_timeout + t * 8, attempt).await {
+        match tokio::time::timeout(self.settings.connect_timeout + t * 9, attempt).await {
             Ok(Ok((conn, master))) => {
                 self.install(conn.coalesced(crate::store::coalesce::Counters {
                     pipelines: self.metrics.store_pipelines.clone(),

@@ -1,0 +1,392 @@
+//! Concurrency limits: `POST /v1/acquire` holds units of a key until `/v1/release`, or
+//! until the lease ends by the store's clock; `/v1/extend` moves its end. An acquire is a
+//! decision with RateLimit headers and the fail modes of any policy; bad requests are
+//! named 4xx that change nothing. (tests/atomicity.rs holds the four-process run: 500
+//! acquires at a limit of 50, and holders killed.)
+//!
+//! In-process daemons (`Quotad::serve`) on real Redis, and on the embedded store.
+
+use quotad_testkit as common;
+
+use std::time::Duration;
+
+use common::{Config, Policy, Quotad, RedisServer, header, http, wait_for};
+use serde_json::{Value, json};
+
+/// 3 units at once, leases of a minute at most; and a rate policy.
+fn policies(config: Config, on_store_error: &str) -> String {
+    config
+        .policy(Policy::new("streams", "concurrency", 3, "1m").on_store_error(on_store_error))
+        .policy(Policy::new("api", "token_bucket", 10, "1s"))
+        .to_toml()
+}
+
+fn post(q: &Quotad, path: &str, body: Value) -> (u16, Vec<(String, String)>, Value) {
+    q.post(path, &body)
+}
+
+fn acquire(q: &Quotad, key: &str, units: u64) -> Value {
+    let (status, _, v) = post(
+        q,
+        "/v1/acquire",
+        json!({"policy": "streams", "key": key, "units": units}),
+    );
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+fn lease_call(q: &Quotad, path: &str, key: &str, lease: &Value) -> (u16, Value) {
+    let (status, _, v) = post(
+        q,
+        path,
+        json!({"policy": "streams", "key": key, "lease": lease}),
+    );
+    (status, v)
+}
+
+/// On Redis and on the embedded store alike: 2 + 1 of 3 fit, a third unit does not (it
+/// is told when the first lease ends), a release frees its units at once, a lease
+/// released or never made is a 404.
+#[test]
+fn at_most_the_limit_is_held_and_a_release_frees_it_at_once() {
+    let redis = RedisServer::start();
+    for config in [Config::redis(&redis.url()), Config::new()] {
+        let q = Quotad::serve(&policies(config, "closed"));
+        let a = acquire(&q, "k", 2);
+        assert_eq!(
+            (a["outcome"].as_str(), a["held"].as_u64()),
+            (Some("allowed"), Some(2)),
+            "{a}"
+        );
+        assert_eq!(a["expires_in_ms"], 60_000);
+        let b = acquire(&q, "k", 1);
+        assert_eq!(b["remaining"], 0, "{b}");
+        let (_, headers, c) = post(&q, "/v1/acquire", json!({"policy": "streams", "key": "k"}));
+        assert_eq!(
+            (c["outcome"].as_str(), c["allowed"].as_bool()),
+            (Some("denied"), Some(false))
+        );
+        assert!(c.get("lease").is_none(), "{c}");
+        let retry = c["retry_after_ms"].as_u64().unwrap();
+        assert!(
+            (59_000..=60_000).contains(&retry),
+            "until the first lease ends: {c}"
+        );
+        assert_eq!(header(&headers, "ratelimit-remaining"), Some("0"));
+        assert!(
+            header(&headers, "ratelimit-policy")
+                .is_some_and(|p| p.starts_with("\"streams\";q=3;pk="))
+        );
+        assert_eq!(header(&headers, "retry-after"), Some("60"));
+        let (status, r) = lease_call(&q, "/v1/release", "k", &a["lease"]);
+        assert_eq!((status, r["held"].as_u64()), (200, Some(1)), "{r}");
+        assert_eq!(
+            acquire(&q, "k", 2)["outcome"],
+            "allowed",
+            "released units are free at once"
+        );
+        let (status, again) = lease_call(&q, "/v1/release", "k", &a["lease"]);
+        assert_eq!(
+            (status, again["error"]["code"].as_str()),
+            (404, Some("unknown_lease"))
+        );
+        // Another key's lease is not this key's.
+        let (status, _) = lease_call(&q, "/v1/release", "other", &b["lease"]);
+        assert_eq!(status, 404);
+        assert_eq!(
+            acquire(&q, "k", 1)["outcome"],
+            "denied",
+            "nothing was released"
+        );
+    }
+    redis.assert_every_key_has_ttl();
+}
+
+/// A lease held for 300 ms ends then unless extended; extended, it outlives that end.
+#[test]
+fn a_lease_ends_at_its_hold_unless_extended() {
+    let redis = RedisServer::start();
+    let q = Quotad::serve(&policies(Config::redis(&redis.url()), "closed"));
+    let hold = |key: &str| {
+        let (_, _, v) = post(
+            &q,
+            "/v1/acquire",
+            json!({"policy": "streams", "key": key, "units": 3, "hold_ms": 300}),
+        );
+        assert_eq!(v["expires_in_ms"], 300, "{v}");
+        v
+    };
+    hold("short");
+    let kept = hold("kept");
+    let (status, v) = {
+        let body =
+            json!({"policy": "streams", "key": "kept", "lease": kept["lease"], "hold_ms": 60_000});
+        let (s, _, v) = post(&q, "/v1/extend", body);
+        (s, v)
+    };
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("extended")),
+        "{v}"
+    );
+    wait_for("the short lease's end", Duration::from_secs(5), || {
+        (acquire(&q, "short", 1)["outcome"] == "allowed").then_some(())
+    });
+    assert_eq!(
+        acquire(&q, "kept", 1)["outcome"],
+        "denied",
+        "the extended lease ended"
+    );
+    let expired = "quotad_lease_units_total{event=\"expired\",policy=\"streams\"}";
+    assert_eq!(
+        q.metric(expired),
+        3.0,
+        "the short lease's units, found ended"
+    );
+    // An extend of an ended lease is a 404: it holds nothing to extend.
+    let body = json!({"policy": "streams", "key": "short", "lease": hold("x")["lease"]});
+    let (status, _, _) = post(
+        &q,
+        "/v1/extend",
+        json!({"policy": "streams", "key": "short", "lease": body["lease"]}),
+    );
+    assert_eq!(status, 404);
+}
+
+/// Redis hung: `closed` denies, `open` admits without a lease (nothing to release),
+/// `local` acquires in the daemon's own store, and that lease is released there. A
+/// release of a Redis lease is a 503 that changed nothing.
+#[test]
+fn without_the_store_each_fail_mode_answers_an_acquire() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .store("timeout", "20ms")
+        .policy(Policy::new("c", "concurrency", 3, "1m").on_store_error("closed"))
+        .policy(Policy::new("o", "concurrency", 3, "1m").on_store_error("open"))
+        .policy(Policy::new("l", "concurrency", 1, "1m").on_store_error("local"))
+        .to_toml();
+    let q = Quotad::serve(&config);
+    let on = |p: &str| json!({"policy": p, "key": "k"});
+    let (_, _, held) = post(&q, "/v1/acquire", on("c"));
+    redis.signal("-STOP");
+    let (_, _, c) = post(&q, "/v1/acquire", on("c"));
+    assert_eq!(
+        (c["outcome"].as_str(), c["retry_after_ms"].as_u64()),
+        (Some("fail_closed"), Some(1000))
+    );
+    let (_, _, o) = post(&q, "/v1/acquire", on("o"));
+    assert_eq!(o["outcome"], "fail_open", "{o}");
+    assert!(o.get("lease").is_none(), "{o}");
+    let (_, _, l) = post(&q, "/v1/acquire", on("l"));
+    assert_eq!(l["outcome"], "local", "{l}");
+    assert!(
+        l["lease"].as_str().is_some_and(|s| s.starts_with("local-")),
+        "{l}"
+    );
+    let (_, _, l2) = post(&q, "/v1/acquire", on("l"));
+    assert_eq!(
+        l2["outcome"], "denied",
+        "the local store holds its limit: {l2}"
+    );
+    let (status, v) = {
+        let (s, _, v) = post(
+            &q,
+            "/v1/release",
+            json!({"policy": "l", "key": "k", "lease": l["lease"]}),
+        );
+        (s, v)
+    };
+    assert_eq!(
+        status, 200,
+        "a local lease is released where it is held: {v}"
+    );
+    let (status, _, v) = post(
+        &q,
+        "/v1/release",
+        json!({"policy": "c", "key": "k", "lease": held["lease"]}),
+    );
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("store_unavailable"))
+    );
+    redis.signal("-CONT");
+    // The timed-out release may have reached Redis and been done once it woke: a retry
+    // answers 200, or 404 for a lease released already. Either way the units are free.
+    let status = wait_for("the store back", Duration::from_secs(10), || {
+        let body = json!({"policy": "c", "key": "k", "lease": held["lease"]});
+        let (s, _, _) = post(&q, "/v1/release", body);
+        (s != 503).then_some(s)
+    });
+    assert!(status == 200 || status == 404, "{status}");
+    // The acquire that timed out (answered fail_closed) may have been done too: its lease,
+    // whose id nobody has, holds 1 unit until it ends. The other 2 are free.
+    let two = json!({"policy": "c", "key": "k", "units": 2});
+    assert_eq!(post(&q, "/v1/acquire", two).2["outcome"], "allowed");
+}
+
+/// Every bad lease request is a 4xx naming its field, and writes nothing.
+#[test]
+fn bad_lease_requests_are_named_4xx_and_change_nothing() {
+    let redis = RedisServer::start();
+    let q = Quotad::serve(&policies(Config::redis(&redis.url()), "closed"));
+    let a = acquire(&q, "k", 1);
+    let lease = a["lease"].as_str().unwrap().to_owned();
+    let hex = &lease[..32];
+    let dump = || -> Vec<u8> {
+        redis::cmd("DUMP")
+            .arg("rl:streams:cc:{k}")
+            .query(&mut redis.conn())
+            .unwrap()
+    };
+    let before = (redis.dbsize(), dump());
+    let cases: Vec<(&str, &str, String, u16, &str)> = vec![
+        (
+            "/v1/acquire",
+            "no units",
+            r#"{"policy":"streams","key":"k","units":0}"#.into(),
+            400,
+            "units",
+        ),
+        (
+            "/v1/acquire",
+            "over the limit",
+            r#"{"policy":"streams","key":"k","units":4}"#.into(),
+            400,
+            "units",
+        ),
+        (
+            "/v1/acquire",
+            "a hold of 0",
+            r#"{"policy":"streams","key":"k","hold_ms":0}"#.into(),
+            400,
+            "hold_ms",
+        ),
+        (
+            "/v1/acquire",
+            "a hold past the lease",
+            r#"{"policy":"streams","key":"k","hold_ms":60001}"#.into(),
+            400,
+            "hold_ms",
+        ),
+        (
+            "/v1/acquire",
+            "an unknown field",
+            r#"{"policy":"streams","key":"k","cost":1}"#.into(),
+            400,
+            "cost",
+        ),
+        (
+            "/v1/acquire",
+            "a rate policy",
+            r#"{"policy":"api","key":"k"}"#.into(),
+            400,
+            "policy",
+        ),
+        (
+            "/v1/acquire",
+            "no such policy",
+            r#"{"policy":"nope","key":"k"}"#.into(),
+            404,
+            "policy",
+        ),
+        (
+            "/v1/acquire",
+            "no key",
+            r#"{"policy":"streams"}"#.into(),
+            400,
+            "key",
+        ),
+        (
+            "/v1/check",
+            "a check of a concurrency limit",
+            r#"{"policy":"streams","key":"k"}"#.into(),
+            400,
+            "policy",
+        ),
+        (
+            "/v1/reset",
+            "a reset of a concurrency limit",
+            r#"{"policy":"streams","key":"k"}"#.into(),
+            400,
+            "policy",
+        ),
+        (
+            "/v1/release",
+            "no lease",
+            r#"{"policy":"streams","key":"k"}"#.into(),
+            400,
+            "lease",
+        ),
+        (
+            "/v1/release",
+            "a lease of 4 units",
+            format!(r#"{{"policy":"streams","key":"k","lease":"{hex}-4"}}"#),
+            400,
+            "lease",
+        ),
+        (
+            "/v1/release",
+            "a lease with a brace",
+            format!(
+                r#"{{"policy":"streams","key":"k","lease":"{}}}-1"}}"#,
+                &hex[1..]
+            ),
+            400,
+            "lease",
+        ),
+        (
+            "/v1/release",
+            "a hold on a release",
+            format!(r#"{{"policy":"streams","key":"k","lease":"{lease}","hold_ms":5}}"#),
+            400,
+            "hold_ms",
+        ),
+        (
+            "/v1/release",
+            "a lease nobody holds",
+            format!(
+                r#"{{"policy":"streams","key":"k","lease":"{}-1"}}"#,
+                "0".repeat(32)
+            ),
+            404,
+            "lease",
+        ),
+        (
+            "/v1/release",
+            "fewer units than held",
+            format!(r#"{{"policy":"streams","key":"j","lease":"{hex}-1"}}"#),
+            404,
+            "lease",
+        ),
+        (
+            "/v1/extend",
+            "a hold past the lease",
+            format!(r#"{{"policy":"streams","key":"k","lease":"{lease}","hold_ms":60001}}"#),
+            400,
+            "hold_ms",
+        ),
+        (
+            "/v1/extend",
+            "a lease nobody holds",
+            format!(
+                r#"{{"policy":"streams","key":"k","lease":"{}-1"}}"#,
+                "0".repeat(32)
+            ),
+            404,
+            "lease",
+        ),
+    ];
+    for (path, name, body, status, field) in cases {
+        let (got, _, text) = http(q.port, "POST", path, Some("application/json"), &body).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("{name}: {text}"));
+        assert_eq!(got, status, "{name}: {text}");
+        assert_eq!(v["error"]["field"], field, "{name}: {text}");
+    }
+    assert_eq!(
+        (redis.dbsize(), dump()),
+        before,
+        "a refused request changed the store"
+    );
+    let (status, _) = lease_call(&q, "/v1/release", "k", &json!(lease));
+    assert_eq!(status, 200, "and the lease still releases");
+}
