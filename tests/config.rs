@@ -148,6 +148,7 @@ const BAD: &[(&str, &[&str])] = &[
             "8: policy[0].forward_auth.trusted_hops: must be between 1 and 16, got 0",
             "9: policy[0].forward_auth.denied_status: must be between 400 and 499, got 500",
             "10: policy[0].forward_auth.on_missing_key: must be \"deny\", \"allow\"",
+            "11: policy[0].forward_auth.cost: must be between 0 and 3, got 4",
         ],
     ),
     (

@@ -188,6 +188,12 @@ const ELSEWHERE: &[(&str, &str, &str, &str)] = &[
         "the same shedding as /v1/check (tests/overload.rs)",
     ),
     (
+        "/v1/charge",
+        "post",
+        "503",
+        "the same shedding as /v1/check (tests/overload.rs)",
+    ),
+    (
         "/v1/authz/{policy}",
         "*",
         "503",
@@ -274,6 +280,24 @@ fn the_spec_is_the_contract() {
         case("POST", "/v1/settle", "/v1/settle", settle(&reservation)),
         case(
             "POST",
+            "/v1/charge",
+            "/v1/charge",
+            json!({"policy": "metered", "key": "m", "cost": 250}),
+        ),
+        case(
+            "POST",
+            "/v1/charge",
+            "/v1/charge",
+            json!({"policy": "metered", "key": "m"}),
+        ),
+        case(
+            "POST",
+            "/v1/charge",
+            "/v1/charge",
+            json!({"policy": "nope", "key": "m", "cost": 1}),
+        ),
+        case(
+            "POST",
             "/v1/settle",
             "/v1/settle",
             settle(&json!("0123456789abcdef0123456789abcdef")),
@@ -322,7 +346,13 @@ fn the_spec_is_the_contract() {
     let mut c = case("POST", "/v1/reset", "/v1/reset", json!("x"));
     c.headers = vec![("content-type", "text/plain")];
     cases.push(c);
-    for path in ["/v1/settle", "/v1/acquire", "/v1/release", "/v1/extend"] {
+    for path in [
+        "/v1/settle",
+        "/v1/charge",
+        "/v1/acquire",
+        "/v1/release",
+        "/v1/extend",
+    ] {
         let mut c = case("POST", path, path, json!("x"));
         c.headers = vec![("content-type", "text/plain")];
         cases.push(c);

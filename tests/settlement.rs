@@ -10,7 +10,7 @@ use quotad_testkit as common;
 
 use std::time::Duration;
 
-use common::{Config, Policy, Quotad, RedisServer, http, wait_for};
+use common::{Config, Policy, Quotad, RedisServer, header, http, wait_for};
 use serde_json::{Value, json};
 
 /// 10 a second at most 10 at once, reservations kept a minute; and one without
@@ -314,4 +314,65 @@ fn bad_reservations_and_settlements_are_named_4xx_and_change_nothing() {
         (200, Some("settled")),
         "{s}"
     );
+}
+
+/// A proxy in front of metered work: its forward-auth check is a peek (`cost = 0`), so a
+/// request passes while the key has anything left; the service charges what the work
+/// really cost afterwards (`POST /v1/charge`, never denied), and the key, now in debt, is
+/// refused at the proxy until refill has paid it.
+#[test]
+fn a_proxy_peeks_and_the_service_charges_the_real_cost_after() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(
+            Policy::new("tokens", "token_bucket", 100, "1h")
+                .burst(100)
+                .set("settle_within", "1m")
+                .forward_auth(&["header:x-api-key"], "deny", 429)
+                .forward_auth_cost(0),
+        )
+        .policy(Policy::new("plain", "token_bucket", 10, "1s"))
+        .to_toml();
+    let q = Quotad::serve(&config);
+    let proxy = || {
+        let (status, headers, _) =
+            common::request(q.port, "GET", "/v1/authz/tokens", &[("x-api-key", "k")], "").unwrap();
+        (status, header(&headers, "retry-after").map(str::to_owned))
+    };
+    assert_eq!(proxy(), (200, None), "a fresh key passes");
+    assert_eq!(proxy(), (200, None), "a peek spends nothing");
+    let (status, _, v) = q.post(
+        "/v1/charge",
+        &json!({"policy": "tokens", "key": "k", "cost": 150}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (v["outcome"].as_str(), v["charged"].as_u64()),
+        (Some("allowed"), Some(150)),
+        "{v}"
+    );
+    let (status, retry) = proxy();
+    assert_eq!(status, 429, "in debt");
+    // 50 owed and 1 more, at 100 an hour: about 31 minutes.
+    let retry: u64 = retry.unwrap().parse().unwrap();
+    assert!((1_800..=1_900).contains(&retry), "{retry}");
+    for (body, field) in [
+        (json!({"policy": "plain", "key": "k", "cost": 1}), "policy"),
+        (json!({"policy": "tokens", "key": "k"}), "cost"),
+        (
+            json!({"policy": "tokens", "key": "k", "cost": 876_601}),
+            "cost",
+        ),
+        (
+            json!({"policy": "tokens", "key": "k", "cost": 1, "settle": true}),
+            "settle",
+        ),
+    ] {
+        let (status, _, v) = q.post("/v1/charge", &body);
+        assert_eq!(
+            (status, v["error"]["field"].as_str()),
+            (400, Some(field)),
+            "{body}: {v}"
+        );
+    }
 }

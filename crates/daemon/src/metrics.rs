@@ -138,11 +138,12 @@ pub struct Metrics {
     pub grpc_invalid_descriptors: IntCounterVec,
     /// `quotad_settlements_total{policy,result}`: costs counted after the work: a
     /// reservation `settled`, one `already_settled` (nothing charged again), one
-    /// `unknown` (never made, or kept no longer: its estimate stands), a gRPC descriptor
-    /// `charged` on the response path, and `failed` ones the store did not answer.
+    /// `unknown` (never made, or kept no longer: its estimate stands), charges taken
+    /// (`charged`: `POST /v1/charge`, a gRPC descriptor on the response path), and
+    /// `failed` ones the store did not answer.
     pub settlements: IntCounterVec,
     /// `quotad_settled_units_total{policy,direction}`: units `charged` beyond the
-    /// estimates (a gRPC charge is charged whole) and `refunded` below them.
+    /// estimates (a charge is charged whole) and `refunded` below them.
     pub settled_units: IntCounterVec,
     /// `quotad_lease_units_total{policy,event}`: units of concurrency limits' leases
     /// `acquired`, `released`, `extended`, and `expired` (found ended by an operation on

@@ -258,6 +258,14 @@ impl Policy {
         self.set("forward_auth", t)
     }
 
+    /// The cost of each forward-auth check (after [`Policy::forward_auth`]; 0: a peek).
+    pub fn forward_auth_cost(mut self, cost: u64) -> Self {
+        if let Some(toml::Value::Table(t)) = self.extra.get_mut("forward_auth") {
+            t.insert("cost".into(), (cost as i64).into());
+        }
+        self
+    }
+
     /// A `[[policy.override]]`: `kind` is `"key"`, `"prefix"` or `"glob"`.
     pub fn with_override(mut self, kind: &str, pattern: &str, limit: u64) -> Self {
         let mut t = toml::Table::new();

@@ -21,6 +21,7 @@ use crate::reload::LiveConfig;
 pub const CHECK: &str = "/v1/check";
 pub const RESET: &str = "/v1/reset";
 pub const SETTLE: &str = "/v1/settle";
+pub const CHARGE: &str = "/v1/charge";
 pub const ACQUIRE: &str = "/v1/acquire";
 pub const RELEASE: &str = "/v1/release";
 pub const EXTEND: &str = "/v1/extend";
@@ -32,10 +33,11 @@ pub const READYZ: &str = "/readyz";
 pub const METRICS: &str = "/metrics";
 
 /// Every route without a path parameter.
-const FIXED: [&str; 12] = [
+const FIXED: [&str; 13] = [
     CHECK,
     RESET,
     SETTLE,
+    CHARGE,
     ACQUIRE,
     RELEASE,
     EXTEND,

@@ -76,7 +76,7 @@ pub async fn authz(
     let check = Check {
         policy: live.policies.for_key(&policy, &key),
         key,
-        cost: 1,
+        cost: auth.cost,
         group: None,
         reserve: false,
     };
@@ -245,6 +245,7 @@ mod tests {
             trusted_hops: 1,
             denied_status: 429,
             on_missing_key: MissingKey::Deny,
+            cost: 1,
         };
         let h = headers(&[("x-api-key", " abc "), ("x-forwarded-for", "203.0.113.7")]);
         assert_eq!(key_of(&auth, &h).as_deref(), Some("abc|203.0.113.7"));

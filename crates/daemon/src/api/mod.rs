@@ -61,13 +61,14 @@ pub fn router(state: AppState) -> Router {
         live: state.live.clone(),
     };
     use answers::{
-        ACQUIRE, AUTHZ, CHECK, EXTEND, HEALTHZ, METRICS, POLICIES, READYZ, RELEASE, RESET, SETTLE,
-        STATUS,
+        ACQUIRE, AUTHZ, CHARGE, CHECK, EXTEND, HEALTHZ, METRICS, POLICIES, READYZ, RELEASE, RESET,
+        SETTLE, STATUS,
     };
     Router::new()
         .route(CHECK, post(check))
         .route(RESET, post(reset))
         .route(SETTLE, post(settle))
+        .route(CHARGE, post(charge))
         .route(ACQUIRE, post(leases::acquire))
         .route(RELEASE, post(leases::release))
         .route(EXTEND, post(leases::extend))
@@ -215,6 +216,22 @@ async fn settle(State(state): State<AppState>, req: Request) -> Result<Response,
         Settled::Already => body["status"] = json!("already_settled"),
         Settled::Unknown => return Err(ApiError::UnknownReservation),
     }
+    Ok(Json(body).into_response())
+}
+
+/// `POST /v1/charge`: a cost counted after the work, without a reservation (docs/api.md,
+/// Settlement): charged whole, into debt where the key lacks it, never denied.
+async fn charge(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
+    let body = json_body(&state, req).await?;
+    let check = request::parse_charge(&body, &state.live.get().policies, &state.caps)?;
+    let d = state.limiter.charge(&check).await?;
+    let mut body = serde_json::to_value(&d).unwrap_or_default();
+    let charged = if d.outcome.is_enforced() {
+        check.cost
+    } else {
+        0
+    };
+    body["charged"] = json!(charged);
     Ok(Json(body).into_response())
 }
 

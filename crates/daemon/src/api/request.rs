@@ -438,6 +438,51 @@ fn settle_flag(
     Err(ApiError::invalid(field, refusal))
 }
 
+/// A parsed `POST /v1/charge` body: a cost counted after the work, without a
+/// reservation; policies that take settlements, up to what they refill in a year.
+pub fn parse_charge(v: &Value, policies: &Policies, caps: &Caps) -> Result<Check, ApiError> {
+    let obj = object(v, "body")?;
+    no_unknown_fields(obj, &["policy", "key", "cost"], "")?;
+    let base = policy(policies, obj, "")?;
+    let key = key(obj, "", caps)?;
+    let policy = policies.for_key(base, &key);
+    settling(&policy)?;
+    if !obj.contains_key("cost") {
+        return Err(ApiError::invalid(
+            "cost",
+            "missing field: the cost to charge",
+        ));
+    }
+    let most = policy.max_settle_cost();
+    let cost = units(obj, "cost", "", most, || {
+        format!(
+            "at most {most} (what policy \"{}\" refills in a year)",
+            policy.name
+        )
+    })?;
+    Ok(Check {
+        policy,
+        key,
+        cost,
+        group: None,
+        reserve: false,
+    })
+}
+
+/// A policy that can carry a debt (`settle_within`), or the error naming `policy`.
+fn settling(policy: &Policy) -> Result<(), ApiError> {
+    match policy.settle_within {
+        Some(_) => Ok(()),
+        None => Err(ApiError::invalid(
+            "policy",
+            format!(
+                "policy \"{}\" takes no settlements (its settle_within is not set)",
+                policy.name
+            ),
+        )),
+    }
+}
+
 /// A parsed `POST /v1/settle` body: the check whose key holds the reservation (its cost
 /// unused), the reservation, and the real cost.
 pub fn parse_settle(
@@ -450,15 +495,7 @@ pub fn parse_settle(
     let base = policy(policies, obj, "")?;
     let key = key(obj, "", caps)?;
     let policy = policies.for_key(base, &key);
-    if policy.settle_within.is_none() {
-        return Err(ApiError::invalid(
-            "policy",
-            format!(
-                "policy \"{}\" takes no settlements (its settle_within is not set)",
-                policy.name
-            ),
-        ));
-    }
+    settling(&policy)?;
     let text = string_field(obj, "reservation", "")?;
     let id = ReservationId::parse(text).ok_or_else(|| {
         ApiError::invalid(

@@ -53,6 +53,9 @@ pub struct ForwardAuth {
     /// 401 and 403 from the subrequest).
     pub denied_status: u16,
     pub on_missing_key: MissingKey,
+    /// What each request costs (default 1; 0 is a peek: admitted unless the key has
+    /// nothing left, as for a budget whose real cost the service charges after the work).
+    pub cost: u64,
 }
 
 /// Forward-auth settings by policy name.
@@ -63,7 +66,12 @@ pub const DEFAULT_DENIED_STATUS: i64 = 429;
 
 impl Validator<'_> {
     /// `[policy.forward_auth]` of policy `i` (named `name`).
-    pub(super) fn forward_auth(&mut self, i: usize, f: &raw::ForwardAuth) -> Option<ForwardAuth> {
+    pub(super) fn forward_auth(
+        &mut self,
+        i: usize,
+        f: &raw::ForwardAuth,
+        capacity: Option<u64>,
+    ) -> Option<ForwardAuth> {
         let field = |k: &str| format!("policy[{i}].forward_auth.{k}");
         let errors_before = self.errors.len();
         if f.key.get_ref().is_empty() {
@@ -108,11 +116,19 @@ impl Validator<'_> {
                 },
             },
         };
+        let cost = self.integer(
+            f.cost.as_ref(),
+            &field("cost"),
+            1,
+            0,
+            capacity.unwrap_or(1) as i64,
+        ) as u64;
         (self.errors.len() == errors_before).then_some(ForwardAuth {
             key,
             trusted_hops,
             denied_status,
             on_missing_key,
+            cost,
         })
     }
 

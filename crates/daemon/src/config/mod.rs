@@ -347,7 +347,12 @@ impl Validator<'_> {
             .enumerate()
             .filter(|(_, p)| !policy::is_concurrency(p))
             .filter_map(|(i, p)| {
-                let f = self.forward_auth(i, p.forward_auth.as_ref()?)?;
+                // The policy's capacity bounds the cost of a forward-auth check.
+                let capacity = policies
+                    .iter()
+                    .find(|c| c.name == *p.name.get_ref())
+                    .map(Policy::capacity);
+                let f = self.forward_auth(i, p.forward_auth.as_ref()?, capacity)?;
                 Some((p.name.get_ref().clone(), f))
             })
             .collect();

@@ -172,6 +172,8 @@ pub struct ForwardAuth {
     pub trusted_hops: Option<Spanned<i64>>,
     pub denied_status: Option<Spanned<i64>>,
     pub on_missing_key: Option<Spanned<String>>,
+    /// The cost of each check (0: a peek).
+    pub cost: Option<Spanned<i64>>,
 }
 
 /// Where an offset falls in the file.
