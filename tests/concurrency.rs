@@ -153,6 +153,32 @@ fn a_lease_ends_at_its_hold_unless_extended() {
     assert_eq!(status, 404);
 }
 
+/// A lease nobody releases is counted `expired` when it ends, though nothing touches its
+/// key again (the acquiring instance reads the key then); a released one is not.
+#[test]
+fn a_lease_that_ends_unreleased_is_counted_expired_at_its_end() {
+    let redis = RedisServer::start();
+    let q = Quotad::serve(&policies(Config::redis(&redis.url()), "closed"));
+    let expired = "quotad_lease_units_total{event=\"expired\",policy=\"streams\"}";
+    let body = |key: &str, units: u64| json!({"policy": "streams", "key": key, "units": units, "hold_ms": 200});
+    let (_, _, kept) = post(&q, "/v1/acquire", body("forgotten", 2));
+    assert_eq!(kept["outcome"], "allowed");
+    let (_, _, released) = post(&q, "/v1/acquire", body("returned", 1));
+    let (status, _) = lease_call(&q, "/v1/release", "returned", &released["lease"]);
+    assert_eq!(status, 200);
+    wait_for(
+        "the forgotten lease counted",
+        Duration::from_secs(5),
+        || (q.metric(expired) > 0.0).then_some(()),
+    );
+    assert_eq!(
+        q.metric(expired),
+        2.0,
+        "the forgotten lease's 2 units, once"
+    );
+    assert_eq!(q.metric("quotad_leases_tracked"), 0.0);
+}
+
 /// Redis hung: `closed` denies, `open` admits without a lease (nothing to release),
 /// `local` acquires in the daemon's own store, and that lease is released there. A
 /// release of a Redis lease is a 503 that changed nothing.

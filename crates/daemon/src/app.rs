@@ -175,14 +175,18 @@ pub async fn serve_both(
         background.tasks.spawn(task);
     }
     let drain = Drain::default();
+    let limiter = Arc::new(Limiter::new(
+        store.clone(),
+        local,
+        layouts.clone(),
+        metrics.clone(),
+    ));
+    background
+        .tasks
+        .spawn(limiter.clone().reap_until(background.stop.clone()));
     let state = AppState {
         live,
-        limiter: Arc::new(Limiter::new(
-            store.clone(),
-            local,
-            layouts.clone(),
-            metrics.clone(),
-        )),
+        limiter,
         store,
         metrics: metrics.clone(),
         caps: Caps {

@@ -150,6 +150,12 @@ pub struct Metrics {
     /// their key: a holder that never released; counted once, by the instance whose
     /// operation dropped them).
     pub lease_units: IntCounterVec,
+    /// `quotad_leases_tracked`: leases acquired here whose key is read at their end
+    /// (`limiter::reaper`), at most 100,000.
+    pub leases_tracked: IntGauge,
+    /// `quotad_leases_untracked_total`: leases acquired while 100,000 were tracked: their
+    /// end is counted only when their key is next touched.
+    pub leases_untracked: IntCounter,
     /// `quotad_config_reloads_total{result}`: reloads of the config file (SIGHUP or a
     /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
     /// that cannot apply without a restart). The running config stays on all but `ok`.
@@ -531,6 +537,14 @@ impl Metrics {
             lease_units: c.labels(&["policy", "event"]).counter(Opts::new(
                 "quotad_lease_units_total",
                 "Units of concurrency leases acquired, released, extended and expired, by policy.",
+            )),
+            leases_tracked: c.int_gauge(Opts::new(
+                "quotad_leases_tracked",
+                "Leases acquired here whose key is read when they end.",
+            )),
+            leases_untracked: c.counter(Opts::new(
+                "quotad_leases_untracked_total",
+                "Leases acquired while the tracked ones were at their bound.",
             )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",

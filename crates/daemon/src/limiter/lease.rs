@@ -8,8 +8,9 @@
 //! in-process store, whose lease ids say so (`local-…`), so their release goes there.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use crate::limiter::reaper::Due;
 use crate::limiter::{Decision, Limiter, Outcome};
 use crate::policy::{ConcurrencyPolicy, FailMode};
 use crate::store::admission::Shed;
@@ -145,6 +146,9 @@ pub enum LeaseError {
     Store(#[from] StoreError),
 }
 
+/// How often the keys of ended leases are read.
+const REAP_EVERY: Duration = Duration::from_millis(100);
+
 /// How long a `fail_closed` acquire tells the client to wait (as a check's).
 const FAIL_CLOSED_RETRY_US: i64 = super::FAIL_CLOSED_RETRY_MS as i64 * 1000;
 
@@ -204,8 +208,16 @@ impl Limiter {
             .decisions
             .with_label_values(&[a.policy.name.as_str(), acquired.outcome.name()])
             .inc();
-        if acquired.lease.is_some() {
+        if let Some(lease) = &acquired.lease {
             self.count_lease_units(&a.policy.name, "acquired", a.units);
+            let due = Due {
+                key,
+                policy: a.policy.clone(),
+                local: lease.local,
+            };
+            if !self.reaper.track(&lease.hex, Instant::now() + a.hold, due) {
+                self.metrics.leases_untracked.inc();
+            }
         }
         Ok(acquired)
     }
@@ -255,6 +267,8 @@ impl Limiter {
         if ans.ok {
             self.count_lease_units(&h.policy.name, "released", h.lease.units);
         }
+        // Released now or before, or ended: nothing to read at its end.
+        self.reaper.forget(&h.lease.hex);
         Ok(ans)
     }
 
@@ -268,6 +282,17 @@ impl Limiter {
         let ans = self.lease_op(h, op).await?;
         if ans.ok {
             self.count_lease_units(&h.policy.name, "extended", h.lease.units);
+            let due = Due {
+                key: self.lease_key(&h.policy, &h.key),
+                policy: h.policy.clone(),
+                local: h.lease.local,
+            };
+            if !self
+                .reaper
+                .moved(&h.lease.hex, Instant::now() + h.hold, due)
+            {
+                self.metrics.leases_untracked.inc();
+            }
         }
         Ok(ans)
     }
@@ -297,6 +322,44 @@ impl Limiter {
         };
         self.count_lease_units(&h.policy.name, "expired", ans.expired);
         Ok(ans)
+    }
+
+    /// Every 100 ms until `stop`: reads the keys of the leases acquired here whose end has
+    /// passed, so what ended unreleased is dropped and counted `expired` then, not at the
+    /// key's next operation (see [`reaper`](super::reaper)).
+    pub async fn reap_until(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(REAP_EVERY) => {}
+            }
+            let ended = self.reaper.ended(Instant::now());
+            let peeks = ended.iter().map(|due| self.peek_ended(due));
+            futures_util::future::join_all(peeks).await;
+            self.metrics.leases_tracked.set(self.reaper.len() as i64);
+        }
+    }
+
+    /// One read of an ended lease's key: the store drops what has ended and says how
+    /// many units (counted `expired`; 0 when released meanwhile or found by another
+    /// operation first). A store that cannot answer loses only the count.
+    async fn peek_ended(&self, due: &Due) {
+        let call = LeaseCall {
+            key: &due.key,
+            limit: due.policy.limit.get(),
+            op: LeaseOp::Peek,
+        };
+        let answer = if due.local {
+            self.local
+                .lease(&call)
+                .map_err(|full| StoreError::Full(full.0))
+        } else {
+            self.store.lease(&call).await
+        };
+        match answer {
+            Ok(ans) => self.count_lease_units(&due.policy.name, "expired", ans.expired),
+            Err(e) => self.lease_failed(&due.policy, &e),
+        }
     }
 
     fn lease_failed(&self, policy: &ConcurrencyPolicy, e: &StoreError) {

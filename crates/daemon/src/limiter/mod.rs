@@ -23,6 +23,7 @@ use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
 mod lease;
+mod reaper;
 mod settle;
 pub use lease::{Acquire, Acquired, Held, LeaseError, LeaseId};
 pub use settle::SettleError;
@@ -170,6 +171,8 @@ pub struct Limiter {
     next_id: AtomicU64,
     /// Command/reply errors seen, to log them with backoff.
     script_errors: AtomicU64,
+    /// Leases acquired here and not seen released, read when they end (`reaper`).
+    reaper: reaper::Reaper,
 }
 
 fn ms_ceil(us: i64) -> u64 {
@@ -195,6 +198,7 @@ impl Limiter {
             id_prefix: format!("{:016x}", rand::random::<u64>()),
             next_id: AtomicU64::new(0),
             script_errors: AtomicU64::new(0),
+            reaper: reaper::Reaper::default(),
         }
     }
 
