@@ -167,6 +167,7 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .arg(cost)
                 .arg("m3")
                 .arg(60_000)
+                .arg("rl:invalidate")
                 .invoke(&mut conn)
                 .unwrap_or_else(|e| panic!("{a} {mode} on {key}: {e}"));
             assert_eq!(reply[0], 1, "{a} {mode}: {reply:?}");

@@ -677,6 +677,7 @@ fn settlement_lua_matches_rust() {
             .arg(cost)
             .arg(&member)
             .arg(3_600_000)
+            .arg("diff:invalidate")
             .arg(now)
             .cmd("PTTL")
             .arg(key)

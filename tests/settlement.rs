@@ -231,6 +231,49 @@ fn a_settlement_that_gives_units_back_ends_remembered_denials_elsewhere() {
     });
 }
 
+/// Through an instance whose Redis user may not PUBLISH, a settlement that would give
+/// units back is refused whole (its invalidation and its refund are one script), so no
+/// instance keeps a denial it made stale; one that only charges goes through.
+#[test]
+fn a_settlement_that_cannot_announce_its_give_back_changes_nothing() {
+    let pass = ">settle-test-password";
+    let redis = RedisServer::start_with_args(
+        false,
+        &[
+            "--user", "mute", "on", pass, "~*", "&*", "+@all", "-publish",
+        ],
+    );
+    let config = Config::redis(&redis.url())
+        .store("username", "mute")
+        .store("password", &pass[1..])
+        .policy(
+            Policy::new("slow", "token_bucket", 1, "1h")
+                .burst(10)
+                .set("settle_within", "1m"),
+        )
+        .to_toml();
+    let q = Quotad::serve(&config);
+    let r = reserve(&q, "slow", "k", 6);
+    let before: Vec<String> = redis::cmd("HGETALL")
+        .arg("rl:slow:tb:{k}")
+        .query(&mut redis.conn())
+        .unwrap();
+    let (status, v) = settle(&q, "slow", "k", &r["reservation"], 2);
+    assert_eq!(
+        (status, v["error"]["code"].as_str()),
+        (503, Some("settle_refused")),
+        "{v}"
+    );
+    let after: Vec<String> = redis::cmd("HGETALL")
+        .arg("rl:slow:tb:{k}")
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(before, after, "the refused settlement changed the key");
+    // Still open: settled at more than its estimate, it needs no announcement.
+    let (status, s) = settle(&q, "slow", "k", &r["reservation"], 7);
+    assert_eq!((status, s["charged"].as_u64()), (200, Some(1)), "{s}");
+}
+
 /// Without Redis a reserving check gets its policy's fail mode, and no reservation
 /// (nothing would hold it); a settlement is a 503 that changed nothing, counted
 /// `failed`, safe to retry once Redis is back (settling twice charges once).

@@ -8,17 +8,21 @@
 --          limiter key's slot
 -- ARGV     'reserve' | 'settle', algorithm tag (fw tb gc), limit, window_us, burst,
 --          cost (reserve: the estimate, at least 1; settle: the real cost), member,
---          keep_ms (how long the reservation is kept, open or settled), [now_us: TESTS ONLY]
+--          keep_ms (how long the reservation is kept, open or settled), the invalidation
+--          channel, [now_us: TESTS ONLY]
 -- reserve  a check of the estimate; admitted, the reservation is opened.
 --          Returns {allowed, remaining, reset_after_us, retry_after_us}
 -- settle   what the real cost is above the estimate is charged (as debt where the key
 --          lacks it), what it is below is given back; the reservation is marked settled,
---          and settling it again charges nothing.
+--          and settling it again charges nothing. A settlement that gives units back
+--          PUBLISHes the key on the channel first, as a reset does: refused (an ACL
+--          without PUBLISH), the script stops before anything changed, so no denial
+--          another instance remembers outlives a settlement reported done.
 --          Returns {1 settled now | 2 settled before | 0 no such reservation, remaining,
 --          reset_after_us, charged, refunded}
 local ALGORITHMS = {fw = fixed_window, tb = token_bucket, gc = gcra}
-if #KEYS ~= 2 or (#ARGV ~= 8 and #ARGV ~= 9) then
-  return redis.error_reply('ERR quotad settle: expected 2 keys and 8 or 9 arguments')
+if #KEYS ~= 2 or (#ARGV ~= 9 and #ARGV ~= 10) then
+  return redis.error_reply('ERR quotad settle: expected 2 keys and 9 or 10 arguments')
 end
 local mode = ARGV[1]
 local algorithm = ALGORITHMS[ARGV[2]]
@@ -28,7 +32,8 @@ end
 local key, reservation = KEYS[1], KEYS[2]
 local limit, window, burst = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local cost, member, keep_ms = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
-local now = clock_us(ARGV[9])
+local channel = ARGV[9]
+local now = clock_us(ARGV[10])
 
 -- The algorithm's operation: (refund, units, write, charge).
 local function run(refund, units, write, charge)
@@ -62,6 +67,7 @@ if cost > estimate then
   v = run(false, charged, true, true)
 elseif cost < estimate then
   charged, refunded = 0, estimate - cost
+  redis.call('PUBLISH', channel, key)
   v = run(true, refunded, true, nil)
 else
   charged, refunded = 0, 0

@@ -42,6 +42,12 @@ pub enum ApiError {
         "the reset was refused by the store (quotad's Redis user needs PUBLISH on the invalidation channel: docs/operations.md); nothing was changed"
     )]
     ResetRefused,
+    /// Redis refused a settlement that gives units back (an ACL without PUBLISH): its
+    /// invalidation and the settlement are one script, so neither happened.
+    #[error(
+        "the settlement was refused by the store (quotad's Redis user needs PUBLISH on the invalidation channel: docs/operations.md); nothing was changed"
+    )]
+    SettleRefused,
     /// `POST /v1/settle` of a reservation the store does not hold (never made, denied,
     /// or kept longer than the policy's `settle_within`): nothing was charged.
     #[error(
@@ -82,9 +88,10 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::StoreUnavailable | ApiError::ResetRefused | ApiError::Overloaded(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::StoreUnavailable
+            | ApiError::ResetRefused
+            | ApiError::SettleRefused
+            | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -104,6 +111,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::StoreUnavailable => "store_unavailable",
             ApiError::ResetRefused => "reset_refused",
+            ApiError::SettleRefused => "settle_refused",
             ApiError::Overloaded(_) => "overloaded",
         }
     }

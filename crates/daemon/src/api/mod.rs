@@ -188,6 +188,7 @@ async fn settle(State(state): State<AppState>, req: Request) -> Result<Response,
     let reply = match state.limiter.settle(&check, &id, cost).await {
         Ok(r) => r,
         Err(SettleError::Shed(s)) => return Err(s.into()),
+        Err(SettleError::Store(StoreError::Command(_))) => return Err(ApiError::SettleRefused),
         Err(SettleError::Store(_)) => return Err(ApiError::StoreUnavailable),
     };
     let wait = |us: i64| {

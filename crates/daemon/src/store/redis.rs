@@ -406,9 +406,12 @@ impl RedisStore {
         call: &SettleCall<'_>,
         cost: u64,
     ) -> Result<SettleReply, StoreError> {
+        // Published in the script itself when it gives units back (before it changes
+        // anything); what this instance remembers goes at once.
         let reply = SettleReply::parse(&self.run_settle(call, "settle", cost).await?)?;
         if let Settled::Now { refunded: 1.., .. } = reply.settled {
-            self.gave_back(call.key).await;
+            self.deny.invalidate(call.key);
+            self.end_slice(call.key);
         }
         Ok(reply)
     }
@@ -447,7 +450,8 @@ impl RedisStore {
             .arg(call.limits.burst)
             .arg(cost)
             .arg(call.member)
-            .arg(call.keep_ms);
+            .arg(call.keep_ms)
+            .arg(&self.channel);
         self.eval(&cmd, scripts::SETTLE).await
     }
 
