@@ -3,8 +3,9 @@
 //! the answer or the bound checked after every step.
 //!
 //! - Two instances on one Redis (`two_instances_answer_every_step_as_the_model_does`):
-//!   checks, peeks, batches, resets through either instance, and reloads of both
-//!   (limits, a window with and without a version bump, an override added and removed);
+//!   checks, peeks, batches, resets through either instance, reloads of both (limits, a
+//!   window with and without a version bump, an override added and removed), reservations
+//!   settled at random costs and charges into debt, and a concurrency limit's leases;
 //!   every answer is compared with a reference model of the counts. Instance B's Redis
 //!   user may not PUBLISH: a reset through it is either done (the model resets) or
 //!   refused with nothing changed, and every later answer of either instance must agree.
@@ -67,6 +68,8 @@ struct Rules {
     /// `log`'s override for `vip` (same window).
     vip: Option<u64>,
     bucket_limit: u64,
+    /// `slots`: a concurrency limit's units held at once.
+    slots_limit: u64,
 }
 
 const START: Rules = Rules {
@@ -74,6 +77,7 @@ const START: Rules = Rules {
     log_hours: 1,
     vip: None,
     bucket_limit: 3,
+    slots_limit: 3,
 };
 
 #[derive(Debug, Clone)]
@@ -99,6 +103,36 @@ enum Op {
         rules: Rules,
         bump: bool,
     },
+    /// `bucket` takes settlements: a check reserving `estimate`.
+    Reserve {
+        on: usize,
+        key: usize,
+        estimate: u64,
+    },
+    /// Settles the case's reservation number `which` (modulo how many there are; a
+    /// reservation nobody made when there is none) at `cost`.
+    Settle {
+        on: usize,
+        which: usize,
+        cost: u64,
+    },
+    /// A cost charged after the work (never denied).
+    Charge {
+        on: usize,
+        key: usize,
+        cost: u64,
+    },
+    /// `slots`, a concurrency limit: `units` held under a lease of an hour.
+    Acquire {
+        on: usize,
+        key: usize,
+        units: u64,
+    },
+    /// Releases the case's lease number `which` (one nobody holds when there is none).
+    Release {
+        on: usize,
+        which: usize,
+    },
 }
 
 fn pol() -> impl Strategy<Value = Pol> {
@@ -106,14 +140,22 @@ fn pol() -> impl Strategy<Value = Pol> {
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let rules = (2u64..=6, 1u64..=2, prop::option::of(2u64..=8), 2u64..=6).prop_map(
-        |(log_limit, log_hours, vip, bucket_limit)| Rules {
-            log_limit,
-            log_hours,
-            vip,
-            bucket_limit,
-        },
-    );
+    let rules = (
+        2u64..=6,
+        1u64..=2,
+        prop::option::of(2u64..=8),
+        2u64..=6,
+        2u64..=4,
+    )
+        .prop_map(
+            |(log_limit, log_hours, vip, bucket_limit, slots_limit)| Rules {
+                log_limit,
+                log_hours,
+                vip,
+                bucket_limit,
+                slots_limit,
+            },
+        );
     prop_oneof![
         8 => (0usize..2, pol(), 0usize..3, 0u64..=2)
             .prop_map(|(on, pol, key, cost)| Op::Check { on, pol, key, cost }),
@@ -129,6 +171,15 @@ fn op() -> impl Strategy<Value = Op> {
             }),
         2 => (0usize..2, pol(), 0usize..3).prop_map(|(on, pol, key)| Op::Reset { on, pol, key }),
         2 => (rules, any::<bool>()).prop_map(|(rules, bump)| Op::Reload { rules, bump }),
+        3 => (0usize..2, 0usize..3, 1u64..=3)
+            .prop_map(|(on, key, estimate)| Op::Reserve { on, key, estimate }),
+        3 => (0usize..2, any::<usize>(), 0u64..=6)
+            .prop_map(|(on, which, cost)| Op::Settle { on, which, cost }),
+        1 => (0usize..2, 0usize..3, 0u64..=4)
+            .prop_map(|(on, key, cost)| Op::Charge { on, key, cost }),
+        2 => (0usize..2, 0usize..3, 1u64..=2)
+            .prop_map(|(on, key, units)| Op::Acquire { on, key, units }),
+        2 => (0usize..2, any::<usize>()).prop_map(|(on, which)| Op::Release { on, which }),
     ]
 }
 
@@ -136,9 +187,16 @@ fn op() -> impl Strategy<Value = Op> {
 #[derive(Default)]
 struct Model {
     /// `log`: entries in the window, by key.
-    log: HashMap<String, u64>,
-    /// `bucket`: tokens as last written (whole: the refill per day is negligible), by key.
-    bucket: HashMap<String, u64>,
+    log: HashMap<String, i64>,
+    /// `bucket`: tokens as last written (whole: the refill per day is negligible; below
+    /// zero in debt), by key.
+    bucket: HashMap<String, i64>,
+    /// `bucket`'s reservations, in the order made: (key, id, estimate, settled).
+    reservations: Vec<(usize, String, u64, bool)>,
+    /// `slots`: units held, by key; and the leases, in the order acquired: (key, lease,
+    /// units, still held).
+    held: HashMap<usize, u64>,
+    leases: Vec<(usize, String, u64, bool)>,
 }
 
 impl Model {
@@ -156,7 +214,7 @@ impl Model {
         let need = cost.max(1);
         match pol {
             Pol::Log => {
-                let n = self.log.get(key).copied().unwrap_or(0);
+                let n = self.log.get(key).copied().unwrap_or(0) as u64;
                 if n + need <= cap {
                     (true, cap - n - cost, (cost > 0).then_some(n + cost))
                 } else {
@@ -164,11 +222,12 @@ impl Model {
                 }
             }
             Pol::Bucket => {
-                let t = self.bucket.get(key).copied().unwrap_or(cap).min(cap);
-                if t >= need {
-                    (true, t - cost, (cost > 0).then_some(t - cost))
+                let t = self.tokens(cap, key);
+                if t >= need as i64 {
+                    let left = (t - cost as i64) as u64;
+                    (true, left, (cost > 0).then_some(left))
                 } else {
-                    (false, t, None)
+                    (false, t.max(0) as u64, None)
                 }
             }
         }
@@ -179,7 +238,16 @@ impl Model {
             Pol::Log => &mut self.log,
             Pol::Bucket => &mut self.bucket,
         };
-        map.insert(key.to_owned(), value);
+        map.insert(key.to_owned(), value as i64);
+    }
+
+    /// `bucket`'s tokens now under capacity `cap` (a lower burst caps what it held).
+    fn tokens(&self, cap: u64, key: &str) -> i64 {
+        self.bucket
+            .get(key)
+            .copied()
+            .unwrap_or(cap as i64)
+            .min(cap as i64)
     }
 
     fn reset(&mut self, pol: Pol, key: &str) {
@@ -213,12 +281,11 @@ impl Pair {
             .store("username", user)
             .store("password", PASSWORD)
             .policy(log)
-            .policy(Policy::new(
-                "bucket",
-                "token_bucket",
-                rules.bucket_limit,
-                "1d",
-            ))
+            .policy(
+                Policy::new("bucket", "token_bucket", rules.bucket_limit, "1d")
+                    .set("settle_within", "1h"),
+            )
+            .policy(Policy::new("slots", "concurrency", rules.slots_limit, "1h"))
             .to_toml()
     }
 
@@ -362,13 +429,131 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 let want = if window && !bump { "refused" } else { "ok" };
                 prop_assert_eq!(result, want, "{}", at);
             }
+            Op::Reserve {
+                on,
+                key: k,
+                estimate,
+            } => {
+                let (allowed, remaining, write) =
+                    model.decide(&pair.rules, Pol::Bucket, KEYS[*k], *estimate);
+                let body =
+                    json!({"policy": "bucket", "key": key(*k), "cost": estimate, "settle": true});
+                let (status, v) = pair.daemons[*on].check(&body);
+                if *estimate > pair.rules.bucket_limit {
+                    prop_assert_eq!(status, 400, "{}: over the capacity: {}", at, v);
+                    continue;
+                }
+                prop_assert_eq!(status, 200, "{}: {}", at, v);
+                prop_assert_eq!(&v["allowed"], &json!(allowed), "{}: {}", at, v);
+                prop_assert_eq!(&v["remaining"], &json!(remaining), "{}: {}", at, v);
+                match (allowed, v["reservation"].as_str()) {
+                    (true, Some(id)) => {
+                        model
+                            .reservations
+                            .push((*k, id.to_owned(), *estimate, false))
+                    }
+                    (false, None) => {}
+                    _ => prop_assert!(false, "{}: a reservation iff admitted: {}", at, v),
+                }
+                if let Some(w) = write {
+                    model.write(Pol::Bucket, KEYS[*k], w);
+                }
+            }
+            Op::Settle { on, which, cost } => {
+                let cap = pair.rules.bucket_limit;
+                let (k, id, estimate, settled) = match model.reservations.len() {
+                    0 => (0, "0".repeat(32), 0, false),
+                    n => model.reservations[which % n].clone(),
+                };
+                let body =
+                    json!({"policy": "bucket", "key": key(k), "reservation": id, "cost": cost});
+                let other = &pair.daemons[1 - *on];
+                let received = other.metric(INVALIDATIONS);
+                let (status, _, v) = pair.daemons[*on].post("/v1/settle", &body);
+                let t = model.tokens(cap, KEYS[k]);
+                if model.reservations.is_empty() {
+                    prop_assert_eq!(status, 404, "{}: {}", at, v);
+                } else if settled {
+                    prop_assert_eq!(status, 200, "{}: {}", at, v);
+                    prop_assert_eq!(&v["status"], "already_settled", "{}: {}", at, v);
+                    prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
+                } else if *cost < estimate && *on == 1 {
+                    // B may not PUBLISH: a give-back is refused whole.
+                    prop_assert_eq!(status, 503, "{}: {}", at, v);
+                    prop_assert_eq!(&v["error"]["code"], "settle_refused", "{}: {}", at, v);
+                } else {
+                    let t = if *cost >= estimate {
+                        t - (*cost - estimate) as i64
+                    } else {
+                        (t + (estimate - *cost) as i64).min(cap as i64)
+                    };
+                    prop_assert_eq!(status, 200, "{}: {}", at, v);
+                    prop_assert_eq!(&v["status"], "settled", "{}: {}", at, v);
+                    prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
+                    model.bucket.insert(KEYS[k].to_owned(), t);
+                    if let Some(r) = model.reservations.iter_mut().find(|r| r.1 == id) {
+                        r.3 = true;
+                    }
+                    if *cost < estimate {
+                        // Announced in the settlement's script: the other instance drops
+                        // what it remembers as the message arrives (as for a reset).
+                        wait_for("the invalidation delivered", Duration::from_secs(5), || {
+                            (other.metric(INVALIDATIONS) > received).then_some(())
+                        });
+                    }
+                }
+            }
+            Op::Charge { on, key: k, cost } => {
+                let t = model.tokens(pair.rules.bucket_limit, KEYS[*k]) - *cost as i64;
+                let body = json!({"policy": "bucket", "key": key(*k), "cost": cost});
+                let (status, _, v) = pair.daemons[*on].post("/v1/charge", &body);
+                prop_assert_eq!(status, 200, "{}: {}", at, v);
+                prop_assert_eq!(&v["outcome"], "allowed", "{}: {}", at, v);
+                prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
+                model.bucket.insert(KEYS[*k].to_owned(), t);
+            }
+            Op::Acquire { on, key: k, units } => {
+                let held = model.held.get(k).copied().unwrap_or(0);
+                let allowed = held + units <= pair.rules.slots_limit;
+                let body = json!({"policy": "slots", "key": key(*k), "units": units});
+                let (status, _, v) = pair.daemons[*on].post("/v1/acquire", &body);
+                prop_assert_eq!(status, 200, "{}: {}", at, v);
+                prop_assert_eq!(&v["allowed"], &json!(allowed), "{}: {}", at, v);
+                let now = if allowed { held + units } else { held };
+                prop_assert_eq!(&v["held"], &json!(now), "{}: {}", at, v);
+                if allowed {
+                    let lease = v["lease"].as_str().unwrap_or_default().to_owned();
+                    model.leases.push((*k, lease, *units, true));
+                    model.held.insert(*k, now);
+                }
+            }
+            Op::Release { on, which } => {
+                let (k, lease, units, live) = match model.leases.len() {
+                    0 => (0, format!("{}-1", "0".repeat(32)), 0, false),
+                    n => model.leases[which % n].clone(),
+                };
+                let body = json!({"policy": "slots", "key": key(k), "lease": lease});
+                let (status, _, v) = pair.daemons[*on].post("/v1/release", &body);
+                if live {
+                    let held = model.held.get(&k).copied().unwrap_or(0) - units;
+                    prop_assert_eq!(status, 200, "{}: {}", at, v);
+                    prop_assert_eq!(&v["held"], &json!(held), "{}: {}", at, v);
+                    model.held.insert(k, held);
+                    if let Some(l) = model.leases.iter_mut().find(|l| l.1 == lease) {
+                        l.3 = false;
+                    }
+                } else {
+                    prop_assert_eq!(status, 404, "{}: {}", at, v);
+                }
+            }
         }
     }
     Ok(())
 }
 
 /// Every answer of two instances sharing one Redis (checks, peeks, batches, resets
-/// through either, reloads of both) is the reference model's.
+/// through either, reloads of both, reservations settled and charges into debt, leases
+/// acquired and released) is the reference model's.
 #[test]
 fn two_instances_answer_every_step_as_the_model_does() {
     let mut pair = Pair::start();
