@@ -179,6 +179,32 @@ fn a_lease_that_ends_unreleased_is_counted_expired_at_its_end() {
     assert_eq!(q.metric("quotad_leases_tracked"), 0.0);
 }
 
+/// A reset of a concurrency limit's key gives back every lease it holds (slots a holder
+/// will never release, freed before their leases end), counted `released`; the leases'
+/// holders then find them gone.
+#[test]
+fn a_reset_frees_every_slot_of_the_key() {
+    let redis = RedisServer::start();
+    for config in [Config::redis(&redis.url()), Config::new()] {
+        let q = Quotad::serve(&policies(config, "closed"));
+        let a = acquire(&q, "k", 2);
+        acquire(&q, "k", 1);
+        acquire(&q, "other", 1);
+        let (status, _, _) = post(&q, "/v1/reset", json!({"policy": "streams", "key": "k"}));
+        assert_eq!(status, 204);
+        let released = "quotad_lease_units_total{event=\"released\",policy=\"streams\"}";
+        assert_eq!(q.metric(released), 3.0);
+        assert_eq!(acquire(&q, "k", 3)["outcome"], "allowed", "every slot free");
+        let (status, _) = lease_call(&q, "/v1/release", "k", &a["lease"]);
+        assert_eq!(status, 404, "the reset took it");
+        assert_eq!(
+            acquire(&q, "other", 3)["outcome"],
+            "denied",
+            "another key kept its lease"
+        );
+    }
+}
+
 /// Redis hung: `closed` denies, `open` admits without a lease (nothing to release),
 /// `local` acquires in the daemon's own store, and that lease is released there. A
 /// release of a Redis lease is a 503 that changed nothing.
@@ -330,13 +356,6 @@ fn bad_lease_requests_are_named_4xx_and_change_nothing() {
             "policy",
         ),
         (
-            "/v1/reset",
-            "a reset of a concurrency limit",
-            r#"{"policy":"streams","key":"k"}"#.into(),
-            400,
-            "policy",
-        ),
-        (
             "/v1/release",
             "no lease",
             r#"{"policy":"streams","key":"k"}"#.into(),
@@ -408,6 +427,9 @@ fn bad_lease_requests_are_named_4xx_and_change_nothing() {
         assert_eq!(got, status, "{name}: {text}");
         assert_eq!(v["error"]["field"], field, "{name}: {text}");
     }
+    let (status, _, text) = common::request(q.port, "GET", "/v1/authz/streams", &[], "").unwrap();
+    assert_eq!(status, 400, "forward-auth of a concurrency limit: {text}");
+    assert!(text.contains("cannot release"), "{text}");
     assert_eq!(
         (redis.dbsize(), dump()),
         before,

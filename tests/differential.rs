@@ -476,7 +476,7 @@ fn composite_lua_matches_rust() {
 
 /// The concurrency script against its reference model ([`quotad_core::concurrency`]):
 /// random acquires (new leases of 1 to 3 units), releases and extends of leases taken
-/// before and of unknown ones, peeks, and time steps (a few backward) over keys of three
+/// before and of unknown ones, clears, peeks, and time steps (a few backward) over keys of three
 /// limits. Every answer must be identical, and every write must carry the model's TTL.
 #[test]
 fn concurrency_lua_matches_rust() {
@@ -489,7 +489,7 @@ fn concurrency_lua_matches_rust() {
     // Leases acquired: (key, id, units).
     let mut taken: Vec<(&str, String, u64)> = Vec::new();
     let mut now = real_now_us();
-    let (mut granted, mut expired, mut unknown) = (0, 0, 0);
+    let (mut granted, mut expired, mut unknown, mut cleared) = (0, 0, 0, 0);
     for step in 0..6_000 {
         now += match rng.random_range(0..100) {
             0..=19 => 0,
@@ -517,6 +517,7 @@ fn concurrency_lua_matches_rust() {
                 }
             }
             75..=84 => ("release", format!("u{step}"), 1),
+            85..=87 => ("clear", String::new(), 1),
             _ => ("peek", String::new(), 1),
         };
         let op = match mode {
@@ -531,6 +532,7 @@ fn concurrency_lua_matches_rust() {
                 units,
                 hold_us,
             },
+            "clear" => LeaseOp::Clear,
             _ => LeaseOp::Peek,
         };
         let args = [
@@ -548,6 +550,7 @@ fn concurrency_lua_matches_rust() {
             reset_after_us: r[2],
             retry_after_us: r[3],
             expired: r[4] as u64,
+            released: r[5] as u64,
         };
         let out = concurrency::apply(limit, model.get(key), now, op);
         assert_eq!(
@@ -573,6 +576,10 @@ fn concurrency_lua_matches_rust() {
                 taken.push((key, id.clone(), units));
             }
             ("release", true) => taken.retain(|t| t.1 != id),
+            ("clear", _) => {
+                cleared += got.released;
+                taken.retain(|t| t.0 != key);
+            }
             ("release" | "extend", false) => unknown += 1,
             _ => {}
         }
@@ -583,8 +590,8 @@ fn concurrency_lua_matches_rust() {
     }
     // The sequence reached every branch.
     assert!(
-        granted > 500 && expired > 100 && unknown > 100,
-        "{granted} {expired} {unknown}"
+        granted > 500 && expired > 100 && unknown > 100 && cleared > 50,
+        "{granted} {expired} {unknown} {cleared}"
     );
 }
 

@@ -133,6 +133,11 @@ enum Op {
         on: usize,
         which: usize,
     },
+    /// A reset of a `slots` key: every lease it holds given back.
+    ResetSlots {
+        on: usize,
+        key: usize,
+    },
 }
 
 fn pol() -> impl Strategy<Value = Pol> {
@@ -180,6 +185,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0usize..2, 0usize..3, 1u64..=2)
             .prop_map(|(on, key, units)| Op::Acquire { on, key, units }),
         2 => (0usize..2, any::<usize>()).prop_map(|(on, which)| Op::Release { on, which }),
+        1 => (0usize..2, 0usize..3).prop_map(|(on, key)| Op::ResetSlots { on, key }),
     ]
 }
 
@@ -544,6 +550,15 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     }
                 } else {
                     prop_assert_eq!(status, 404, "{}: {}", at, v);
+                }
+            }
+            Op::ResetSlots { on, key: k } => {
+                let body = json!({"policy": "slots", "key": key(*k)});
+                let (status, _, v) = pair.daemons[*on].post("/v1/reset", &body);
+                prop_assert_eq!(status, 204, "{}: {}", at, v);
+                model.held.insert(*k, 0);
+                for l in model.leases.iter_mut().filter(|l| l.0 == *k) {
+                    l.3 = false;
                 }
             }
         }

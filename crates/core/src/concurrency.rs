@@ -42,6 +42,9 @@ pub enum LeaseOp<'a> {
     },
     /// Only read: what is held now.
     Peek,
+    /// Give back every lease of the key (an operator's reset: slots a holder will never
+    /// release, freed before their leases end).
+    Clear,
 }
 
 /// The answer to one operation, as the script returns it.
@@ -59,6 +62,8 @@ pub struct LeaseAnswer {
     pub retry_after_us: i64,
     /// Units whose leases had expired, dropped by this operation (crashed holders).
     pub expired: u64,
+    /// Units a release or a clear gave back (0 for the others).
+    pub released: u64,
 }
 
 /// What to do with the stored state.
@@ -100,8 +105,13 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
         })
         .unwrap_or_default();
     let expired = (stored - entries.len()) as u64;
+    let live = entries.len() as u64;
     let (ok, retry, changed) = match op {
         LeaseOp::Peek => (true, 0, false),
+        LeaseOp::Clear => {
+            entries.clear();
+            (true, 0, live > 0)
+        }
         LeaseOp::Acquire { id, units, hold_us } => {
             let held = entries.len() as u64;
             if held + units <= limit {
@@ -144,8 +154,13 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
             (live, 0, live)
         }
     };
+    let released = match op {
+        LeaseOp::Release { .. } | LeaseOp::Clear => live - entries.len() as u64,
+        _ => 0,
+    };
     let answer = LeaseAnswer {
         ok,
+        released,
         held: entries.len() as u64,
         reset_after_us: entries.first().map_or(0, |(t, _)| t - now_us),
         retry_after_us: if ok { 0 } else { retry.max(0) },
@@ -191,6 +206,27 @@ mod tests {
             units,
             hold_us: 1_000,
         }
+    }
+
+    /// A clear gives back every live lease (counted `released`), drops the ended ones
+    /// (counted `expired`), and leaves the key empty.
+    #[test]
+    fn a_clear_gives_every_lease_back() {
+        let mut s = None;
+        assert!(run(&mut s, 5, 0, acquire("a", 2)).ok);
+        let b = LeaseOp::Acquire {
+            id: "b",
+            units: 1,
+            hold_us: 5_000,
+        };
+        assert!(run(&mut s, 5, 0, b).ok);
+        let cleared = run(&mut s, 5, 2_000, LeaseOp::Clear);
+        assert_eq!(
+            (cleared.ok, cleared.held, cleared.released, cleared.expired),
+            (true, 0, 1, 2)
+        );
+        assert_eq!(s, None);
+        assert!(run(&mut s, 5, 2_000, acquire("c", 5)).ok, "all free");
     }
 
     #[test]

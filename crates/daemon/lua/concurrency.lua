@@ -3,7 +3,7 @@
 --
 -- KEYS[1]  sorted set: one member per unit held, `id:1 ..= id:units`, scored by the
 --          lease's expiry (us, Redis time)
--- ARGV[1]  'acquire' | 'release' | 'extend' | 'peek'
+-- ARGV[1]  'acquire' | 'release' | 'extend' | 'peek' | 'clear' (every lease given back)
 -- ARGV[2]  limit     units that may be held at once
 -- ARGV[3]  id        the lease (acquire: a new, unique id)
 -- ARGV[4]  units     the lease's units (1 ..= limit)
@@ -11,7 +11,8 @@
 -- ARGV[6]  now_us    TESTS ONLY: the differential test injects time here. quotad never
 --                    passes it: production decisions always use redis.call('TIME').
 -- Returns  {ok (0|1), held, reset_after_us (until the earliest lease ends), retry_after_us
---           (a denied acquire: until enough leases have ended), expired (units dropped)}
+--           (a denied acquire: until enough leases have ended), expired (units dropped),
+--           released (units a release or a clear gave back)}
 --
 -- Every operation first drops the units whose leases have ended, so an expired lease
 -- holds nothing whether or not anyone touched the key since; the key's TTL is its latest
@@ -28,7 +29,7 @@ local hold = tonumber(ARGV[5])
 local now = clock_us(ARGV[6])
 
 local expired = redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-local ok, retry, changed = 1, 0, false
+local ok, retry, changed, released = 1, 0, false, 0
 if mode == 'acquire' then
   local held = redis.call('ZCARD', key)
   if held + units <= limit then
@@ -49,6 +50,7 @@ elseif mode == 'release' then
   for i = 1, units do
     n = n + redis.call('ZREM', key, id .. ':' .. i)
   end
+  released = n
   if n == 0 then ok = 0 else changed = true end
 elseif mode == 'extend' then
   if redis.call('ZSCORE', key, id .. ':1') then
@@ -59,6 +61,11 @@ elseif mode == 'extend' then
     changed = true
   else
     ok = 0
+  end
+elseif mode == 'clear' then
+  released = redis.call('ZCARD', key)
+  if released > 0 then
+    redis.call('DEL', key)
   end
 elseif mode ~= 'peek' then
   return redis.error_reply('ERR quotad concurrency: unknown operation')
@@ -74,4 +81,4 @@ if held > 0 then
     redis.call('PEXPIRE', key, ttl_ms(tonumber(last[2]) - now))
   end
 end
-return {ok, held, reset, retry, expired}
+return {ok, held, reset, retry, expired, released}

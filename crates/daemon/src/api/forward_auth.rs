@@ -46,6 +46,14 @@ pub async fn authz(
         name: name.chars().take(80).collect(),
     };
     let live = state.live.get();
+    if live.policies.concurrency(&name).is_some() {
+        return Err(ApiError::invalid(
+            "policy",
+            format!(
+                "\"{name}\" is a concurrency limit: a proxy cannot release what it would acquire (docs/proxies.md)"
+            ),
+        ));
+    }
     let policy = live.policies.get(&name).ok_or_else(unknown)?.clone();
     let Some(auth) = live.forward_auth.get(&name) else {
         return Err(ApiError::invalid(

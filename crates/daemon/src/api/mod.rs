@@ -27,7 +27,7 @@ use serde_json::{Value, json};
 
 use crate::federation::auth::{HEADER_SIGNATURE, Rejection, Signed};
 use crate::federation::{Federation, STATUS_KEYS, StatusReport};
-use crate::limiter::{Decision, Limiter, ResetError, SettleError};
+use crate::limiter::{Decision, LeaseError, Limiter, ResetError, SettleError};
 use crate::metrics::Metrics;
 use crate::policy::KeyMatch;
 use crate::server::Drain;
@@ -167,7 +167,16 @@ pub fn ratelimit_headers(ds: &[Decision]) -> Vec<(String, String)> {
 async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let body = json_body(&state, req).await?;
     let (policy, key, group) =
-        request::parse_reset(&body, &state.live.get().policies, &state.caps)?;
+        match request::parse_reset(&body, &state.live.get().policies, &state.caps)? {
+            request::Reset::Spent(policy, key, group) => (policy, key, group),
+            request::Reset::Leases(limit, key) => {
+                return match state.limiter.clear_leases(&limit, &key).await {
+                    Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+                    Err(LeaseError::Shed(s)) => Err(s.into()),
+                    Err(LeaseError::Store(_)) => Err(ApiError::StoreUnavailable),
+                };
+            }
+        };
     match state.limiter.reset(&policy, &key, group.as_deref()).await {
         Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
         Err(ResetError::Shed(s)) => Err(s.into()),

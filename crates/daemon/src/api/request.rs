@@ -615,17 +615,29 @@ impl CheckRequest {
 }
 
 /// A parsed `POST /v1/reset` body.
-pub fn parse_reset(
-    v: &Value,
-    policies: &Policies,
-    caps: &Caps,
-) -> Result<(Arc<Policy>, String, Option<String>), ApiError> {
+pub fn parse_reset(v: &Value, policies: &Policies, caps: &Caps) -> Result<Reset, ApiError> {
     let obj = object(v, "body")?;
+    // A concurrency limit's key: every lease given back (no group: it has none).
+    if let Some(Value::String(name)) = obj.get("policy")
+        && let Some(limit) = policies.concurrency(name)
+    {
+        no_unknown_fields(obj, &["policy", "key"], "")?;
+        return Ok(Reset::Leases(limit.clone(), key(obj, "", caps)?));
+    }
     no_unknown_fields(obj, &["policy", "key", "group"], "")?;
     let policy = policy(policies, obj, "")?.clone();
     let key = key(obj, "", caps)?;
     let group = group(obj, "", &policy, caps)?;
-    Ok((policy, key, group))
+    Ok(Reset::Spent(policy, key, group))
+}
+
+/// What a `POST /v1/reset` forgets.
+#[derive(Debug)]
+pub enum Reset {
+    /// What a rate policy's key (in its group, if any) spent.
+    Spent(Arc<Policy>, String, Option<String>),
+    /// Every lease a concurrency limit's key holds.
+    Leases(Arc<ConcurrencyPolicy>, String),
 }
 
 #[cfg(test)]

@@ -272,6 +272,34 @@ impl Limiter {
         Ok(ans)
     }
 
+    /// Gives back every lease of `key` (a reset): in the store and in the in-process one
+    /// (`local` leases). The units are counted `released`; returns how many.
+    pub async fn clear_leases(
+        &self,
+        policy: &ConcurrencyPolicy,
+        key: &str,
+    ) -> Result<u64, LeaseError> {
+        let key = self.lease_key(policy, key);
+        let call = LeaseCall {
+            key: &key,
+            limit: policy.limit.get(),
+            op: LeaseOp::Clear,
+        };
+        let ans = {
+            let _admitted = self.store.admit(1).await?;
+            self.store
+                .lease(&call)
+                .await
+                .inspect_err(|e| self.lease_failed(policy, e))?
+        };
+        // The in-process store never refuses a clear for room (it only removes).
+        let local = self.local.lease(&call).map_or(0, |a| a.released);
+        let released = ans.released + local;
+        self.count_lease_units(&policy.name, "expired", ans.expired);
+        self.count_lease_units(&policy.name, "released", released);
+        Ok(released)
+    }
+
     /// Moves a live lease's end to `h.hold` from now. `ok: false`: no such live lease.
     pub async fn extend(&self, h: &Held) -> Result<LeaseAnswer, LeaseError> {
         let op = LeaseOp::Extend {

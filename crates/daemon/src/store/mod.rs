@@ -103,15 +103,19 @@ impl LeaseCall<'_> {
             LeaseOp::Release { id, units } => ("release", id, units, 0),
             LeaseOp::Extend { id, units, hold_us } => ("extend", id, units, hold_us),
             LeaseOp::Peek => ("peek", "", 0, 0),
+            LeaseOp::Clear => ("clear", "", 0, 0),
         }
     }
 }
 
-/// `lua/concurrency.lua`'s reply: `{ok, held, reset_after_us, retry_after_us, expired}`.
+/// `lua/concurrency.lua`'s reply: `{ok, held, reset_after_us, retry_after_us, expired,
+/// released}`.
 pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
     match reply {
-        [ok @ (0 | 1), held, reset, retry, expired]
-            if [*held, *reset, *retry, *expired].iter().all(|n| *n >= 0) =>
+        [ok @ (0 | 1), held, reset, retry, expired, released]
+            if [*held, *reset, *retry, *expired, *released]
+                .iter()
+                .all(|n| *n >= 0) =>
         {
             Ok(LeaseAnswer {
                 ok: *ok == 1,
@@ -119,6 +123,7 @@ pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
                 reset_after_us: *reset,
                 retry_after_us: *retry,
                 expired: *expired as u64,
+                released: *released as u64,
             })
         }
         other => Err(StoreError::Reply(format!("{other:?}"))),
