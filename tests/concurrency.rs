@@ -98,6 +98,15 @@ fn at_most_the_limit_is_held_and_a_release_frees_it_at_once() {
             "denied",
             "nothing was released"
         );
+        // A lease named with more units than it holds frees, and counts, only its own.
+        let two = acquire(&q, "m", 2)["lease"]
+            .as_str()
+            .unwrap()
+            .replace("-2", "-3");
+        let (status, r) = lease_call(&q, "/v1/release", "m", &json!(two));
+        assert_eq!((status, r["held"].as_u64()), (200, Some(0)), "{r}");
+        let released = "quotad_lease_units_total{event=\"released\",policy=\"streams\"}";
+        assert_eq!(q.metric(released), 2.0 + 2.0, "{r}");
     }
     redis.assert_every_key_has_ttl();
 }

@@ -264,9 +264,9 @@ impl Limiter {
             units: h.lease.units,
         };
         let ans = self.lease_op(h, op).await?;
-        if ans.ok {
-            self.count_lease_units(&h.policy.name, "released", h.lease.units);
-        }
+        // What the script removed: a lease named with more units than it holds frees
+        // (and counts) only those it holds.
+        self.count_lease_units(&h.policy.name, "released", ans.released);
         // Released now or before, or ended: nothing to read at its end.
         self.reaper.forget(&h.lease.hex);
         Ok(ans)
