@@ -177,7 +177,6 @@ fn metered_work_is_charged_exactly_its_real_costs(mode: &str) {
     for (policy, tag) in [("tb", "tb"), ("fw", "fw")] {
         let key = format!("{mode}-key");
         let run = quotad_testkit::metered::run(mode, &targets, 4, 250, policy, &key, 20);
-        eprintln!("{mode} {policy}: {run:?}");
         assert_eq!(run.admitted + run.denied, 1_000, "{policy}: {run:?}");
         assert!(run.denied > 0, "{policy}: the key never ran out: {run:?}");
         let stored = format!("rl:{policy}:{tag}:{{{key}}}");
@@ -202,6 +201,7 @@ fn metered_work_is_charged_exactly_its_real_costs(mode: &str) {
         };
         // What refilled during the run (100 a day: well under a unit) is all the slack.
         let real = run.real as f64;
+        eprintln!("{mode} {policy}: Redis charged {charged:.3} for work that cost {real}: {run:?}");
         assert!(
             charged <= real && charged > real - 0.5,
             "{mode} {policy}: Redis charged {charged}, the admitted work cost {real}: {run:?}"
