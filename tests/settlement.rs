@@ -126,8 +126,8 @@ fn a_key_in_debt_admits_nothing_until_the_debt_is_paid() {
     assert_eq!(denied["outcome"], "denied", "{denied}");
     let retry = denied["retry_after_ms"].as_u64().unwrap();
     assert!(
-        (1_900..=2_100).contains(&retry),
-        "20 owed + 1 at 10/s: {denied}"
+        (1_000..=2_100).contains(&retry),
+        "20 owed + 1 at 10/s, less the time since (without the debt: under 0.1 s): {denied}"
     );
     // A reservation is a check like any other: refused too, and opens nothing.
     let refused = reserve(&q, "tokens", "debtor", 1);
