@@ -99,7 +99,7 @@ pub async fn authz(
     } else {
         denied_status(auth)
     };
-    let mut resp = (status, Json(&d)).into_response();
+    let mut resp = (status, Json(super::decisions::body(&d))).into_response();
     if sampled.is_some()
         && let Some(s) = Summary::of(std::slice::from_ref(&d))
     {

@@ -21,10 +21,10 @@ pub(super) async fn acquire(
     let a = request::parse_acquire(&body, &state.live.get().policies, &state.caps)?;
     let acquired = state.limiter.acquire(&a).await?;
     let d = acquired.decision();
-    let mut body = serde_json::to_value(&d).unwrap_or_default();
+    let mut body = super::decisions::body(&d);
     body["held"] = json!(acquired.held);
     if let Some(lease) = &acquired.lease {
-        body["lease"] = json!(lease);
+        body["lease"] = json!(lease.to_string());
         body["units"] = json!(lease.units());
         body["expires_in_ms"] = json!(acquired.hold.as_millis() as u64);
     }
@@ -72,7 +72,7 @@ fn lease_body(h: &Held, ans: &LeaseAnswer, status: &str) -> serde_json::Value {
         "status": status,
         "policy": h.policy.name,
         "key": h.key,
-        "lease": h.lease,
+        "lease": h.lease.to_string(),
         "limit": limit,
         "held": ans.held,
         "remaining": limit.saturating_sub(ans.held),

@@ -4,6 +4,7 @@
 
 mod answers;
 pub mod body;
+mod decisions;
 pub mod error;
 pub mod forward_auth;
 pub mod grpc;
@@ -127,13 +128,13 @@ async fn check(State(state): State<AppState>, req: Request) -> Result<Response, 
             let d = state.limiter.check(&c).await?;
             let ds = std::slice::from_ref(&d);
             let summary = sampled.then(|| request_log::Summary::of(ds)).flatten();
-            (with_headers(Json(&d).into_response(), ds), summary)
+            let body = Json(decisions::body(&d)).into_response();
+            (with_headers(body, ds), summary)
         }
         CheckRequest::Batch(checks) => {
             let ds = state.limiter.check_batch(&checks).await?;
-            let allowed = ds.iter().all(|d| d.allowed);
             let summary = sampled.then(|| request_log::Summary::of(&ds)).flatten();
-            let body = Json(json!({"allowed": allowed, "results": &ds})).into_response();
+            let body = Json(decisions::batch(&ds)).into_response();
             (with_headers(body, &ds), summary)
         }
     };
@@ -210,7 +211,7 @@ async fn settle(State(state): State<AppState>, req: Request) -> Result<Response,
     let mut body = json!({
         "policy": check.policy.name,
         "key": check.key,
-        "reservation": id,
+        "reservation": id.as_str(),
         "limit": check.policy.limit.get(),
         "remaining": reply.remaining,
         "reset_after_ms": wait(reply.reset_after_us),
@@ -235,7 +236,7 @@ async fn charge(State(state): State<AppState>, req: Request) -> Result<Response,
     let body = json_body(&state, req).await?;
     let check = request::parse_charge(&body, &state.live.get().policies, &state.caps)?;
     let d = state.limiter.charge(&check).await?;
-    let mut body = serde_json::to_value(&d).unwrap_or_default();
+    let mut body = decisions::body(&d);
     let charged = if d.outcome.is_enforced() {
         check.cost
     } else {

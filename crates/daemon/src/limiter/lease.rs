@@ -69,12 +69,6 @@ impl std::fmt::Display for LeaseId {
     }
 }
 
-impl serde::Serialize for LeaseId {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
 /// An acquire, validated by the API: 1 ..= limit units, a hold within the policy's lease.
 #[derive(Debug, Clone)]
 pub struct Acquire {

@@ -11,8 +11,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use serde::Serialize;
-
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
@@ -29,8 +27,7 @@ pub use lease::{Acquire, Acquired, Held, LeaseError, LeaseId};
 pub use settle::SettleError;
 
 /// How a decision was reached: the API's `outcome` and the metrics' label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Allowed,
     Denied,
@@ -76,8 +73,9 @@ pub struct Check {
     pub reserve: bool,
 }
 
-/// The answer to one check.
-#[derive(Debug, Clone, Serialize)]
+/// The answer to one check: a domain value. The API turns it into its JSON body and
+/// headers in one place (`api::decisions`, `api::headers`).
+#[derive(Debug, Clone)]
 pub struct Decision {
     pub allowed: bool,
     pub policy: String,
@@ -88,22 +86,17 @@ pub struct Decision {
     pub reset_after_ms: u64,
     pub retry_after_ms: u64,
     /// In a denied batch: this check had been admitted and its units were given back.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub refunded: bool,
     /// The quota `remaining` counts against: the policy's capacity (`burst` for
     /// token_bucket and gcra, else `limit`). The RateLimit-Policy `q`.
-    #[serde(skip)]
     pub quota: u64,
     /// The time `quota` is allocated over, in whole seconds, when it is a whole number of
     /// them ([`Policy::quota_window_secs`]). The RateLimit-Policy `w`.
-    #[serde(skip)]
     pub quota_window_secs: Option<u64>,
     /// Which store charged this check (to refund it there).
-    #[serde(skip)]
     charged: Option<Charged>,
     /// The reservation a reserving check opened, to settle with `POST /v1/settle`: only
     /// when the store admitted it (a fail mode's answer opens none).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub reservation: Option<ReservationId>,
 }
 

@@ -303,8 +303,7 @@ impl PolicyLayout {
 
 /// A reservation's id: 32 lowercase hex digits (128 random bits), so ids cannot be guessed
 /// and a settlement's text cannot reach any other key.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[serde(transparent)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReservationId(String);
 
 impl ReservationId {
