@@ -149,6 +149,7 @@ const BAD: &[(&str, &[&str])] = &[
             "9: policy[0].forward_auth.denied_status: must be between 400 and 499, got 500",
             "10: policy[0].forward_auth.on_missing_key: must be \"deny\", \"allow\"",
             "11: policy[0].forward_auth.cost: must be between 0 and 3, got 4",
+            "20: policy[1].forward_auth.cost: must be between 0 and 2, got 5",
         ],
     ),
     (

@@ -347,11 +347,15 @@ impl Validator<'_> {
             .enumerate()
             .filter(|(_, p)| !policy::is_concurrency(p))
             .filter_map(|(i, p)| {
-                // The policy's capacity bounds the cost of a forward-auth check.
+                // The smallest capacity of the policy and its overrides bounds the cost of
+                // a forward-auth check: a larger one could never pass for some keys.
+                let name = p.name.get_ref();
+                let overridden = overrides.get(name).into_iter().flatten();
                 let capacity = policies
                     .iter()
-                    .find(|c| c.name == *p.name.get_ref())
-                    .map(Policy::capacity);
+                    .find(|c| c.name == *name)
+                    .map(Policy::capacity)
+                    .map(|c| overridden.map(|o| o.policy.capacity()).fold(c, u64::min));
                 let f = self.forward_auth(i, p.forward_auth.as_ref()?, capacity)?;
                 Some((p.name.get_ref().clone(), f))
             })
