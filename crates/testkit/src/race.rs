@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 const MODE: &str = "QUOTAD_CHILD_MODE";
 
 /// What the children of one race got back, summed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Tally {
     pub allowed: usize,
     /// Allowed plus denied: every request that got a decision.
@@ -53,10 +53,7 @@ impl Race {
         key: &str,
         limit: u64,
     ) -> Tally {
-        let mut tally = Tally {
-            allowed: 0,
-            answered: 0,
-        };
+        let mut tally = Tally::default();
         for c in self.spawn(mode, targets, policy, key, limit) {
             let out = c.wait_with_output().expect("child");
             let text = String::from_utf8_lossy(&out.stdout);
@@ -73,10 +70,7 @@ impl Race {
     /// Returns once every child has its answers: what they hold, and the children.
     pub fn hold_across(&self, targets: &[&str], policy: &str, key: &str) -> (Tally, Vec<Child>) {
         let mut children = self.spawn("hold", targets, policy, key, 0);
-        let mut tally = Tally {
-            allowed: 0,
-            answered: 0,
-        };
+        let mut tally = Tally::default();
         for c in &mut children {
             let out = c.stdout.take().expect("the child's stdout");
             let mut line = String::new();

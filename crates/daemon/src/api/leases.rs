@@ -21,13 +21,13 @@ pub(super) async fn acquire(
     let a = request::parse_acquire(&body, &state.live.get().policies, &state.caps)?;
     let acquired = state.limiter.acquire(&a).await?;
     let d = acquired.decision();
-    let mut body = super::decisions::body(&d);
-    body["held"] = json!(acquired.held);
+    let mut more = json!({"held": acquired.held});
     if let Some(lease) = &acquired.lease {
-        body["lease"] = json!(lease.to_string());
-        body["units"] = json!(lease.units());
-        body["expires_in_ms"] = json!(acquired.hold.as_millis() as u64);
+        more["lease"] = json!(lease.to_string());
+        more["units"] = json!(lease.units());
+        more["expires_in_ms"] = json!(acquired.hold.as_millis() as u64);
     }
+    let body = super::decisions::body_with(&d, more);
     Ok(with_headers(
         Json(body).into_response(),
         std::slice::from_ref(&d),

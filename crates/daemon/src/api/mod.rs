@@ -201,20 +201,13 @@ async fn settle(State(state): State<AppState>, req: Request) -> Result<Response,
         Err(SettleError::Store(StoreError::Command(_))) => return Err(ApiError::SettleRefused),
         Err(SettleError::Store(_)) => return Err(ApiError::StoreUnavailable),
     };
-    let wait = |us: i64| {
-        if us <= 0 {
-            0
-        } else {
-            (us as u64).div_ceil(1000)
-        }
-    };
     let mut body = json!({
         "policy": check.policy.name,
         "key": check.key,
         "reservation": id.as_str(),
         "limit": check.policy.limit.get(),
         "remaining": reply.remaining,
-        "reset_after_ms": wait(reply.reset_after_us),
+        "reset_after_ms": crate::limiter::ms_ceil(reply.reset_after_us),
     });
     match reply.settled {
         Settled::Now { charged, refunded } => {
@@ -236,13 +229,12 @@ async fn charge(State(state): State<AppState>, req: Request) -> Result<Response,
     let body = json_body(&state, req).await?;
     let check = request::parse_charge(&body, &state.live.get().policies, &state.caps)?;
     let d = state.limiter.charge(&check).await?;
-    let mut body = decisions::body(&d);
     let charged = if d.outcome.is_enforced() {
         check.cost
     } else {
         0
     };
-    body["charged"] = json!(charged);
+    let body = decisions::body_with(&d, json!({"charged": charged}));
     Ok(Json(body).into_response())
 }
 

@@ -421,17 +421,15 @@ fn settle_flag(
         Some(Value::Bool(true)) => {}
         Some(_) => return Err(ApiError::invalid(field, "must be true or false")),
     }
-    let refusal = if !prefix.is_empty() {
-        "a batch cannot reserve: send each reservation as a single check".to_owned()
-    } else if policy.settle_within.is_none() {
-        format!(
-            "policy \"{}\" takes no settlements (its settle_within is not set)",
-            policy.name
-        )
-    } else if grouped {
-        "a check in a group cannot reserve: the group's script decides its keys together".to_owned()
+    if !prefix.is_empty() {
+        let why = "a batch cannot reserve: send each reservation as a single check";
+        return Err(ApiError::invalid(field, why));
+    }
+    settling(policy, &field)?;
+    let refusal = if grouped {
+        "a check in a group cannot reserve: the group's script decides its keys together"
     } else if cost == 0 {
-        "a reservation needs an estimate (cost) of at least 1".to_owned()
+        "a reservation needs an estimate (cost) of at least 1"
     } else {
         return Ok(true);
     };
@@ -446,7 +444,7 @@ pub fn parse_charge(v: &Value, policies: &Policies, caps: &Caps) -> Result<Check
     let base = policy(policies, obj, "")?;
     let key = key(obj, "", caps)?;
     let policy = policies.for_key(base, &key);
-    settling(&policy)?;
+    settling(&policy, "policy")?;
     if !obj.contains_key("cost") {
         return Err(ApiError::invalid(
             "cost",
@@ -469,12 +467,12 @@ pub fn parse_charge(v: &Value, policies: &Policies, caps: &Caps) -> Result<Check
     })
 }
 
-/// A policy that can carry a debt (`settle_within`), or the error naming `policy`.
-fn settling(policy: &Policy) -> Result<(), ApiError> {
+/// A policy that can carry a debt (`settle_within`), or the error naming `field`.
+fn settling(policy: &Policy, field: &str) -> Result<(), ApiError> {
     match policy.settle_within {
         Some(_) => Ok(()),
         None => Err(ApiError::invalid(
-            "policy",
+            field,
             format!(
                 "policy \"{}\" takes no settlements (its settle_within is not set)",
                 policy.name
@@ -495,7 +493,7 @@ pub fn parse_settle(
     let base = policy(policies, obj, "")?;
     let key = key(obj, "", caps)?;
     let policy = policies.for_key(base, &key);
-    settling(&policy)?;
+    settling(&policy, "policy")?;
     let text = string_field(obj, "reservation", "")?;
     let id = ReservationId::parse(text).ok_or_else(|| {
         ApiError::invalid(

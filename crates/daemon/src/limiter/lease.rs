@@ -173,7 +173,7 @@ impl Limiter {
         let acquired = match answer {
             Ok(ans) => self.acquired(a, ans, lease, Outcome::Allowed),
             Err(e) => {
-                self.lease_failed(&a.policy, &e);
+                self.store_failed(&a.policy.name, &e);
                 match a.policy.on_store_error {
                     FailMode::Open => self.unheld(a, true),
                     FailMode::Closed => self.unheld(a, false),
@@ -284,7 +284,7 @@ impl Limiter {
             self.store
                 .lease(&call)
                 .await
-                .inspect_err(|e| self.lease_failed(policy, e))?
+                .inspect_err(|e| self.store_failed(&policy.name, e))?
         };
         // The in-process store never refuses a clear for room (it only removes).
         let local = self.local.lease(&call).map_or(0, |a| a.released);
@@ -337,7 +337,7 @@ impl Limiter {
             match self.store.lease(&call).await {
                 Ok(a) => a,
                 Err(e) => {
-                    self.lease_failed(&h.policy, &e);
+                    self.store_failed(&h.policy.name, &e);
                     return Err(e.into());
                 }
             }
@@ -380,13 +380,8 @@ impl Limiter {
         };
         match answer {
             Ok(ans) => self.count_lease_units(&due.policy.name, "expired", ans.expired),
-            Err(e) => self.lease_failed(&due.policy, &e),
+            Err(e) => self.store_failed(&due.policy.name, &e),
         }
-    }
-
-    fn lease_failed(&self, policy: &ConcurrencyPolicy, e: &StoreError) {
-        self.metrics.store_error(e.kind());
-        tracing::debug!(policy = %policy.name, error = %e, "lease call failed");
     }
 
     fn count_lease_units(&self, policy: &str, event: &str, units: u64) {

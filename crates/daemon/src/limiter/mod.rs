@@ -168,7 +168,8 @@ pub struct Limiter {
     reaper: reaper::Reaper,
 }
 
-fn ms_ceil(us: i64) -> u64 {
+/// Microseconds as whole milliseconds, rounded up (0 for none): the API's `*_ms`.
+pub(crate) fn ms_ceil(us: i64) -> u64 {
     if us <= 0 {
         0
     } else {
@@ -365,7 +366,7 @@ impl Limiter {
         let decisions = match self.store.apply_all(&calls, &enforced).await {
             Ok(verdicts) => group_decisions(checks, &verdicts, Outcome::Allowed, Charged::Primary),
             Err(e) => {
-                self.store_failed(&checks[0].policy, &e);
+                self.store_failed(&checks[0].policy.name, &e);
                 self.group_fallback(checks, &calls, &enforced)
             }
         };
@@ -475,7 +476,7 @@ impl Limiter {
                 decision(check, &v, outcome, charged(&v, Charged::Primary))
             }
             Err(e) => {
-                self.store_failed(policy, &e);
+                self.store_failed(&policy.name, &e);
                 self.fallback(check, &call)
             }
         }
@@ -504,17 +505,18 @@ impl Limiter {
     /// Counts a store error, and logs it: a command or reply error (Redis answered with an
     /// error or a malformed reply: a bug or a broken server, not an outage) loudly, but not
     /// once per request: the 1st, 2nd, 4th, 8th... occurrence.
-    fn store_failed(&self, policy: &Policy, e: &StoreError) {
+    /// `policy` names the policy (or concurrency limit) the call was for.
+    fn store_failed(&self, policy: &str, e: &StoreError) {
         self.metrics.store_error(e.kind());
         match e {
             StoreError::Command(_) | StoreError::Reply(_) => {
                 let n = self.script_errors.fetch_add(1, Ordering::Relaxed) + 1;
                 if n.is_power_of_two() {
-                    tracing::warn!(policy = %policy.name, error = %e, occurrences = n, "limiter script failed");
+                    tracing::warn!(policy, error = %e, occurrences = n, "limiter script failed");
                 }
             }
             StoreError::CircuitOpen => {}
-            _ => tracing::debug!(policy = %policy.name, error = %e, "store call failed"),
+            _ => tracing::debug!(policy, error = %e, "store call failed"),
         }
     }
 

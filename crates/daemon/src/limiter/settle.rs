@@ -65,7 +65,7 @@ impl Limiter {
                 d
             }
             Err(e) => {
-                self.store_failed(&check.policy, &e);
+                self.store_failed(&check.policy.name, &e);
                 let call = store_call(check, key, Op::Check { cost: check.cost }, "");
                 self.fallback(check, &call)
             }
@@ -91,7 +91,7 @@ impl Limiter {
         let reply = match self.store.settle(&call, cost).await {
             Ok(r) => r,
             Err(e) => {
-                self.store_failed(&check.policy, &e);
+                self.store_failed(&check.policy.name, &e);
                 self.count_settlement(name, "failed");
                 return Err(e.into());
             }
@@ -120,7 +120,7 @@ impl Limiter {
         let d = match self.store.charge(&call, check.cost).await {
             Ok(v) => decision(check, &v, Outcome::Allowed, Some(Charged::Primary)),
             Err(e) => {
-                self.store_failed(&check.policy, &e);
+                self.store_failed(&check.policy.name, &e);
                 match check.policy.on_store_error {
                     FailMode::Local => self.charge_locally(check, &call),
                     _ => None,

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::store::layout::GLOBAL_KEEP_MS;
 use crate::store::layout::{PolicyKeys, ScriptShape};
 use crate::store::{GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
-use quotad_core::algorithm::{self, Op, Part, State, Verdict, Write};
+use quotad_core::algorithm::{self, Algorithm, Limits, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
 use quotad_core::concurrency::{self, LeaseAnswer, LeaseWrite, Leases};
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
@@ -97,6 +97,12 @@ fn live<'m>(map: &'m HashMap<String, Entry>, key: &str, now: i64) -> Option<&'m 
     map.get(key)
         .filter(|e| e.expires_at_us > now)
         .map(|e| &e.state)
+}
+
+/// What a key reports without being charged (a peek: a cost-1 check that writes nothing).
+fn peek(algorithm: Algorithm, limits: &Limits, state: Option<&State>, now: i64) -> Verdict {
+    let check = Op::Check { cost: 0 };
+    algorithm::apply(algorithm, limits, state, now, check, "").verdict
 }
 
 /// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/prelude.lua).
@@ -215,9 +221,7 @@ impl MemoryStore {
         let mut map = self.shard(call.key);
         let state = live(&map, call.key, now);
         let Some(out) = algorithm::charge(call.algorithm, &call.limits, state, now, cost) else {
-            let peek = Op::Check { cost: 0 };
-            let out = algorithm::apply(call.algorithm, &call.limits, state, now, peek, "");
-            return Ok(out.verdict);
+            return Ok(peek(call.algorithm, &call.limits, state, now));
         };
         if matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key) {
             self.reserve_n(1)?;
@@ -229,7 +233,7 @@ impl MemoryStore {
     /// One operation on a concurrency limit's key (what `lua/concurrency.lua` does).
     pub fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, Full> {
         let now = self.clock.now_us();
-        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let mut leases = self.leases();
         let held = leases
             .get(call.key)
             .filter(|(_, until)| *until > now)
@@ -253,6 +257,10 @@ impl MemoryStore {
         Ok(out.answer)
     }
 
+    fn leases(&self) -> MutexGuard<'_, HashMap<String, (Leases, i64)>> {
+        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn reservations(&self) -> MutexGuard<'_, HashMap<String, (Reservation, i64)>> {
         self.reservations.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -271,7 +279,12 @@ impl MemoryStore {
             estimate,
             call.member,
         ) else {
-            return Ok(self.peek(call, &map, now));
+            return Ok(peek(
+                call.algorithm,
+                &call.limits,
+                live(&map, call.key, now),
+                now,
+            ));
         };
         let new_key = matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key);
         let mut reservations = self.reservations();
@@ -307,7 +320,7 @@ impl MemoryStore {
             cost,
             call.member,
         ) else {
-            let v = self.peek(call, &map, now);
+            let v = peek(call.algorithm, &call.limits, live(&map, call.key, now), now);
             return SettleReply {
                 settled: Settled::Unknown,
                 remaining: v.remaining,
@@ -327,12 +340,6 @@ impl MemoryStore {
             remaining: out.verdict.remaining,
             reset_after_us: out.verdict.reset_after_us,
         }
-    }
-
-    fn peek(&self, call: &SettleCall<'_>, map: &HashMap<String, Entry>, now: i64) -> Verdict {
-        let state = live(map, call.key, now);
-        let peek = Op::Check { cost: 0 };
-        algorithm::apply(call.algorithm, &call.limits, state, now, peek, call.member).verdict
     }
 
     /// An all-or-nothing batch (a co-location group; see [`algorithm::apply_all`]): the
@@ -440,7 +447,7 @@ impl MemoryStore {
             dropped += before - reservations.len();
         }
         {
-            let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+            let mut leases = self.leases();
             let before = leases.len();
             leases.retain(|_, (_, until)| *until > now);
             dropped += before - leases.len();
