@@ -107,6 +107,8 @@ fn a_check_through_quotad_beside_evalsha_and_a_hot_key_beside_both() {
                 .arg(LIMIT)
                 .arg(1)
                 .arg("")
+                .arg(format!("{LIMIT}:3600000000:{LIMIT}"))
+                .arg("0")
                 .invoke_async(&mut conn)
                 .await
                 .expect("EVALSHA");

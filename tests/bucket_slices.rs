@@ -16,6 +16,8 @@ use std::time::Duration;
 const LIMIT: u64 = 1_000;
 const WINDOW_US: i64 = 1_000_000;
 const BURST: u64 = 100;
+/// The numbers above as the scripts take them (`scripts::frame_args`).
+const FRAME: &str = "1000:1000000:100";
 
 struct Bucket {
     redis: RedisServer,
@@ -43,6 +45,8 @@ impl Bucket {
             .arg(BURST)
             .arg(cost)
             .arg("m")
+            .arg(FRAME)
+            .arg("0")
             .query(&mut self.redis.conn())
             .unwrap();
         (r[0] == 1, r[1] as u64)
@@ -66,6 +70,8 @@ impl Bucket {
             .arg(life.as_micros() as i64)
             .arg(ends.0)
             .arg(ends.1)
+            .arg(FRAME)
+            .arg("0")
             .query(&mut self.redis.conn())
             .unwrap();
         (r[0] as u64, r[4], r[6] as u64)
@@ -83,6 +89,8 @@ impl Bucket {
             .arg(BURST)
             .arg(id)
             .arg(units)
+            .arg(FRAME)
+            .arg("0")
             .query(&mut self.redis.conn())
             .unwrap()
     }

@@ -79,6 +79,8 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .arg(limits.burst)
                 .arg(1)
                 .arg("m1")
+                .arg(scripts::frame_args(&limits).0)
+                .arg(scripts::frame_args(&limits).1)
                 .invoke(&mut conn)
                 .unwrap_or_else(|e| panic!("{a} on {key}: {e}"));
             assert_eq!(reply[0], 1, "{a}: the first check is allowed");
@@ -102,6 +104,8 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .arg(1)
                 .arg(2)
                 .arg(0)
+                .arg(scripts::frame_args(&l).0)
+                .arg(scripts::frame_args(&l).1)
                 .invoke(&mut conn)
                 .unwrap_or_else(|e| panic!("{a} slice take on {key}: {e}"));
             assert_eq!(took[0], 2, "{a}: {took:?}");
@@ -111,6 +115,8 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .arg(took[3])
                 .arg(took[4])
                 .arg(1)
+                .arg(scripts::frame_args(&l).0)
+                .arg(scripts::frame_args(&l).1)
                 .invoke(&mut conn)
                 .unwrap_or_else(|e| panic!("{a} slice return on {key}: {e}"))
         } else {
@@ -128,6 +134,8 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .arg(1_000_000)
                 .arg(0)
                 .arg(0)
+                .arg(scripts::frame_args(&l).0)
+                .arg(scripts::frame_args(&l).1)
                 .invoke(&mut conn)
                 .unwrap_or_else(|e| panic!("{a} slice take on {key}: {e}"));
             assert!(took[0] == 2 && took[4] > 0, "{a}: {took:?}");
@@ -140,6 +148,8 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .arg(l.burst)
                 .arg(took[4])
                 .arg(1)
+                .arg(scripts::frame_args(&l).0)
+                .arg(scripts::frame_args(&l).1)
                 .invoke(&mut conn)
                 .unwrap_or_else(|e| panic!("{a} slice return on {key}: {e}"))
         };
@@ -168,6 +178,8 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
                 .arg("m3")
                 .arg(60_000)
                 .arg("rl:invalidate")
+                .arg(scripts::frame_args(&l).0)
+                .arg(scripts::frame_args(&l).1)
                 .invoke(&mut conn)
                 .unwrap_or_else(|e| panic!("{a} {mode} on {key}: {e}"));
             assert_eq!(reply[0], 1, "{a} {mode}: {reply:?}");
@@ -206,7 +218,9 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
             .arg(l.burst)
             .arg(1)
             .arg("m2")
-            .arg(1);
+            .arg(1)
+            .arg(scripts::frame_args(l).0)
+            .arg(scripts::frame_args(l).1);
     }
     let reply: Vec<i64> = inv.invoke(&mut conn).expect("the composite script");
     assert_eq!(reply.len(), 4 * grouped.len());

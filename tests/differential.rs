@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::RedisServer;
-use quotad_core::algorithm::{self, Algorithm, Limits, Op, State, Verdict, Write};
+use quotad_core::algorithm::{self, Algorithm, Limits, Op, Since, State, Verdict, Write};
 use quotad_daemon::store::memory::ttl_ms;
 use quotad_daemon::store::scripts;
 use rand::rngs::StdRng;
@@ -50,7 +50,9 @@ fn with_script(source: &str) -> (RedisServer, redis::Connection, String) {
 
 struct Run {
     alg: Algorithm,
-    limits: Limits,
+    /// Two configs of the policy, the second newer: each step reads with one of them, as
+    /// two instances do while a change rolls out (the transition rule).
+    limits: [Limits; 2],
     seed: u64,
 }
 
@@ -118,6 +120,7 @@ fn lua_mode(
     member: &str,
     now: i64,
 ) -> (Verdict, i64) {
+    let (frame, since) = scripts::frame_args(l);
     let args = [
         mode.to_owned(),
         l.limit.to_string(),
@@ -125,6 +128,8 @@ fn lua_mode(
         l.burst.to_string(),
         cost.to_string(),
         member.to_owned(),
+        frame,
+        since,
         now.to_string(),
     ];
     let (r, pttl) = eval_then_persist(conn, sha, key, &args);
@@ -141,15 +146,20 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
     let mut conn = redis.conn();
     let sha = load(&mut conn, scripts::source(run.alg));
     let mut rng = StdRng::seed_from_u64(run.seed);
-    let l = run.limits;
-    let cap = l.capacity(run.alg);
     let keys = ["a", "b", "c{x}", "d"];
+    // Which config reads: runs of one, then the other (a rollout's instances taking turns).
+    let mut reader = 0;
     let mut model: HashMap<&str, State> = HashMap::new();
     // Admitted requests that may be refunded: (key, member, cost).
     let mut admitted: Vec<(&str, String, u64)> = Vec::new();
     let mut now = real_now_us();
     let mut trace: Vec<String> = Vec::new();
     for step in 0..steps {
+        if rng.random_range(0..100) < 15 {
+            reader = 1 - reader;
+        }
+        let l = run.limits[reader];
+        let cap = l.capacity(run.alg);
         // Time: mostly small steps, sometimes none (same microsecond), sometimes a jump,
         // and rarely a step back (the clock of a promoted replica, an NTP correction).
         let w = l.window_us;
@@ -269,23 +279,31 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
 
 fn runs(alg: Algorithm) -> Vec<Run> {
     let ms = 1000;
-    let shapes: [(u64, i64, u64); 5] = [
-        (3, 100 * ms, 3),
-        (10, 250 * ms, 4),
-        (100, 1000 * ms, 150),
-        (7, 30 * ms, 1),
-        (1, 50 * ms, 1),
+    // Each shape with another config of it: a higher or lower limit, burst and window.
+    let shapes: [[(u64, i64, u64); 2]; 5] = [
+        [(3, 100 * ms, 3), (6, 50 * ms, 2)],
+        [(10, 250 * ms, 4), (5, 500 * ms, 8)],
+        [(100, 1000 * ms, 150), (40, 1000 * ms, 60)],
+        [(7, 30 * ms, 1), (7, 90 * ms, 3)],
+        [(1, 50 * ms, 1), (2, 50 * ms, 1)],
     ];
     shapes
         .iter()
         .enumerate()
-        .map(|(i, &(limit, window_us, burst))| Run {
+        .map(|(i, pair)| Run {
             alg,
-            limits: Limits {
-                limit,
-                window_us,
-                burst: if alg.has_burst() { burst } else { limit },
-            },
+            limits: [0, 1].map(|v| {
+                let (limit, window_us, burst) = pair[v];
+                Limits {
+                    limit,
+                    window_us,
+                    burst: if alg.has_burst() { burst } else { limit },
+                    since: Since {
+                        version: 1,
+                        at_ms: 1 + v as u64,
+                    },
+                }
+            }),
             seed: 0x5eed_0000 + (alg.index() as u64) * 16 + i as u64,
         })
         .collect()
@@ -335,8 +353,10 @@ fn gcra_is_exact_at_ten_thousand_per_second_in_lua() {
         limit: 10_000,
         window_us: 1_000_000,
         burst: 1,
+        since: Since::ZERO,
     };
     let t0 = real_now_us();
+    let (frame, since) = scripts::frame_args(&l);
     let mut pipe = redis::pipe();
     pipe.atomic();
     for i in 0..20_000i64 {
@@ -350,6 +370,8 @@ fn gcra_is_exact_at_ten_thousand_per_second_in_lua() {
             .arg(l.burst)
             .arg(1)
             .arg("")
+            .arg(&frame)
+            .arg(&since)
             .arg(t0 + i * 50)
             .cmd("PERSIST")
             .arg("gcra:fast")
@@ -381,6 +403,7 @@ fn composite_lua_matches_rust() {
                         limit,
                         window_us,
                         burst,
+                        since: Since::ZERO,
                     },
                 )
             })
@@ -423,13 +446,16 @@ fn composite_lua_matches_rust() {
         }
         for (k, cost, enforced) in &checks {
             let (_, alg, l) = &keys[*k];
+            let (frame, since) = scripts::frame_args(l);
             cmd.arg(alg.key_tag())
                 .arg(l.limit)
                 .arg(l.window_us)
                 .arg(l.burst)
                 .arg(cost)
                 .arg(&member)
-                .arg(u8::from(*enforced));
+                .arg(u8::from(*enforced))
+                .arg(frame)
+                .arg(since);
         }
         cmd.arg(now);
         let mut pipe = redis::pipe();
@@ -605,7 +631,16 @@ fn a_sliding_script_refuses_a_charge() {
             .arg(&sha)
             .arg(1)
             .arg("k")
-            .arg(&["charge", "10", "1000000", "10", "20", "m"])
+            .arg(&[
+                "charge",
+                "10",
+                "1000000",
+                "10",
+                "20",
+                "m",
+                "10:1000000:10",
+                "0",
+            ])
             .query(&mut conn);
         let e = r.expect_err("a charge on a window");
         assert!(e.to_string().contains("cannot hold a debt"), "{alg:?}: {e}");
@@ -648,8 +683,10 @@ fn settlement_lua_matches_rust() {
             limit,
             window_us,
             burst,
+            since: Since::ZERO,
         };
         let cap = l.capacity(alg);
+        let (frame, since) = scripts::frame_args(&l);
         let member = format!("m{step}");
         let mine: Vec<&String> = made.iter().filter(|m| m.0 == k).map(|m| &m.1).collect();
         let (mode, rkey, cost) = match rng.random_range(0..10) {
@@ -685,6 +722,8 @@ fn settlement_lua_matches_rust() {
             .arg(&member)
             .arg(3_600_000)
             .arg("diff:invalidate")
+            .arg(&frame)
+            .arg(&since)
             .arg(now)
             .cmd("PTTL")
             .arg(key)

@@ -304,6 +304,8 @@ fn a_window_slice_given_back_after_a_reset_returns_nothing() {
                 "1",
                 &demand.to_string(),
                 "0",
+                &format!("1000:{window_us}:1000"),
+                "0",
             ]
             .map(String::from),
         );
@@ -315,6 +317,8 @@ fn a_window_slice_given_back_after_a_reset_returns_nothing() {
             slot.to_string(),
             ledger.to_string(),
             units.to_string(),
+            format!("1000:{window_us}:1000"),
+            "0".into(),
         ]);
         redis::from_redis_value(v).unwrap()
     };
@@ -385,6 +389,8 @@ fn a_hot_keys_window_slice_counts_the_debt_carried_into_its_window() {
             .arg(1000)
             .arg(cost)
             .arg("m")
+            .arg(format!("1000:{window_us}:1000"))
+            .arg("0")
             .arg(now_us - window_us)
             .query(conn)
             .unwrap();
@@ -400,6 +406,8 @@ fn a_hot_keys_window_slice_counts_the_debt_carried_into_its_window() {
             .arg(1)
             .arg(demand)
             .arg(0)
+            .arg(format!("1000:{window_us}:1000"))
+            .arg("0")
             .query(conn)
             .unwrap()
     };
@@ -438,6 +446,11 @@ fn bucket_tokens(
         .arg(HOT_BURST)
         .arg(0)
         .arg("m")
+        .arg(format!(
+            "{HOT_BURST}:{}:{HOT_BURST}",
+            365 * 86_400 * 1_000_000i64
+        ))
+        .arg("0")
         .query(&mut redis.conn())
         .unwrap();
     r[1] as u64

@@ -195,8 +195,8 @@ struct Model {
     /// `log`: entries in the window, by key.
     log: HashMap<String, i64>,
     /// `bucket`: tokens as last written (whole: the refill per day is negligible; below
-    /// zero in debt), by key.
-    bucket: HashMap<String, i64>,
+    /// zero in debt) and the burst they were written under, by key.
+    bucket: HashMap<String, (i64, u64)>,
     /// `bucket`'s reservations, in the order made: (key, id, estimate, settled).
     reservations: Vec<(usize, String, u64, bool)>,
     /// `slots`: units held, by key; and the leases, in the order acquired: (key, lease,
@@ -239,27 +239,37 @@ impl Model {
         }
     }
 
-    fn write(&mut self, pol: Pol, key: &str, value: u64) {
-        let map = match pol {
-            Pol::Log => &mut self.log,
-            Pol::Bucket => &mut self.bucket,
+    fn write(&mut self, rules: &Rules, pol: Pol, key: &str, value: u64) {
+        match pol {
+            Pol::Log => self.log.insert(key.to_owned(), value as i64),
+            Pol::Bucket => self.put_tokens(rules, key, value as i64),
         };
-        map.insert(key.to_owned(), value as i64);
     }
 
-    /// `bucket`'s tokens now under capacity `cap` (a lower burst caps what it held).
-    fn tokens(&self, cap: u64, key: &str) -> i64 {
+    /// `bucket`'s tokens written under the burst in force.
+    fn put_tokens(&mut self, rules: &Rules, key: &str, tokens: i64) -> Option<i64> {
         self.bucket
-            .get(key)
-            .copied()
-            .unwrap_or(cap as i64)
-            .min(cap as i64)
+            .insert(key.to_owned(), (tokens, rules.bucket_limit))
+            .map(|t| t.0)
+    }
+
+    /// `bucket`'s tokens now under capacity `cap`: what was used carries over from the
+    /// burst they were written under (the transition rule: a raise adds the difference,
+    /// a lowering takes it, down to empty; a debt carries whole).
+    fn tokens(&self, cap: u64, key: &str) -> i64 {
+        let Some(&(t, written)) = self.bucket.get(key) else {
+            return cap as i64;
+        };
+        if t < 0 || written == cap {
+            return t;
+        }
+        (t + cap as i64 - written as i64).max(0)
     }
 
     fn reset(&mut self, pol: Pol, key: &str) {
         match pol {
-            Pol::Log => self.log.remove(key),
-            Pol::Bucket => self.bucket.remove(key),
+            Pol::Log => self.log.remove(key).map(|_| ()),
+            Pol::Bucket => self.bucket.remove(key).map(|_| ()),
         };
     }
 }
@@ -376,7 +386,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 prop_assert_eq!(&v["allowed"], &json!(allowed), "{}: {}", at, v);
                 prop_assert_eq!(&v["remaining"], &json!(remaining), "{}: {}", at, v);
                 if let Some(w) = write {
-                    model.write(*pol, KEYS[*k], w);
+                    model.write(&pair.rules, *pol, KEYS[*k], w);
                 }
             }
             Op::Batch { on, items } => {
@@ -397,10 +407,12 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     prop_assert_eq!(&r["allowed"], &json!(d.0), "{} [{}]: {}", at, i, v);
                     prop_assert_eq!(&r["remaining"], &json!(d.1), "{} [{}]: {}", at, i, v);
                     match (passed, d.2, p) {
-                        (true, Some(w), _) => model.write(*p, KEYS[*k], w),
+                        (true, Some(w), _) => model.write(&pair.rules, *p, KEYS[*k], w),
                         // Refunded: a bucket holds what it held before, now written down
                         // (a key the batch created stays, full at the burst in force).
-                        (false, Some(_), Pol::Bucket) => model.write(*p, KEYS[*k], d.1 + c),
+                        (false, Some(_), Pol::Bucket) => {
+                            model.write(&pair.rules, *p, KEYS[*k], d.1 + c)
+                        }
                         _ => {}
                     }
                 }
@@ -462,7 +474,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     _ => prop_assert!(false, "{}: a reservation iff admitted: {}", at, v),
                 }
                 if let Some(w) = write {
-                    model.write(Pol::Bucket, KEYS[*k], w);
+                    model.write(&pair.rules, Pol::Bucket, KEYS[*k], w);
                 }
             }
             Op::Settle { on, which, cost } => {
@@ -496,7 +508,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     prop_assert_eq!(status, 200, "{}: {}", at, v);
                     prop_assert_eq!(&v["status"], "settled", "{}: {}", at, v);
                     prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
-                    model.bucket.insert(KEYS[k].to_owned(), t);
+                    model.put_tokens(&pair.rules, KEYS[k], t);
                     if let Some(r) = model.reservations.iter_mut().find(|r| r.1 == id) {
                         r.3 = true;
                     }
@@ -516,7 +528,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 prop_assert_eq!(status, 200, "{}: {}", at, v);
                 prop_assert_eq!(&v["outcome"], "allowed", "{}: {}", at, v);
                 prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
-                model.bucket.insert(KEYS[*k].to_owned(), t);
+                model.put_tokens(&pair.rules, KEYS[*k], t);
             }
             Op::Acquire { on, key: k, units } => {
                 let held = model.held.get(k).copied().unwrap_or(0);

@@ -64,4 +64,5 @@ mod sim;
 mod stateful;
 mod tls;
 mod topologies;
+mod transitions;
 mod unix_socket;

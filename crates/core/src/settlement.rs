@@ -150,6 +150,7 @@ mod tests {
         limit: 10,
         window_us: SEC,
         burst: 10,
+        since: crate::algorithm::Since::ZERO,
     };
 
     /// Whatever the estimates, a key is charged the sum of the real costs: here 10 a

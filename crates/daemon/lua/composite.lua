@@ -6,18 +6,18 @@
 -- quotad_core::algorithm::apply_all.
 --
 -- KEYS[i]  check i's storage key (distinct; all in one slot)
--- ARGV     per check, 7 values: algorithm tag (fw sl sw tb gc), limit, window_us, burst,
+-- ARGV     per check, 9 values: algorithm tag (fw sl sw tb gc), limit, window_us, burst,
 --          cost (0 = peek), member, enforced (1, or 0 in shadow mode: its denial does not
---          stop the batch); then [now_us: TESTS ONLY]
+--          stop the batch), frame, since (prelude.lua); then [now_us: TESTS ONLY]
 -- Returns  {allowed, remaining, reset_after_us, retry_after_us} per check, flattened: what
 --          each got if the batch passed; otherwise each denial, and for a check that alone
 --          would have passed the state as it is (as a peek reports it: nothing was spent).
 local ALGORITHMS = {fw = fixed_window, sl = sliding_log, sw = sliding_window,
   tb = token_bucket, gc = gcra}
-local WIDTH = 7
+local WIDTH = 9
 local n = #KEYS
 if n < 1 or (#ARGV ~= WIDTH * n and #ARGV ~= WIDTH * n + 1) then
-  return redis.error_reply('ERR quotad composite: expected n keys and 7n or 7n+1 arguments')
+  return redis.error_reply('ERR quotad composite: expected n keys and 9n or 9n+1 arguments')
 end
 local now = clock_us(ARGV[WIDTH * n + 1])
 
@@ -32,7 +32,8 @@ local function run(i, charge)
   local eval_cost = cost
   if cost == 0 then eval_cost = 1 end
   return algorithm(KEYS[i], false, tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]),
-    tonumber(ARGV[b + 4]), cost, ARGV[b + 6], now, charge and cost > 0, eval_cost)
+    tonumber(ARGV[b + 4]), cost, ARGV[b + 6], now, charge and cost > 0, eval_cost, nil,
+    ARGV[b + 8], ARGV[b + 9])
 end
 
 local verdicts, pass = {}, true

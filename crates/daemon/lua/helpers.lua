@@ -35,6 +35,15 @@ end
 local function fixed_clear_after(reset_after, owed, limit, window)
   return reset_after + math.ceil(owed / limit) * window
 end
+-- Until a fixed window brought to slot `fs` with `c` counted and `o` owed (numbers fl, fw)
+-- is at rest: 0 when nothing is counted or owed (unless the slot is ahead of now, after
+-- the clock stepped back: it keeps its window).
+local function fixed_frame_rest(fs, c, o, now, fl, fw)
+  if c + o > 0 or fs > math.floor(now / fw) then
+    return fixed_clear_after((fs + 1) * fw - now, o, fl, fw)
+  end
+  return 0
+end
 -- A fixed window's debt field: written while there is a debt, removed once it is paid
 -- (`had`: the field was there).
 local function fixed_owed_field(key, owed, had)
@@ -134,16 +143,161 @@ local function gcra_floor(tat, now, interval, list)
   if held > 0 then tat = math.max(tat, now + held * interval) end
   return tat
 end
--- A GCRA key's stored value: the TAT, then ';' and its live slices if any.
-local function gcra_value(tat, slices)
-  local v = string.format('%.17g', tat)
-  if slices then v = v .. ';' .. slices end
-  return v
+-- A GCRA key's stored value: the TAT, then (the transition rule) '@' the time it was
+-- written, '@' its frame, '@' since, '@' its hold (may be empty), then ';' and its live
+-- slices if any.
+local function gcra_value(tat, slices, ts, f, v, k)
+  local out = string.format('%.17g@%d@%s@%s@%s', tat, ts, f, v, k or '')
+  if slices then out = out .. ';' .. slices end
+  return out
 end
--- A GCRA key's TAT and slices from its stored value (nil: no key).
+-- A GCRA key's TAT, slices, write time, frame, since and hold text from its stored value
+-- (nil: no key; a value from before frames has only the TAT and slices).
 local function gcra_parse(raw)
   if not raw then return nil, {} end
+  local head, rest = raw, nil
   local cut = string.find(raw, ';', 1, true)
-  if not cut then return tonumber(raw), {} end
-  return tonumber(string.sub(raw, 1, cut - 1)), slices_of(string.sub(raw, cut + 1))
+  if cut then head, rest = string.sub(raw, 1, cut - 1), string.sub(raw, cut + 1) end
+  local tat, ts, f, v, k = string.match(head, '^([^@]+)@([^@]*)@([^@]*)@([^@]*)@([^@]*)$')
+  if not tat then return tonumber(head), slices_of(rest) end
+  return tonumber(tat), slices_of(rest), tonumber(ts), f, v, k
+end
+
+-- The transition rule (quotad_core::algorithm::frame, the reference model; keep them in
+-- step): what a key's state means when read under other numbers than it was written with.
+-- A state carries its frame (field f: "limit:window_us:burst"), when those came into force
+-- (v: the writer's "since", zero-padded so that newer compares greater) and a hold (k:
+-- "until_us:unit_us:full_us", while two configs meet on the key). The reader passes its own
+-- frame string and since (prelude.lua: F and V).
+
+-- The numbers of a frame string.
+local function frame_numbers(f)
+  local l, w, b = string.match(f, '^(%d+):(%d+):(%d+)$')
+  return tonumber(l), tonumber(w), tonumber(b)
+end
+-- A hold's until, unit and full (nil: none).
+local function hold_parse(k)
+  if not k or k == '' then return nil end
+  local u, unit, full = string.match(k, '^(%-?%d+):([^:]+):([^:]+)$')
+  return {tonumber(u), tonumber(unit), tonumber(full)}
+end
+local function hold_text(h)
+  if not h then return nil end
+  return string.format('%d:%.17g:%.17g', h[1], h[2], h[3])
+end
+-- A hold until `until_us` at the pace of numbers (l, w, b): a bucket's refill per unit and
+-- of its whole burst, or a window's length.
+local function hold_of(bucket, l, w, b, until_us)
+  if bucket then
+    local unit = w / l
+    return {until_us, unit, unit * b}
+  end
+  return {until_us, w, w}
+end
+-- Until when (us from now) a stored state is not at rest: its frame's rest and its hold
+-- (nil: at rest, it reads as no state).
+local function rest_after(hold, frame_rest, now)
+  local held = 0
+  if hold then held = hold[1] - now end
+  local rest = math.max(frame_rest, held)
+  if rest > 0 then return rest end
+  return nil
+end
+-- The hold after `spent` units at now (negative: given back); nil once it has passed.
+local function hold_after(h, bucket, spent, now)
+  local u
+  if bucket then
+    local from = math.max(h[1], now)
+    local most = math.max(from, now + h[3])
+    u = math.max(math.ceil(math.min(from + spent * h[2], most)), now)
+  elseif spent > 0 then
+    local w = h[2]
+    u = math.max(h[1], (math.floor(now / w) + 1) * w)
+  else
+    u = h[1]
+  end
+  if u > now then return {u, h[2], h[3]} end
+  return nil
+end
+-- A bucket's tokens under capacity `from` read under `to`: usage carries, a debt whole.
+local function carry_tokens(t, from, to)
+  if t < 0 or from == to then return t end
+  local x = t + (to - from)
+  if x > 0 then return x end
+  return 0
+end
+-- Where a count of window `slot` (length from_w), last written at ts, carries to.
+local function carry_slot(slot, from_w, to_w, ts)
+  if from_w == to_w then return slot end
+  return math.floor(math.min((slot + 1) * from_w - 1, ts) / to_w)
+end
+
+-- How the reader (limit, window, burst, frame string F, since V) reads a state stamped
+-- (sf, sv, hold) that is not at rest: returns a reading table
+--   n = {limit, window, burst} the numbers the state evolves under and is written with,
+--   f, v = the stamp a write puts, cap = the capacity the reader admits against,
+--   take = the frame taken over ({l, w, b}) or nil, held = the reader is held to both.
+-- `cap_of(l, b)`: the capacity of numbers (the burst for buckets, the limit for windows).
+local function reading(sf, sv, limit, window, burst, F, V, bucket)
+  local own = {n = {limit, window, burst}, f = F, v = V, take = nil, held = false}
+  if bucket then own.cap = burst else own.cap = limit end
+  if not sf or sf == F then return own end
+  local fl, fw, fb = frame_numbers(sf)
+  if fl == limit and fw == window and fb == burst then return own end
+  if V > (sv or '') then
+    own.take = {fl, fw, fb}
+    return own
+  end
+  local cap = fl
+  if bucket then cap = math.min(fb, burst) else cap = math.min(fl, limit) end
+  return {n = {fl, fw, fb}, f = sf, v = sv, cap = cap, take = nil, held = true}
+end
+-- The hold a write at now puts, spending `spent` (negative: giving back), over the stored
+-- hold of a state not at rest for `rest` more (0 without a state).
+local function hold_next(r, hold, rest, spent, now, limit, window, burst, bucket)
+  local h = nil
+  if hold and hold[1] > now then h = hold end
+  if r.take then
+    local u = now + rest
+    if h then u = math.max(h[1], u) end
+    h = hold_of(bucket, r.take[1], r.take[2], r.take[3], u)
+  elseif r.held and spent > 0 then
+    local u = now
+    if h then u = h[1] end
+    h = hold_of(bucket, limit, window, burst, u)
+  end
+  if h then return hold_after(h, bucket, spent, now) end
+  return nil
+end
+-- A bucket reader held to both: its own bucket of everything spent on the key (nil: none).
+local function own_tokens(r, hold, limit, window, burst, now)
+  if not r.held or not hold then return nil end
+  local mine = hold_of(true, limit, window, burst, 0)
+  if hold[2] ~= mine[2] or hold[3] ~= mine[3] then return nil end
+  return burst - math.max(0, hold[1] - now) / hold[2]
+end
+-- The TTL (us) of a state written with hold h: its own, never before the hold ends.
+local function held_ttl(h, ttl, now)
+  if h then return math.max(ttl, h[1] - now) end
+  return ttl
+end
+-- Appends to a hash write's `args` the stamp a write puts (helpers above): the frame and
+-- since where they differ from the stored ones (sf, sv), and the hold h (or, without one,
+-- removes a stored hold sk).
+local function stamp_args(key, args, r, h, sf, sv, sk)
+  if sf ~= r.f then
+    args[#args + 1] = 'f'
+    args[#args + 1] = r.f
+  end
+  if sv ~= r.v then
+    args[#args + 1] = 'v'
+    args[#args + 1] = r.v
+  end
+  local k = hold_text(h)
+  if k then
+    args[#args + 1] = 'k'
+    args[#args + 1] = k
+  elseif sk then
+    redis.call('HDEL', key, 'k')
+  end
 end

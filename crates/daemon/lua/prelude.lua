@@ -12,15 +12,18 @@
 -- ARGV[5]  cost         units to take (check, charge) or give back (refund); check with 0
 --                       = peek
 -- ARGV[6]  member       unique id of this request (sliding_log entries; others ignore it)
--- ARGV[7]  now_us       TESTS ONLY: the differential test injects time here. quotad never
+-- ARGV[7]  frame        the reader's numbers, "limit:window_us:burst" (the transition rule,
+--                       helpers.lua; sliding_log ignores it)
+-- ARGV[8]  since        when they came into force, zero-padded ("newer" compares greater)
+-- ARGV[9]  now_us       TESTS ONLY: the differential test injects time here. quotad never
 --                       passes it: production decisions always use redis.call('TIME').
 -- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us}
 --
 -- Rules every script keeps: every key it touches is KEYS[1]; every write sets a TTL in the
 -- same call or the next one of the same script; decisions come from stored timestamps, never
 -- from whether a key has expired (TTL is garbage collection); O(1) or O(log N).
-if #KEYS ~= 1 or (#ARGV ~= 6 and #ARGV ~= 7) then
-  return redis.error_reply('ERR quotad script: expected 1 key and 6 or 7 arguments')
+if #KEYS ~= 1 or (#ARGV ~= 8 and #ARGV ~= 9) then
+  return redis.error_reply('ERR quotad script: expected 1 key and 8 or 9 arguments')
 end
 local key = KEYS[1]
 local refund = ARGV[1] == 'refund'
@@ -30,7 +33,8 @@ local window = tonumber(ARGV[3])
 local burst = tonumber(ARGV[4])
 local cost = tonumber(ARGV[5])
 local member = ARGV[6]
-local now = clock_us(ARGV[7])
+local F, V = ARGV[7], ARGV[8]
+local now = clock_us(ARGV[9])
 -- A peek (check with cost 0) evaluates a cost-1 request and writes nothing.
 local write = refund or charge or cost > 0
 local eval_cost = cost

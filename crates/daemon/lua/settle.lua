@@ -9,7 +9,7 @@
 -- ARGV     'reserve' | 'settle', algorithm tag (fw tb gc), limit, window_us, burst,
 --          cost (reserve: the estimate, at least 1; settle: the real cost), member,
 --          keep_ms (how long the reservation is kept, open or settled), the invalidation
---          channel, [now_us: TESTS ONLY]
+--          channel, frame, since (prelude.lua), [now_us: TESTS ONLY]
 -- reserve  a check of the estimate; admitted, the reservation is opened.
 --          Returns {allowed, remaining, reset_after_us, retry_after_us}
 -- settle   what the real cost is above the estimate is charged (as debt where the key
@@ -21,8 +21,8 @@
 --          Returns {1 settled now | 2 settled before | 0 no such reservation, remaining,
 --          reset_after_us, charged, refunded}
 local ALGORITHMS = {fw = fixed_window, tb = token_bucket, gc = gcra}
-if #KEYS ~= 2 or (#ARGV ~= 9 and #ARGV ~= 10) then
-  return redis.error_reply('ERR quotad settle: expected 2 keys and 9 or 10 arguments')
+if #KEYS ~= 2 or (#ARGV ~= 11 and #ARGV ~= 12) then
+  return redis.error_reply('ERR quotad settle: expected 2 keys and 11 or 12 arguments')
 end
 local mode = ARGV[1]
 local algorithm = ALGORITHMS[ARGV[2]]
@@ -33,13 +33,15 @@ local key, reservation = KEYS[1], KEYS[2]
 local limit, window, burst = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local cost, member, keep_ms = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
 local channel = ARGV[9]
-local now = clock_us(ARGV[10])
+local F, V = ARGV[10], ARGV[11]
+local now = clock_us(ARGV[12])
 
 -- The algorithm's operation: (refund, units, write, charge).
 local function run(refund, units, write, charge)
   local eval_cost = units
   if units == 0 then eval_cost = 1 end
-  return algorithm(key, refund, limit, window, burst, units, member, now, write, eval_cost, charge)
+  return algorithm(key, refund, limit, window, burst, units, member, now, write, eval_cost, charge,
+    F, V)
 end
 
 if mode == 'reserve' then

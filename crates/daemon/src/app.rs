@@ -118,11 +118,12 @@ pub async fn serve(
 /// Serves HTTP on `listener` and, when given, the Envoy rate-limit service on `grpc`; both
 /// drain together.
 pub async fn serve_both(
-    settings: Settings,
+    mut settings: Settings,
     listener: Listener,
     grpc: Option<Listener>,
     shutdown: CancellationToken,
 ) -> Result<(), AppError> {
+    reload::stamp_since(&mut settings, None, reload::now_ms());
     let metrics = Arc::new(Metrics::new(
         settings.policies.iter().map(|p| p.name.as_str()),
         &StoreError::KINDS,

@@ -33,7 +33,7 @@ use crate::config::{
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::policy::{KeyMatch, Policy};
-use quotad_core::algorithm::Algorithm;
+use quotad_core::algorithm::{Algorithm, Since};
 
 /// How often the file's modification time and length are looked at.
 const POLL: Duration = Duration::from_secs(1);
@@ -271,6 +271,44 @@ fn global_refusal(old: &Settings, new: &Settings) -> Option<String> {
     None
 }
 
+/// Stamps each local policy of `new`, and each of its overrides, with when its numbers
+/// came into force on this instance (`Policy::since`): its `policy.version`, and the
+/// instant of `previous` (the config in force before) where the version and numbers
+/// (limit, window, burst) are unchanged, else `at_ms`. A key's state written under other
+/// numbers is read by this order (`quotad_core::algorithm::frame`): the newer config
+/// takes it over, the older one is held to both. Global policies keep `Since::ZERO`:
+/// their numbers change only through a restart of every region.
+pub fn stamp_since(new: &mut Settings, previous: Option<&Settings>, at_ms: u64) {
+    let since = |p: &Policy, before: Option<&Policy>, version: u64| {
+        let numbers = |p: &Policy| (p.algorithm, p.limit, p.window, p.burst);
+        match before {
+            Some(b) if numbers(b) == numbers(p) && b.since.version == version => b.since,
+            _ => Since { version, at_ms },
+        }
+    };
+    let version = |name: &str| new.versions.get(name).copied().unwrap_or(1);
+    for p in new.policies.iter_mut().filter(|p| p.global.is_none()) {
+        let before = previous.and_then(|s| s.policies.iter().find(|o| o.name == p.name));
+        p.since = since(p, before, version(&p.name));
+    }
+    for (name, list) in new.overrides.iter_mut() {
+        let v = new.versions.get(name).copied().unwrap_or(1);
+        let old = previous.and_then(|s| s.overrides.get(name));
+        for o in list.iter_mut() {
+            let before = old.and_then(|l| l.iter().find(|b| b.keys == o.keys));
+            let s = since(&o.policy, before.map(|b| b.policy.as_ref()), v);
+            Arc::make_mut(&mut o.policy).since = s;
+        }
+    }
+}
+
+/// Now, in ms since the Unix epoch (the instant numbers come into force).
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 type Stamp = Option<(SystemTime, u64)>;
 
 fn stamp(path: &Path) -> Stamp {
@@ -372,6 +410,7 @@ fn reload(
     // covers the config file alone and never a secret).
     let parsed = Settings::parse(&path.display().to_string(), &text).map(|mut s| {
         s.source = Some(path.to_owned());
+        stamp_since(&mut s, Some(running), now_ms());
         s
     });
     if h == live.get().hash && parsed.as_ref().is_ok_and(|new| new == running) {

@@ -165,6 +165,7 @@ impl RegionStore {
         slot.bucket = Some(State::Bucket {
             tokens: tokens - n as f64,
             ts: now,
+            stamp: None,
         });
     }
 
@@ -190,7 +191,7 @@ impl RegionStore {
     /// lowering may exceed the new share until the next read clamps them.
     pub fn check_capacity(&self, key: u32) -> Result<(), String> {
         let slot = &self.slots[key as usize].key;
-        let Some(State::Bucket { tokens, ts }) = slot.bucket else {
+        let Some(State::Bucket { tokens, ts, .. }) = slot.bucket else {
             return Ok(());
         };
         let rate = match &slot.book {

@@ -1,8 +1,10 @@
 //! The five limiting algorithms as pure functions: the reference model.
 //!
 //! This module owns the arithmetic of every algorithm and nothing else: no I/O, no clock,
-//! no maps. The embedded memory store ([`crate::store::memory`]) keeps one [`State`] per key
-//! and runs [`apply`] on it; the Lua scripts in `lua/` do the same arithmetic inside Redis.
+//! no maps, one file per algorithm, and the transition rule ([`frame`]: what a key's state
+//! means under other numbers than it was written with) beside them. The daemon's embedded
+//! store keeps one [`State`] per key and runs [`apply`] on it; the Lua scripts in
+//! `crates/daemon/lua/` do the same arithmetic inside Redis.
 //! The differential test (`tests/differential.rs`) drives both with the same random
 //! sequences and requires identical answers, so the two copies cannot drift apart.
 //!
@@ -22,6 +24,15 @@
 //!   TTL lasts until it is paid.
 
 use serde::{Deserialize, Serialize};
+
+mod bucket;
+mod fixed;
+pub mod frame;
+mod gcra;
+mod log;
+mod sliding;
+
+pub use bucket::{BucketRate, token_bucket_at};
 
 /// Which algorithm a policy uses. The names are the config and API names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -87,18 +98,44 @@ impl Algorithm {
     }
 }
 
-/// The numbers of a quota. Built only by [`crate::policy`], which guarantees
-/// `limit >= 1`, `burst >= 1` and `window_us >= 1000`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The numbers of a quota, and since when they are in force. Built by the daemon's
+/// policies, which guarantee `limit >= 1`, `burst >= 1` and `window_us >= 1000`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Limits {
     /// Admissions per window (token bucket / GCRA: refill of `limit` per `window_us`).
     pub limit: u64,
     pub window_us: i64,
     /// Token bucket / GCRA capacity; equal to `limit` for the window algorithms.
     pub burst: u64,
+    /// When these numbers came into force: which of two configs is newer when a key's
+    /// state was written under other numbers than it is read with ([`frame`]).
+    pub since: Since,
+}
+
+/// When a policy's numbers came into force, in the transition rule's order
+/// ([`frame`]): the policy's `version` first, then the instant (ms since the Unix epoch,
+/// by the clock of the instance) its numbers began to apply there. `Since::ZERO` for
+/// numbers that never change live (a global policy's) and in tests of one config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Since {
+    pub version: u64,
+    pub at_ms: u64,
+}
+
+impl Since {
+    pub const ZERO: Since = Since {
+        version: 0,
+        at_ms: 0,
+    };
 }
 
 impl Limits {
+    /// Whether two configs have the same numbers (whenever they came into force): a
+    /// state written under one reads the same under the other.
+    pub fn same_numbers(&self, other: &Limits) -> bool {
+        (self.limit, self.window_us, self.burst) == (other.limit, other.window_us, other.burst)
+    }
+
     /// The largest cost one request may have: the bucket capacity or the window limit.
     pub fn capacity(&self, algorithm: Algorithm) -> u64 {
         if algorithm.has_burst() {
@@ -148,6 +185,11 @@ pub struct Verdict {
 
 /// Stored per key. `Log` entries are `(timestamp, member)`, sorted by timestamp, one per
 /// admitted unit, mirroring the Redis sorted set (members make same-microsecond entries unique).
+///
+/// `stamp`: what the transition rule ([`frame`]) keeps with a state: the numbers it was
+/// written under and its hold; `None` for a state written before frames (read as the
+/// reader's own) and for a global policy's regional bucket, whose rate is its lease
+/// book's.
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
     Fixed {
@@ -156,6 +198,9 @@ pub enum State {
         /// Units charged beyond the limit in `slot` ([`charge`]): the windows after it
         /// start with them counted, up to the limit each, until they are paid.
         owed: u64,
+        /// When it was written: where a reader with newer numbers takes it over.
+        ts: i64,
+        stamp: Option<Stamp>,
     },
     Log {
         entries: Vec<(i64, String)>,
@@ -164,14 +209,48 @@ pub enum State {
         slot: i64,
         current: u64,
         previous: u64,
+        /// When it was written: where a reader with newer numbers takes it over.
+        ts: i64,
+        stamp: Option<Stamp>,
     },
     Bucket {
         tokens: f64,
         ts: i64,
+        stamp: Option<Stamp>,
     },
     Gcra {
         tat: f64,
+        /// When the TAT was written: where a reader with newer numbers takes it over.
+        ts: i64,
+        stamp: Option<Stamp>,
     },
+}
+
+/// What the transition rule ([`frame`]) keeps with a key's state.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stamp {
+    /// The numbers the state was written under.
+    pub frame: Limits,
+    pub hold: Option<Hold>,
+}
+
+/// While two configs of a policy meet on a key, until when the state is not at rest
+/// whatever its frame says: when the older numbers would have let the key go, had they
+/// counted everything spent on it. A reader with newer numbers that takes a state over
+/// starts it at the rest of the state it took over; every spend moves it at the older
+/// numbers' pace; a reader still on the older numbers keeps it at its own. So an instance
+/// on the older numbers never finds a key forgotten (at rest, or expired) sooner than its
+/// own numbers would have forgotten it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hold {
+    /// Store time, us.
+    pub until_us: i64,
+    /// What a unit of the older numbers moves it by: a bucket's refill time per unit, a
+    /// window's length (us).
+    pub unit_us: f64,
+    /// The furthest spending moves it from now: a bucket's refill of its whole burst, a
+    /// window's length (us).
+    pub full_us: f64,
 }
 
 /// What to do with the stored state after an operation.
@@ -213,11 +292,11 @@ pub fn apply(
     member: &str,
 ) -> Outcome {
     match algorithm {
-        Algorithm::FixedWindow => fixed_window(limits, state, now_us, op),
-        Algorithm::SlidingLog => sliding_log(limits, state, now_us, op, member),
-        Algorithm::SlidingWindow => sliding_window(limits, state, now_us, op),
-        Algorithm::TokenBucket => token_bucket(limits, state, now_us, op),
-        Algorithm::Gcra => gcra(limits, state, now_us, op),
+        Algorithm::FixedWindow => fixed::apply(limits, state, now_us, op),
+        Algorithm::SlidingLog => log::apply(limits, state, now_us, op, member),
+        Algorithm::SlidingWindow => sliding::apply(limits, state, now_us, op),
+        Algorithm::TokenBucket => bucket::apply(limits, state, now_us, op),
+        Algorithm::Gcra => gcra::apply(limits, state, now_us, op),
     }
 }
 
@@ -235,9 +314,9 @@ pub fn charge(
     cost: u64,
 ) -> Option<Outcome> {
     match algorithm {
-        Algorithm::FixedWindow => Some(fixed_window_charge(limits, state, now_us, cost)),
-        Algorithm::TokenBucket => Some(token_bucket_charge(limits, state, now_us, cost)),
-        Algorithm::Gcra => Some(gcra_charge(limits, state, now_us, cost)),
+        Algorithm::FixedWindow => Some(fixed::charge(limits, state, now_us, cost)),
+        Algorithm::TokenBucket => Some(bucket::charge(limits, state, now_us, cost)),
+        Algorithm::Gcra => Some(gcra::charge(limits, state, now_us, cost)),
         _ => None,
     }
 }
@@ -330,558 +409,6 @@ fn floor_u(x: f64) -> u64 {
     if x <= 0.0 { 0 } else { x.floor() as u64 }
 }
 
-// ---------------------------------------------------------------------------- fixed window
-
-/// A fixed window's count and debt in `slot`, from those stored in window `stored`: the
-/// debt fills the windows after `stored`, up to `limit` units each, until it is paid.
-fn fixed_roll(stored: i64, owed: u64, slot: i64, limit: u64) -> (u64, u64) {
-    let between = u64::try_from(slot - stored - 1).unwrap_or(0);
-    let left = owed.saturating_sub(limit.saturating_mul(between));
-    let count = left.min(limit);
-    (count, left - count)
-}
-
-/// The fixed window's state at `now`: the slot counted in, its count and the debt beyond
-/// it, and the slot the state was stored under (`None`: no state).
-fn fixed_at(l: &Limits, state: Option<&State>, now: i64) -> (i64, u64, u64, Option<i64>) {
-    let mut slot = now.div_euclid(l.window_us);
-    let (stored, mut count, mut owed) = match state {
-        Some(State::Fixed { slot, count, owed }) => (Some(*slot), *count, *owed),
-        _ => (None, 0, 0),
-    };
-    match stored {
-        // A clock that stepped back (by less than a window) stays in the newer window rather
-        // than reopening it. A slot further ahead is not ours: state written under another
-        // window length (a config change); it is discarded.
-        Some(s) if s == slot + 1 => slot = s,
-        Some(s) if s == slot => {}
-        Some(s) if s < slot => (count, owed) = fixed_roll(s, owed, slot, l.limit),
-        _ => (count, owed) = (0, 0),
-    }
-    (slot, count, owed, stored)
-}
-
-/// Until a fixed window in `slot` owing `owed` is as if absent at `now`: the window's
-/// end, then one window per `limit` units still owed.
-fn fixed_clear_after(l: &Limits, slot: i64, now: i64, owed: u64) -> i64 {
-    (slot + 1) * l.window_us - now + owed.div_ceil(l.limit) as i64 * l.window_us
-}
-
-fn fixed_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let w = l.window_us;
-    let (slot, mut count, mut owed, stored_slot) = fixed_at(l, state, now);
-    let reset_after = (slot + 1) * w - now;
-    let clear_after = |owed: u64| fixed_clear_after(l, slot, now, owed);
-    // Saturating: after the limit is lowered, a count may exceed it.
-    let left = |count: u64| l.limit.saturating_sub(count);
-    let put = |count: u64, owed: u64| Write::Put {
-        state: State::Fixed { slot, count, owed },
-        ttl_us: clear_after(owed),
-    };
-    let (cost, write) = eval_cost(op);
-    if let Op::Refund { .. } = op {
-        if stored_slot != Some(slot) {
-            // The charge belonged to a window that no longer counts: nothing to give back.
-            return Outcome {
-                verdict: allowed(left(count), clear_after(owed)),
-                write: Write::Keep,
-            };
-        }
-        // What is given back comes off the debt first: it was charged beyond the window.
-        let off_debt = cost.min(owed);
-        owed -= off_debt;
-        count = count.saturating_sub(cost - off_debt);
-        return Outcome {
-            verdict: allowed(left(count), clear_after(owed)),
-            write: put(count, owed),
-        };
-    }
-    if count + cost <= l.limit {
-        if !write {
-            return Outcome {
-                verdict: allowed(left(count), clear_after(owed)),
-                write: Write::Keep,
-            };
-        }
-        count += cost;
-        Outcome {
-            verdict: allowed(left(count), clear_after(owed)),
-            write: put(count, owed),
-        }
-    } else {
-        // The first window with room: the next, or one past the windows the debt fills.
-        let full = (owed + cost).saturating_sub(l.limit).div_ceil(l.limit);
-        let retry = reset_after + full as i64 * w;
-        Outcome {
-            verdict: denied(left(count), clear_after(owed), retry),
-            write: Write::Keep,
-        }
-    }
-}
-
-/// A fixed window's [`charge`]: the units that fit count in this window, the rest is owed
-/// to the windows after it.
-fn fixed_window_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
-    let (slot, count, owed, _) = fixed_at(l, state, now);
-    let total = count + cost;
-    let count = count.max(total.min(l.limit));
-    let owed = owed + (total - count);
-    let ttl_us = fixed_clear_after(l, slot, now, owed);
-    Outcome {
-        verdict: allowed(l.limit.saturating_sub(count), ttl_us),
-        write: Write::Put {
-            state: State::Fixed { slot, count, owed },
-            ttl_us,
-        },
-    }
-}
-
-// ---------------------------------------------------------------------------- sliding log
-
-fn sliding_log(l: &Limits, state: Option<&State>, now: i64, op: Op, member: &str) -> Outcome {
-    let w = l.window_us;
-    // Entries at or before now - window have left the window (ZREMRANGEBYSCORE -inf, now-w).
-    let mut entries: Vec<(i64, String)> = match state {
-        Some(State::Log { entries }) => entries
-            .iter()
-            .filter(|(t, _)| *t > now - w)
-            .cloned()
-            .collect(),
-        _ => Vec::new(),
-    };
-    let trimmed = match state {
-        Some(State::Log { entries: old }) => old.len() != entries.len(),
-        _ => false,
-    };
-    let put_or_delete = |entries: Vec<(i64, String)>| {
-        if entries.is_empty() {
-            Write::Delete
-        } else {
-            let newest = entries.last().map(|e| e.0).unwrap_or(now);
-            Write::Put {
-                state: State::Log { entries },
-                ttl_us: newest + w - now,
-            }
-        }
-    };
-    let reset_of = |entries: &[(i64, String)]| entries.last().map(|e| e.0 + w - now).unwrap_or(0);
-    let (cost, write) = eval_cost(op);
-    if let Op::Refund { .. } = op {
-        let before = entries.len();
-        entries.retain(|(_, m)| !is_member_of(m, member, cost));
-        let count = entries.len() as u64;
-        let verdict = allowed(l.limit.saturating_sub(count), reset_of(&entries));
-        let changed = trimmed || entries.len() != before;
-        return Outcome {
-            verdict,
-            write: if changed {
-                put_or_delete(entries)
-            } else {
-                Write::Keep
-            },
-        };
-    }
-    let count = entries.len() as u64;
-    let keep_or_trim = |entries: Vec<(i64, String)>| {
-        if trimmed {
-            put_or_delete(entries)
-        } else {
-            Write::Keep
-        }
-    };
-    if count + cost <= l.limit {
-        if !write {
-            let verdict = allowed(l.limit - count, reset_of(&entries));
-            return Outcome {
-                verdict,
-                write: keep_or_trim(entries),
-            };
-        }
-        // Insert after every entry with a timestamp <= now (ZADD keeps score order; equal
-        // scores order by member, which no decision depends on).
-        let at = entries.partition_point(|(t, _)| *t <= now);
-        entries.splice(at..at, (1..=cost).map(|i| (now, format!("{member}:{i}"))));
-        let count = entries.len() as u64;
-        let verdict = allowed(l.limit - count, reset_of(&entries));
-        Outcome {
-            verdict,
-            write: put_or_delete(entries),
-        }
-    } else {
-        // The request fits once the oldest (count + cost - limit) entries have left.
-        let k = (count + cost - l.limit) as usize;
-        let retry = entries[k - 1].0 + w - now;
-        let verdict = denied(l.limit.saturating_sub(count), reset_of(&entries), retry);
-        Outcome {
-            verdict,
-            write: keep_or_trim(entries),
-        }
-    }
-}
-
-/// Whether `m` is one of the entries `member:1 ..= member:cost`.
-fn is_member_of(m: &str, member: &str, cost: u64) -> bool {
-    m.strip_prefix(member)
-        .and_then(|rest| rest.strip_prefix(':'))
-        .and_then(|n| n.parse::<u64>().ok())
-        .is_some_and(|n| (1..=cost).contains(&n))
-}
-
-// ---------------------------------------------------------------------------- sliding window
-
-/// A sliding-window state as it stands at `now`: the window counted in, the time into it,
-/// the two counts, and the slot the state was stored under (`None`: no state).
-struct SlidingAt {
-    slot: i64,
-    elapsed: i64,
-    stored: Option<i64>,
-    current: u64,
-    previous: u64,
-}
-
-/// Brings the stored sliding-window state to `now`: one window on, this window's count
-/// becomes the previous one; further on, or from another window length, both are zero.
-fn sliding_at(w: i64, state: Option<&State>, now: i64) -> SlidingAt {
-    let mut slot = now.div_euclid(w);
-    let (stored, mut current, mut previous) = match state {
-        Some(State::Sliding {
-            slot,
-            current,
-            previous,
-        }) => (Some(*slot), *current, *previous),
-        _ => (None, 0, 0),
-    };
-    let mut elapsed = now - slot * w;
-    match stored {
-        Some(s) if s == slot + 1 => {
-            // Clock stepped back (less than a window): stay at the start of the newer window.
-            // A slot further ahead is state from another window length: discarded below.
-            slot = s;
-            elapsed = 0;
-        }
-        Some(s) if s == slot => {}
-        Some(s) if s == slot - 1 => {
-            previous = current;
-            current = 0;
-        }
-        _ => {
-            previous = 0;
-            current = 0;
-        }
-    }
-    SlidingAt {
-        slot,
-        elapsed,
-        stored,
-        current,
-        previous,
-    }
-}
-
-/// How long until a request of `cost`, denied now, would fit (the same arithmetic as the
-/// Lua script's).
-fn sliding_retry(l: &Limits, cost: u64, current: u64, previous: u64, elapsed: i64) -> i64 {
-    let w = l.window_us;
-    let wf = w as f64;
-    // Room left for carried-over weight once this request is in.
-    let need = l.limit.saturating_sub(cost) as f64;
-    if current as f64 <= need {
-        // Wait inside this window for the previous window's weight to decay enough.
-        ceil(wf - (need - current as f64) * wf / previous as f64 - elapsed as f64)
-    } else {
-        // Wait for the next window, where this window's count becomes the decaying one.
-        let more = ceil(wf - need * wf / current as f64);
-        (w - elapsed) + more.max(0)
-    }
-}
-
-fn sliding_window(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let w = l.window_us;
-    let SlidingAt {
-        slot,
-        elapsed,
-        stored,
-        current,
-        previous,
-    } = sliding_at(w, state, now);
-    let wf = w as f64;
-    let weight = (wf - elapsed as f64) / wf;
-    let estimate = |current: u64, previous: u64| previous as f64 * weight + current as f64;
-    let remaining_of =
-        |current: u64, previous: u64| floor_u(l.limit as f64 - estimate(current, previous));
-    let reset_of = |current: u64, previous: u64| {
-        if current > 0 {
-            (slot + 2) * w - now
-        } else if previous > 0 {
-            (slot + 1) * w - now
-        } else {
-            0
-        }
-    };
-    let ttl = (slot + 2) * w - now;
-    let verdict =
-        |current, previous| allowed(remaining_of(current, previous), reset_of(current, previous));
-    let keep = |current, previous| Outcome {
-        verdict: verdict(current, previous),
-        write: Write::Keep,
-    };
-    let put = |current, previous| Outcome {
-        verdict: verdict(current, previous),
-        write: Write::Put {
-            state: State::Sliding {
-                slot,
-                current,
-                previous,
-            },
-            ttl_us: ttl,
-        },
-    };
-    let (cost, write) = eval_cost(op);
-    if let Op::Refund { .. } = op {
-        return match stored {
-            Some(s) if s == slot => put(current.saturating_sub(cost), previous),
-            Some(s) if s == slot - 1 => put(current, previous.saturating_sub(cost)),
-            _ => keep(current, previous),
-        };
-    }
-    if estimate(current, previous) + cost as f64 <= l.limit as f64 {
-        if write {
-            put(current + cost, previous)
-        } else {
-            keep(current, previous)
-        }
-    } else {
-        let retry = sliding_retry(l, cost, current, previous, elapsed);
-        Outcome {
-            verdict: denied(
-                remaining_of(current, previous),
-                reset_of(current, previous),
-                retry,
-            ),
-            write: Write::Keep,
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------- token bucket
-
-fn token_bucket(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    token_bucket_at(&BucketRate::of(l), state, now, op)
-}
-
-fn token_bucket_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
-    let rate = BucketRate::of(l);
-    let tokens = bucket_tokens(&rate, state, now) - cost as f64;
-    let full_in = ceil((rate.capacity - tokens) * rate.per_us / rate.amount);
-    Outcome {
-        verdict: allowed(floor_u(tokens), full_in),
-        write: Write::Put {
-            state: State::Bucket { tokens, ts: now },
-            ttl_us: full_in,
-        },
-    }
-}
-
-/// A token bucket's refill and capacity as plain numbers: `amount` units every `per_us`
-/// microseconds, holding at most `capacity`. A policy's [`Limits`] are one such rate; a
-/// region's share of a global budget is another (`amount` = the enforced rate R_i per
-/// second, `capacity` = B·R_i/ρ), which changes whenever a lease starts or ends.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BucketRate {
-    pub amount: f64,
-    pub per_us: f64,
-    pub capacity: f64,
-}
-
-impl BucketRate {
-    /// A policy's token bucket: `limit` per window, holding at most `burst`.
-    fn of(l: &Limits) -> Self {
-        BucketRate {
-            amount: l.limit as f64,
-            per_us: l.window_us as f64,
-            capacity: l.burst as f64,
-        }
-    }
-
-    /// `per_second` units per second, holding at most `capacity`.
-    pub fn per_second(per_second: f64, capacity: f64) -> Self {
-        BucketRate {
-            amount: per_second,
-            per_us: 1e6,
-            capacity,
-        }
-    }
-}
-
-/// The token bucket at a given rate: the one implementation behind [`Algorithm::TokenBucket`]
-/// and the regional buckets of global policies. A rate that changes over time is applied
-/// piecewise: `Op::Refund { cost: 0 }` at each change point settles the bucket at the old
-/// rate (refill, then clamp to the old capacity) without spending anything, and the next
-/// operation at the new rate clamps to the new capacity. A zero rate never refills (and
-/// denials then say "retry in i64::MAX us").
-pub fn token_bucket_at(rate: &BucketRate, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let cap = rate.capacity;
-    let lim = rate.amount;
-    let wf = rate.per_us;
-    let mut tokens = bucket_tokens(rate, state, now);
-    let full_in = |tokens: f64| ceil((cap - tokens) * wf / lim);
-    let put = |tokens: f64| Write::Put {
-        state: State::Bucket { tokens, ts: now },
-        ttl_us: full_in(tokens),
-    };
-    let (cost, write) = eval_cost(op);
-    let cost_f = cost as f64;
-    if let Op::Refund { .. } = op {
-        if state.is_none() {
-            return Outcome {
-                verdict: allowed(floor_u(tokens), 0),
-                write: Write::Keep,
-            };
-        }
-        tokens = cap.min(tokens + cost_f);
-        return Outcome {
-            verdict: allowed(floor_u(tokens), full_in(tokens)),
-            write: put(tokens),
-        };
-    }
-    if tokens >= cost_f {
-        if !write {
-            return Outcome {
-                verdict: allowed(floor_u(tokens), full_in(tokens)),
-                write: Write::Keep,
-            };
-        }
-        tokens -= cost_f;
-        Outcome {
-            verdict: allowed(floor_u(tokens), full_in(tokens)),
-            write: put(tokens),
-        }
-    } else {
-        let retry = ceil((cost_f - tokens) * wf / lim);
-        Outcome {
-            verdict: denied(floor_u(tokens), full_in(tokens), retry),
-            write: Write::Keep,
-        }
-    }
-}
-
-/// The bucket's tokens at `now`: refilled since its last write, at most its capacity (a
-/// missing key is a full bucket).
-fn bucket_tokens(rate: &BucketRate, state: Option<&State>, now: i64) -> f64 {
-    let (tokens, ts) = match state {
-        Some(State::Bucket { tokens, ts }) => (*tokens, *ts),
-        _ => (rate.capacity, now),
-    };
-    let elapsed = (now - ts).max(0) as f64;
-    rate.capacity
-        .min(tokens + elapsed * rate.amount / rate.per_us)
-}
-
-// ---------------------------------------------------------------------------- GCRA
-
-/// Keeps `remaining` from reading 4 where exact arithmetic gives 5 (e.g. T = 1/3 s).
-const GCRA_EPSILON: f64 = 1e-9;
-
-/// A GCRA key as of `now`: the emission interval T, the tolerance τ and the stored TAT.
-struct GcraAt {
-    /// Microseconds per unit (may be below 1 ms).
-    interval: f64,
-    /// How far ahead of now the TAT may run.
-    tau: f64,
-    nowf: f64,
-    tat: Option<f64>,
-}
-
-impl GcraAt {
-    fn new(l: &Limits, state: Option<&State>, now: i64) -> Self {
-        let interval = l.window_us as f64 / l.limit as f64;
-        let tat = match state {
-            Some(State::Gcra { tat }) => Some(*tat),
-            _ => None,
-        };
-        GcraAt {
-            interval,
-            tau: interval * l.burst as f64,
-            nowf: now as f64,
-            tat,
-        }
-    }
-
-    /// Where the next unit's emission starts: the TAT, or now if it has passed.
-    fn base(&self) -> f64 {
-        self.nowf.max(self.tat.unwrap_or(self.nowf))
-    }
-
-    /// Units that would still conform now with the TAT at `t`.
-    fn remaining_of(&self, t: f64) -> u64 {
-        floor_u((self.tau - (t - self.nowf)) / self.interval + GCRA_EPSILON)
-    }
-}
-
-fn gcra(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
-    let g = GcraAt::new(l, state, now);
-    let (interval, tau, nowf, tat, base) = (g.interval, g.tau, g.nowf, g.tat, g.base());
-    let remaining_of = |t: f64| g.remaining_of(t);
-    let (cost, write) = eval_cost(op);
-    let cost_f = cost as f64;
-    if let Op::Refund { .. } = op {
-        let Some(tat) = tat else {
-            return Outcome {
-                verdict: allowed(remaining_of(base), 0),
-                write: Write::Keep,
-            };
-        };
-        let new_tat = tat - cost_f * interval;
-        let write = if new_tat > nowf {
-            Write::Put {
-                state: State::Gcra { tat: new_tat },
-                ttl_us: ceil(new_tat - nowf),
-            }
-        } else {
-            Write::Delete
-        };
-        let t = nowf.max(new_tat);
-        return Outcome {
-            verdict: allowed(remaining_of(t), ceil(t - nowf)),
-            write,
-        };
-    }
-    let new_tat = base + cost_f * interval;
-    let allow_at = new_tat - tau;
-    if nowf >= allow_at {
-        if !write {
-            return Outcome {
-                verdict: allowed(remaining_of(base), ceil(base - nowf)),
-                write: Write::Keep,
-            };
-        }
-        Outcome {
-            verdict: allowed(remaining_of(new_tat), ceil(new_tat - nowf)),
-            write: Write::Put {
-                state: State::Gcra { tat: new_tat },
-                ttl_us: ceil(new_tat - nowf),
-            },
-        }
-    } else {
-        Outcome {
-            verdict: denied(remaining_of(base), ceil(base - nowf), ceil(allow_at - nowf)),
-            write: Write::Keep,
-        }
-    }
-}
-
-fn gcra_charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {
-    let g = GcraAt::new(l, state, now);
-    let new_tat = g.base() + cost as f64 * g.interval;
-    Outcome {
-        verdict: allowed(g.remaining_of(new_tat), ceil(new_tat - g.nowf)),
-        write: Write::Put {
-            state: State::Gcra { tat: new_tat },
-            ttl_us: ceil(new_tat - g.nowf),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -918,6 +445,15 @@ mod tests {
             limit,
             window_us,
             burst,
+            since: Since::ZERO,
+        }
+    }
+
+    /// `l` as a config that came into force at `at_ms`.
+    fn since(l: Limits, at_ms: u64) -> Limits {
+        Limits {
+            since: Since { version: 1, at_ms },
+            ..l
         }
     }
 
@@ -1004,11 +540,7 @@ mod tests {
     #[test]
     fn sliding_log_article_sequence() {
         // Limit 3 per 60 s; requests at 0, 100, 200, 300, 59 999, 60 001, 60 150 ms.
-        let l = Limits {
-            limit: 3,
-            window_us: 60 * SEC,
-            burst: 3,
-        };
+        let l = limits(3, 60 * SEC, 3);
         let ms = 1000;
         let t0 = 1_000 * SEC;
         let times = [0, 100, 200, 300, 59_999, 60_001, 60_150];
@@ -1022,11 +554,7 @@ mod tests {
 
     #[test]
     fn sliding_log_refund_removes_exactly_its_entries() {
-        let l = Limits {
-            limit: 5,
-            window_us: SEC,
-            burst: 5,
-        };
+        let l = limits(5, SEC, 5);
         let st = None;
         let a = apply(Algorithm::SlidingLog, &l, st.as_ref(), 0, check(3), "a");
         let Write::Put { state, .. } = a.write else {
@@ -1051,11 +579,7 @@ mod tests {
     #[test]
     fn token_bucket_article_sequence() {
         // Capacity 5 at 2 tokens/s: seven immediate calls, then one after 1 s.
-        let l = Limits {
-            limit: 2,
-            window_us: SEC,
-            burst: 5,
-        };
+        let l = limits(2, SEC, 5);
         let t0 = 50 * SEC;
         let mut steps: Vec<_> = (0..7).map(|i| (t0 + i * 100, check(1))).collect();
         steps.push((t0 + 600 + SEC, check(1)));
@@ -1080,11 +604,7 @@ mod tests {
 
     #[test]
     fn token_bucket_keeps_fractional_tokens() {
-        let l = Limits {
-            limit: 2,
-            window_us: SEC,
-            burst: 1,
-        };
+        let l = limits(2, SEC, 1);
         let a = apply(Algorithm::TokenBucket, &l, None, 0, check(1), "");
         let Write::Put { state, .. } = a.write else {
             panic!()
@@ -1105,11 +625,7 @@ mod tests {
     #[test]
     fn gcra_admits_at_ten_thousand_per_second() {
         // 10,000/s, burst 1: emission interval 100 us. Offer one request every 50 us for 1 s.
-        let l = Limits {
-            limit: 10_000,
-            window_us: SEC,
-            burst: 1,
-        };
+        let l = limits(10_000, SEC, 1);
         let t0 = 7 * SEC;
         let steps: Vec<_> = (0..20_000).map(|i| (t0 + i * 50, check(1))).collect();
         let admitted = run(Algorithm::Gcra, l, &steps)
@@ -1121,11 +637,7 @@ mod tests {
 
     #[test]
     fn sliding_window_weights_the_previous_window() {
-        let l = Limits {
-            limit: 10,
-            window_us: SEC,
-            burst: 10,
-        };
+        let l = limits(10, SEC, 10);
         let t0 = 100 * SEC;
         // 10 in window 0, then at 25% into window 1 the estimate is 7.5: 2 more fit, not 3.
         let mut steps: Vec<_> = (0..10).map(|i| (t0 + i, check(1))).collect();
@@ -1140,11 +652,7 @@ mod tests {
 
     #[test]
     fn peek_never_writes() {
-        let l = Limits {
-            limit: 2,
-            window_us: SEC,
-            burst: 2,
-        };
+        let l = limits(2, SEC, 2);
         for alg in Algorithm::ALL {
             let out = apply(alg, &l, None, SEC, check(0), "p");
             assert_eq!(out.write, Write::Keep, "{alg:?}");
@@ -1184,120 +692,153 @@ mod tests {
         Some((a, b))
     }
 
+    /// Two configs of a policy (the transition rule's two frames): the numbers in force
+    /// before and after a change, drawn as proptest does.
+    /// The second came into force after the first.
+    fn frames(alg: Algorithm, a: (u64, i64, u64), b: (u64, i64, u64)) -> [Limits; 2] {
+        let [a, b] = [a, b].map(|(limit, window_ms, burst)| Limits {
+            limit,
+            window_us: window_ms * 1000,
+            burst: if alg.has_burst() { burst } else { limit },
+            since: Since::ZERO,
+        });
+        [since(a, 1), since(b, 2)]
+    }
+
+    fn numbers() -> impl proptest::strategy::Strategy<Value = (u64, i64, u64)> {
+        (1u64..20, 1i64..2000, 1u64..30)
+    }
+
     proptest::proptest! {
         /// Expiry is garbage collection: once a written state's TTL has passed, every
-        /// operation gives the same verdict on it as on an absent key; and no TTL is longer
-        /// than `Limits::longest_ttl_us`. This is what lets Redis
-        /// (and the memory store) drop keys without changing any decision.
+        /// operation gives the same verdict on it as on an absent key, under the numbers
+        /// it was written with or any others (two configs take turns: the transition
+        /// rule); and no TTL is longer than the longest `Limits::longest_ttl_us` of the
+        /// numbers in play. This is what lets Redis (and the memory store) drop keys
+        /// without changing any decision.
         #[test]
         fn expiry_is_equivalent_to_absence(
             alg_i in 0usize..5,
-            limit in 1u64..20,
-            window_ms in 1i64..2000,
-            burst in 1u64..30,
-            steps in proptest::collection::vec((0i64..3_000_000, 0u64..25, proptest::bool::ANY), 1..40),
+            a in numbers(),
+            b in numbers(),
+            steps in proptest::collection::vec((0i64..3_000_000, 0u64..25, proptest::bool::ANY, proptest::bool::ANY), 1..40),
             probe_cost in 0u64..25,
             extra in 0i64..5_000_000,
         ) {
             let alg = Algorithm::ALL[alg_i];
-            let l = Limits { limit, window_us: window_ms * 1000, burst: if alg.has_burst() { burst } else { limit } };
-            let cap = l.capacity(alg);
+            let ls = frames(alg, a, b);
+            let longest = ls.iter().map(|l| l.longest_ttl_us(alg)).max().unwrap_or(0);
             let mut now = 1_700_000_000_000_000i64;
             let mut state: Option<(State, i64)> = None; // (state, expires at)
-            for (i, (dt, cost, refund)) in steps.iter().enumerate() {
+            let mut last = 0;
+            for (i, (dt, cost, refund, second)) in steps.iter().enumerate() {
                 now += dt;
-                let cost = cost % (cap + 1);
+                let l = &ls[usize::from(*second)];
+                let cost = cost % (l.capacity(alg) + 1);
                 let op = if *refund { Op::Refund { cost } } else { Op::Check { cost } };
                 let live = state.as_ref().filter(|(_, exp)| *exp > now).map(|(s, _)| s);
-                let out = apply(alg, &l, live, now, op, &format!("m{}", i % 3));
+                let out = apply(alg, l, live, now, op, &format!("m{}", i % 3));
                 if let Some(ttl_us) = take(&mut state, out.write, now) {
+                    last = usize::from(*second);
                     // What the TTL janitor relies on to repair a key's lost TTL.
-                    proptest::prop_assert!(
-                        ttl_us <= l.longest_ttl_us(alg),
-                        "{alg:?}: ttl {ttl_us} over {}", l.longest_ttl_us(alg)
-                    );
+                    proptest::prop_assert!(ttl_us <= longest, "{alg:?}: ttl {ttl_us} over {longest}");
                 }
             }
-            if let Some((a, b)) = after_expiry(alg, &l, &state, extra, probe_cost % (cap + 1)) {
-                proptest::prop_assert_eq!(a, b);
+            // A sliding log's entries last as long as its last writer's window: a reader
+            // with a longer one counts only what the key still holds.
+            let readers = match alg {
+                Algorithm::SlidingLog => &ls[last..=last],
+                _ => &ls[..],
+            };
+            for l in readers {
+                let probe = probe_cost % (l.capacity(alg) + 1);
+                if let Some((a, b)) = after_expiry(alg, l, &state, extra, probe) {
+                    proptest::prop_assert_eq!(a, b);
+                }
             }
         }
 
         /// A key in debt keeps it until refilled: with charges beyond the capacity among
-        /// the checks and refunds, a written state's TTL still ends exactly where it has
-        /// become equivalent to an absent key, however long the debt makes it.
+        /// the checks and refunds, under two configs taking turns, a written state's TTL
+        /// still ends exactly where it has become equivalent to an absent key, however
+        /// long the debt makes it.
         #[test]
         fn a_key_in_debt_expires_only_once_its_debt_is_refilled(
             alg_i in 0usize..3,
-            limit in 1u64..20,
-            window_ms in 1i64..2000,
-            burst in 1u64..30,
-            steps in proptest::collection::vec((0i64..3_000_000, 0u64..80, 0u8..3), 1..40),
+            a in numbers(),
+            b in numbers(),
+            steps in proptest::collection::vec((0i64..3_000_000, 0u64..80, 0u8..3, proptest::bool::ANY), 1..40),
             probe_cost in 0u64..25,
             extra in 0i64..5_000_000,
         ) {
             let alg = [Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra][alg_i];
-            let l = Limits { limit, window_us: window_ms * 1000, burst: if alg.has_burst() { burst } else { limit } };
-            let cap = l.capacity(alg);
+            let ls = frames(alg, a, b);
             let mut now = 1_700_000_000_000_000i64;
             let mut state: Option<(State, i64)> = None; // (state, expires at)
-            for (dt, cost, kind) in &steps {
+            for (dt, cost, kind, second) in &steps {
                 now += dt;
+                let l = &ls[usize::from(*second)];
+                let cap = l.capacity(alg);
                 let live = state.as_ref().filter(|(_, exp)| *exp > now).map(|(s, _)| s);
                 let out = match kind {
-                    0 => charge(alg, &l, live, now, (*cost).max(1)).expect("holds debt"),
-                    1 => apply(alg, &l, live, now, Op::Refund { cost: cost % (cap + 1) }, "m"),
-                    _ => apply(alg, &l, live, now, Op::Check { cost: cost % (cap + 1) }, "m"),
+                    0 => charge(alg, l, live, now, (*cost).max(1)).expect("holds debt"),
+                    1 => apply(alg, l, live, now, Op::Refund { cost: cost % (cap + 1) }, "m"),
+                    _ => apply(alg, l, live, now, Op::Check { cost: cost % (cap + 1) }, "m"),
                 };
                 take(&mut state, out.write, now);
             }
-            if let Some((a, b)) = after_expiry(alg, &l, &state, extra, probe_cost % (cap + 1)) {
-                proptest::prop_assert_eq!(a, b);
+            for l in &ls {
+                let probe = probe_cost % (l.capacity(alg) + 1);
+                if let Some((a, b)) = after_expiry(alg, l, &state, extra, probe) {
+                    proptest::prop_assert_eq!(a, b);
+                }
             }
         }
 
         /// What lets a denial be answered from memory (`store::deny_cache`), also for a
-        /// key in debt ([`charge`]): a denial
-        /// writes nothing, and with no other write to the key the same check, or one that
-        /// costs more (a peek counting as 1), is denied at every instant up to a microsecond
-        /// before the retry time the denial gave (which is rounded up to the microsecond;
-        /// the cache lets an entry go at least that much earlier), and the check itself
-        /// fits a microsecond after it (the float arithmetic of the refill can land the
-        /// exact instant a hair past the rounded one).
+        /// key in debt ([`charge`]) and for a state written under other numbers (two
+        /// configs take turns, as in a rollout): a denial writes nothing, and with no
+        /// other write to the key the same check, or one that costs more (a peek counting
+        /// as 1), is denied at every instant up to a microsecond before the retry time the
+        /// denial gave (which is rounded up to the microsecond; the cache lets an entry go
+        /// at least that much earlier), and the check itself fits a microsecond after it
+        /// (the float arithmetic of the refill can land the exact instant a hair past the
+        /// rounded one).
         #[test]
         fn a_denial_holds_until_its_retry_time_for_equal_and_larger_costs(
             alg_i in 0usize..5,
-            limit in 1u64..20,
-            window_ms in 1i64..2000,
-            burst in 1u64..30,
-            steps in proptest::collection::vec((0i64..400_000, 1u64..25, 0u8..20), 1..60),
+            a in numbers(),
+            b in numbers(),
+            steps in proptest::collection::vec((0i64..400_000, 1u64..25, 0u8..20, proptest::bool::ANY), 1..60),
+            reader in proptest::bool::ANY,
             cost in 0u64..25,
             more in 0u64..25,
             probes in proptest::collection::vec(0.0f64..1.0, 8),
         ) {
             let alg = Algorithm::ALL[alg_i];
-            let l = Limits { limit, window_us: window_ms * 1000, burst: if alg.has_burst() { burst } else { limit } };
-            let cap = l.capacity(alg);
+            let ls = frames(alg, a, b);
             let mut now = 1_700_000_000_000_000i64;
             let mut state: Option<State> = None;
-            for (i, (dt, c, kind)) in steps.iter().enumerate() {
+            for (i, (dt, c, kind, second)) in steps.iter().enumerate() {
                 now += dt;
+                let l = &ls[usize::from(*second)];
+                let cap = l.capacity(alg);
                 // A tenth refunds; where keys can owe, a twentieth charges up to twice the
                 // capacity (a key in debt); the rest checks.
-                let debt = (*kind == 2).then(|| charge(alg, &l, state.as_ref(), now, 2 * c)).flatten();
+                let debt = (*kind == 2).then(|| charge(alg, l, state.as_ref(), now, 2 * c)).flatten();
                 let c = c % (cap + 1);
                 let op = if *kind < 2 { Op::Refund { cost: c } } else { Op::Check { cost: c } };
-                let out = debt.unwrap_or_else(|| apply(alg, &l, state.as_ref(), now, op, &format!("m{}", i % 3)));
-                match out.write {
-                    Write::Keep => {}
-                    Write::Put { state: s, .. } => state = Some(s),
-                    Write::Delete => state = None,
-                }
+                let out = debt.unwrap_or_else(|| apply(alg, l, state.as_ref(), now, op, &format!("m{}", i % 3)));
+                out.write.apply_to(&mut state);
             }
+            let l = &ls[usize::from(reader)];
+            let cap = l.capacity(alg);
             let cost = cost % (cap + 1);
-            let out = apply(alg, &l, state.as_ref(), now, Op::Check { cost }, "d");
+            let out = apply(alg, l, state.as_ref(), now, Op::Check { cost }, "d");
             if !out.verdict.allowed {
-                proptest::prop_assert!(matches!(out.write, Write::Keep), "{alg:?}: a denial wrote");
+                // (A sliding log's denial drops the entries that left the reader's window.)
+                let wrote = !matches!(out.write, Write::Keep);
+                proptest::prop_assert!(!wrote || alg == Algorithm::SlidingLog, "{alg:?}: a denial wrote");
                 let r = out.verdict.retry_after_us;
                 proptest::prop_assert!(r >= 1);
                 let larger = (cost.max(1) + more).min(cap);
@@ -1305,14 +846,163 @@ mod tests {
                 at.push(now + r - 2);
                 for t in at.into_iter().filter(|t| *t >= now && *t < now + r - 1) {
                     for c in [cost, cost.max(1), larger] {
-                        let v = apply(alg, &l, state.as_ref(), t, Op::Check { cost: c }, "p").verdict;
+                        let v = apply(alg, l, state.as_ref(), t, Op::Check { cost: c }, "p").verdict;
                         proptest::prop_assert!(!v.allowed, "{alg:?}: cost {c} allowed at +{} us, retry was {r} us", t - now);
                     }
                 }
                 // And it is not late by more than the rounding of the float arithmetic.
-                let v = apply(alg, &l, state.as_ref(), now + r + 1, Op::Check { cost }, "p").verdict;
+                let v = apply(alg, l, state.as_ref(), now + r + 1, Op::Check { cost }, "p").verdict;
                 proptest::prop_assert!(v.allowed, "{alg:?}: cost {cost} still denied after its retry time +{r} us");
             }
+        }
+
+        /// The rollout bound: two configs of a bucket taking turns on one key (two
+        /// instances, one already reloaded) admit no more, from any instant on, than the
+        /// envelope of the two: the larger burst, refilled at the faster rate. Checks
+        /// only; charges and refunds are other operations.
+        #[test]
+        fn two_configs_taking_turns_admit_within_their_envelope(
+            gcra_i in proptest::bool::ANY,
+            a in numbers(),
+            b in numbers(),
+            steps in proptest::collection::vec((0i64..300_000, 1u64..30, proptest::bool::ANY), 1..120),
+            from in 0usize..120,
+        ) {
+            let alg = if gcra_i { Algorithm::Gcra } else { Algorithm::TokenBucket };
+            let ls = frames(alg, a, b);
+            let burst = ls.iter().map(|l| l.burst).max().unwrap_or(0) as f64;
+            let rate = ls.iter().map(|l| l.limit as f64 / l.window_us as f64).fold(0.0, f64::max);
+            let mut now = 1_700_000_000_000_000i64;
+            let mut state: Option<State> = None;
+            let (mut since, mut admitted) = (None, 0u64);
+            for (i, (dt, c, second)) in steps.iter().enumerate() {
+                now += dt;
+                let l = &ls[usize::from(*second)];
+                let c = 1 + c % l.burst;
+                let out = apply(alg, l, state.as_ref(), now, Op::Check { cost: c }, "m");
+                if i >= from {
+                    let t0 = *since.get_or_insert(now);
+                    if out.verdict.allowed {
+                        admitted += c;
+                    }
+                    let envelope = burst + rate * (now - t0) as f64;
+                    proptest::prop_assert!(admitted as f64 <= envelope + 1e-6,
+                        "{alg:?} {ls:?}: {admitted} admitted in {} us, envelope {envelope}", now - t0);
+                }
+                out.write.apply_to(&mut state);
+            }
+        }
+    }
+
+    /// Spends `n` checks of one unit under `l` at `now`, returning the state and how many
+    /// were admitted.
+    fn spend(alg: Algorithm, l: &Limits, state: &mut Option<State>, now: i64, n: u64) -> u64 {
+        let mut admitted = 0;
+        for _ in 0..n {
+            let out = apply(alg, l, state.as_ref(), now, check(1), "s");
+            admitted += u64::from(out.verdict.allowed);
+            out.write.apply_to(state);
+        }
+        admitted
+    }
+
+    /// Checks of one unit every `every` from `from` for `span` under `l`: how many passed.
+    fn hammer(
+        alg: Algorithm,
+        l: &Limits,
+        state: &mut Option<State>,
+        from: i64,
+        span: i64,
+        every: i64,
+    ) -> u64 {
+        let mut admitted = 0;
+        let mut t = from;
+        while t < from + span {
+            admitted += spend(alg, l, state, t, 1);
+            t += every;
+        }
+        admitted
+    }
+
+    const HOUR: i64 = 3600 * SEC;
+
+    /// A lowered rate (an override to 20 an hour, or the limit alone with the burst left
+    /// at 2,000) after the burst was spent: what was spent stays spent, and the key gets
+    /// no more than the new numbers refill. GCRA read the stored TAT at the new rate
+    /// (1,980 more admitted in the hour).
+    #[test]
+    fn a_lowered_limit_leaves_what_was_spent_spent() {
+        let t0 = 1_000 * HOUR;
+        let before = since(limits(2000, HOUR, 2000), 1);
+        for alg in [Algorithm::TokenBucket, Algorithm::Gcra] {
+            for after in [limits(20, HOUR, 20), limits(20, HOUR, 2000)].map(|l| since(l, 2)) {
+                let mut state = None;
+                assert_eq!(spend(alg, &before, &mut state, t0, 2000), 2000);
+                let more = hammer(alg, &after, &mut state, t0 + SEC, HOUR, 10 * SEC);
+                assert!(
+                    (19..=20).contains(&more),
+                    "{alg:?} {after:?}: {more} admitted in the hour after 2,000 were spent"
+                );
+            }
+        }
+    }
+
+    /// A raised limit after 20 of 20 were spent: the 20 used carry over, the rest of the
+    /// new burst is there at once. GCRA read the stored TAT at the new rate (denied,
+    /// remaining 0).
+    #[test]
+    fn a_raised_limit_keeps_what_was_used_and_gives_the_rest() {
+        let t0 = 1_000 * HOUR;
+        let (before, after) = (
+            since(limits(20, HOUR, 20), 1),
+            since(limits(2000, HOUR, 2000), 2),
+        );
+        for alg in [Algorithm::TokenBucket, Algorithm::Gcra] {
+            let mut state = None;
+            assert_eq!(spend(alg, &before, &mut state, t0, 21), 20);
+            let v = apply(alg, &after, state.as_ref(), t0 + 1, check(1), "r").verdict;
+            assert!(v.allowed, "{alg:?}: {v:?}");
+            assert_eq!(v.remaining, 1979, "{alg:?}");
+        }
+        // The window algorithms count: the count carries as it is.
+        for alg in [
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindow,
+            Algorithm::SlidingLog,
+        ] {
+            let mut state = None;
+            assert_eq!(spend(alg, &before, &mut state, t0, 21), 20);
+            let v = apply(alg, &after, state.as_ref(), t0 + 1, check(1), "r").verdict;
+            assert_eq!((v.allowed, v.remaining), (true, 1979), "{alg:?}");
+        }
+    }
+
+    /// A window change rolled out to one instance of two (1 h to 2 h, 10 each): the
+    /// count carries between the window lengths, so instances taking turns admit no more
+    /// in the two hours than the more permissive config alone would (10 an hour), where
+    /// each switch used to start the key over (200 against 10 in 100 rounds).
+    #[test]
+    fn two_window_lengths_taking_turns_count_one_count() {
+        let t0 = 1_000 * 2 * HOUR; // a boundary of both window lengths
+        for alg in [
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindow,
+            Algorithm::SlidingLog,
+        ] {
+            let ls = [
+                since(limits(10, HOUR, 10), 1),
+                since(limits(10, 2 * HOUR, 10), 2),
+            ];
+            let mut state = None;
+            let mut admitted = 0;
+            for round in 0..100i64 {
+                let t = t0 + round * (2 * HOUR / 100);
+                admitted += spend(alg, &ls[(round % 2) as usize], &mut state, t, 3);
+            }
+            assert!(
+                (10..=20).contains(&admitted),
+                "{alg:?}: {admitted} admitted in two hours"
+            );
         }
     }
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use quotad_core::algorithm::{Algorithm, Limits};
+use quotad_core::algorithm::{Algorithm, Limits, Since};
 use quotad_core::coordinator::{GlobalPolicy, Mode};
 
 /// What a policy does when its store cannot answer.
@@ -56,6 +56,11 @@ pub struct Policy {
     /// within this long (`quotad_core::settlement`); `None`: no reservations. Token
     /// buckets, GCRA and fixed windows of local policies only (config validation).
     pub settle_within: Option<Duration>,
+    /// When its numbers came into force on this instance (`policy.version`, then the
+    /// instant): how a key's state written under other numbers is read
+    /// (`quotad_core::algorithm::frame`). Set by the daemon when a config is put in
+    /// force (`reload::stamp_since`); `Since::ZERO` as parsed, and for global policies.
+    pub since: Since,
 }
 
 /// A concurrency limit (`algorithm = "concurrency"`): at most `limit` units of a key held
@@ -189,6 +194,7 @@ impl Policy {
             global,
             hot_key_rate: None,
             settle_within: None,
+            since: Since::ZERO,
         })
     }
 
@@ -215,6 +221,7 @@ impl Policy {
             limit: self.limit.get(),
             window_us: self.window.as_micros() as i64,
             burst: self.burst.get(),
+            since: self.since,
         }
     }
 

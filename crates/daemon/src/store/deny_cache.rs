@@ -208,6 +208,7 @@ mod tests {
         limit: 5,
         window_us: 1_000_000,
         burst: 5,
+        since: quotad_core::algorithm::Since::ZERO,
     };
 
     fn q(key: &str, algorithm: Algorithm, cost: u64) -> Question<'_> {

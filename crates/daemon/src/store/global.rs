@@ -180,6 +180,7 @@ pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, String> {
         (Some(t), Some(ts)) => Some(State::Bucket {
             tokens: parse(t, "t")?,
             ts: parse_int(ts, "ts")?,
+            stamp: None,
         }),
         _ => None,
     };

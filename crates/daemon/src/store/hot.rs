@@ -692,6 +692,7 @@ mod tests {
         limit: 40,
         window_us: 4_000,
         burst: 40,
+        since: quotad_core::algorithm::Since::ZERO,
     };
 
     /// Three instances, one key at 40 per 4 ms window, 30,000 random steps (checks of
@@ -804,6 +805,7 @@ mod tests {
             limit: 100,
             window_us: 60_000_000,
             burst: 100,
+            since: quotad_core::algorithm::Since::ZERO,
         };
         (h, limits)
     }
@@ -870,6 +872,7 @@ mod tests {
             limit: 1_000,
             window_us: 1_000_000,
             burst: 1_000,
+            since: quotad_core::algorithm::Since::ZERO,
         };
         for (mark, back) in [
             (Mark::Bucket { id: 7, gcra: false }, true),
@@ -919,6 +922,7 @@ mod tests {
             limit: 100,
             window_us: 60_000_000,
             burst: 100,
+            since: quotad_core::algorithm::Since::ZERO,
         };
         let asked = std::cell::Cell::new(None);
         let v = h

@@ -341,6 +341,7 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Vec<i64>, StoreError> {
         let mut cmd = redis::cmd("EVALSHA");
+        let (frame, since) = scripts::frame_args(&call.limits);
         cmd.arg(self.scripts.sha(call.algorithm))
             .arg(1)
             .arg(call.key)
@@ -349,7 +350,9 @@ impl RedisStore {
             .arg(call.limits.window_us)
             .arg(call.limits.burst)
             .arg(cost)
-            .arg(call.member);
+            .arg(call.member)
+            .arg(frame)
+            .arg(since);
         self.eval(&cmd, scripts::source(call.algorithm)).await
     }
 
@@ -439,6 +442,7 @@ impl RedisStore {
         cost: u64,
     ) -> Result<Vec<i64>, StoreError> {
         let mut cmd = redis::cmd("EVALSHA");
+        let (frame, since) = scripts::frame_args(&call.limits);
         cmd.arg(self.settle.get_hash())
             .arg(2)
             .arg(call.key)
@@ -451,7 +455,9 @@ impl RedisStore {
             .arg(cost)
             .arg(call.member)
             .arg(call.keep_ms)
-            .arg(&self.channel);
+            .arg(&self.channel)
+            .arg(frame)
+            .arg(since);
         self.eval(&cmd, scripts::SETTLE).await
     }
 
@@ -470,13 +476,16 @@ impl RedisStore {
             let Op::Check { cost } = c.op else {
                 return Err(StoreError::Command("a refund in a composite batch".into()));
             };
+            let (frame, since) = scripts::frame_args(&c.limits);
             cmd.arg(c.algorithm.key_tag())
                 .arg(c.limits.limit)
                 .arg(c.limits.window_us)
                 .arg(c.limits.burst)
                 .arg(cost)
                 .arg(c.member)
-                .arg(u8::from(*enforced));
+                .arg(u8::from(*enforced))
+                .arg(frame)
+                .arg(since);
         }
         let reply: Vec<i64> = self.eval(&cmd, scripts::COMPOSITE).await?;
         if reply.len() != calls.len() * 4 {
@@ -545,21 +554,25 @@ impl RedisStore {
                 .arg(id)
                 .arg(units);
         }
+        let (frame, since) = scripts::frame_args(&l);
+        inv.arg(frame).arg(since);
         let inv = &inv;
         let reply: Vec<i64> = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
             .await?;
         let grant = match (taker, &reply[..]) {
-            (Taker::Window, &[granted, left, reset_after_us, slot, ledger])
+            (Taker::Window, &[granted, left, reset_after_us, slot, ledger, retry])
                 if granted >= 0 && left >= 0 =>
             {
                 Grant {
                     granted: granted as u64,
                     left: left as u64,
                     reset_after_us,
-                    retry_after_us: reset_after_us,
+                    // (A take of a key in other numbers answers the check alone, with its
+                    // own retry; otherwise the window's end.)
+                    retry_after_us: if retry > 0 { retry } else { reset_after_us },
                     ends_after_us: reset_after_us,
-                    mark: Some(Mark::Window { slot, ledger }),
+                    mark: (ledger > 0).then_some(Mark::Window { slot, ledger }),
                 }
             }
             (
@@ -627,6 +640,8 @@ impl RedisStore {
                             .arg(r.units);
                     }
                 }
+                let (frame, since) = scripts::frame_args(&r.limits);
+                inv.arg(frame).arg(since);
                 let inv = &inv;
                 match self
                     .guarded(|mut conn| async move { inv.invoke_async::<i64>(&mut conn).await })

@@ -7,7 +7,18 @@
 //! The SHA1 of each script is computed here, so quotad can `EVALSHA` straight away and
 //! `SCRIPT LOAD` only when Redis says NOSCRIPT (first use, `SCRIPT FLUSH`, a restart).
 
-use quotad_core::algorithm::Algorithm;
+use quotad_core::algorithm::{Algorithm, Limits};
+
+/// A reader's numbers as the scripts take them for the transition rule
+/// (`lua/helpers.lua`, `quotad_core::algorithm::frame`): the frame, `limit:window_us:burst`,
+/// compared whole with a key's; and since when they are in force, zero-padded, so that a
+/// newer one compares greater as a string.
+pub fn frame_args(l: &Limits) -> (String, String) {
+    (
+        format!("{}:{}:{}", l.limit, l.window_us, l.burst),
+        format!("{:020}{:013}", l.since.version, l.since.at_ms),
+    )
+}
 
 macro_rules! script {
     ($file:literal) => {
@@ -25,7 +36,7 @@ macro_rules! algorithm_function {
         concat!(
             "local function ",
             $name,
-            "(key, refund, limit, window, burst, cost, member, now, write, eval_cost, charge)\n",
+            "(key, refund, limit, window, burst, cost, member, now, write, eval_cost, charge, F, V)\n",
             include_str!(concat!("../../lua/", $name, ".lua")),
             "\nend\n"
         )
@@ -61,6 +72,7 @@ pub const RESET: &str = include_str!("../../lua/reset.lua");
 /// Hot-key slices of a fixed window: takes and returns (see `lua/slice.lua`).
 pub const SLICE: &str = concat!(
     include_str!("../../lua/helpers.lua"),
+    algorithm_function!("fixed_window"),
     include_str!("../../lua/slice.lua")
 );
 
@@ -68,6 +80,8 @@ pub const SLICE: &str = concat!(
 /// `lua/bucket_slice.lua`).
 pub const BUCKET_SLICE: &str = concat!(
     include_str!("../../lua/helpers.lua"),
+    algorithm_function!("token_bucket"),
+    algorithm_function!("gcra"),
     include_str!("../../lua/bucket_slice.lua")
 );
 
