@@ -164,11 +164,13 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
         let id = ReservationId::random();
         let reservation = PolicyLayout::reservation_key(&key, &id);
         assert_eq!(slot(&key), slot(&reservation), "{a}");
+        assert_eq!(slot(&key), slot(&PolicyLayout::reset_mark_key(&key)), "{a}");
         let l = policy.limits();
         for (mode, cost) in [("reserve", 2), ("settle", 5)] {
             let reply: Vec<i64> = settle
                 .key(&key)
                 .key(&reservation)
+                .key(PolicyLayout::reset_mark_key(&key))
                 .arg(mode)
                 .arg(policy.algorithm.key_tag())
                 .arg(l.limit)
@@ -193,9 +195,10 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
         .find(|c| c.name == "slots")
         .unwrap();
     let key = layouts.of_concurrency(slots).storage_key("erin");
-    for (mode, held) in [("acquire", 2), ("release", 0)] {
+    for (mode, held) in [("acquire", 2), ("release", 0), ("acquire", 2), ("clear", 0)] {
         let reply: Vec<i64> = concurrency
             .key(&key)
+            .key(PolicyLayout::ended_leases_key(&key))
             .arg(mode)
             .arg(5)
             .arg("0123456789abcdef0123456789abcdef")

@@ -98,17 +98,55 @@ fn at_most_the_limit_is_held_and_a_release_frees_it_at_once() {
             "denied",
             "nothing was released"
         );
-        // A lease named with more units than it holds frees, and counts, only its own.
-        let two = acquire(&q, "m", 2)["lease"]
-            .as_str()
-            .unwrap()
-            .replace("-2", "-3");
+        // A lease named with another unit count than it was issued with is no lease of
+        // the key's: released or extended, a 404 that changes nothing.
+        let two = acquire(&q, "m", 2)["lease"].as_str().unwrap().to_owned();
+        for edited in [two.replace("-2", "-3"), two.replace("-2", "-1")] {
+            for path in ["/v1/release", "/v1/extend"] {
+                let (status, r) = lease_call(&q, path, "m", &json!(edited));
+                assert_eq!(
+                    (status, r["error"]["code"].as_str()),
+                    (404, Some("unknown_lease")),
+                    "{path} {edited}: {r}"
+                );
+            }
+        }
+        assert_eq!(acquire(&q, "m", 2)["outcome"], "denied", "still 2 held");
         let (status, r) = lease_call(&q, "/v1/release", "m", &json!(two));
         assert_eq!((status, r["held"].as_u64()), (200, Some(0)), "{r}");
         let released = "quotad_lease_units_total{event=\"released\",policy=\"streams\"}";
         assert_eq!(q.metric(released), 2.0 + 2.0, "{r}");
     }
     redis.assert_every_key_has_ttl();
+}
+
+/// A limit lowered under a lease: the holder can still release and extend it as it was
+/// issued (the release and extend answered `400` when the lease had more units than the
+/// new limit, and the units stayed held until the lease ended), and new acquires wait for
+/// the new limit.
+#[test]
+fn a_lease_issued_under_a_higher_limit_is_released_after_a_lowering() {
+    let redis = RedisServer::start();
+    let config = |limit: u64| {
+        Config::redis(&redis.url())
+            .policy(Policy::new("streams", "concurrency", limit, "1m"))
+            .to_toml()
+    };
+    let q = Quotad::start(&config(10));
+    let five = acquire(&q, "k", 5);
+    assert_eq!(five["outcome"], "allowed", "{five}");
+    assert_eq!(q.reload(&q.config_file_text(&config(3))), "ok");
+    let (status, _, denied) = post(
+        &q,
+        "/v1/acquire",
+        json!({"policy": "streams", "key": "k", "units": 1}),
+    );
+    assert_eq!((status, denied["outcome"].as_str()), (200, Some("denied")));
+    let (status, r) = lease_call(&q, "/v1/extend", "k", &five["lease"]);
+    assert_eq!((status, r["held"].as_u64()), (200, Some(5)), "{r}");
+    let (status, r) = lease_call(&q, "/v1/release", "k", &five["lease"]);
+    assert_eq!((status, r["held"].as_u64()), (200, Some(0)), "{r}");
+    assert_eq!(acquire(&q, "k", 3)["outcome"], "allowed");
 }
 
 /// A lease ends at its hold unless extended; extended, it outlives that end; an extend
@@ -191,7 +229,8 @@ fn a_lease_that_ends_unreleased_is_counted_expired_at_its_end() {
 
 /// A reset of a concurrency limit's key gives back every lease it holds (slots a holder
 /// will never release, freed before their leases end), counted `released`; the leases'
-/// holders then find them gone.
+/// holders are told so until their leases would have ended: a release is `200`
+/// `ended_by_reset` that frees nothing more, an extend `404 ended_by_reset`.
 #[test]
 fn a_reset_frees_every_slot_of_the_key() {
     let redis = RedisServer::start();
@@ -205,8 +244,23 @@ fn a_reset_frees_every_slot_of_the_key() {
         let released = "quotad_lease_units_total{event=\"released\",policy=\"streams\"}";
         assert_eq!(q.metric(released), 3.0);
         assert_eq!(acquire(&q, "k", 3)["outcome"], "allowed", "every slot free");
-        let (status, _) = lease_call(&q, "/v1/release", "k", &a["lease"]);
-        assert_eq!(status, 404, "the reset took it");
+        let (status, r) = lease_call(&q, "/v1/release", "k", &a["lease"]);
+        assert_eq!(
+            (status, r["status"].as_str()),
+            (200, Some("ended_by_reset")),
+            "{r}"
+        );
+        assert_eq!(
+            r["held"], 3,
+            "the units acquired after the reset stay held: {r}"
+        );
+        let (status, r) = lease_call(&q, "/v1/extend", "k", &a["lease"]);
+        assert_eq!(
+            (status, r["error"]["code"].as_str()),
+            (404, Some("ended_by_reset")),
+            "{r}"
+        );
+        assert_eq!(q.metric(released), 3.0, "nothing more released");
         assert_eq!(
             acquire(&q, "other", 3)["outcome"],
             "denied",
@@ -374,8 +428,16 @@ fn bad_lease_requests_are_named_4xx_and_change_nothing() {
         ),
         (
             "/v1/release",
-            "a lease of 4 units",
+            // (It could have been issued under a higher limit: the store says it is not.)
+            "a lease of 4 units, above the limit",
             format!(r#"{{"policy":"streams","key":"k","lease":"{hex}-4"}}"#),
+            404,
+            "lease",
+        ),
+        (
+            "/v1/release",
+            "a lease of more units than any lease may have",
+            format!(r#"{{"policy":"streams","key":"k","lease":"{hex}-10001"}}"#),
             400,
             "lease",
         ),

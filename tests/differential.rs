@@ -515,7 +515,7 @@ fn concurrency_lua_matches_rust() {
     // Leases acquired: (key, id, units).
     let mut taken: Vec<(&str, String, u64)> = Vec::new();
     let mut now = real_now_us();
-    let (mut granted, mut expired, mut unknown, mut cleared) = (0, 0, 0, 0);
+    let (mut granted, mut expired, mut unknown, mut cleared, mut ended) = (0, 0, 0, 0, 0);
     for step in 0..6_000 {
         now += match rng.random_range(0..100) {
             0..=19 => 0,
@@ -528,7 +528,11 @@ fn concurrency_lua_matches_rust() {
         let hold_us = rng.random_range(1..=200 * ms);
         let new_id = format!("l{step}");
         let mine: Vec<usize> = (0..taken.len()).filter(|&i| taken[i].0 == key).collect();
-        let pick = |rng: &mut StdRng| mine.get(rng.random_range(0..mine.len().max(1))).copied();
+        // Half the time the key's latest lease (most likely still live), else any.
+        let pick = |rng: &mut StdRng| match rng.random_range(0..2) {
+            0 => mine.last().copied(),
+            _ => mine.get(rng.random_range(0..mine.len().max(1))).copied(),
+        };
         let (mode, id, units) = match rng.random_range(0..100) {
             0..=39 => ("acquire", new_id, rng.random_range(1..=limit.min(3))),
             40..=74 => {
@@ -537,13 +541,17 @@ fn concurrency_lua_matches_rust() {
                 } else {
                     "extend"
                 };
+                // A tenth name a lease with another unit count than it was issued with
+                // (an edited id): no lease of the key's.
+                let edit = rng.random_range(0..10) == 0;
                 match pick(&mut rng) {
+                    Some(i) if edit => (mode, taken[i].1.clone(), rng.random_range(1..=4)),
                     Some(i) => (mode, taken[i].1.clone(), taken[i].2),
                     None => (mode, format!("u{step}"), 1),
                 }
             }
             75..=84 => ("release", format!("u{step}"), 1),
-            85..=87 => ("clear", String::new(), 1),
+            85..=89 => ("clear", String::new(), 1),
             _ => ("peek", String::new(), 1),
         };
         let op = match mode {
@@ -569,7 +577,25 @@ fn concurrency_lua_matches_rust() {
             hold_us.to_string(),
             now.to_string(),
         ];
-        let (r, pttl) = eval_then_persist(&mut conn, &sha, key, &args);
+        // The key and, beside it, the leases a clear ended (both persisted: time is
+        // virtual here).
+        let ended_key = format!("{key}:e");
+        let (r, pttl, _, _): (Vec<i64>, i64, i64, i64) = redis::pipe()
+            .atomic()
+            .cmd("EVALSHA")
+            .arg(&sha)
+            .arg(2)
+            .arg(key)
+            .arg(&ended_key)
+            .arg(&args)
+            .cmd("PTTL")
+            .arg(key)
+            .cmd("PERSIST")
+            .arg(key)
+            .cmd("PERSIST")
+            .arg(&ended_key)
+            .query(&mut conn)
+            .unwrap_or_else(|e| panic!("EVALSHA failed: {e}"));
         let got = LeaseAnswer {
             ok: r[0] == 1,
             held: r[1] as u64,
@@ -577,6 +603,7 @@ fn concurrency_lua_matches_rust() {
             retry_after_us: r[3],
             expired: r[4] as u64,
             released: r[5] as u64,
+            ended: r[0] == 2,
         };
         let out = concurrency::apply(limit, model.get(key), now, op);
         assert_eq!(
@@ -587,8 +614,13 @@ fn concurrency_lua_matches_rust() {
         );
         match out.write {
             LeaseWrite::Keep => {}
-            LeaseWrite::Put { leases, ttl_us } => {
-                assert_model_ttl(pttl, ttl_us, step);
+            LeaseWrite::Put { leases, .. } => {
+                // The key lives until its latest unit's end; with none held it is gone
+                // (what the model keeps then is the ended leases, beside it).
+                match leases.entries.iter().map(|(t, _)| *t).max() {
+                    Some(last) => assert_model_ttl(pttl, last - now, step),
+                    None => assert_eq!(pttl, -2, "step {step}: the key should be gone"),
+                }
                 model.insert(key, leases);
             }
             LeaseWrite::Delete => {
@@ -602,10 +634,10 @@ fn concurrency_lua_matches_rust() {
                 taken.push((key, id.clone(), units));
             }
             ("release", true) => taken.retain(|t| t.1 != id),
-            ("clear", _) => {
-                cleared += got.released;
-                taken.retain(|t| t.0 != key);
-            }
+            // (The leases a clear gave back stay among those released and extended:
+            // told "ended by a reset".)
+            ("clear", _) => cleared += got.released,
+            ("release" | "extend", false) if got.ended => ended += 1,
             ("release" | "extend", false) => unknown += 1,
             _ => {}
         }
@@ -616,8 +648,8 @@ fn concurrency_lua_matches_rust() {
     }
     // The sequence reached every branch.
     assert!(
-        granted > 500 && expired > 100 && unknown > 100 && cleared > 50,
-        "{granted} {expired} {unknown} {cleared}"
+        granted > 500 && expired > 100 && unknown > 100 && cleared > 50 && ended > 10,
+        "{granted} {expired} {unknown} {cleared} {ended}"
     );
 }
 
@@ -671,6 +703,9 @@ fn settlement_lua_matches_rust() {
     let mut made: Vec<(usize, String)> = Vec::new();
     let mut now = real_now_us();
     let (mut settled, mut again, mut unknown, mut into_debt) = (0, 0, 0, 0);
+    let (mut ended, mut resets) = (0, 0);
+    // When each key was last reset (the mark's value).
+    let mut reset_at: HashMap<usize, i64> = HashMap::new();
     for step in 0..4_000 {
         now += match rng.random_range(0..10) {
             0..=2 => 0,
@@ -688,6 +723,26 @@ fn settlement_lua_matches_rust() {
         let cap = l.capacity(alg);
         let (frame, since) = scripts::frame_args(&l);
         let member = format!("m{step}");
+        let mark = format!("{key}:z");
+        // Now and then a reset of the key (lua/reset.lua's writes, at the virtual time):
+        // the reservations open on it end.
+        if rng.random_range(0..40) == 0 {
+            let _: () = redis::pipe()
+                .atomic()
+                .cmd("DEL")
+                .arg(key)
+                .ignore()
+                .cmd("SET")
+                .arg(&mark)
+                .arg(now)
+                .ignore()
+                .query(&mut conn)
+                .unwrap();
+            model.remove(&k);
+            reset_at.insert(k, now);
+            resets += 1;
+            continue;
+        }
         let mine: Vec<&String> = made.iter().filter(|m| m.0 == k).map(|m| &m.1).collect();
         let (mode, rkey, cost) = match rng.random_range(0..10) {
             0..=3 => (
@@ -710,9 +765,10 @@ fn settlement_lua_matches_rust() {
             .atomic()
             .cmd("EVALSHA")
             .arg(&sha)
-            .arg(2)
+            .arg(3)
             .arg(key)
             .arg(&rkey)
+            .arg(&mark)
             .arg(mode)
             .arg(alg.key_tag())
             .arg(limit)
@@ -749,12 +805,15 @@ fn settlement_lua_matches_rust() {
             }
             out.write
         } else {
-            let out = settlement::settle(alg, &l, state, booked.get(&rkey), now, cost, &member);
+            let reset = reset_at.get(&k).copied();
+            let out =
+                settlement::settle(alg, &l, state, booked.get(&rkey), reset, now, cost, &member);
             let out = out.unwrap();
             let (code, charged, refunded) = match out.settled {
                 Settled::Now { charged, refunded } => (1, charged, refunded),
                 Settled::Already => (2, 0, 0),
                 Settled::Unknown => (0, 0, 0),
+                Settled::Ended => (3, 0, 0),
             };
             let want = [
                 code,
@@ -772,6 +831,7 @@ fn settlement_lua_matches_rust() {
             match code {
                 1 => settled += 1,
                 2 => again += 1,
+                3 => ended += 1,
                 _ => unknown += 1,
             }
             into_debt += u64::from(charged > 0 && out.verdict.remaining == 0);
@@ -781,8 +841,12 @@ fn settlement_lua_matches_rust() {
             out.write
         };
         let want_stored = booked.get(&rkey).map(|res| match res {
-            Reservation::Open { estimate } => format!("o:{estimate}"),
+            Reservation::Open {
+                estimate,
+                opened_us,
+            } => format!("o:{estimate}:{opened_us}"),
             Reservation::Settled { cost } => format!("s:{cost}"),
+            Reservation::Ended => "e:".to_owned(),
         });
         assert_eq!(stored, want_stored, "step {step}: the stored reservation");
         match write {
@@ -800,7 +864,7 @@ fn settlement_lua_matches_rust() {
         }
     }
     assert!(
-        settled > 500 && again > 200 && unknown > 200 && into_debt > 100,
-        "{settled} {again} {unknown} {into_debt}"
+        settled > 500 && again > 200 && unknown > 200 && into_debt > 100 && ended > 10,
+        "{settled} {again} {unknown} {into_debt} {ended} of {resets} resets"
     );
 }

@@ -147,19 +147,46 @@ fn a_key_in_debt_admits_nothing_until_the_debt_is_paid() {
     assert!(retry > 86_400_000, "{denied}");
 }
 
-/// A reset forgets what the key's user spent, not the reservations open on it: a later
-/// settlement charges (or gives back) only its difference, against the key as it is then.
+/// A reset ends the reservations open on its key: the reset's fresh start is given once,
+/// so a settlement afterwards gives nothing back and charges nothing, and says so
+/// (`ended_by_reset`, again when retried); a reservation opened after the reset settles
+/// as any other. On Redis and on the embedded store, for every algorithm that settles.
+/// The refund used to be credited to the state after the reset: 200 admitted in the
+/// hour against 100.
 #[test]
-fn after_a_reset_an_open_reservation_settles_only_its_difference() {
+fn a_reset_ends_the_reservations_open_on_its_key() {
     let redis = RedisServer::start();
-    let q = Quotad::serve(&policies(Config::redis(&redis.url())));
-    let r = reserve(&q, "daily", "k", 40);
-    assert_eq!(r["remaining"], 60);
-    let (status, _, _) = q.post("/v1/reset", &json!({"policy": "daily", "key": "k"}));
-    assert_eq!(status, 204);
-    let (status, s) = settle(&q, "daily", "k", &r["reservation"], 70);
-    assert_eq!((status, s["charged"].as_u64()), (200, Some(30)), "{s}");
-    assert_eq!(s["remaining"], 70, "{s}");
+    for config in [Config::redis(&redis.url()), Config::new()] {
+        let mut config = config;
+        for algorithm in ["fixed_window", "token_bucket", "gcra"] {
+            config = config
+                .policy(Policy::new(algorithm, algorithm, 100, "1h").set("settle_within", "1m"));
+        }
+        let q = Quotad::serve(&config.to_toml());
+        for algorithm in ["fixed_window", "token_bucket", "gcra"] {
+            let r = reserve(&q, algorithm, "k", 100);
+            assert_eq!(r["allowed"], true, "{r}");
+            let body = json!({"policy": algorithm, "key": "k"});
+            assert_eq!(q.post("/v1/reset", &body).0, 204);
+            for _ in 0..2 {
+                let (status, s) = settle(&q, algorithm, "k", &r["reservation"], 0);
+                assert_eq!(status, 200, "{s}");
+                assert_eq!(s["status"], "ended_by_reset", "{algorithm}: {s}");
+                assert_eq!((s.get("refunded"), s.get("charged")), (None, None), "{s}");
+            }
+            // The fresh start, once: a hundred admitted in the hour, not two hundred.
+            let admitted = (0..150)
+                .filter(|_| q.check1(algorithm, "k")["allowed"] == true)
+                .count();
+            assert_eq!(admitted, 100, "{algorithm}");
+            // Opened after the reset: settled as any other.
+            let body = json!({"policy": algorithm, "key": "j", "cost": 10, "settle": true});
+            let (_, _, after) = q.post("/v1/check", &body);
+            let (status, s) = settle(&q, algorithm, "j", &after["reservation"], 4);
+            assert_eq!((status, s["refunded"].as_u64()), (200, Some(6)), "{s}");
+        }
+    }
+    redis.assert_every_key_has_ttl();
 }
 
 /// A reload that takes settlement away, or gives the policy another algorithm (other
@@ -417,5 +444,67 @@ fn a_proxy_peeks_and_the_service_charges_the_real_cost_after() {
             (400, Some(field)),
             "{body}: {v}"
         );
+    }
+}
+
+/// A reset forgives a debt, the same for every algorithm that holds one: the key starts
+/// over as a new key does (docs/api.md, Resets). A GCRA key charged into debt and reset
+/// was still denied.
+#[test]
+fn a_reset_forgives_a_debt_for_every_algorithm() {
+    let redis = RedisServer::start();
+    for config in [Config::redis(&redis.url()), Config::new()] {
+        let mut config = config;
+        for algorithm in ["fixed_window", "token_bucket", "gcra"] {
+            config = config
+                .policy(Policy::new(algorithm, algorithm, 10, "1h").set("settle_within", "1m"));
+        }
+        let q = Quotad::serve(&config.to_toml());
+        for algorithm in ["fixed_window", "token_bucket", "gcra"] {
+            let body = json!({"policy": algorithm, "key": "k", "cost": 30});
+            let (status, _, v) = q.post("/v1/charge", &body);
+            assert_eq!(status, 200, "{v}");
+            let denied = q.check1(algorithm, "k");
+            assert_eq!(denied["allowed"], false, "{algorithm} in debt: {denied}");
+            let reset = json!({"policy": algorithm, "key": "k"});
+            assert_eq!(q.post("/v1/reset", &reset).0, 204);
+            let v = q.check1(algorithm, "k");
+            assert_eq!(
+                (v["allowed"].as_bool(), v["remaining"].as_u64()),
+                (Some(true), Some(9)),
+                "{algorithm} after the reset: {v}"
+            );
+        }
+    }
+}
+
+/// The same through two instances: a denial another instance remembers for a key in debt
+/// ends with the reset, as the reset's invalidation arrives there.
+#[test]
+fn a_reset_forgives_a_debt_another_instance_remembers() {
+    let redis = RedisServer::start();
+    let mut config = Config::redis(&redis.url());
+    for algorithm in ["fixed_window", "token_bucket", "gcra"] {
+        config =
+            config.policy(Policy::new(algorithm, algorithm, 10, "1h").set("settle_within", "1m"));
+    }
+    let config = config.to_toml();
+    let (a, b) = (Quotad::serve(&config), Quotad::serve(&config));
+    for algorithm in ["fixed_window", "token_bucket", "gcra"] {
+        let body = json!({"policy": algorithm, "key": "k", "cost": 30});
+        assert_eq!(a.post("/v1/charge", &body).0, 200);
+        for _ in 0..3 {
+            assert_eq!(b.check1(algorithm, "k")["allowed"], false, "{algorithm}");
+        }
+        let received = b.metric("quotad_invalidations_received_total");
+        let reset = json!({"policy": algorithm, "key": "k"});
+        assert_eq!(a.post("/v1/reset", &reset).0, 204);
+        common::wait_for(
+            "the reset's invalidation",
+            std::time::Duration::from_secs(5),
+            || (b.metric("quotad_invalidations_received_total") > received).then_some(()),
+        );
+        let v = b.check1(algorithm, "k");
+        assert_eq!(v["allowed"], true, "{algorithm} after the reset: {v}");
     }
 }

@@ -197,12 +197,14 @@ struct Model {
     /// `bucket`: tokens as last written (whole: the refill per day is negligible; below
     /// zero in debt) and the burst they were written under, by key.
     bucket: HashMap<String, (i64, u64)>,
-    /// `bucket`'s reservations, in the order made: (key, id, estimate, settled).
-    reservations: Vec<(usize, String, u64, bool)>,
+    /// `bucket`'s reservations, in the order made: (key, id, estimate, settled, ended by
+    /// a reset of the key).
+    reservations: Vec<(usize, String, u64, bool, bool)>,
     /// `slots`: units held, by key; and the leases, in the order acquired: (key, lease,
     /// units, still held).
     held: HashMap<usize, u64>,
-    leases: Vec<(usize, String, u64, bool)>,
+    /// And whether a reset of its key gave it back while it was held.
+    leases: Vec<(usize, String, u64, bool, bool)>,
 }
 
 impl Model {
@@ -427,6 +429,12 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 match status {
                     204 => {
                         model.reset(*pol, KEYS[*k]);
+                        // A reset of a `bucket` key ends the reservations open on it.
+                        for r in model.reservations.iter_mut() {
+                            if *pol == Pol::Bucket && r.0 == *k && !r.3 {
+                                r.4 = true;
+                            }
+                        }
                         // The other instance hears of it through the channel, as fast as
                         // its subscription delivers (a step sent before that could meet a
                         // denial it still remembers: the documented window, not a bug).
@@ -468,7 +476,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     (true, Some(id)) => {
                         model
                             .reservations
-                            .push((*k, id.to_owned(), *estimate, false))
+                            .push((*k, id.to_owned(), *estimate, false, false))
                     }
                     (false, None) => {}
                     _ => prop_assert!(false, "{}: a reservation iff admitted: {}", at, v),
@@ -479,8 +487,8 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
             }
             Op::Settle { on, which, cost } => {
                 let cap = pair.rules.bucket_limit;
-                let (k, id, estimate, settled) = match model.reservations.len() {
-                    0 => (0, "0".repeat(32), 0, false),
+                let (k, id, estimate, settled, ended) = match model.reservations.len() {
+                    0 => (0, "0".repeat(32), 0, false, false),
                     n => model.reservations[which % n].clone(),
                 };
                 let body =
@@ -494,6 +502,11 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 } else if settled {
                     prop_assert_eq!(status, 200, "{}: {}", at, v);
                     prop_assert_eq!(&v["status"], "already_settled", "{}: {}", at, v);
+                    prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
+                } else if ended {
+                    // A reset of its key ended it: nothing charged or given back.
+                    prop_assert_eq!(status, 200, "{}: {}", at, v);
+                    prop_assert_eq!(&v["status"], "ended_by_reset", "{}: {}", at, v);
                     prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
                 } else if *cost < estimate && *on == 1 {
                     // B may not PUBLISH: a give-back is refused whole.
@@ -541,13 +554,13 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 prop_assert_eq!(&v["held"], &json!(now), "{}: {}", at, v);
                 if allowed {
                     let lease = v["lease"].as_str().unwrap_or_default().to_owned();
-                    model.leases.push((*k, lease, *units, true));
+                    model.leases.push((*k, lease, *units, true, false));
                     model.held.insert(*k, now);
                 }
             }
             Op::Release { on, which } => {
-                let (k, lease, units, live) = match model.leases.len() {
-                    0 => (0, format!("{}-1", "0".repeat(32)), 0, false),
+                let (k, lease, units, live, by_reset) = match model.leases.len() {
+                    0 => (0, format!("{}-1", "0".repeat(32)), 0, false, false),
                     n => model.leases[which % n].clone(),
                 };
                 let body = json!({"policy": "slots", "key": key(k), "lease": lease});
@@ -560,6 +573,12 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     if let Some(l) = model.leases.iter_mut().find(|l| l.1 == lease) {
                         l.3 = false;
                     }
+                } else if by_reset {
+                    // A reset gave it back (within its hour): told so, nothing changed.
+                    let held = model.held.get(&k).copied().unwrap_or(0);
+                    prop_assert_eq!(status, 200, "{}: {}", at, v);
+                    prop_assert_eq!(&v["status"], "ended_by_reset", "{}: {}", at, v);
+                    prop_assert_eq!(&v["held"], &json!(held), "{}: {}", at, v);
                 } else {
                     prop_assert_eq!(status, 404, "{}: {}", at, v);
                 }
@@ -570,6 +589,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 prop_assert_eq!(status, 204, "{}: {}", at, v);
                 model.held.insert(*k, 0);
                 for l in model.leases.iter_mut().filter(|l| l.0 == *k) {
+                    l.4 |= l.3;
                     l.3 = false;
                 }
             }

@@ -21,6 +21,10 @@
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Leases {
     pub entries: Vec<(i64, String)>,
+    /// The leases a reset ([`LeaseOp::Clear`]) gave back before their end, by id, with
+    /// the end they had: until then, a release or an extend of one is told so. Kept
+    /// beside the key (`<key>:e` in Redis), sorted by id.
+    pub ended: Vec<(String, i64)>,
 }
 
 /// What a holder asks of a key.
@@ -32,9 +36,10 @@ pub enum LeaseOp<'a> {
         units: u64,
         hold_us: i64,
     },
-    /// Give lease `id` (of `units`) back.
+    /// Give lease `id` (of `units`) back; a lease of another unit count is not the key's.
     Release { id: &'a str, units: u64 },
-    /// Move the expiry of a live lease `id` (of `units`) to now + `hold_us`.
+    /// Move the expiry of a live lease `id` (of `units`; as for a release) to now +
+    /// `hold_us`.
     Extend {
         id: &'a str,
         units: u64,
@@ -64,13 +69,16 @@ pub struct LeaseAnswer {
     pub expired: u64,
     /// Units a release or a clear gave back (0 for the others).
     pub released: u64,
+    /// A release or an extend of a lease a reset of the key ended (`ok` is false).
+    pub ended: bool,
 }
 
 /// What to do with the stored state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseWrite {
     Keep,
-    /// Store these entries; the key may be dropped after `ttl_us` (the latest expiry).
+    /// Store these entries; the key may be dropped after `ttl_us` (the latest expiry, of
+    /// a held unit or of an ended lease).
     Put {
         leases: Leases,
         ttl_us: i64,
@@ -90,6 +98,14 @@ pub fn entry(id: &str, i: u64) -> String {
     format!("{id}:{i}")
 }
 
+/// Whether lease `id` is live with exactly `units` units: a lease is only ever held
+/// whole (its units are acquired, extended, released and expire together), so a name
+/// with another unit count than it was issued with is no lease of the key's.
+fn holds(entries: &[(i64, String)], id: &str, units: u64) -> bool {
+    let has = |i: u64| entries.iter().any(|(_, m)| *m == entry(id, i));
+    units >= 1 && has(units) && !has(units + 1)
+}
+
 /// Runs one operation on a key with at most `limit` units held at once, at store time
 /// `now_us`. Callers keep `units` within `1 ..= limit` and `hold_us` positive.
 pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -> LeaseOutcome {
@@ -106,10 +122,28 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
         .unwrap_or_default();
     let expired = (stored - entries.len()) as u64;
     let live = entries.len() as u64;
+    let mut ended: Vec<(String, i64)> = state
+        .map(|s| {
+            s.ended
+                .iter()
+                .filter(|(_, t)| *t > now_us)
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    let was_ended = |id: &str| ended.iter().any(|(e, _)| e == id);
+    let mut by_reset = false;
     let (ok, retry, changed) = match op {
         LeaseOp::Peek => (true, 0, false),
         LeaseOp::Clear => {
-            entries.clear();
+            for (t, name) in entries.drain(..) {
+                let id = name.rsplit_once(':').map_or(name.as_str(), |(id, _)| id);
+                match ended.iter_mut().find(|(e, _)| e == id) {
+                    Some((_, until)) => *until = (*until).max(t),
+                    None => ended.push((id.to_owned(), t)),
+                }
+            }
+            ended.sort();
             (true, 0, live > 0)
         }
         LeaseOp::Acquire { id, units, hold_us } => {
@@ -131,16 +165,19 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
             }
         }
         LeaseOp::Release { id, units } => {
-            let before = entries.len();
-            for i in 1..=units {
-                let name = entry(id, i);
-                entries.retain(|(_, m)| *m != name);
+            let held = holds(&entries, id, units);
+            if held {
+                for i in 1..=units {
+                    let name = entry(id, i);
+                    entries.retain(|(_, m)| *m != name);
+                }
             }
-            let removed = entries.len() != before;
-            (removed, 0, removed)
+            by_reset = !held && was_ended(id);
+            (held, 0, held)
         }
         LeaseOp::Extend { id, units, hold_us } => {
-            let live = entries.iter().any(|(_, m)| *m == entry(id, 1));
+            let live = holds(&entries, id, units);
+            by_reset = !live && was_ended(id);
             if live {
                 let until = now_us + hold_us;
                 for i in 1..=units {
@@ -165,15 +202,21 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
         reset_after_us: entries.first().map_or(0, |(t, _)| t - now_us),
         retry_after_us: if ok { 0 } else { retry.max(0) },
         expired,
+        ended: by_reset,
     };
     let write = if !changed && expired == 0 {
         LeaseWrite::Keep
-    } else if entries.is_empty() {
+    } else if entries.is_empty() && ended.is_empty() {
         LeaseWrite::Delete
     } else {
-        let ttl_us = entries.iter().map(|(t, _)| *t).max().unwrap_or(now_us) - now_us;
+        let last = entries.iter().map(|(t, _)| *t);
+        let ttl_us = last
+            .chain(ended.iter().map(|(_, t)| *t))
+            .max()
+            .unwrap_or(now_us)
+            - now_us;
         LeaseWrite::Put {
-            leases: Leases { entries },
+            leases: Leases { entries, ended },
             ttl_us,
         }
     };
@@ -225,8 +268,37 @@ mod tests {
             (cleared.ok, cleared.held, cleared.released, cleared.expired),
             (true, 0, 1, 2)
         );
-        assert_eq!(s, None);
+        // Nothing held; `b`, given back before its end, is remembered until then.
+        let state = s.clone().unwrap_or_default();
+        assert_eq!(
+            (state.entries.len(), state.ended),
+            (0, vec![("b".into(), 5_000)])
+        );
         assert!(run(&mut s, 5, 2_000, acquire("c", 5)).ok, "all free");
+    }
+
+    /// A release or an extend of a lease a reset gave back is told so until the lease
+    /// would have ended, and changes nothing; after that it is an unknown lease.
+    #[test]
+    fn a_lease_a_reset_gave_back_is_told_so() {
+        let mut s = None;
+        assert!(run(&mut s, 5, 0, acquire("a", 2)).ok);
+        run(&mut s, 5, 100, LeaseOp::Clear);
+        let release = LeaseOp::Release { id: "a", units: 2 };
+        let extend = LeaseOp::Extend {
+            id: "a",
+            units: 2,
+            hold_us: 1_000,
+        };
+        for op in [release, extend] {
+            let ans = run(&mut s, 5, 500, op);
+            assert_eq!(
+                (ans.ok, ans.ended, ans.held, ans.released),
+                (false, true, 0, 0)
+            );
+        }
+        let late = run(&mut s, 5, 1_000, release);
+        assert_eq!((late.ok, late.ended), (false, false), "past its end");
     }
 
     #[test]

@@ -9,6 +9,11 @@
 //! estimates miss, what a key is charged in the end is the sum of the real costs, and what
 //! it owes is waited out before any check passes again.
 //!
+//! A reset of the key ends the reservations open on it: the reset gave the key a fresh
+//! start, estimates included, so a settlement of one opened before it charges and gives
+//! back nothing ([`Settled::Ended`]), and says so. Otherwise a settlement below its
+//! estimate would credit the state after the reset with units spent before it.
+//!
 //! Only the algorithms that can hold a debt settle ([`Algorithm::holds_debt`]); the
 //! others answer `None`.
 
@@ -17,10 +22,12 @@ use crate::algorithm::{self, Algorithm, Limits, Op, Outcome, State, Verdict, Wri
 /// A reservation as stored beside its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reservation {
-    /// Admitted at `estimate`, not settled yet.
-    Open { estimate: u64 },
+    /// Admitted at `estimate` at store time `opened_us`, not settled yet.
+    Open { estimate: u64, opened_us: i64 },
     /// Settled at `cost`.
     Settled { cost: u64 },
+    /// Ended by a reset of its key before it was settled.
+    Ended,
 }
 
 /// What a settlement did.
@@ -32,6 +39,9 @@ pub enum Settled {
     Already,
     /// No such reservation (never made, denied, or kept no longer): nothing charged.
     Unknown,
+    /// A reset of the key ended the reservation before it was settled: nothing charged
+    /// or given back.
+    Ended,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -59,19 +69,23 @@ pub fn reserve(
     }
     let op = Op::Check { cost: estimate };
     let out = algorithm::apply(algorithm, limits, state, now_us, op, member);
-    let opened = out
-        .verdict
-        .allowed
-        .then_some(Reservation::Open { estimate });
+    let opened = out.verdict.allowed.then_some(Reservation::Open {
+        estimate,
+        opened_us: now_us,
+    });
     Some((out, opened))
 }
 
-/// Settles `reservation` at the real `cost`. `None` for an algorithm that cannot settle.
+/// Settles `reservation` at the real `cost`; `reset_us`: when the key was last reset, if
+/// it was while a reservation could still be open. `None` for an algorithm that cannot
+/// settle.
+#[allow(clippy::too_many_arguments)]
 pub fn settle(
     algorithm: Algorithm,
     limits: &Limits,
     state: Option<&State>,
     reservation: Option<&Reservation>,
+    reset_us: Option<i64>,
     now_us: i64,
     cost: u64,
     member: &str,
@@ -101,7 +115,14 @@ pub fn settle(
     let estimate = match reservation {
         None => return Some(peek(Settled::Unknown)),
         Some(Reservation::Settled { .. }) => return Some(peek(Settled::Already)),
-        Some(Reservation::Open { estimate }) => *estimate,
+        Some(Reservation::Ended) => return Some(peek(Settled::Ended)),
+        Some(Reservation::Open { opened_us, .. }) if reset_us.is_some_and(|r| r >= *opened_us) => {
+            return Some(SettleOutcome {
+                reservation: Some(Reservation::Ended),
+                ..peek(Settled::Ended)
+            });
+        }
+        Some(Reservation::Open { estimate, .. }) => *estimate,
     };
     let (out, settled) = if cost > estimate {
         let more = cost - estimate;
@@ -173,24 +194,85 @@ mod tests {
                 Settled::Now { charged, refunded } => Some((charged, refunded)),
                 _ => None,
             };
-            let s1 = settle(alg, &l, state.as_ref(), r1.as_ref(), t0, 7, "a").unwrap();
+            let s1 = settle(alg, &l, state.as_ref(), r1.as_ref(), None, t0, 7, "a").unwrap();
             assert_eq!(now(&s1), Some((4, 0)));
             s1.write.apply_to(&mut state);
-            let s2 = settle(alg, &l, state.as_ref(), r2.as_ref(), t0, 1, "b").unwrap();
+            let s2 = settle(alg, &l, state.as_ref(), r2.as_ref(), None, t0, 1, "b").unwrap();
             assert_eq!(now(&s2), Some((0, 5)));
             s2.write.apply_to(&mut state);
             // 8 spent of 10: exactly 2 left.
             assert_eq!(s2.verdict.remaining, 2, "{alg:?}");
             // Settling again charges nothing.
-            let again = settle(alg, &l, state.as_ref(), s1.reservation.as_ref(), t0, 7, "a");
+            let again = settle(
+                alg,
+                &l,
+                state.as_ref(),
+                s1.reservation.as_ref(),
+                None,
+                t0,
+                7,
+                "a",
+            );
             let again = again.unwrap();
             assert_eq!(
                 (again.settled, &again.write),
                 (Settled::Already, &Write::Keep)
             );
             assert_eq!(again.verdict.remaining, 2);
-            let unknown = settle(alg, &l, state.as_ref(), None, t0, 7, "c").unwrap();
+            let unknown = settle(alg, &l, state.as_ref(), None, None, t0, 7, "c").unwrap();
             assert_eq!(unknown.settled, Settled::Unknown);
+        }
+    }
+
+    /// A reset ends the reservations open on its key: settled afterwards, one gives back
+    /// nothing (the state after the reset never gets units spent before it) and charges
+    /// nothing, and says so; settling it again says so again. A reservation opened after
+    /// the reset settles as any other.
+    #[test]
+    fn a_reset_ends_the_reservations_open_on_its_key() {
+        let (l, t0) = (TEN, 100 * SEC);
+        for alg in [
+            Algorithm::FixedWindow,
+            Algorithm::TokenBucket,
+            Algorithm::Gcra,
+        ] {
+            let (_, before) = reserve(alg, &l, None, t0, 10, "a").unwrap();
+            // The reset: the key is gone, at t0 + 1.
+            let reset = Some(t0 + 1);
+            let s = settle(alg, &l, None, before.as_ref(), reset, t0 + 2, 1, "a").unwrap();
+            assert_eq!(
+                (s.settled, &s.write),
+                (Settled::Ended, &Write::Keep),
+                "{alg:?}"
+            );
+            assert_eq!(s.reservation, Some(Reservation::Ended));
+            assert_eq!(s.verdict.remaining, 10, "{alg:?}: the fresh start, once");
+            let again = settle(alg, &l, None, s.reservation.as_ref(), reset, t0 + 3, 1, "a");
+            assert_eq!(again.unwrap().settled, Settled::Ended);
+            let (out, after) = reserve(alg, &l, None, t0 + 4, 3, "b").unwrap();
+            let state = match out.write {
+                Write::Put { state, .. } => Some(state),
+                _ => None,
+            };
+            let s = settle(
+                alg,
+                &l,
+                state.as_ref(),
+                after.as_ref(),
+                reset,
+                t0 + 5,
+                1,
+                "b",
+            );
+            let s = s.unwrap();
+            assert_eq!(
+                s.settled,
+                Settled::Now {
+                    charged: 0,
+                    refunded: 2
+                },
+                "{alg:?}"
+            );
         }
     }
 
@@ -199,7 +281,7 @@ mod tests {
         let l = TEN;
         for alg in [Algorithm::SlidingLog, Algorithm::SlidingWindow] {
             assert!(reserve(alg, &l, None, 0, 1, "a").is_none());
-            assert!(settle(alg, &l, None, None, 0, 1, "a").is_none());
+            assert!(settle(alg, &l, None, None, None, 0, 1, "a").is_none());
         }
     }
 }

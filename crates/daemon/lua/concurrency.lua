@@ -3,24 +3,29 @@
 --
 -- KEYS[1]  sorted set: one member per unit held, `id:1 ..= id:units`, scored by the
 --          lease's expiry (us, Redis time)
+-- KEYS[2]  sorted set: the leases a clear gave back before their end, `id` scored by
+--          that end, in the key's slot: until then a release or an extend of one is
+--          answered "ended by a reset" (ok = 2)
 -- ARGV[1]  'acquire' | 'release' | 'extend' | 'peek' | 'clear' (every lease given back)
 -- ARGV[2]  limit     units that may be held at once
 -- ARGV[3]  id        the lease (acquire: a new, unique id)
--- ARGV[4]  units     the lease's units (1 ..= limit)
+-- ARGV[4]  units     the lease's units (acquire: 1 ..= limit; release, extend: those it
+--                    was issued with, or it is not the key's)
 -- ARGV[5]  hold_us   acquire, extend: the lease ends this long from now
 -- ARGV[6]  now_us    TESTS ONLY: the differential test injects time here. quotad never
 --                    passes it: production decisions always use redis.call('TIME').
--- Returns  {ok (0|1), held, reset_after_us (until the earliest lease ends), retry_after_us
---           (a denied acquire: until enough leases have ended), expired (units dropped),
---           released (units a release or a clear gave back)}
+-- Returns  {ok (0|1|2: a release or extend of a lease a clear ended), held,
+--           reset_after_us (until the earliest lease ends), retry_after_us (a denied
+--           acquire: until enough leases have ended), expired (units dropped), released
+--           (units a release or a clear gave back)}
 --
 -- Every operation first drops the units whose leases have ended, so an expired lease
 -- holds nothing whether or not anyone touched the key since; the key's TTL is its latest
 -- expiry, so a key that expires held nothing either. O(units · log N), N <= limit.
-if #KEYS ~= 1 or (#ARGV ~= 5 and #ARGV ~= 6) then
-  return redis.error_reply('ERR quotad concurrency: expected 1 key and 5 or 6 arguments')
+if #KEYS ~= 2 or (#ARGV ~= 5 and #ARGV ~= 6) then
+  return redis.error_reply('ERR quotad concurrency: expected 2 keys and 5 or 6 arguments')
 end
-local key = KEYS[1]
+local key, ended_key = KEYS[1], KEYS[2]
 local mode = ARGV[1]
 local limit = tonumber(ARGV[2])
 local id = ARGV[3]
@@ -29,6 +34,17 @@ local hold = tonumber(ARGV[5])
 local now = clock_us(ARGV[6])
 
 local expired = redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+-- Whether lease `id` is live with exactly `units` units: a lease is only ever held whole,
+-- so a name with another unit count than it was issued with is no lease of the key's.
+local function holds()
+  return units >= 1 and redis.call('ZSCORE', key, id .. ':' .. units) ~= false
+    and redis.call('ZSCORE', key, id .. ':' .. (units + 1)) == false
+end
+-- Whether lease `id` was given back by a clear before its end (and that end is ahead).
+local function ended_by_reset()
+  local e = redis.call('ZSCORE', ended_key, id)
+  return e and tonumber(e) > now
+end
 local ok, retry, changed, released = 1, 0, false, 0
 if mode == 'acquire' then
   local held = redis.call('ZCARD', key)
@@ -46,25 +62,40 @@ if mode == 'acquire' then
     if e[2] then retry = math.max(0, tonumber(e[2]) - now) end
   end
 elseif mode == 'release' then
-  local n = 0
-  for i = 1, units do
-    n = n + redis.call('ZREM', key, id .. ':' .. i)
+  if holds() then
+    for i = 1, units do
+      released = released + redis.call('ZREM', key, id .. ':' .. i)
+    end
+    changed = true
+  elseif ended_by_reset() then
+    ok = 2
+  else
+    ok = 0
   end
-  released = n
-  if n == 0 then ok = 0 else changed = true end
 elseif mode == 'extend' then
-  if redis.call('ZSCORE', key, id .. ':1') then
+  if holds() then
     local ends = now + hold
     for i = 1, units do
       redis.call('ZADD', key, 'XX', ends, id .. ':' .. i)
     end
     changed = true
+  elseif ended_by_reset() then
+    ok = 2
   else
     ok = 0
   end
 elseif mode == 'clear' then
-  released = redis.call('ZCARD', key)
+  local all = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+  released = #all / 2
   if released > 0 then
+    -- Each lease given back before its end is remembered until then.
+    redis.call('ZREMRANGEBYSCORE', ended_key, '-inf', now)
+    for i = 1, #all, 2 do
+      local lease = string.match(all[i], '^(.*):%d+$')
+      redis.call('ZADD', ended_key, all[i + 1], lease)
+    end
+    local last = redis.call('ZRANGE', ended_key, -1, -1, 'WITHSCORES')
+    redis.call('PEXPIRE', ended_key, ttl_ms(tonumber(last[2]) - now))
     redis.call('DEL', key)
   end
 elseif mode ~= 'peek' then

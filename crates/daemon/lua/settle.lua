@@ -4,8 +4,9 @@
 -- arithmetic is theirs; only those that can hold a debt settle.
 --
 -- KEYS[1]  the limiter key
--- KEYS[2]  the reservation: "o:<estimate>" while open, "s:<cost>" once settled; in the
---          limiter key's slot
+-- KEYS[2]  the reservation: "o:<estimate>:<opened_us>" while open, "s:<cost>" once
+--          settled, "e:" once a settlement found it ended by a reset; in the key's slot
+-- KEYS[3]  the key's reset mark (reset.lua): when it was last reset, us
 -- ARGV     'reserve' | 'settle', algorithm tag (fw tb gc), limit, window_us, burst,
 --          cost (reserve: the estimate, at least 1; settle: the real cost), member,
 --          keep_ms (how long the reservation is kept, open or settled), the invalidation
@@ -14,15 +15,17 @@
 --          Returns {allowed, remaining, reset_after_us, retry_after_us}
 -- settle   what the real cost is above the estimate is charged (as debt where the key
 --          lacks it), what it is below is given back; the reservation is marked settled,
---          and settling it again charges nothing. A settlement that gives units back
+--          and settling it again charges nothing. A reservation opened before the key's
+--          last reset was ended by it: nothing is charged or given back (the reset gave
+--          the key a fresh start, the estimate included). A settlement that gives units back
 --          PUBLISHes the key on the channel first, as a reset does: refused (an ACL
 --          without PUBLISH), the script stops before anything changed, so no denial
 --          another instance remembers outlives a settlement reported done.
---          Returns {1 settled now | 2 settled before | 0 no such reservation, remaining,
---          reset_after_us, charged, refunded}
+--          Returns {1 settled now | 2 settled before | 0 no such reservation | 3 ended by
+--          a reset, remaining, reset_after_us, charged, refunded}
 local ALGORITHMS = {fw = fixed_window, tb = token_bucket, gc = gcra}
-if #KEYS ~= 2 or (#ARGV ~= 11 and #ARGV ~= 12) then
-  return redis.error_reply('ERR quotad settle: expected 2 keys and 11 or 12 arguments')
+if #KEYS ~= 3 or (#ARGV ~= 11 and #ARGV ~= 12) then
+  return redis.error_reply('ERR quotad settle: expected 3 keys and 11 or 12 arguments')
 end
 local mode = ARGV[1]
 local algorithm = ALGORITHMS[ARGV[2]]
@@ -47,7 +50,7 @@ end
 if mode == 'reserve' then
   local v = run(false, cost, true, nil)
   if v[1] == 1 then
-    redis.call('SET', reservation, 'o:' .. cost, 'PX', keep_ms)
+    redis.call('SET', reservation, string.format('o:%d:%d', cost, now), 'PX', keep_ms)
   end
   return v
 end
@@ -56,13 +59,24 @@ if mode ~= 'settle' then
 end
 
 local r = redis.call('GET', reservation)
-if not r or string.sub(r, 1, 2) ~= 'o:' then
+local estimate, opened
+if r then estimate, opened = string.match(r, '^o:(%d+):?(%d*)$') end
+if estimate then
+  -- Opened before the key's last reset: ended by it (one from before the open instant
+  -- was kept: by any reset).
+  local mark = tonumber(redis.call('GET', KEYS[3]))
+  if mark and (opened == '' or mark >= tonumber(opened)) then
+    redis.call('SET', reservation, 'e:', 'PX', keep_ms)
+    r, estimate = 'e:', nil
+  end
+end
+if not estimate then
   local v = run(false, 0, false, nil)
   local code = 0
-  if r then code = 2 end
+  if r == 'e:' then code = 3 elseif r then code = 2 end
   return {code, v[2], v[3], 0, 0}
 end
-local estimate = tonumber(string.sub(r, 3))
+estimate = tonumber(estimate)
 local v, charged, refunded
 if cost > estimate then
   charged, refunded = cost - estimate, 0

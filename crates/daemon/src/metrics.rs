@@ -16,8 +16,14 @@ use prometheus::{
 pub static REVISION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
 
 /// The results of a settlement (`quotad_settlements_total{result}`).
-pub const SETTLE_RESULTS: [&str; 5] =
-    ["settled", "already_settled", "unknown", "charged", "failed"];
+pub const SETTLE_RESULTS: [&str; 6] = [
+    "settled",
+    "already_settled",
+    "ended_by_reset",
+    "unknown",
+    "charged",
+    "failed",
+];
 
 /// The events of a lease's units (`quotad_lease_units_total{event}`).
 pub const LEASE_EVENTS: [&str; 4] = ["acquired", "released", "extended", "expired"];
@@ -138,6 +144,7 @@ pub struct Metrics {
     pub grpc_invalid_descriptors: IntCounterVec,
     /// `quotad_settlements_total{policy,result}`: costs counted after the work: a
     /// reservation `settled`, one `already_settled` (nothing charged again), one
+    /// `ended_by_reset` (a reset of its key ended it: nothing charged or given back), one
     /// `unknown` (never made, or kept no longer: its estimate stands), charges taken
     /// (`charged`: `POST /v1/charge`, a gRPC descriptor on the response path), and
     /// `failed` ones the store did not answer.
@@ -528,7 +535,7 @@ impl Metrics {
             )),
             settlements: c.labels(&["policy", "result"]).counter(Opts::new(
                 "quotad_settlements_total",
-                "Costs counted after the work, by policy and result (settled, already_settled, unknown, charged, failed).",
+                "Costs counted after the work, by policy and result (settled, already_settled, ended_by_reset, unknown, charged, failed).",
             )),
             settled_units: c.labels(&["policy", "direction"]).counter(Opts::new(
                 "quotad_settled_units_total",

@@ -60,6 +60,12 @@ pub enum ApiError {
         "lease: the key holds no such lease (never acquired, released already, or ended by its expiry); nothing changed"
     )]
     UnknownLease,
+    /// `POST /v1/extend` of a lease a reset of the key gave back before its end: there is
+    /// nothing to extend, nothing changed.
+    #[error(
+        "lease: a reset of the key gave this lease back before its end; nothing to extend, nothing changed"
+    )]
+    LeaseEndedByReset,
     /// Shed by admission control (see `store::admission`): quotad is at its Redis
     /// concurrency limit. Not a decision; nothing was charged. 503 with `Retry-After`.
     #[error("overloaded ({0}): nothing was charged; retry after the Retry-After delay")]
@@ -84,6 +90,7 @@ impl ApiError {
             ApiError::UnknownPolicy { .. }
             | ApiError::UnknownReservation
             | ApiError::UnknownLease
+            | ApiError::LeaseEndedByReset
             | ApiError::NotFound => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -102,6 +109,7 @@ impl ApiError {
             ApiError::UnknownPolicy { .. } => "unknown_policy",
             ApiError::UnknownReservation => "unknown_reservation",
             ApiError::UnknownLease => "unknown_lease",
+            ApiError::LeaseEndedByReset => "ended_by_reset",
             ApiError::BatchTooLarge { .. } => "batch_too_large",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::InvalidBody(_) => "invalid_body",
@@ -123,7 +131,7 @@ impl ApiError {
             }
             ApiError::BatchTooLarge { .. } => Some("checks"),
             ApiError::UnknownReservation => Some("reservation"),
-            ApiError::UnknownLease => Some("lease"),
+            ApiError::UnknownLease | ApiError::LeaseEndedByReset => Some("lease"),
             _ => None,
         }
     }

@@ -1,7 +1,9 @@
 //! Concurrency limits over HTTP (docs/api.md#concurrency-limits): `POST /v1/acquire`,
 //! `/v1/release`, `/v1/extend`. Handlers parse, hand the lease to the [`Limiter`], and
 //! shape its answer: an acquire is a decision (always `200`, with RateLimit headers); a
-//! release or extend of a lease the key does not hold is `404 unknown_lease`.
+//! release or extend of a lease the key does not hold is `404 unknown_lease`, and of one
+//! a reset of the key gave back: a release is `200` `ended_by_reset` (its units are free),
+//! an extend `404 ended_by_reset` (there is nothing to extend).
 
 use axum::Json;
 use axum::extract::{Request, State};
@@ -40,7 +42,10 @@ pub(super) async fn release(
 ) -> Result<Response, ApiError> {
     let body = json_body(&state, req).await?;
     let h = request::parse_held(&body, &state.live.get().policies, &state.caps, false)?;
-    let ans = answered(state.limiter.release(&h).await)?;
+    let ans = match state.limiter.release(&h).await {
+        Ok(a) if a.ended => return Ok(Json(lease_body(&h, &a, "ended_by_reset")).into_response()),
+        other => answered(other)?,
+    };
     Ok(Json(lease_body(&h, &ans, "released")).into_response())
 }
 
@@ -60,6 +65,7 @@ pub(super) async fn extend(
 fn answered(r: Result<LeaseAnswer, LeaseError>) -> Result<LeaseAnswer, ApiError> {
     match r {
         Ok(a) if a.ok => Ok(a),
+        Ok(a) if a.ended => Err(ApiError::LeaseEndedByReset),
         Ok(_) => Err(ApiError::UnknownLease),
         Err(LeaseError::Shed(s)) => Err(s.into()),
         Err(LeaseError::Store(_)) => Err(ApiError::StoreUnavailable),

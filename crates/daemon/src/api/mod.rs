@@ -218,6 +218,9 @@ async fn settle(State(state): State<AppState>, req: Request) -> Result<Response,
         }
         // Settled before, perhaps at another cost: that settlement stands.
         Settled::Already => body["status"] = json!("already_settled"),
+        // A reset of the key ended it: the reset's fresh start stands, nothing was
+        // charged or given back.
+        Settled::Ended => body["status"] = json!("ended_by_reset"),
         Settled::Unknown => return Err(ApiError::UnknownReservation),
     }
     Ok(Json(body).into_response())

@@ -284,7 +284,9 @@ pub fn parse_held(
     let policy = concurrency_policy(policies, obj)?.clone();
     let key = key(obj, "", caps)?;
     let text = string_field(obj, "lease", "")?;
-    let lease = LeaseId::parse(text, policy.limit.get()).ok_or_else(|| {
+    // Any unit count a lease can have, not the limit in force: a lease issued under a
+    // higher limit is released or extended as it was issued (the store knows its units).
+    let lease = LeaseId::parse(text, crate::policy::MAX_CONCURRENCY).ok_or_else(|| {
         ApiError::invalid(
             "lease",
             "must be a lease an acquire of this policy returned",

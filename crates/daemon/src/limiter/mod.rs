@@ -15,7 +15,7 @@ use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
 use crate::store::hot::{Heat, HotKeys, Taker};
-use crate::store::layout::{GlobalLayout, Layouts, ReservationId};
+use crate::store::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId};
 use crate::store::memory::MemoryStore;
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
@@ -430,11 +430,14 @@ impl Limiter {
             Some(_) => Forget::Spent,
             None => Forget::All,
         };
+        // A settling policy's reset ends the reservations open on the key too.
+        let mark = PolicyLayout::reset_mark_key(&storage_key);
+        let ends = settle::reset_ends(policy, &mark);
         let _admitted = self.store.admit(1).await?;
         // The store first: when it fails the caller is told nothing changed, so the local
         // fallback's state must not have changed either.
-        self.store.reset(&storage_key, forget).await?;
-        self.local.reset(&storage_key, forget);
+        self.store.reset(&storage_key, forget, ends).await?;
+        self.local.reset(&storage_key, forget, ends);
         Ok(())
     }
 

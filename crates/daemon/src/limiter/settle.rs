@@ -11,7 +11,7 @@ use crate::limiter::{Charged, Check, Decision, Limiter, Outcome, Target, decisio
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
 use crate::store::layout::{PolicyLayout, ReservationId};
-use crate::store::{SettleCall, SettleReply, StoreCall, StoreError};
+use crate::store::{Ends, SettleCall, SettleReply, StoreCall, StoreError};
 use quotad_core::algorithm::Op;
 use quotad_core::settlement::Settled;
 
@@ -29,15 +29,31 @@ fn keep_ms(policy: &Policy) -> i64 {
     policy.settle_within.map_or(0, |d| d.as_millis() as i64)
 }
 
-fn settle_call<'a>(check: &'a Check, key: &'a str, reservation: &'a str) -> SettleCall<'a> {
+fn settle_call<'a>(
+    check: &'a Check,
+    key: &'a str,
+    reservation: &'a str,
+    reset_mark: &'a str,
+) -> SettleCall<'a> {
     SettleCall {
         algorithm: check.policy.algorithm,
         limits: check.policy.limits(),
         key,
         reservation,
+        reset_mark,
         keep_ms: keep_ms(&check.policy),
         member: "",
     }
+}
+
+/// What a reset of a key of `policy` stored at `key` ends beside its state: the
+/// reservations open on it, for a policy that takes settlements (`mark`: the key's
+/// [`PolicyLayout::reset_mark_key`]).
+pub(super) fn reset_ends<'a>(policy: &Policy, mark: &'a str) -> Option<Ends<'a>> {
+    policy.settle_within.map(|_| Ends {
+        mark,
+        keep_ms: keep_ms(policy),
+    })
 }
 
 impl Limiter {
@@ -46,9 +62,13 @@ impl Limiter {
     pub(super) async fn decide_reserving(&self, check: &Check, key: &Target) -> Decision {
         let id = ReservationId::random();
         let reservation = PolicyLayout::reservation_key(&key.key, &id);
+        let mark = PolicyLayout::reset_mark_key(&key.key);
         match self
             .store
-            .reserve(&settle_call(check, &key.key, &reservation), check.cost)
+            .reserve(
+                &settle_call(check, &key.key, &reservation, &mark),
+                check.cost,
+            )
             .await
         {
             Ok(v) => {
@@ -85,7 +105,8 @@ impl Limiter {
     ) -> Result<SettleReply, SettleError> {
         let key = self.target(check);
         let reservation = PolicyLayout::reservation_key(&key.key, id);
-        let call = settle_call(check, &key.key, &reservation);
+        let mark = PolicyLayout::reset_mark_key(&key.key);
+        let call = settle_call(check, &key.key, &reservation, &mark);
         let name = check.policy.name.as_str();
         let _admitted = self.store.admit(1).await?;
         let reply = match self.store.settle(&call, cost).await {
@@ -104,6 +125,7 @@ impl Limiter {
             }
             Settled::Already => self.count_settlement(name, "already_settled"),
             Settled::Unknown => self.count_settlement(name, "unknown"),
+            Settled::Ended => self.count_settlement(name, "ended_by_reset"),
         }
         Ok(reply)
     }

@@ -14,10 +14,13 @@
 //!   (`fw`, `sl`, `sw`, `tb`, `gc`); the escaped user key is the hash tag, so keys spread
 //!   over the cluster's masters.
 //! - `<prefix>:<policy>:cc:{<user key>}`: a concurrency limit's key, a sorted set of the
-//!   units held (`lua/concurrency.lua`).
+//!   units held (`lua/concurrency.lua`); `…:e` beside it, the leases a reset gave back
+//!   before their end.
 //! - `<prefix>:<policy>:<tag>:{<user key>}:r:<id>`: a reservation of that key awaiting its
 //!   settlement (`lua/settle.lua`), in the key's slot; `<id>` is quotad's, 32 hex digits.
 //!   No other key has `:r:` after its closing brace.
+//! - `<prefix>:<policy>:<tag>:{<user key>}:z`: when that key was last reset (a settling
+//!   policy's), in its slot: the reservations opened before it are ended.
 //! - `<prefix>:<policy>:g:{<prefix>:<policy>}:{<user key>}`: a key of a global policy,
 //!   whose hash holds a bucket, a lease book and counters (`lua/global/common.lua`). The
 //!   hash tag is the policy's: its scripts also read and write the policy's default
@@ -284,6 +287,25 @@ impl PolicyLayout {
     /// ([`ReservationId`]), never a client's text.
     pub fn reservation_key(storage_key: &str, id: &ReservationId) -> String {
         format!("{storage_key}:r:{}", id.as_str())
+    }
+
+    /// Where a concurrency limit's key stored at `storage_key` remembers the leases a
+    /// reset gave back before their end (`lua/concurrency.lua`): `<storage key>:e`, in
+    /// its slot, living until the last of them would have ended.
+    pub fn ended_leases_key(storage_key: &str) -> String {
+        format!("{storage_key}:e")
+    }
+
+    /// What every [`PolicyLayout::reservation_key`] of `storage_key` starts with.
+    pub fn reservation_key_prefix(storage_key: &str) -> String {
+        format!("{storage_key}:r:")
+    }
+
+    /// Where the key stored at `storage_key` keeps when it was last reset (a settling
+    /// policy's key): `<storage key>:z`, in the key's slot, living as long as a
+    /// reservation may; the reservations opened before it are ended (`lua/settle.lua`).
+    pub fn reset_mark_key(storage_key: &str) -> String {
+        format!("{storage_key}:z")
     }
 
     /// The storage key of a key checked in a co-location group (a composite limit):

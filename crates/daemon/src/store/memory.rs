@@ -16,14 +16,14 @@
 //! of kind `full`. Keys already held keep working; expired ones free their room at the
 //! next sweep. Evicting instead would silently reset some other key's limit.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::store::layout::GLOBAL_KEEP_MS;
-use crate::store::layout::{PolicyKeys, ScriptShape};
-use crate::store::{GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
+use crate::store::layout::{PolicyKeys, PolicyLayout, ScriptShape};
+use crate::store::{Ends, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
 use quotad_core::algorithm::{self, Algorithm, Limits, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
 use quotad_core::concurrency::{self, LeaseAnswer, LeaseWrite, Leases};
@@ -54,7 +54,9 @@ pub struct MemoryStore {
     /// Reservations awaiting their settlement, by reservation key, with their expiry (µs);
     /// each counts as a key against `max_keys`. Locked only while holding the shard of
     /// the key it charges (that order), so a settlement is atomic with its charge.
-    reservations: Mutex<HashMap<String, (Reservation, i64)>>,
+    /// Ordered: a reset ends the open reservations of its key, found by their common
+    /// prefix (`PolicyLayout::reservation_key`).
+    reservations: Mutex<BTreeMap<String, (Reservation, i64)>>,
     /// Concurrency limits' keys, by storage key, with their expiry (µs: the latest lease's
     /// end). One mutex: a lease operation is one short pure function call.
     leases: Mutex<HashMap<String, (Leases, i64)>>,
@@ -123,7 +125,7 @@ impl MemoryStore {
             hasher: RandomState::new(),
             clock,
             global: Mutex::new(GlobalState::default()),
-            reservations: Mutex::new(HashMap::new()),
+            reservations: Mutex::new(BTreeMap::new()),
             leases: Mutex::new(HashMap::new()),
         }
     }
@@ -261,7 +263,7 @@ impl MemoryStore {
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn reservations(&self) -> MutexGuard<'_, HashMap<String, (Reservation, i64)>> {
+    fn reservations(&self) -> MutexGuard<'_, BTreeMap<String, (Reservation, i64)>> {
         self.reservations.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -316,6 +318,7 @@ impl MemoryStore {
             &call.limits,
             state,
             booked.as_ref(),
+            None,
             now,
             cost,
             call.member,
@@ -419,7 +422,21 @@ impl MemoryStore {
 
     /// Forgets what `key`'s user spent: the key (a local policy's), or a global key's
     /// bucket only (its book and counters are the coordinator's).
-    pub fn reset(&self, key: &str, forget: crate::store::Forget) {
+    pub fn reset(&self, key: &str, forget: crate::store::Forget, ends: Option<Ends<'_>>) {
+        if ends.is_some() {
+            // The reservations open on the key end with it (as the reset mark ends them in
+            // Redis: `lua/settle.lua`).
+            let prefix = PolicyLayout::reservation_key_prefix(key);
+            let mut reservations = self.reservations();
+            for (_, (r, _)) in reservations
+                .range_mut(prefix.clone()..)
+                .take_while(|(k, _)| k.starts_with(&prefix))
+            {
+                if let Reservation::Open { .. } = r {
+                    *r = Reservation::Ended;
+                }
+            }
+        }
         match forget {
             crate::store::Forget::All => self.delete(key),
             crate::store::Forget::Spent => {
@@ -516,6 +533,7 @@ mod tests {
             },
             key,
             reservation,
+            reset_mark: "",
             keep_ms: 1_000,
             member: "",
         };
@@ -689,7 +707,7 @@ mod tests {
         );
         let book = LeaseBook::new(3.0);
         store.global().slots.get_mut("g:{k}").unwrap().book = Some(book.clone());
-        store.reset("g:{k}", crate::store::Forget::Spent);
+        store.reset("g:{k}", crate::store::Forget::Spent, None);
         let slot = store.global().slots.get("g:{k}").cloned().unwrap();
         assert_eq!(slot.book, Some(book), "the coordinator's book stays");
         assert!(slot.bucket.is_none(), "what the user spent is forgotten");

@@ -48,6 +48,9 @@ pub struct SettleCall<'a> {
     pub key: &'a str,
     /// [`layout::PolicyLayout::reservation_key`] of it.
     pub reservation: &'a str,
+    /// [`layout::PolicyLayout::reset_mark_key`] of it: a reservation opened before the
+    /// key's last reset is ended.
+    pub reset_mark: &'a str,
     /// How long the reservation is kept, open or settled (the policy's `settle_within`).
     pub keep_ms: i64,
     pub member: &'a str,
@@ -72,6 +75,7 @@ impl SettleReply {
             },
             [2, _, _, 0, 0] => Settled::Already,
             [0, _, _, 0, 0] => Settled::Unknown,
+            [3, _, _, 0, 0] => Settled::Ended,
             other => return Err(StoreError::Reply(format!("{other:?}"))),
         };
         match reply[1] {
@@ -108,11 +112,11 @@ impl LeaseCall<'_> {
     }
 }
 
-/// `lua/concurrency.lua`'s reply: `{ok, held, reset_after_us, retry_after_us, expired,
-/// released}`.
+/// `lua/concurrency.lua`'s reply: `{ok (0, 1, or 2: a lease a reset ended), held,
+/// reset_after_us, retry_after_us, expired, released}`.
 pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
     match reply {
-        [ok @ (0 | 1), held, reset, retry, expired, released]
+        [ok @ (0..=2), held, reset, retry, expired, released]
             if [*held, *reset, *retry, *expired, *released]
                 .iter()
                 .all(|n| *n >= 0) =>
@@ -124,6 +128,7 @@ pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
                 retry_after_us: *retry,
                 expired: *expired as u64,
                 released: *released as u64,
+                ended: *ok == 2,
             })
         }
         other => Err(StoreError::Reply(format!("{other:?}"))),
@@ -179,6 +184,15 @@ impl StoreError {
         "reply",
         "full",
     ];
+}
+
+/// What a reset ends beside the key's state: the reservations open on a settling
+/// policy's key, through the key's reset mark, kept as long as a reservation may wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ends<'a> {
+    /// [`layout::PolicyLayout::reset_mark_key`] of the key.
+    pub mark: &'a str,
+    pub keep_ms: i64,
 }
 
 /// What a reset forgets.
@@ -341,13 +355,19 @@ impl Store {
         }
     }
 
-    /// Forgets what a key's user spent, and (Redis) tells every instance in the same
-    /// script, so no remembered denial outlives a reset reported done.
-    pub async fn reset(&self, key: &str, forget: Forget) -> Result<(), StoreError> {
+    /// Forgets what a key's user spent, ends what `ends` names, and (Redis) tells every
+    /// instance in the same script, so no remembered denial outlives a reset reported
+    /// done.
+    pub async fn reset(
+        &self,
+        key: &str,
+        forget: Forget,
+        ends: Option<Ends<'_>>,
+    ) -> Result<(), StoreError> {
         match self {
-            Store::Redis(r) => r.reset(key, forget).await,
+            Store::Redis(r) => r.reset(key, forget, ends).await,
             Store::Memory(m) => {
-                m.reset(key, forget);
+                m.reset(key, forget, ends);
                 Ok(())
             }
         }

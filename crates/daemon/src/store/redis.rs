@@ -424,8 +424,9 @@ impl RedisStore {
         let (mode, id, units, hold_us) = call.args();
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.concurrency.get_hash())
-            .arg(1)
+            .arg(2)
             .arg(call.key)
+            .arg(super::layout::PolicyLayout::ended_leases_key(call.key))
             .arg(mode)
             .arg(call.limit)
             .arg(id)
@@ -444,9 +445,10 @@ impl RedisStore {
         let mut cmd = redis::cmd("EVALSHA");
         let (frame, since) = scripts::frame_args(&call.limits);
         cmd.arg(self.settle.get_hash())
-            .arg(2)
+            .arg(3)
             .arg(call.key)
             .arg(call.reservation)
+            .arg(call.reset_mark)
             .arg(mode)
             .arg(call.algorithm.key_tag())
             .arg(call.limits.limit)
@@ -706,12 +708,20 @@ impl RedisStore {
     /// Forgets what `key`'s user spent (see [`super::Forget`]) and publishes the
     /// invalidation in the same script: if Redis refuses the PUBLISH, nothing changed and
     /// the error says so.
-    pub async fn reset(&self, key: &str, forget: super::Forget) -> Result<(), StoreError> {
+    pub async fn reset(
+        &self,
+        key: &str,
+        forget: super::Forget,
+        ends: Option<super::Ends<'_>>,
+    ) -> Result<(), StoreError> {
         self.deny.invalidate(key);
         self.end_slice(key);
         let inv = {
             let mut inv = self.reset.key(key);
             inv.arg(&self.channel).arg(forget.word());
+            if let Some(e) = ends {
+                inv.key(e.mark).arg(e.keep_ms);
+            }
             inv
         };
         let inv = &inv;
