@@ -40,10 +40,12 @@ local function holds()
   return units >= 1 and redis.call('ZSCORE', key, id .. ':' .. units) ~= false
     and redis.call('ZSCORE', key, id .. ':' .. (units + 1)) == false
 end
--- Whether lease `id` was given back by a clear before its end (and that end is ahead).
-local function ended_by_reset()
+-- A release's or extend's answer for a lease the key does not hold: 2 if a clear gave
+-- it back before its end (and that end is ahead), else 0.
+local function not_held()
   local e = redis.call('ZSCORE', ended_key, id)
-  return e and tonumber(e) > now
+  if e and tonumber(e) > now then return 2 end
+  return 0
 end
 local ok, retry, changed, released = 1, 0, false, 0
 if mode == 'acquire' then
@@ -67,10 +69,8 @@ elseif mode == 'release' then
       released = released + redis.call('ZREM', key, id .. ':' .. i)
     end
     changed = true
-  elseif ended_by_reset() then
-    ok = 2
   else
-    ok = 0
+    ok = not_held()
   end
 elseif mode == 'extend' then
   if holds() then
@@ -79,10 +79,8 @@ elseif mode == 'extend' then
       redis.call('ZADD', key, 'XX', ends, id .. ':' .. i)
     end
     changed = true
-  elseif ended_by_reset() then
-    ok = 2
   else
-    ok = 0
+    ok = not_held()
   end
 elseif mode == 'clear' then
   local all = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')

@@ -36,6 +36,14 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("the store is unreachable; nothing was changed")]
     StoreUnavailable,
+    /// The store was sent the call and did not answer in time (or the connection was lost
+    /// under it): it may have run it, and may still. Every call this is answered for is
+    /// safe to retry: a settlement done answers `already_settled`, a release
+    /// `unknown_lease`, and a reset or an extend done twice is done once.
+    #[error(
+        "the store did not answer in time and may have done it (or may still): retrying is safe (a settlement done answers already_settled, a release done answers unknown_lease, a reset or an extend is done again)"
+    )]
+    OutcomeUnknown,
     /// Redis answered the reset with an error (an ACL without PUBLISH, most likely): the
     /// reset and its invalidation are one script, so neither happened.
     #[error(
@@ -73,6 +81,16 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// What a store error means to a client of a call that changes state (a reset, a
+    /// settlement, a release, an extend): nothing done, or perhaps done.
+    pub fn unavailable(e: &crate::store::StoreError) -> Self {
+        if e.outcome_unknown() {
+            ApiError::OutcomeUnknown
+        } else {
+            ApiError::StoreUnavailable
+        }
+    }
+
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError::InvalidRequest {
             field: field.into(),
@@ -96,6 +114,7 @@ impl ApiError {
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::StoreUnavailable
+            | ApiError::OutcomeUnknown
             | ApiError::ResetRefused
             | ApiError::SettleRefused
             | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -118,6 +137,7 @@ impl ApiError {
             ApiError::NotFound => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::StoreUnavailable => "store_unavailable",
+            ApiError::OutcomeUnknown => "outcome_unknown",
             ApiError::ResetRefused => "reset_refused",
             ApiError::SettleRefused => "settle_refused",
             ApiError::Overloaded(_) => "overloaded",

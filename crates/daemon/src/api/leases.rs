@@ -68,7 +68,7 @@ fn answered(r: Result<LeaseAnswer, LeaseError>) -> Result<LeaseAnswer, ApiError>
         Ok(a) if a.ended => Err(ApiError::LeaseEndedByReset),
         Ok(_) => Err(ApiError::UnknownLease),
         Err(LeaseError::Shed(s)) => Err(s.into()),
-        Err(LeaseError::Store(_)) => Err(ApiError::StoreUnavailable),
+        Err(LeaseError::Store(e)) => Err(ApiError::unavailable(&e)),
     }
 }
 

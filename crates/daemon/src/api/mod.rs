@@ -174,7 +174,7 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
                 return match state.limiter.clear_leases(&limit, &key).await {
                     Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
                     Err(LeaseError::Shed(s)) => Err(s.into()),
-                    Err(LeaseError::Store(_)) => Err(ApiError::StoreUnavailable),
+                    Err(LeaseError::Store(e)) => Err(ApiError::unavailable(&e)),
                 };
             }
         };
@@ -185,7 +185,7 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
             state.metrics.store_error(e.kind());
             match e {
                 StoreError::Command(_) => Err(ApiError::ResetRefused),
-                _ => Err(ApiError::StoreUnavailable),
+                e => Err(ApiError::unavailable(&e)),
             }
         }
     }
@@ -199,7 +199,7 @@ async fn settle(State(state): State<AppState>, req: Request) -> Result<Response,
         Ok(r) => r,
         Err(SettleError::Shed(s)) => return Err(s.into()),
         Err(SettleError::Store(StoreError::Command(_))) => return Err(ApiError::SettleRefused),
-        Err(SettleError::Store(_)) => return Err(ApiError::StoreUnavailable),
+        Err(SettleError::Store(e)) => return Err(ApiError::unavailable(&e)),
     };
     let mut body = json!({
         "policy": check.policy.name,

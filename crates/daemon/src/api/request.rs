@@ -342,6 +342,9 @@ fn cost(obj: &Map<String, Value>, prefix: &str, policy: &Policy) -> Result<u64, 
     Ok(cost)
 }
 
+/// 2^64: every whole float below it is a u64.
+const U64_LIMIT: f64 = 18_446_744_073_709_551_616.0;
+
 /// A whole number of units in field `name` (absent: 1), at most `max`; `bound` says what
 /// the most is, for a number too large.
 fn units(
@@ -365,6 +368,9 @@ fn units(
                     format!("must be a whole number, got {n}"),
                 ));
             }
+            // A whole number written with a fraction or an exponent (`1.0`, `-0.0`,
+            // `1e2`): JSON Schema's integer, as the OpenAPI contract declares it.
+            (None, Some(f)) if f < U64_LIMIT => f as u64,
             // Past u64 (2^64 and up parse as floats): a size problem, not a format one.
             (None, _) => {
                 return Err(ApiError::invalid(
@@ -798,6 +804,27 @@ mod tests {
         assert!(msg("-1").contains("negative"));
         assert!(msg("2.5").contains("whole number"));
         assert!(msg("21").contains("exceeds the capacity 20"));
+        assert!(msg("21.0").contains("exceeds the capacity 20"));
+    }
+
+    /// A whole number written as a float is that number (JSON Schema's integer): `1.0`
+    /// and `1e1` are 1 and 10, `-0.0` is a peek. Both were "too large".
+    #[test]
+    fn a_whole_number_written_as_a_float_is_that_number() {
+        let (p, c) = setup();
+        for (text, want) in [
+            ("1.0", 1),
+            ("-0.0", 0),
+            ("0.0", 0),
+            ("1e1", 10),
+            ("2.0e1", 20),
+        ] {
+            let body = format!(r#"{{"policy":"api","key":"k","cost":{text}}}"#);
+            match CheckRequest::parse(&parse_json(body.as_bytes()).unwrap(), &p, &c) {
+                Ok(CheckRequest::Single(ch)) => assert_eq!(ch.cost, want, "{text}"),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
     }
 
     #[test]

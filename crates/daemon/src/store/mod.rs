@@ -175,6 +175,17 @@ impl StoreError {
         }
     }
 
+    /// Whether the store may have run the call all the same: it was sent and no answer
+    /// came back (a timeout, a connection lost under it) or the answer was not one of
+    /// the script's. Otherwise nothing was run: the call was never sent (the breaker was
+    /// open, the embedded store was full) or the script refused it before any write.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Timeout(_) | StoreError::Connection(_) | StoreError::Reply(_)
+        )
+    }
+
     /// The label values of `kind`, for pre-registering metric series.
     pub const KINDS: [&'static str; 6] = [
         "timeout",
