@@ -156,6 +156,36 @@ fn a_password_from_a_file_is_used_shown_nowhere_and_its_rotation_refused() {
         "the old connection still serves"
     );
 
+    // An unrelated change after it applies: the file's policies go in, the credential
+    // stays as it runs, and the answer names both (every later reload used to be
+    // refused whole, so the new limit never applied).
+    let raised = Config::redis(&redis.url())
+        .policy(Policy::new("five", "fixed_window", 5, "1d").on_store_error("closed"))
+        .policy(Policy::new("open", "fixed_window", 7, "1d").on_store_error("open"))
+        .store("username", "quotad")
+        .store("password_file", file.to_str().unwrap())
+        .to_toml();
+    assert_eq!(q.reload(&q.config_file_text(&raised)), "partial");
+    let policies: serde_json::Value = serde_json::from_str(&q.get("/v1/policies").1).unwrap();
+    let open = policies["policies"]
+        .as_array()
+        .and_then(|l| l.iter().find(|p| p["name"] == "open"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(open["limit"], 7, "{policies}");
+    let kept = policies["config_not_applied"].to_string();
+    assert!(kept.contains("[store] credentials"), "{policies}");
+    assert!(
+        q.log().contains("config reloaded in part") && q.log().contains("running as before"),
+        "{}",
+        q.log()
+    );
+    assert_eq!(
+        outcome(&q, "open"),
+        "allowed",
+        "the old connection still serves"
+    );
+
     let mut seen = vec![("log".to_owned(), q.log())];
     for path in ["/v1/status", "/v1/policies", "/metrics", "/readyz"] {
         seen.push((path.to_owned(), q.get(path).1));
@@ -165,4 +195,62 @@ fn a_password_from_a_file_is_used_shown_nowhere_and_its_rotation_refused() {
             assert!(!text.contains(secret), "{place} shows a password:\n{text}");
         }
     }
+}
+
+/// A password rotated to one that authenticates (the ACL user has both while the Secret
+/// rolls out) goes in live: the reload is `ok`, and once the old password is gone from
+/// Redis and every connection of quotad's user is dropped, quotad reconnects with the new
+/// one and decides as before. It used to be refused until a restart.
+#[test]
+fn a_password_rotated_to_one_that_authenticates_goes_in_live() {
+    let redis = redis_with_acl();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, format!("{PASSWORD}\n")).unwrap();
+    let q = Quotad::start(
+        &config(&redis)
+            .store("username", "quotad")
+            .store("password_file", file.to_str().unwrap())
+            .to_toml(),
+    );
+    wait_for("redis up", Duration::from_secs(10), || {
+        (q.metric("quotad_store_up") == 1.0).then_some(())
+    });
+    assert_eq!(outcome(&q, "five"), "allowed");
+    let next = "the-next-password-of-quotad";
+    let acl = |args: &[&str]| {
+        let _: redis::Value = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("quotad")
+            .arg(args)
+            .query(&mut redis.conn())
+            .unwrap();
+    };
+    acl(&[&format!(">{next}")]);
+    std::fs::write(&file, format!("{next}\n")).unwrap();
+    let ok = "quotad_config_reloads_total{result=\"ok\"}";
+    wait_for("the rotation applied", Duration::from_secs(15), || {
+        (q.metric(ok) == 1.0).then_some(())
+    });
+    assert!(
+        q.log()
+            .contains("the new [store] credentials authenticated"),
+        "{}",
+        q.log()
+    );
+    // The old password gone, and every connection of quotad's dropped: only the new one
+    // opens them again.
+    acl(&[&format!("<{PASSWORD}")]);
+    let _: redis::Value = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("USER")
+        .arg("quotad")
+        .query(&mut redis.conn())
+        .unwrap();
+    let decided = wait_for("decisions again", Duration::from_secs(15), || {
+        let o = outcome(&q, "five");
+        (o == "allowed" || o == "denied").then_some(o)
+    });
+    assert_eq!(decided, "allowed", "the second of five");
+    assert!(!q.log().contains(next) && !q.log().contains(PASSWORD));
 }

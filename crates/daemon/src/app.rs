@@ -165,12 +165,24 @@ pub async fn serve_both(
                 f.reload(live.policies.iter().cloned().collect());
             }
         });
+        // New [store] credentials go in live when they authenticate (Redis only).
+        let rotate: Option<reload::Rotate> = match &*store {
+            Store::Redis(r) => {
+                let r = r.clone();
+                Some(Arc::new(move |target| {
+                    let r = r.clone();
+                    Box::pin(async move { r.rotate(target).await.map_err(|e| e.kind().to_owned()) })
+                }))
+            }
+            Store::Memory(_) => None,
+        };
         let task = reload::watch(
             path,
             settings.clone(),
             live.clone(),
             metrics.clone(),
             on_reload,
+            rotate,
             background.stop.clone(),
         );
         background.tasks.spawn(task);
@@ -341,7 +353,7 @@ async fn open_store(
     background.every(SWEEP_INTERVAL, move || swept.sweep());
     let (started, live) = (settings.clone(), live.clone());
     background.tasks.spawn(janitor::run(
-        rs.target.clone(),
+        redis.shared_target(),
         move || layouts_in_force(&started, &live.get().policies),
         rs.janitor_interval,
         metrics.clone(),
@@ -379,13 +391,13 @@ fn start_federation(
     let Some(g) = &settings.global else {
         return Ok(None);
     };
-    let backend = match (store.memory(), &settings.store) {
-        (Some(m), _) => BackendChoice::Memory(m),
-        (None, StoreBackend::Redis(rs)) => BackendChoice::Redis {
-            target: &rs.target,
+    let backend = match (store, &settings.store) {
+        (Store::Memory(m), _) => BackendChoice::Memory(m.clone()),
+        (Store::Redis(r), StoreBackend::Redis(rs)) => BackendChoice::Redis {
+            target: r.shared_target(),
             timeout: rs.timeout.max(Duration::from_millis(200)),
         },
-        (None, StoreBackend::Memory) => {
+        (Store::Redis(_), StoreBackend::Memory) => {
             return Err(AppError::Serve(std::io::Error::other(
                 "the embedded store is missing",
             )));

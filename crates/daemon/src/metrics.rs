@@ -29,7 +29,9 @@ pub const SETTLE_RESULTS: [&str; 6] = [
 pub const LEASE_EVENTS: [&str; 4] = ["acquired", "released", "extended", "expired"];
 
 /// The results of a config reload (`quotad_config_reloads_total{result}`).
-pub const RELOAD_RESULTS: [&str; 3] = ["ok", "invalid", "refused"];
+/// `partial`: the policies applied, a part that needs a restart (a rotated credential, say)
+/// did not.
+pub const RELOAD_RESULTS: [&str; 4] = ["ok", "partial", "invalid", "refused"];
 
 pub struct Metrics {
     registry: Registry,

@@ -33,6 +33,7 @@ use crate::config::{
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::policy::{KeyMatch, Policy};
+use crate::store::connect::Target;
 use quotad_core::algorithm::{Algorithm, Since};
 
 /// How often the file's modification time and length are looked at.
@@ -52,6 +53,9 @@ pub struct Live {
     pub descriptors: Descriptors,
     /// SHA-256 of the config file (hex); "builtin" without one.
     pub hash: String,
+    /// The parts of that file a reload did not apply (they need a restart), each with
+    /// its reason: `GET /v1/policies` shows them.
+    pub kept: Vec<String>,
 }
 
 impl Live {
@@ -61,6 +65,7 @@ impl Live {
             forward_auth: settings.forward_auth.clone(),
             descriptors: settings.descriptors.clone(),
             hash,
+            kept: Vec::new(),
         }
     }
 }
@@ -109,17 +114,17 @@ pub fn hash(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
-/// Why `new` cannot replace `old` in a running daemon; `None` when it can. Settings are
-/// compared by value, secrets included (their `Debug` text hides them): a rotated
-/// password or secret is refused with the reason, never reported applied while the old
-/// one stays in use.
-pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
+/// The parts of a config that cannot change in a running daemon, each with whether `old`
+/// and `new` agree on it. Settings are compared by value, secrets included (their
+/// `Debug` text hides them): a rotated password or secret is named, never reported
+/// applied while the old one stays in use.
+fn fixed_parts(old: &Settings, new: &Settings) -> [(&'static str, bool); 8] {
     let timing = |s: &Settings| {
         s.global
             .as_ref()
             .map(|g| (g.params.lease_us, g.params.round_us))
     };
-    let fixed: [(&str, bool); 8] = [
+    [
         ("region", old.region == new.region),
         ("[log] format", old.log.format == new.log.format),
         ("[server]", old.server == new.server),
@@ -139,13 +144,76 @@ pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
             old.global == new.global || without_secrets(old) != without_secrets(new),
         ),
         ("[coordinator] and [[peer]]", old.global == new.global),
-    ];
-    fixed
+    ]
+}
+
+/// Why `new` cannot replace `old` whole in a running daemon; `None` when it can.
+pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
+    fixed_parts(old, new)
         .iter()
         .find(|(_, ok)| !ok)
         .map(|(what, _)| format!("{what} cannot change without a restart"))
         .or_else(|| global_refusal(old, new))
         .or_else(|| state_refusal(old, new))
+}
+
+/// What a reload puts in force of a new file.
+#[derive(Debug)]
+pub struct Review {
+    /// The settings to put in force: the new file, with every part that cannot change
+    /// live as it runs. `None`: nothing of the file applies.
+    pub apply: Option<Settings>,
+    /// The parts of the file that did not apply, each with its reason.
+    pub kept: Vec<String>,
+    /// Why nothing applies, when nothing does.
+    pub refused: Option<String>,
+}
+
+/// What of `new` a daemon running `old` puts in force: everything that can change live
+/// (the policies with their overrides, forward-auth and descriptors, the request log's
+/// sample), while a part that cannot (a rotated credential, `[server]`, the region, the
+/// coordinator and peers) stays as it runs and is named in [`Review::kept`]. A change of
+/// the policies that cannot apply live (a window without a higher version, a global
+/// policy's rate) refuses the reload whole: the policies go in together.
+pub fn review(old: &Settings, new: &Settings) -> Review {
+    let parts = fixed_parts(old, new);
+    let kept: Vec<String> = parts
+        .iter()
+        .filter(|(_, ok)| !ok)
+        .map(|(what, _)| format!("{what} cannot change without a restart"))
+        .collect();
+    let mut adjusted = new.clone();
+    if !kept.is_empty() {
+        adjusted.region = old.region.clone();
+        adjusted.log.format = old.log.format;
+        adjusted.server = old.server.clone();
+        adjusted.store = old.store.clone();
+        adjusted.key_prefix = old.key_prefix.clone();
+        adjusted.memory_max_keys = old.memory_max_keys;
+        if old.global.is_some() && new.global.is_some() {
+            adjusted.global = old.global.clone();
+        }
+    }
+    if let Some(why) = global_refusal(old, &adjusted).or_else(|| state_refusal(old, &adjusted)) {
+        return Review {
+            apply: None,
+            kept,
+            refused: Some(why),
+        };
+    }
+    if !kept.is_empty() && adjusted == *old {
+        let why = kept.join("; ");
+        return Review {
+            apply: None,
+            kept,
+            refused: Some(why),
+        };
+    }
+    Review {
+        apply: Some(adjusted),
+        kept,
+        refused: None,
+    }
 }
 
 /// `[store]`, its key prefix and the embedded store's bound.
@@ -329,6 +397,24 @@ fn stamps(path: &Path, running: &Settings) -> Vec<Stamp> {
 /// global policies from it).
 pub type OnReload = Box<dyn Fn(&Live) + Send + Sync>;
 
+/// Puts new `[store]` credentials (username, password, TLS files) in force live, if they
+/// authenticate (`RedisStore::rotate`): every connection opened after uses them, those
+/// open already finish what they carry. The error names why not, never a secret.
+pub type Rotate = Arc<
+    dyn Fn(Target) -> futures_util::future::BoxFuture<'static, Result<(), String>> + Send + Sync,
+>;
+
+/// The new `[store]` target when `new` differs from `old` in its credentials alone.
+fn rotated_credentials(old: &Settings, new: &Settings) -> Option<Target> {
+    if store(old) == store(new) || without_credentials(old) != without_credentials(new) {
+        return None;
+    }
+    match &new.store {
+        StoreBackend::Redis(r) => Some(r.target.clone()),
+        StoreBackend::Memory => None,
+    }
+}
+
 /// Reloads on SIGHUP and when the file at `path` changes, until `stop`. `running` is the
 /// config the daemon was started with, then the last one reloaded (what cannot change,
 /// and global policies' versions, are compared against it).
@@ -338,6 +424,7 @@ pub async fn watch(
     live: Arc<LiveConfig>,
     metrics: Arc<Metrics>,
     on_reload: OnReload,
+    rotate: Option<Rotate>,
     stop: CancellationToken,
 ) {
     #[cfg(unix)]
@@ -375,7 +462,8 @@ pub async fn watch(
         }
         let settled = now != seen && latest.1.elapsed() >= SETTLE;
         if asked || settled {
-            if let Some(new) = reload(&path, &running, &live, &metrics, asked) {
+            let rotate = rotate.as_ref();
+            if let Some(new) = reload(&path, &running, &live, &metrics, rotate, asked).await {
                 on_reload(&live.get());
                 running = new;
             }
@@ -387,11 +475,12 @@ pub async fn watch(
 }
 
 /// One reload attempt; the settings put in force, if any.
-fn reload(
+async fn reload(
     path: &Path,
     running: &Settings,
     live: &LiveConfig,
     metrics: &Metrics,
+    rotate: Option<&Rotate>,
     asked: bool,
 ) -> Option<Settings> {
     let count = |result: &str| metrics.config_reloads.with_label_values(&[result]).inc();
@@ -431,19 +520,57 @@ fn reload(
             count("invalid");
             None
         }
-        Ok(new) => match refusal(running, &new) {
-            Some(why) => {
-                tracing::warn!("config reload refused: {why}; the running config stays");
-                count("refused");
-                None
+        Ok(new) => {
+            // New credentials alone in [store], beside policies that may apply: tried live
+            // first. If they authenticate they are in force, and the rest is reviewed
+            // against them; if not, they stay named among what needs a restart.
+            let mut rotated = None;
+            let policies_apply =
+                global_refusal(running, &new).is_none() && state_refusal(running, &new).is_none();
+            if let (Some(rotate), Some(target), true) =
+                (rotate, rotated_credentials(running, &new), policies_apply)
+            {
+                match rotate(target).await {
+                    Ok(()) => {
+                        tracing::info!(
+                            "config reload: the new [store] credentials authenticated and are in force"
+                        );
+                        let mut now_running = running.clone();
+                        now_running.store = new.store.clone();
+                        rotated = Some(now_running);
+                    }
+                    Err(why) => tracing::warn!(
+                        "config reload: the new [store] credentials did not authenticate ({why}); the old ones stay in use"
+                    ),
+                }
             }
-            None => {
-                live.set(Live::from_settings(&new, h), &new.log);
-                tracing::info!(policies = new.policies.len(), "config reloaded");
-                count("ok");
-                Some(new)
+            let r = review(rotated.as_ref().unwrap_or(running), &new);
+            match r.apply {
+                None => {
+                    let why = r.refused.unwrap_or_default();
+                    tracing::warn!("config reload refused: {why}; the running config stays");
+                    count("refused");
+                    None
+                }
+                Some(applied) => {
+                    let mut next = Live::from_settings(&applied, h);
+                    next.kept = r.kept.clone();
+                    live.set(next, &applied.log);
+                    if r.kept.is_empty() {
+                        tracing::info!(policies = applied.policies.len(), "config reloaded");
+                        count("ok");
+                    } else {
+                        tracing::warn!(
+                            policies = applied.policies.len(),
+                            "config reloaded in part: the policies, overrides, forward-auth and descriptors applied; not applied, running as before: {}",
+                            r.kept.join("; ")
+                        );
+                        count("partial");
+                    }
+                    Some(applied)
+                }
             }
-        },
+        }
     }
 }
 
@@ -582,6 +709,37 @@ version = 1
             why.starts_with("the [coordinator] and [[peer]] secrets"),
             "{why}"
         );
+    }
+
+    /// A file applies in parts: what cannot change live (here `[log] format`, `[server]`)
+    /// stays as it runs and is named, while the policies go in; a file that changes only
+    /// such parts applies nothing.
+    #[test]
+    fn a_reload_applies_what_it_can_and_names_what_it_cannot() {
+        let file = |format: &str, limit: u64| {
+            local(&format!(
+                "{STORE}[log]\nformat = \"{format}\"\n[[policy]]\nname = \"p\"\nalgorithm = \"fixed_window\"\nlimit = {limit}\nwindow = \"1h\"\n"
+            ))
+        };
+        let old = file("text", 5);
+        let only_fixed = review(&old, &file("json", 5));
+        assert!(only_fixed.apply.is_none(), "{only_fixed:?}");
+        assert!(
+            only_fixed
+                .refused
+                .as_deref()
+                .unwrap_or_default()
+                .contains("[log] format"),
+            "{only_fixed:?}"
+        );
+        let both = review(&old, &file("json", 9));
+        let applied = both.apply.expect("the policies apply");
+        assert_eq!(applied.policies[0].limit.get(), 9);
+        assert_eq!(applied.log.format, old.log.format, "kept as it runs");
+        assert_eq!(both.kept.len(), 1, "{:?}", both.kept);
+        assert!(both.kept[0].contains("[log] format cannot change without a restart"));
+        let whole = review(&old, &file("text", 9));
+        assert!(whole.apply.is_some() && whole.kept.is_empty(), "{whole:?}");
     }
 
     #[test]

@@ -531,9 +531,10 @@ impl Quotad {
     }
 
     /// Writes `text` as the daemon's config file, sends SIGHUP and waits until the reload
-    /// is counted; its result: `ok`, `invalid` or `refused` (a process daemon only).
+    /// is counted; its result: `ok`, `partial`, `invalid` or `refused` (a process daemon
+    /// only).
     pub fn reload(&self, text: &str) -> &'static str {
-        const RESULTS: [&str; 3] = ["ok", "invalid", "refused"];
+        const RESULTS: [&str; 4] = ["ok", "partial", "invalid", "refused"];
         let count =
             |r: &str| self.metric(&format!("quotad_config_reloads_total{{result=\"{r}\"}}"));
         let before = RESULTS.map(count);

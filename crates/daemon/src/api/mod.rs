@@ -293,7 +293,12 @@ async fn policies(State(state): State<AppState>) -> Response {
         })
     });
     let list: Vec<Value> = list.into_iter().chain(limits).collect();
-    let body = json!({"store": state.store.describe(), "config_hash": live.hash, "policies": list});
+    let mut body =
+        json!({"store": state.store.describe(), "config_hash": live.hash, "policies": list});
+    if !live.kept.is_empty() {
+        // Parts of the file a reload did not apply (they need a restart), by reason.
+        body["config_not_applied"] = json!(live.kept);
+    }
     Json(body).into_response()
 }
 

@@ -30,7 +30,7 @@ use super::lock::{Lock, Takeover};
 use super::runtime::{Backend, Coordinated};
 use crate::config::GlobalSettings;
 use crate::policy::Policy;
-use crate::store::connect::{SyncConn, Target};
+use crate::store::connect::{SharedTarget, SyncConn};
 use crate::store::global::{self, SLOT_FIELDS};
 use crate::store::layout::{GlobalLayout, Layouts, PolicyLayout};
 use crate::store::scripts::Global;
@@ -106,7 +106,7 @@ pub fn global_policies(
 
 /// Redis as the coordinator's backend: connects, takes the region's lock.
 pub struct RedisBackend {
-    pub target: Target,
+    pub target: SharedTarget,
     pub lock: Arc<Lock>,
     pub timeout: Duration,
     pub conn: Option<SyncConn>,
@@ -121,6 +121,7 @@ impl RedisBackend {
         // would restart the coordinator.
         match self
             .target
+            .get()
             .connect_sync((self.timeout * 2).max(Duration::from_millis(500)))
         {
             Ok(c) => Some(c),

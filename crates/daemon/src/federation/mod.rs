@@ -200,10 +200,12 @@ impl Shared {
 }
 
 /// Where the region's coordinator keeps its state.
-pub enum BackendChoice<'a> {
+pub enum BackendChoice {
     /// The region's Redis: shared by its instances, one of which holds the lock.
     Redis {
-        target: &'a crate::store::connect::Target,
+        /// Shared with the request path: credentials rotated live reach the
+        /// coordinator's next connection.
+        target: crate::store::connect::SharedTarget,
         timeout: Duration,
     },
     /// The embedded store of this process (one instance per region).
@@ -263,7 +265,7 @@ fn spawn_runtime<B: runtime::Backend>(
         .spawn(move || runtime.run())
 }
 
-impl BackendChoice<'_> {
+impl BackendChoice {
     /// Starts the coordinator thread on this backend. On Redis, its lock is renewed every
     /// fifth of the period; a dead holder's lock lapses within 0.8 of it and the others
     /// poll every tenth: a takeover within one period.
@@ -282,7 +284,7 @@ impl BackendChoice<'_> {
                     shared.settings.max_skew,
                 );
                 let backend = lease_store::RedisBackend {
-                    target: target.clone(),
+                    target,
                     lock: Arc::new(lock),
                     timeout,
                     conn: None,
@@ -388,7 +390,7 @@ impl Federation {
         settings: GlobalSettings,
         policies: Vec<Arc<Policy>>,
         layouts: Arc<Layouts>,
-        backend: BackendChoice<'_>,
+        backend: BackendChoice,
         metrics: Arc<Metrics>,
     ) -> Result<Arc<Federation>, redis::RedisError> {
         let verifier = verifier(&settings);

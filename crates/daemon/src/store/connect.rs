@@ -17,6 +17,7 @@
 //! TLS is rustls with the `ring` provider (installed before the first client is built): no OpenSSL in the build.
 //! The name verified is the host in each URL (or the name a cluster node announces).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
@@ -92,6 +93,35 @@ pub struct Target {
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.describe())
+    }
+}
+
+/// The target every connection to the region's Redis is opened with, shared by the
+/// request path and its subscriber, the janitor and the coordinator: credentials rotated
+/// live (`reload`, [`crate::store::redis::RedisStore::rotate`]) reach every connection
+/// opened after, while those open already keep serving. A std RwLock: held only to
+/// clone the `Arc` out, never across an await.
+#[derive(Clone)]
+pub struct SharedTarget(Arc<std::sync::RwLock<Arc<Target>>>);
+
+impl SharedTarget {
+    pub fn new(target: Target) -> Self {
+        SharedTarget(Arc::new(std::sync::RwLock::new(Arc::new(target))))
+    }
+
+    /// The target in force.
+    pub fn get(&self) -> Arc<Target> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set(&self, target: Target) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(target);
+    }
+}
+
+impl std::fmt::Debug for SharedTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.get().fmt(f)
     }
 }
 

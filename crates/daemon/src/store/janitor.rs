@@ -11,7 +11,7 @@ use redis::aio::ConnectionLike;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
-use crate::store::connect::Target;
+use crate::store::connect::{SharedTarget, Target};
 use crate::store::layout::{KeyOwner, Layouts};
 
 /// Bound on connecting to a node (and on each reply while connected).
@@ -139,7 +139,7 @@ async fn repair<C: ConnectionLike + Send>(
 /// start-up layouts would get the orphan's minute or the old, shorter window's TTL, and
 /// expire while its policy still counts on it.
 pub async fn run(
-    target: Target,
+    target: SharedTarget,
     layouts: impl Fn() -> Layouts + Send + 'static,
     interval: Duration,
     metrics: Arc<Metrics>,
@@ -152,9 +152,11 @@ pub async fn run(
             _ = tokio::time::sleep(interval) => {}
         }
         let in_force = layouts();
+        // The target in force now: credentials rotated live reach the next sweep.
+        let current = target.get();
         let swept = tokio::select! {
             _ = stop.cancelled() => return,
-            r = claim_and_sweep(&target, &in_force, interval, &me) => r,
+            r = claim_and_sweep(&current, &in_force, interval, &me) => r,
         };
         let result = match &swept {
             Ok(None) => "skipped",

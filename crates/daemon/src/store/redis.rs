@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::Metrics;
 use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
-use crate::store::connect::{AsyncConn, Target};
+use crate::store::connect::{AsyncConn, SharedTarget, Target};
 use crate::store::deadline::{self, Within};
 use crate::store::deny_cache::{DenyCache, Question};
 use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Taker, Want};
@@ -84,6 +84,9 @@ pub struct RedisStore {
     /// Leases of concurrency limits (`lua/concurrency.lua`).
     concurrency: redis::Script,
     settings: RedisSettings,
+    /// `settings.target`, and after a live rotation of credentials the new one
+    /// ([`RedisStore::rotate`]): what every connection is opened with.
+    target: SharedTarget,
     breaker: Breaker,
     /// Set once the current connection has loaded every script.
     loaded: AtomicBool,
@@ -133,6 +136,7 @@ impl RedisStore {
         metrics.store_up.set(0);
         let admission = Admission::new(settings.admission, metrics.clone());
         Ok(RedisStore {
+            target: SharedTarget::new(settings.target.clone()),
             conn: RwLock::new(None),
             generation: std::sync::atomic::AtomicU64::new(0),
             master: std::sync::Mutex::new(None),
@@ -208,7 +212,7 @@ impl RedisStore {
         loop {
             let subscribed = async {
                 let mut last = None;
-                for client in self.settings.target.pubsub_clients().await? {
+                for client in self.target.get().pubsub_clients().await? {
                     let attempt = async {
                         let mut pubsub = client.get_async_pubsub().await?;
                         pubsub.subscribe(&self.channel).await?;
@@ -849,14 +853,53 @@ impl RedisStore {
         self.trip(why);
     }
 
+    /// What every connection to this Redis is opened with (the janitor and the
+    /// coordinator share it, so a rotation reaches their next connections too).
+    pub fn shared_target(&self) -> SharedTarget {
+        self.target.clone()
+    }
+
+    /// Rotates the credentials live: a connection opened with `new` (the same Redis,
+    /// other credentials or TLS files) must authenticate and answer first; then `new` is
+    /// what every connection is opened with, and the request path moves to a connection
+    /// of its own, while calls in flight finish on the old one. Refused (`new` does not
+    /// authenticate, or is malformed): nothing changes.
+    pub async fn rotate(&self, new: Target) -> Result<(), StoreError> {
+        new.check()
+            .map_err(|e| StoreError::Connection(e.to_string()))?;
+        let t = self.settings.timeout;
+        let trial = async {
+            let mut conn = new
+                .connect(
+                    self.settings.connect_timeout,
+                    self.settings.connect_timeout.max(t),
+                )
+                .await?;
+            let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+            Ok::<_, RedisError>(())
+        };
+        match tokio::time::timeout(self.settings.connect_timeout + t, trial).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(StoreError::Connection(e.to_string())),
+            Err(_) => return Err(StoreError::Timeout(self.settings.connect_timeout)),
+        }
+        let old = self.target.get();
+        self.target.set(new);
+        if let Err(e) = self.probe().await {
+            self.target.set((*old).clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// One probe: connect, PING, load every script. On success installs the connection and
     /// closes the breaker.
     pub async fn probe(&self) -> Result<(), StoreError> {
         let t = self.settings.timeout;
         let attempt = async {
             let (mut conn, master) = self
-                .settings
                 .target
+                .get()
                 .connect_tracked(
                     self.settings.connect_timeout,
                     self.settings.connect_timeout.max(t),
@@ -894,7 +937,7 @@ impl RedisStore {
     async fn follow_master(&self) {
         let asked = tokio::time::timeout(
             self.settings.connect_timeout,
-            self.settings.target.sentinel_master(),
+            self.target.get().sentinel_master(),
         )
         .await;
         let Ok(Ok(Some(named))) = asked else {
@@ -926,7 +969,7 @@ impl RedisStore {
             let wait = if self.breaker.is_open() {
                 match self.probe().await {
                     Ok(()) => {
-                        tracing::info!(redis = %self.settings.target.describe(), "redis connected, scripts loaded");
+                        tracing::info!(redis = %self.target.get().describe(), "redis connected, scripts loaded");
                         logged_down = false;
                         HEALTH_INTERVAL
                     }
