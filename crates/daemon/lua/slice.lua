@@ -93,6 +93,8 @@ if held_slot ~= slot or stored ~= slot or ledger == nil then
   held = 0
   ledger = now
 end
+-- The slices never hold more than the count (a refund may have lowered it).
+held = math.min(held, count)
 local reset_after = (slot + 1) * window - now
 local left = math.max(0, limit - count)
 if left < need then

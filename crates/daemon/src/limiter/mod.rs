@@ -14,7 +14,7 @@ use std::time::Instant;
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
-use crate::store::hot::{Heat, HotKeys, Taker};
+use crate::store::hot::{Heat, HotKeys, Mark, Taker};
 use crate::store::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId};
 use crate::store::memory::MemoryStore;
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
@@ -103,6 +103,9 @@ pub struct Decision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Charged {
     Primary,
+    /// From a hot key's slice, spent in memory: given back to that slice while it lasts
+    /// (in Redis its units are held by this instance, not in the key's bucket or count).
+    Slice(Mark),
     Local,
 }
 
@@ -245,10 +248,10 @@ impl Limiter {
     /// The slice first: units this instance holds were taken for it in Redis and are
     /// its to spend whatever it was denied since (a hot key's usual case: one lookup).
     fn in_memory(&self, check: &Check, key: &Target) -> Option<Decision> {
-        let spent = self
-            .hot(check)
-            .and_then(|h| h.spend(&key.key, check.policy.limits(), check.cost, Instant::now()));
-        if let Some(v) = spent {
+        let spent = self.hot(check).and_then(|h| {
+            h.spend_from(&key.key, check.policy.limits(), check.cost, Instant::now())
+        });
+        if let Some((v, mark)) = spent {
             self.metrics
                 .hot_admits
                 .with_label_values(&[check.policy.name.as_str()])
@@ -257,7 +260,7 @@ impl Limiter {
                 check,
                 &v,
                 Outcome::Allowed,
-                Some(Charged::Primary),
+                Some(Charged::Slice(mark)),
             ));
         }
         self.remembered(check, key)
@@ -467,16 +470,17 @@ impl Limiter {
         let answer = if hot {
             self.store.apply_hot(&call, check.cost).await
         } else {
-            self.store.apply(&call).await
+            self.store.apply(&call).await.map(|v| (v, None))
         };
         match answer {
-            Ok(v) => {
+            Ok((v, from)) => {
                 let outcome = if v.allowed {
                     Outcome::Allowed
                 } else {
                     Outcome::Denied
                 };
-                decision(check, &v, outcome, charged(&v, Charged::Primary))
+                let by = from.map_or(Charged::Primary, Charged::Slice);
+                decision(check, &v, outcome, charged(&v, by))
             }
             Err(e) => {
                 self.store_failed(&policy.name, &e);
@@ -532,19 +536,21 @@ impl Limiter {
     ) -> bool {
         let policy = &check.policy;
         let call = store_call(check, key, Op::Refund { cost: check.cost }, member);
-        match charged {
-            Some(Charged::Primary) => match self.store.apply(&call).await {
-                Ok(_) => true,
-                Err(e) => {
-                    self.metrics.store_error(e.kind());
-                    self.metrics.refund_errors.inc();
-                    tracing::debug!(policy = %policy.name, error = %e, "refund failed");
-                    false
-                }
-            },
+        let given = match charged {
+            Some(Charged::Primary) => self.store.apply(&call).await.map(|_| ()),
+            Some(Charged::Slice(mark)) => self.store.refund_spent(&call, mark, check.cost).await,
             // A refund only lowers a key the store holds: never refused for room.
-            Some(Charged::Local) => self.local.apply(&call).is_ok(),
-            None => false,
+            Some(Charged::Local) => return self.local.apply(&call).is_ok(),
+            None => return false,
+        };
+        match given {
+            Ok(()) => true,
+            Err(e) => {
+                self.metrics.store_error(e.kind());
+                self.metrics.refund_errors.inc();
+                tracing::debug!(policy = %policy.name, error = %e, "refund failed");
+                false
+            }
         }
     }
 }

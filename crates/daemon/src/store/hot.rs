@@ -356,6 +356,18 @@ impl HotKeys {
     /// its window has not ended: the verdict, with `remaining` what was left in the window
     /// at the last take less what this slice has spent since.
     pub fn spend(&self, key: &str, limits: Limits, cost: u64, now: Instant) -> Option<Verdict> {
+        self.spend_from(key, limits, cost, now).map(|(v, _)| v)
+    }
+
+    /// [`HotKeys::spend`], with the slice the units came from (what
+    /// [`HotKeys::unspend`] names).
+    pub fn spend_from(
+        &self,
+        key: &str,
+        limits: Limits,
+        cost: u64,
+        now: Instant,
+    ) -> Option<(Verdict, Mark)> {
         if !self.live.load(Ordering::Acquire) {
             return None;
         }
@@ -364,22 +376,57 @@ impl HotKeys {
         let mut state = shard.get(key)?.state();
         state.used = now;
         let v = spend(&mut state.slice, limits, cost, now)?;
+        let mark = state.slice.as_ref()?.mark;
         state.spent += cost;
         state.admitted += cost;
-        Some(v)
+        Some((v, mark))
+    }
+
+    /// Gives `cost` units spent from `key`'s slice `mark` back to it (a denied batch
+    /// refunds its other checks), if that slice is still the key's and live. False: the
+    /// slice is gone (its unspent units went back to Redis, or lapsed; another may have
+    /// taken its place, which holds none of these), and the refund is Redis's to make.
+    pub fn unspend(&self, key: &str, mark: Mark, cost: u64, now: Instant) -> bool {
+        {
+            let shard = self.shard(key);
+            if let Some(entry) = shard.get(key) {
+                let mut state = entry.state();
+                if let Some(s) = state
+                    .slice
+                    .as_mut()
+                    .filter(|s| s.mark == mark && now < s.ends)
+                {
+                    s.units += cost;
+                    state.admitted = state.admitted.saturating_sub(cost);
+                    return true;
+                }
+            }
+        }
+        // Ended here but not given back yet (the next tend sends it): the units go back
+        // with it.
+        let mut returns = self.returns.lock().unwrap_or_else(|p| p.into_inner());
+        match returns.iter_mut().find(|r| r.key == key && r.mark == mark) {
+            Some(r) => {
+                r.units += cost;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Decides a check of a hot key that [`HotKeys::spend`] could not: waits for the
     /// key's take in flight, if any, and spends from what it brought; else takes, through
     /// `take`, the units of every check waiting plus the prefetch, and spends its own.
-    /// A denial is Redis's: fewer than `cost` units were left in the window.
+    /// A denial is Redis's: fewer than `cost` units were left in the window. With the
+    /// verdict, the slice its units were spent from (None: from what the take was granted
+    /// for this check, which Redis holds as spent): what a refund of them names.
     pub async fn decide<F, Fut, E>(
         &self,
         key: &str,
         limits: Limits,
         cost: u64,
         take: F,
-    ) -> Result<Verdict, E>
+    ) -> Result<(Verdict, Option<Mark>), E>
     where
         F: FnOnce(Want) -> Fut,
         Fut: Future<Output = Result<Grant, E>>,
@@ -393,7 +440,7 @@ impl HotKeys {
                 ends: None,
             })
             .await
-            .map(|g| grant_verdict(&g, cost));
+            .map(|g| (grant_verdict(&g, cost), None));
         };
         entry.state().spent += cost;
         entry.waiting.fetch_add(cost, Ordering::AcqRel);
@@ -401,10 +448,11 @@ impl HotKeys {
         {
             let mut st = entry.state();
             if let Some(v) = spend(&mut st.slice, limits, cost, Instant::now()) {
+                let mark = st.slice.as_ref().map(|s| s.mark);
                 st.admitted += cost;
                 drop(st);
                 entry.waiting.fetch_sub(cost, Ordering::AcqRel);
-                return Ok(v);
+                return Ok((v, mark));
             }
         }
         let demand = entry.waiting.load(Ordering::Acquire).max(cost);
@@ -474,7 +522,7 @@ impl HotKeys {
             }
         }
         drop(turn);
-        Ok(verdict)
+        Ok((verdict, None))
     }
 
     fn give_back(&self, r: Return) {
@@ -741,7 +789,7 @@ mod tests {
                             }
                             None => {
                                 let took = std::cell::Cell::new(None);
-                                let v = h
+                                let (v, _) = h
                                     .decide("k", LIMITS, cost, |want| {
                                         let grant = model.borrow_mut().take(want);
                                         took.set(match grant.mark {
@@ -816,7 +864,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_take_in_flight_during_an_invalidation_keeps_no_slice() {
         let (h, limits) = hot_window_key();
-        let v = h
+        let (v, _) = h
             .decide("k", limits, 1, |_| {
                 h.forget("k");
                 async { Ok::<_, ()>(window_grant(6, 94, 30_000_000, 1, 9)) }
@@ -846,7 +894,7 @@ mod tests {
             "no slice yet"
         );
         let (h, limits) = hot_window_key();
-        let v = h
+        let (v, _) = h
             .decide("k", limits, 1, |_| async {
                 Ok::<_, ()>(window_grant(3, 97, 30_000_000, 1, 9))
             })
@@ -889,7 +937,7 @@ mod tests {
                 ends_after_us: 150_000,
                 mark: Some(mark),
             };
-            let v = h
+            let (v, _) = h
                 .decide("k", limits, 1, |_| async move { Ok::<_, ()>(grant) })
                 .await
                 .unwrap();
@@ -925,7 +973,7 @@ mod tests {
             since: quotad_core::algorithm::Since::ZERO,
         };
         let asked = std::cell::Cell::new(None);
-        let v = h
+        let (v, _) = h
             .decide("k", limits, 2, |want| {
                 asked.set(Some(want));
                 async move { Ok::<_, ()>(window_grant(5, 95, 30_000_000, 1, 1)) }

@@ -285,12 +285,31 @@ impl Store {
         }
     }
 
-    /// A check of a hot key that its slice could not answer (see [`hot`]); `apply` on
-    /// the embedded store, and for an algorithm that takes no slices.
-    pub async fn apply_hot(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+    /// Gives back `cost` units a hot key's slice `mark` spent (see
+    /// [`redis::RedisStore::refund_spent`]); slices are Redis's only.
+    pub async fn refund_spent(
+        &self,
+        call: &StoreCall<'_>,
+        mark: hot::Mark,
+        cost: u64,
+    ) -> Result<(), StoreError> {
+        match self {
+            Store::Redis(r) => r.refund_spent(call, mark, cost).await,
+            Store::Memory(_) => self.apply(call).await.map(|_| ()),
+        }
+    }
+
+    /// A check of a hot key that its slice could not answer (see [`hot`]), with the
+    /// slice its units came from; `apply` on the embedded store, and for an algorithm
+    /// that takes no slices.
+    pub async fn apply_hot(
+        &self,
+        call: &StoreCall<'_>,
+        cost: u64,
+    ) -> Result<(Verdict, Option<hot::Mark>), StoreError> {
         match (self, hot::Taker::of(call.algorithm)) {
             (Store::Redis(r), Some(taker)) => r.apply_hot(call, taker, cost).await,
-            _ => self.apply(call).await,
+            _ => self.apply(call).await.map(|v| (v, None)),
         }
     }
 

@@ -510,16 +510,17 @@ impl RedisStore {
     }
 
     /// A check of a hot key that its slice could not answer: decided through a take of
-    /// a slice (see [`HotKeys::decide`]); a denial is remembered as any other.
+    /// a slice (see [`HotKeys::decide`]), with the slice its units came from; a denial is
+    /// remembered as any other.
     pub async fn apply_hot(
         &self,
         call: &StoreCall<'_>,
         taker: Taker,
         cost: u64,
-    ) -> Result<Verdict, StoreError> {
+    ) -> Result<(Verdict, Option<Mark>), StoreError> {
         let sent = Instant::now();
         let epoch = self.deny.epoch();
-        let v = self
+        let (v, from) = self
             .hot
             .decide(call.key, call.limits, cost, |want| {
                 self.take_slice(call, taker, want)
@@ -528,7 +529,45 @@ impl RedisStore {
         if !v.allowed {
             self.deny.remember(&question(call, cost), &v, sent, epoch);
         }
-        Ok(v)
+        Ok((v, from))
+    }
+
+    /// Gives back `cost` units of `call`'s key that this instance's slice `mark` spent
+    /// (a denied batch refunds its other checks): into that slice while it is live here,
+    /// so no round trip and nothing for other instances to hear; once it has left the
+    /// table, to the key in Redis, where a bucket's slice still live there stops holding
+    /// them (`lua/bucket_slice.lua`, refund) rather than capping the bucket below them.
+    pub async fn refund_spent(
+        &self,
+        call: &StoreCall<'_>,
+        mark: Mark,
+        cost: u64,
+    ) -> Result<(), StoreError> {
+        if self.hot.unspend(call.key, mark, cost, Instant::now()) {
+            return Ok(());
+        }
+        let Mark::Bucket { id, gcra } = mark else {
+            return self.apply(call).await.map(|_| ());
+        };
+        let l = call.limits;
+        let mut inv = self.bucket_slice.key(call.key);
+        let (frame, since) = scripts::frame_args(&l);
+        inv.arg("refund")
+            .arg(bucket_kind(gcra))
+            .arg(l.limit)
+            .arg(l.window_us)
+            .arg(l.burst)
+            .arg(id)
+            .arg(cost)
+            .arg(frame)
+            .arg(since);
+        let inv = &inv;
+        let reply: Vec<i64> = self
+            .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
+            .await?;
+        parse_verdict(&reply)?;
+        self.gave_back(call.key).await;
+        Ok(())
     }
 
     async fn take_slice(
