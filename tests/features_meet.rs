@@ -592,3 +592,74 @@ fn a_denied_batch_gives_a_hot_keys_units_back_to_its_slice() {
         }
     }
 }
+
+/// Hot-key slices and remembered denials meet a lowered limit, then a raised one (the
+/// transition rule), on two instances. A spends a hot key from slices and still holds
+/// some when the limit falls below what was spent, on A first and then on B: neither
+/// admits anything after (what the slices took counts as spent; units taken under the
+/// old numbers are not spent under the new), and the denials are remembered. Raised
+/// back, both admit at once (no remembered denial outlives the numbers it was given
+/// under), and once the slices are back the key has exactly what was not admitted left:
+/// nothing they held was lost or admitted twice across the changes.
+#[test]
+fn hot_slices_and_remembered_denials_keep_a_lowered_then_raised_limit() {
+    const LIMIT: u64 = 100_000;
+    for algorithm in ["fixed_window", "token_bucket", "gcra"] {
+        let redis = RedisServer::start();
+        // Refilled per year: what a test's seconds refill is a fraction of a unit.
+        let config = |limit: u64| {
+            exact(&redis)
+                .policy(Policy::new("hot", algorithm, limit, "365d").set("hot_key_rate", 5))
+                .to_toml()
+        };
+        let (a, b) = (Quotad::start(&config(LIMIT)), Quotad::start(&config(LIMIT)));
+        let remaining = |q: &Quotad| {
+            let v = q.check(&json!({"policy": "hot", "key": "k", "cost": 0})).1;
+            v["remaining"].as_u64().unwrap_or_else(|| panic!("{v}"))
+        };
+        // Held by A: what Redis counts as spent less what A admitted (B peeks: peeks
+        // never go through slices).
+        let held = |admitted: u64| LIMIT as i64 - remaining(&b) as i64 - admitted as i64;
+        let (mut admitted, now_held) = drive_until_held(&a, "k", Duration::from_millis(1300), held);
+        assert!(now_held > 0, "{algorithm}: A held no slice");
+
+        let reload = |q: &Quotad, limit: u64| {
+            assert_eq!(q.reload(&q.config_file_text(&config(limit))), "ok");
+        };
+        let spend = |q: &Quotad, n: usize| {
+            (0..n)
+                .filter(|_| q.check1("hot", "k")["allowed"] == true)
+                .count() as u64
+        };
+        reload(&a, 100);
+        assert_eq!(spend(&a, 50), 0, "{algorithm}: A under the lowered limit");
+        reload(&b, 100);
+        assert_eq!(
+            spend(&a, 50) + spend(&b, 50),
+            0,
+            "{algorithm}: under the lowered limit everywhere"
+        );
+        remembered_denial(&a, "hot", "k");
+
+        reload(&a, LIMIT);
+        reload(&b, LIMIT);
+        for q in [&a, &b] {
+            let v = q.check1("hot", "k");
+            assert_eq!(v["allowed"], true, "{algorithm}: raised again: {v}");
+            admitted += 1;
+        }
+        wait_for("the slices back", Duration::from_secs(10), || {
+            (a.metric("quotad_hot_key_entries") == 0.0).then_some(())
+        });
+        // (Given back after the tend that dropped the key: poll the figure.)
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while remaining(&b) != LIMIT - admitted && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(
+            remaining(&b),
+            LIMIT - admitted,
+            "{algorithm}: {admitted} admitted in all"
+        );
+    }
+}

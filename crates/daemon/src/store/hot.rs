@@ -40,8 +40,9 @@
 //! scripts give back only to the ledger or live slice they came from (nothing after a
 //! reset, in a new window or after the slice's end); a take in flight meanwhile keeps
 //! no slice; slices are used only while the invalidation channel is live, like the deny
-//! cache; a reload that changes the key's limits (or gives it an override) takes a
-//! new slice and gives the old one back. Bounded: at most [`MAX_HOT_KEYS`] keys are hot at
+//! cache; a reload that changes the key's limits (or gives it an override) gives the
+//! old slice back at the key's next take, which takes one under the new limits (none,
+//! when they leave nothing: a limit lowered below what was spent). Bounded: at most [`MAX_HOT_KEYS`] keys are hot at
 //! once (beyond, a key is decided in Redis as any other, counted).
 
 use std::collections::HashMap;
@@ -456,6 +457,12 @@ impl HotKeys {
             }
         }
         let demand = entry.waiting.load(Ordering::Acquire).max(cost);
+        // A slice taken under other limits (a reload since) is spent no more: back now,
+        // not when the key cools (a lowered limit may grant no slice to replace it).
+        let stale = entry.state().slice.take_if(|s| s.limits != limits);
+        if let Some(old) = stale.filter(|o| o.units > 0 && o.ends > Instant::now()) {
+            self.give_back(returned(key, &old));
+        }
         // A bucket's slice under these limits ends with this take (spent, or too small
         // for this check): out of the table first, so nothing spends it once it is sent.
         let ends = entry
@@ -957,6 +964,75 @@ mod tests {
             // The key is still hot; a slice given back is not spent.
             assert_eq!(h.spend("k", limits, 1, Instant::now()).is_some(), !back);
         }
+    }
+
+    /// A table whose key `k` is hot, with a slice of 5 units under [`LIMITS`] (window
+    /// slot 1, ledger 9), and that slice's mark.
+    async fn holding_five() -> (HotKeys, Mark) {
+        let h = HotKeys::with_steady(Duration::ZERO);
+        h.set_live(true);
+        assert_eq!(h.note("k", 1, Instant::now()), Heat::Hot);
+        let grant = window_grant(6, 900, 30_000_000, 1, 9);
+        let (v, _) = h
+            .decide("k", LIMITS, 1, |_| async move { Ok::<_, ()>(grant) })
+            .await
+            .unwrap();
+        assert!(v.allowed);
+        (h, Mark::Window { slot: 1, ledger: 9 })
+    }
+
+    /// What giving back `units` of `k`'s slice `mark` under [`LIMITS`] sends.
+    fn back_of(mark: Mark, units: u64) -> Vec<Return> {
+        vec![Return {
+            key: "k".into(),
+            mark,
+            limits: LIMITS,
+            units,
+        }]
+    }
+
+    /// A slice taken under other limits (a reload since) goes back at the key's next take
+    /// under the new ones, though that take grants nothing (a limit lowered below what was
+    /// spent): it is not held until the key cools.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_slice_under_old_limits_goes_back_at_the_next_take_under_new_ones() {
+        let (h, mark) = holding_five().await;
+        let lowered = Limits {
+            limit: 2,
+            burst: 2,
+            ..LIMITS
+        };
+        let denied = Grant {
+            granted: 0,
+            mark: None,
+            ..window_grant(0, 0, 30_000_000, 1, 9)
+        };
+        let (v, from) = h
+            .decide("k", lowered, 1, |_| async move { Ok::<_, ()>(denied) })
+            .await
+            .unwrap();
+        assert!(!v.allowed && from.is_none());
+        assert_eq!(h.tend(Instant::now(), false).0, back_of(mark, 5));
+    }
+
+    /// Units spent from a slice and refunded go back into it while it is the key's, or
+    /// with it while it waits to be given back; once it has gone, the refund is Redis's.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_refund_of_what_a_slice_spent_goes_back_to_that_slice() {
+        let (h, mark) = holding_five().await;
+        let (_, from) = h.spend_from("k", LIMITS, 2, Instant::now()).unwrap();
+        assert_eq!(from, mark);
+        assert!(h.unspend("k", mark, 2, Instant::now()));
+        // Not a slice of this key: the store's to refund.
+        let other = Mark::Window { slot: 1, ledger: 8 };
+        assert!(!h.unspend("k", other, 1, Instant::now()));
+        // Ended (a reset elsewhere) but not yet given back: the units go back with it.
+        h.spend_from("k", LIMITS, 1, Instant::now()).unwrap();
+        assert!(h.forget("k"));
+        assert!(h.unspend("k", mark, 1, Instant::now()));
+        assert_eq!(h.tend(Instant::now(), false).0, back_of(mark, 5));
+        // Given back: gone.
+        assert!(!h.unspend("k", mark, 1, Instant::now()));
     }
 
     /// A check waiting behind a take is served by it: one take for a queue of checks.
