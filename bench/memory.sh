@@ -17,7 +17,8 @@ for alg in fixed_window sliding_log sliding_window token_bucket gcra; do
   row="| $alg |"
   for n in 100 1000; do
     key="rl:m:$alg:{user-$n}"
-    for i in $(seq "$n"); do echo "EVALSHA $SHA 1 $key check $n 3600000000 $n 1 req$i"; done | redis-cli -p "$RP" >/dev/null
+    # As quotad sends it, with the frame and since of policy.version 1 (scripts::frame_args).
+    for i in $(seq "$n"); do echo "EVALSHA $SHA 1 $key check $n 3600000000 $n 1 req$i $n:3600000000:$n 000000000000000000010000000000000"; done | redis-cli -p "$RP" >/dev/null
     row="$row $(redis-cli -p "$RP" memory usage "$key" samples 0) |"
   done
   echo "$row"

@@ -32,7 +32,8 @@ start_redis "$OUT"
 REDIS_PID=$(cat "$OUT/redis.pid")
 QP=$(free_port)
 start_quotad "$OUT" </dev/null
-# The same EVALSHA quotad sends: key, mode, limit, window_us, burst, cost, member.
+# The same EVALSHA quotad sends: key, mode, limit, window_us, burst, cost, member, frame,
+# since.
 load_token_bucket "$OUT"
 
 TSV="$OUT/results.tsv"

@@ -123,8 +123,21 @@ async fn worker(
             }
             Target::Redis { sha, .. } => {
                 let k = format!("rl:bench:tb:{{k{}}}", key());
+                // As quotad sends it: mode, limit, window_us, burst, cost, member, then
+                // the frame and since of policy.version 1 (`scripts::frame_args`).
                 let args = [
-                    "EVALSHA", sha, "1", &k, "check", "100", "60000000", "100", "1", "-",
+                    "EVALSHA",
+                    sha,
+                    "1",
+                    &k,
+                    "check",
+                    "100",
+                    "60000000",
+                    "100",
+                    "1",
+                    "-",
+                    "100:60000000:100",
+                    "000000000000000000010000000000000",
                 ];
                 let mut cmd = format!("*{}\r\n", args.len());
                 for a in args {

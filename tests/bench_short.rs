@@ -127,3 +127,52 @@ fn a_check_through_quotad_beside_evalsha_and_a_hot_key_beside_both() {
     );
     assert!(from_memory > 0.0, "the hot key never admitted from memory");
 }
+
+/// The benchmarks call quotad's token-bucket script as quotad does (the EVALSHA ceiling
+/// quotad is compared with, the open-loop generator's Redis target, the memory figures):
+/// the script answers their arguments with a decision, not an argument error. The
+/// scripts once took two more arguments (a key's frame and since) and the ceiling went on
+/// measuring errors.
+#[test]
+fn the_benchmarks_call_the_scripts_as_quotad_does() {
+    use quotad_core::algorithm::{Algorithm, Limits, Since};
+    use quotad_daemon::store::scripts;
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let read = |f: &str| std::fs::read_to_string(root.join(f)).unwrap();
+    let redis = RedisServer::start();
+    for file in ["bench/lib.sh", "bench/topologies.sh"] {
+        let text = read(file);
+        let line = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("EVAL_ARGS=(evalsha "))
+            .unwrap_or_else(|| panic!("{file}: no EVAL_ARGS"));
+        let words: Vec<&str> = line.trim_end_matches(')').split_whitespace().collect();
+        // "$SHA" 1 "<key>" then the script's arguments.
+        let key = words[2].trim_matches('"').replace("__rand_int__", "1");
+        let reply: redis::RedisResult<Vec<i64>> = redis::cmd("EVAL")
+            .arg(scripts::source(Algorithm::TokenBucket))
+            .arg(1)
+            .arg(&key)
+            .arg(&words[3..])
+            .query(&mut redis.conn());
+        assert!(
+            matches!(reply.as_deref(), Ok([1, ..])),
+            "{file}: {words:?} answered {reply:?}"
+        );
+    }
+    // The generator and the memory figures spell the same frame and since.
+    let bench = Limits {
+        limit: 100,
+        window_us: 60_000_000,
+        burst: 100,
+        since: Since {
+            version: 1,
+            at_ms: 0,
+        },
+    };
+    let (frame, since) = scripts::frame_args(&bench);
+    let generator = read("examples/fixed_rate.rs");
+    assert!(generator.contains(&format!("\"{frame}\"")) && generator.contains(&since));
+    let memory = read("bench/memory.sh");
+    assert!(memory.contains("$n:3600000000:$n") && memory.contains(&since));
+}

@@ -140,3 +140,41 @@ fn a_reset_through_another_instance_ends_a_remembered_denial_at_once() {
     eprintln!("a admitted alice {:?} after b's reset", took.elapsed());
     redis.assert_every_key_has_ttl();
 }
+
+/// A remembered denial answers what the store would: its `remaining` too. A fixed
+/// window denies a check of 2 with 1 unit left, on both instances, while their
+/// invalidation channels are live (denials are being remembered); that unit is then
+/// admitted (a check of 1, through A), and the next check of 2 is told 0 left on both,
+/// as the store says. A remembered denial of 2 told 1.
+#[test]
+fn a_remembered_denial_of_a_larger_cost_tells_what_is_left_now() {
+    let redis = RedisServer::start();
+    let config = Config::redis(&redis.url())
+        .policy(Policy::new("w", "fixed_window", 3, "100d"))
+        .to_toml();
+    let (a, b) = (Quotad::serve(&config), Quotad::serve(&config));
+    let two = |key: &str| json!({"policy": "w", "key": key, "cost": 2});
+    for q in [&a, &b] {
+        // Live: a denial of another key is answered from memory.
+        q.check(&json!({"policy": "w", "key": "full", "cost": 3}));
+        wait_for("a remembered denial", Duration::from_secs(5), || {
+            assert_eq!(q.check1("w", "full")["allowed"], false);
+            (q.metric("quotad_deny_cache_hits_total{policy=\"w\"}") > 0.0).then_some(())
+        });
+    }
+    assert_eq!(a.check(&two("k")).1["allowed"], true);
+    for q in [&a, &b, &a, &b] {
+        let v = q.check(&two("k")).1;
+        assert_eq!(
+            (&v["allowed"], &v["remaining"]),
+            (&json!(false), &json!(1)),
+            "{v}"
+        );
+    }
+    assert_eq!(a.check1("w", "k")["remaining"], 0);
+    for q in [&a, &b] {
+        let v = q.check(&two("k")).1;
+        assert_eq!(v["allowed"], false, "{v}");
+        assert_eq!(v["remaining"], 0, "{v}");
+    }
+}

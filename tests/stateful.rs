@@ -3,13 +3,19 @@
 //! the answer or the bound checked after every step.
 //!
 //! - Two instances on one Redis (`two_instances_answer_every_step_as_the_model_does`):
-//!   checks, peeks, batches, resets through either instance, reloads of both (limits, a
-//!   window with and without a version bump, an override added and removed), reservations
+//!   checks, peeks, batches, resets through either instance, reloads of both (every
+//!   parameter of every algorithm: limits, bursts, a window with and without a version
+//!   bump, an override added, changed and removed), rollouts that reach one instance only
+//!   (the two then run two configs on the same keys until a later reload), reservations
 //!   settled at random costs and charges into debt, and a concurrency limit's leases;
-//!   every answer is compared with a reference model of the counts. Instance B's Redis
-//!   user may not PUBLISH: a reset through it is either done (the model resets) or
-//!   refused with nothing changed, and every later answer of either instance must agree.
-//!   Each case uses keys of its own; proptest shrinks a failure to its shortest sequence.
+//!   every answer is compared with a model. Counts that a change never reaches in the
+//!   test (a sliding log, the settling bucket) have a model of their own here; the fixed
+//!   and sliding windows, GCRA and token bucket are modeled by `quotad_core::algorithm`,
+//!   the reference model with the transition rule in it, run at the instance's own
+//!   numbers and the instant they came into force there. Instance B's Redis user may not
+//!   PUBLISH: a reset through it is either done (the model resets) or refused with
+//!   nothing changed, and every later answer of either instance must agree. Each case
+//!   uses keys of its own; proptest shrinks a failure to its shortest sequence.
 //! - Two regions sharing one global budget
 //!   (`two_regions_keep_the_bound_through_resets_and_reloads`): demand moving between
 //!   the regions (so loans are made), resets of the key in either region, and re-splits
@@ -25,6 +31,7 @@ use common::proxy::{Leg, LegHandle, Proxy};
 use common::{Config, Global, Peer, Policy, Quotad, RedisServer, wait_for};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
+use quotad_core::algorithm::{self, Algorithm, Limits, Since, State, Write};
 use quotad_core::coordinator::Params;
 use quotad_core::coordinator::bucket::Shape;
 use quotad_daemon::store::global::{SLOT_FIELDS, decode_default, decode_slot};
@@ -34,22 +41,56 @@ use serde_json::{Value, json};
 
 const PASSWORD: &str = "stateful-test-password";
 /// Cases of the two-instance test, and the steps of each.
-const CASES: u32 = 64;
+const CASES: u32 = 128;
 const MAX_STEPS: usize = 50;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Pol {
     /// sliding_log, 1 h or 2 h: a count that time does not change within the test.
     Log,
-    /// token_bucket refilling per day: whole tokens that time does not change either.
+    /// token_bucket refilling per day, with settlements: whole tokens that time does not
+    /// change either.
     Bucket,
+    /// fixed_window and sliding_window of 100 or 200 days, gcra and token_bucket (a burst
+    /// of its own) of 1 or 2 days: what time changes in the test is a small fraction of
+    /// a unit. Modeled by `quotad_core::algorithm`.
+    Fixed,
+    Sliding,
+    Gcra,
+    Tb,
 }
+
+/// The policies the reference model decides, in `Rules::core`'s order.
+const CORE: [Pol; 4] = [Pol::Fixed, Pol::Sliding, Pol::Gcra, Pol::Tb];
 
 impl Pol {
     fn name(self) -> &'static str {
         match self {
             Pol::Log => "log",
             Pol::Bucket => "bucket",
+            Pol::Fixed => "fixed",
+            Pol::Sliding => "sliding",
+            Pol::Gcra => "gcra",
+            Pol::Tb => "tb",
+        }
+    }
+
+    /// The reference model's algorithm, for the policies it decides.
+    fn core(self) -> Option<Algorithm> {
+        match self {
+            Pol::Fixed => Some(Algorithm::FixedWindow),
+            Pol::Sliding => Some(Algorithm::SlidingWindow),
+            Pol::Gcra => Some(Algorithm::Gcra),
+            Pol::Tb => Some(Algorithm::TokenBucket),
+            Pol::Log | Pol::Bucket => None,
+        }
+    }
+
+    /// The length of `n` windows of this policy, in days.
+    fn days(self, n: u64) -> u64 {
+        match self {
+            Pol::Fixed | Pol::Sliding => 100 * n,
+            _ => n,
         }
     }
 }
@@ -60,7 +101,16 @@ const INVALIDATIONS: &str = "quotad_invalidations_received_total";
 /// The keys a case draws from; `vip` may get an override of `log`.
 const KEYS: [&str; 3] = ["k0", "k1", "vip"];
 
-/// What the two daemons run: the reference model's parameters, written as their config.
+/// A policy's numbers modeled by `quotad_core`: its limit, its window (1 or 2 of the
+/// policy's unit, [`Pol::days`]) and its burst (the buckets'; a window's is its limit).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Numbers {
+    limit: u64,
+    windows: u64,
+    burst: u64,
+}
+
+/// What a daemon runs: the models' parameters, written as its config.
 #[derive(Debug, Clone, PartialEq)]
 struct Rules {
     log_limit: u64,
@@ -70,7 +120,17 @@ struct Rules {
     bucket_limit: u64,
     /// `slots`: a concurrency limit's units held at once.
     slots_limit: u64,
+    /// [`CORE`]'s numbers, in its order.
+    core: [Numbers; 4],
+    /// `gcra`'s override for `vip`: its limit (the policy's window and burst).
+    gcra_vip: Option<u64>,
 }
+
+const THREE: Numbers = Numbers {
+    limit: 3,
+    windows: 1,
+    burst: 3,
+};
 
 const START: Rules = Rules {
     log_limit: 3,
@@ -78,7 +138,94 @@ const START: Rules = Rules {
     vip: None,
     bucket_limit: 3,
     slots_limit: 3,
+    core: [THREE; 4],
+    gcra_vip: None,
 };
+
+impl Rules {
+    fn numbers(&self, pol: Pol) -> Numbers {
+        self.core[CORE.iter().position(|p| *p == pol).expect("a core policy")]
+    }
+
+    /// The limits an instance running these rules decides `pol`'s key under (`vip`: the
+    /// case's `vip` key), with `since` (its numbers' instant there).
+    fn limits(&self, pol: Pol, vip: bool, since: Since) -> Limits {
+        let alg = pol.core().expect("a core policy");
+        let n = self.numbers(pol);
+        let limit = match (pol, self.gcra_vip) {
+            (Pol::Gcra, Some(v)) if vip => v,
+            _ => n.limit,
+        };
+        Limits {
+            limit,
+            window_us: pol.days(n.windows) as i64 * 86_400_000_000,
+            burst: if alg.has_burst() { n.burst } else { limit },
+            since,
+        }
+    }
+
+    /// Whether any window differs from `other`'s (a change that needs a higher version).
+    fn windows_differ(&self, other: &Rules) -> bool {
+        self.log_hours != other.log_hours
+            || CORE
+                .iter()
+                .any(|p| self.numbers(*p).windows != other.numbers(*p).windows)
+    }
+
+    /// These rules with `core`'s modeled parts (a rollout changes only those: the
+    /// hand-modeled policies always run the same numbers on both instances).
+    fn with_core_of(&self, other: &Rules) -> Rules {
+        Rules {
+            core: other.core,
+            gcra_vip: other.gcra_vip,
+            ..self.clone()
+        }
+    }
+}
+
+/// Since when each core policy's numbers (and `gcra`'s override) are in force on one
+/// instance, as `reload::stamp_since` stamps them: kept while the numbers and version
+/// stay, else the version and the moment of the reload (here a tick that orders the
+/// reloads as the daemons' clocks do).
+#[derive(Debug, Clone, Default)]
+struct Sinces(HashMap<(Pol, bool), Since>);
+
+impl Sinces {
+    fn get(&self, pol: Pol, vip: bool) -> Since {
+        self.0[&(pol, vip)]
+    }
+
+    /// From `old` at `old_v` to `new` at `new_v`, at `tick`.
+    fn restamp(&mut self, old: Option<(&Rules, u64)>, new: &Rules, new_v: u64, tick: u64) {
+        let fresh = Since {
+            version: new_v,
+            at_ms: tick,
+        };
+        let numbers = |r: &Rules, pol, vip| r.limits(pol, vip, Since::ZERO);
+        for pol in CORE {
+            let kept = old.is_some_and(|(r, v)| {
+                v == new_v && numbers(r, pol, false) == numbers(new, pol, false)
+            });
+            if !kept {
+                self.0.insert((pol, false), fresh);
+            }
+        }
+        let had = old.is_some_and(|(r, _)| r.gcra_vip.is_some());
+        let kept = had
+            && old.is_some_and(|(r, v)| {
+                v == new_v && numbers(r, Pol::Gcra, true) == numbers(new, Pol::Gcra, true)
+            });
+        match new.gcra_vip {
+            Some(_) if kept => {}
+            Some(_) => {
+                self.0.insert((Pol::Gcra, true), fresh);
+            }
+            None => {
+                self.0.remove(&(Pol::Gcra, true));
+            }
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -98,8 +245,15 @@ enum Op {
         pol: Pol,
         key: usize,
     },
-    /// Both daemons reload `rules`; `bump`: with a higher `log` version.
+    /// Both daemons reload `rules`; `bump`: with a version above both instances'.
     Reload {
+        rules: Rules,
+        bump: bool,
+    },
+    /// A change that reaches one instance only (so far): `on` reloads the core policies'
+    /// part of `rules`; `bump`: with a version above both instances' (a new file's).
+    Rollout {
+        on: usize,
         rules: Rules,
         bump: bool,
     },
@@ -140,53 +294,144 @@ enum Op {
     },
 }
 
-fn pol() -> impl Strategy<Value = Pol> {
-    prop_oneof![Just(Pol::Log), Just(Pol::Bucket)]
+const ALL: [Pol; 6] = [
+    Pol::Log,
+    Pol::Bucket,
+    Pol::Fixed,
+    Pol::Sliding,
+    Pol::Gcra,
+    Pol::Tb,
+];
+
+/// One of `pols`.
+fn pol(pols: Vec<Pol>) -> impl Strategy<Value = Pol> {
+    prop::sample::select(pols)
 }
 
-fn op() -> impl Strategy<Value = Op> {
-    let rules = (
-        2u64..=6,
-        1u64..=2,
+fn numbers() -> impl Strategy<Value = Numbers> {
+    (2u64..=6, 1u64..=2, 2u64..=8).prop_map(|(limit, windows, burst)| Numbers {
+        limit,
+        windows,
+        burst,
+    })
+}
+
+fn rules() -> impl Strategy<Value = Rules> {
+    (
+        (
+            2u64..=6,
+            1u64..=2,
+            prop::option::of(2u64..=8),
+            2u64..=6,
+            2u64..=4,
+        ),
+        [numbers(), numbers(), numbers(), numbers()],
         prop::option::of(2u64..=8),
-        2u64..=6,
-        2u64..=4,
     )
         .prop_map(
-            |(log_limit, log_hours, vip, bucket_limit, slots_limit)| Rules {
+            |((log_limit, log_hours, vip, bucket_limit, slots_limit), core, gcra_vip)| Rules {
                 log_limit,
                 log_hours,
                 vip,
                 bucket_limit,
                 slots_limit,
+                core,
+                gcra_vip,
             },
-        );
-    prop_oneof![
-        8 => (0usize..2, pol(), 0usize..3, 0u64..=2)
-            .prop_map(|(on, pol, key, cost)| Op::Check { on, pol, key, cost }),
-        2 => (0usize..2, prop::collection::vec((pol(), 0usize..3, 1u64..=2), 2..=3))
-            .prop_map(|(on, mut items)| {
-                let mut seen = Vec::new();
-                items.retain(|(p, k, _)| {
-                    let new = !seen.contains(&(*p, *k));
-                    seen.push((*p, *k));
-                    new
-                });
-                Op::Batch { on, items }
-            }),
-        2 => (0usize..2, pol(), 0usize..3).prop_map(|(on, pol, key)| Op::Reset { on, pol, key }),
-        2 => (rules, any::<bool>()).prop_map(|(rules, bump)| Op::Reload { rules, bump }),
-        3 => (0usize..2, 0usize..3, 1u64..=3)
-            .prop_map(|(on, key, estimate)| Op::Reserve { on, key, estimate }),
-        3 => (0usize..2, any::<usize>(), 0u64..=6)
-            .prop_map(|(on, which, cost)| Op::Settle { on, which, cost }),
-        1 => (0usize..2, 0usize..3, 0u64..=4)
-            .prop_map(|(on, key, cost)| Op::Charge { on, key, cost }),
-        2 => (0usize..2, 0usize..3, 1u64..=2)
-            .prop_map(|(on, key, units)| Op::Acquire { on, key, units }),
-        2 => (0usize..2, any::<usize>()).prop_map(|(on, which)| Op::Release { on, which }),
-        1 => (0usize..2, 0usize..3).prop_map(|(on, key)| Op::ResetSlots { on, key }),
-    ]
+        )
+}
+
+/// A step on the policies `pols` and keys `keys` (a case dwells on a few, so that what
+/// happens to one key in a few steps in a row, a bug's usual recipe, happens often);
+/// reservations, settlements and charges when `bucket` is among them.
+fn op(pols: Vec<Pol>, keys: Vec<usize>) -> BoxedStrategy<Op> {
+    let settling = pols.contains(&Pol::Bucket);
+    let pol = move || pol(pols.clone());
+    let key = move || prop::sample::select(keys.clone());
+    let mut arms: Vec<(u32, BoxedStrategy<Op>)> = vec![
+        (
+            8,
+            (0usize..2, pol(), key(), 0u64..=2)
+                .prop_map(|(on, pol, key, cost)| Op::Check { on, pol, key, cost })
+                .boxed(),
+        ),
+        (
+            2,
+            (
+                0usize..2,
+                prop::collection::vec((pol(), key(), 1u64..=2), 2..=3),
+            )
+                .prop_map(|(on, mut items)| {
+                    let mut seen = Vec::new();
+                    items.retain(|(p, k, _)| {
+                        let new = !seen.contains(&(*p, *k));
+                        seen.push((*p, *k));
+                        new
+                    });
+                    Op::Batch { on, items }
+                })
+                .boxed(),
+        ),
+        (
+            2,
+            (0usize..2, pol(), key())
+                .prop_map(|(on, pol, key)| Op::Reset { on, pol, key })
+                .boxed(),
+        ),
+        (
+            2,
+            (rules(), any::<bool>())
+                .prop_map(|(rules, bump)| Op::Reload { rules, bump })
+                .boxed(),
+        ),
+        (
+            4,
+            (0usize..2, rules(), any::<bool>())
+                .prop_map(|(on, rules, bump)| Op::Rollout { on, rules, bump })
+                .boxed(),
+        ),
+        (
+            2,
+            (0usize..2, key(), 1u64..=2)
+                .prop_map(|(on, key, units)| Op::Acquire { on, key, units })
+                .boxed(),
+        ),
+        (
+            2,
+            (0usize..2, any::<usize>())
+                .prop_map(|(on, which)| Op::Release { on, which })
+                .boxed(),
+        ),
+        (
+            1,
+            (0usize..2, key())
+                .prop_map(|(on, key)| Op::ResetSlots { on, key })
+                .boxed(),
+        ),
+    ];
+    if settling {
+        arms.extend([
+            (
+                3,
+                (0usize..2, key(), 1u64..=3)
+                    .prop_map(|(on, key, estimate)| Op::Reserve { on, key, estimate })
+                    .boxed(),
+            ),
+            (
+                3,
+                (0usize..2, any::<usize>(), 0u64..=6)
+                    .prop_map(|(on, which, cost)| Op::Settle { on, which, cost })
+                    .boxed(),
+            ),
+            (
+                1,
+                (0usize..2, key(), 0u64..=4)
+                    .prop_map(|(on, key, cost)| Op::Charge { on, key, cost })
+                    .boxed(),
+            ),
+        ]);
+    }
+    prop::strategy::Union::new_weighted(arms).boxed()
 }
 
 /// The counts as the store should hold them.
@@ -205,6 +450,31 @@ struct Model {
     held: HashMap<usize, u64>,
     /// And whether a reset of its key gave it back while it was held.
     leases: Vec<(usize, String, u64, bool, bool)>,
+    /// The core policies' keys, as the reference model holds them.
+    core: HashMap<(Pol, usize), State>,
+}
+
+/// A core policy's check or refund of key `k` in the reference model, at `now`.
+struct CoreCall {
+    pol: Pol,
+    k: usize,
+    limits: Limits,
+    now: i64,
+}
+
+/// What a check answers in the model, and what it writes if it stands.
+struct Decided {
+    allowed: bool,
+    remaining: u64,
+    write: Pending,
+}
+
+enum Pending {
+    /// A hand-modeled count or tokens to write (None: nothing).
+    Hand(Option<u64>),
+    /// The reference model's write, and the call it came from (a refund goes through
+    /// the same numbers).
+    Core(Write, CoreCall),
 }
 
 impl Model {
@@ -213,6 +483,7 @@ impl Model {
             (Pol::Log, Some(v)) if key == "vip" => v,
             (Pol::Log, _) => rules.log_limit,
             (Pol::Bucket, _) => rules.bucket_limit,
+            _ => unreachable!("the reference model decides {pol:?}"),
         }
     }
 
@@ -238,6 +509,7 @@ impl Model {
                     (false, t.max(0) as u64, None)
                 }
             }
+            _ => unreachable!("the reference model decides {pol:?}"),
         }
     }
 
@@ -245,6 +517,7 @@ impl Model {
         match pol {
             Pol::Log => self.log.insert(key.to_owned(), value as i64),
             Pol::Bucket => self.put_tokens(rules, key, value as i64),
+            _ => unreachable!("the reference model writes {pol:?}"),
         };
     }
 
@@ -268,12 +541,87 @@ impl Model {
         (t + cap as i64 - written as i64).max(0)
     }
 
-    fn reset(&mut self, pol: Pol, key: &str) {
+    fn reset(&mut self, pol: Pol, k: usize) {
         match pol {
-            Pol::Log => self.log.remove(key).map(|_| ()),
-            Pol::Bucket => self.bucket.remove(key).map(|_| ()),
+            Pol::Log => self.log.remove(KEYS[k]).map(|_| ()),
+            Pol::Bucket => self.bucket.remove(KEYS[k]).map(|_| ()),
+            _ => self.core.remove(&(pol, k)).map(|_| ()),
         };
     }
+
+    /// One operation of a core policy's key in the reference model.
+    fn core_apply(&self, call: &CoreCall, op: algorithm::Op) -> algorithm::Outcome {
+        let alg = call.pol.core().expect("a core policy");
+        let state = self.core.get(&(call.pol, call.k));
+        algorithm::apply(alg, &call.limits, state, call.now, op, "")
+    }
+
+    fn core_write(&mut self, call: &CoreCall, write: Write) {
+        let mut state = self.core.remove(&(call.pol, call.k));
+        write.apply_to(&mut state);
+        if let Some(st) = state {
+            self.core.insert((call.pol, call.k), st);
+        }
+    }
+
+    /// A check of `cost` of key `k` of `pol` through instance `on` of `pair`, at its own
+    /// numbers (and, for a core policy, since when they are in force there).
+    fn check(&self, pair: &Pair, on: usize, pol: Pol, k: usize, cost: u64) -> Decided {
+        if pol.core().is_none() {
+            let (allowed, remaining, write) = self.decide(&pair.rules[on], pol, KEYS[k], cost);
+            return Decided {
+                allowed,
+                remaining,
+                write: Pending::Hand(write),
+            };
+        }
+        let call = CoreCall {
+            pol,
+            k,
+            limits: pair.limits(on, pol, k),
+            now: now_us(),
+        };
+        let out = self.core_apply(&call, algorithm::Op::Check { cost });
+        Decided {
+            allowed: out.verdict.allowed,
+            remaining: out.verdict.remaining,
+            write: Pending::Core(out.write, call),
+        }
+    }
+
+    /// Puts what `d` writes (a check that stood).
+    fn stand(&mut self, rules: &Rules, pol: Pol, k: usize, d: Decided) {
+        match d.write {
+            Pending::Hand(Some(w)) => self.write(rules, pol, KEYS[k], w),
+            Pending::Hand(None) => {}
+            Pending::Core(w, call) => self.core_write(&call, w),
+        }
+    }
+
+    /// `d`, a check of `cost` admitted in a batch that was denied: written, then refunded.
+    fn refunded(&mut self, rules: &Rules, pol: Pol, k: usize, cost: u64, d: Decided) {
+        match d.write {
+            // A bucket holds what it held before, now written down (a key the batch
+            // created stays, full at the burst in force).
+            Pending::Hand(Some(_)) if pol == Pol::Bucket => {
+                self.write(rules, pol, KEYS[k], d.remaining + cost)
+            }
+            Pending::Hand(_) => {}
+            Pending::Core(w, call) => {
+                self.core_write(&call, w);
+                let out = self.core_apply(&call, algorithm::Op::Refund { cost });
+                self.core_write(&call, out.write);
+            }
+        }
+    }
+}
+
+/// The real clock, in microseconds (Redis's, on this machine): read after an answer, so
+/// the model's instants fall between the scripts' in the same order.
+fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
 }
 
 /// Two daemons on one Redis, A as a user that may PUBLISH and B as one that may not.
@@ -281,21 +629,27 @@ struct Pair {
     redis: RedisServer,
     daemons: [Quotad; 2],
     users: [&'static str; 2],
-    rules: Rules,
-    /// `log`'s `version`: only ever raised, across cases.
-    version: u64,
+    /// What each runs (the hand-modeled parts are the same on both).
+    rules: [Rules; 2],
+    /// Each one's policies' `version`: only ever raised, across cases.
+    versions: [u64; 2],
+    sinces: [Sinces; 2],
+    /// Orders the moments numbers came into force, as the daemons' clocks do.
+    tick: u64,
+    /// Checks of core policies answered while the two ran different numbers of them.
+    split_checks: u64,
 }
 
 impl Pair {
     fn config(url: &str, user: &str, rules: &Rules, version: u64) -> String {
+        let v = version as i64;
         let window = format!("{}h", rules.log_hours);
-        let mut log = Policy::new("log", "sliding_log", rules.log_limit, &window)
-            .set("version", version as i64);
-        if let Some(v) = rules.vip {
+        let mut log = Policy::new("log", "sliding_log", rules.log_limit, &window).set("version", v);
+        if let Some(l) = rules.vip {
             // Every case's own `…-vip` key.
-            log = log.with_override("glob", "*-vip", v);
+            log = log.with_override("glob", "*-vip", l);
         }
-        Config::redis(url)
+        let mut config = Config::redis(url)
             .store("username", user)
             .store("password", PASSWORD)
             .policy(log)
@@ -303,8 +657,21 @@ impl Pair {
                 Policy::new("bucket", "token_bucket", rules.bucket_limit, "1d")
                     .set("settle_within", "1h"),
             )
-            .policy(Policy::new("slots", "concurrency", rules.slots_limit, "1h"))
-            .to_toml()
+            .policy(Policy::new("slots", "concurrency", rules.slots_limit, "1h"));
+        for pol in CORE {
+            let n = rules.numbers(pol);
+            let alg = pol.core().expect("core");
+            let days = format!("{}d", pol.days(n.windows));
+            let mut p = Policy::new(pol.name(), alg.name(), n.limit, &days).set("version", v);
+            if alg.has_burst() {
+                p = p.burst(n.burst);
+            }
+            if let (Pol::Gcra, Some(l)) = (pol, rules.gcra_vip) {
+                p = p.with_override("glob", "*-vip", l);
+            }
+            config = config.policy(p);
+        }
+        config.to_toml()
     }
 
     fn start() -> Pair {
@@ -318,44 +685,72 @@ impl Pair {
         );
         let users = ["a", "b"];
         let daemons = users.map(|u| Quotad::start(&Self::config(&redis.url(), u, &START, 1)));
+        // Stamped as each started, A first.
+        let mut sinces = [Sinces::default(), Sinces::default()];
+        for (i, s) in sinces.iter_mut().enumerate() {
+            s.restamp(None, &START, 1, i as u64 + 1);
+        }
         Pair {
             redis,
             daemons,
             users,
-            rules: START,
-            version: 1,
+            rules: [START, START],
+            versions: [1, 1],
+            sinces,
+            tick: 2,
+            split_checks: 0,
         }
     }
 
-    /// Both daemons reload `rules` (with a higher `log` version when `bump`); the result
-    /// both counted (they run the same file but for the user).
-    fn reload(&mut self, rules: &Rules, bump: bool) -> &'static str {
-        let version = self.version + u64::from(bump);
-        let mut results = Vec::new();
-        for (q, user) in self.daemons.iter().zip(self.users) {
-            let text = q.config_file_text(&Self::config(&self.redis.url(), user, rules, version));
-            let file = q.dir.path().join("quotad.toml");
-            let old = std::fs::read_to_string(&file).unwrap();
-            if text == old {
-                results.push("ok");
-                continue;
-            }
-            let result = q.reload(&text);
-            if result != "ok" {
-                // The file again says what runs, so the next reload starts from it.
-                std::fs::write(&file, old).unwrap();
-            }
-            results.push(result);
+    /// Whether the two run different numbers of the core policies (a rollout between).
+    fn split(&self) -> bool {
+        let [a, b] = &self.rules;
+        a.core != b.core || a.gcra_vip != b.gcra_vip
+    }
+
+    /// The limits instance `on` decides core policy `pol`'s key `k` under.
+    fn limits(&self, on: usize, pol: Pol, k: usize) -> Limits {
+        let vip = KEYS[k] == "vip" && pol == Pol::Gcra && self.rules[on].gcra_vip.is_some();
+        self.rules[on].limits(pol, vip, self.sinces[on].get(pol, vip))
+    }
+
+    /// Daemon `on` reloads `rules` at `version`: the result it counted (the same file:
+    /// "ok" without a reload). Applied, the rules and their instants are its own now.
+    fn reload(&mut self, on: usize, rules: &Rules, version: u64) -> &'static str {
+        let q = &self.daemons[on];
+        let text = q.config_file_text(&Self::config(
+            &self.redis.url(),
+            self.users[on],
+            rules,
+            version,
+        ));
+        let file = q.dir.path().join("quotad.toml");
+        let old = std::fs::read_to_string(&file).unwrap();
+        if text == old {
+            return "ok";
         }
-        assert_eq!(
-            results[0], results[1],
-            "the two daemons disagree on a reload"
-        );
-        if results[0] == "ok" {
-            self.rules = rules.clone();
-            self.version = version;
+        let result = q.reload(&text);
+        if result != "ok" {
+            // The file again says what runs, so the next reload starts from it.
+            std::fs::write(&file, old).unwrap();
+            return result;
         }
-        results[0]
+        self.tick += 1;
+        let before = (&self.rules[on], self.versions[on]);
+        self.sinces[on].restamp(Some(before), rules, version, self.tick);
+        self.rules[on] = rules.clone();
+        self.versions[on] = version;
+        result
+    }
+
+    /// What a reload of `rules` at `version` on `on` must answer: refused when a window
+    /// changes without a higher version.
+    fn expected(&self, on: usize, rules: &Rules, version: u64) -> &'static str {
+        if rules.windows_differ(&self.rules[on]) && version <= self.versions[on] {
+            "refused"
+        } else {
+            "ok"
+        }
     }
 }
 
@@ -365,11 +760,14 @@ fn check_body(pol: Pol, key: &str, cost: u64) -> Value {
 
 /// Runs `ops` on keys of their own (`tag`); an error names the step.
 fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> {
-    // Every case starts from the same rules (a window back to START needs a version).
-    if pair.rules != START {
-        let bump = pair.rules.log_hours != START.log_hours;
-        let r = pair.reload(&START, bump);
-        prop_assert_eq!(r, "ok", "back to the start rules");
+    // Every case starts from the same rules, on both (a version above both's, so any
+    // window may go back).
+    if pair.rules != [START, START] {
+        let version = pair.versions[0].max(pair.versions[1]) + 1;
+        for on in 0..2 {
+            let r = pair.reload(on, &START, version);
+            prop_assert_eq!(r, "ok", "back to the start rules on {}", on);
+        }
     }
     let key = |k: usize| format!("c{tag}-{}", KEYS[k]);
     let mut model = Model::default();
@@ -382,14 +780,15 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 key: k,
                 cost,
             } => {
-                let (allowed, remaining, write) = model.decide(&pair.rules, *pol, KEYS[*k], *cost);
                 let (status, v) = pair.daemons[*on].check(&check_body(*pol, &key(*k), *cost));
-                prop_assert_eq!(status, 200, "{}: {}", at, v);
-                prop_assert_eq!(&v["allowed"], &json!(allowed), "{}: {}", at, v);
-                prop_assert_eq!(&v["remaining"], &json!(remaining), "{}: {}", at, v);
-                if let Some(w) = write {
-                    model.write(&pair.rules, *pol, KEYS[*k], w);
+                let d = model.check(pair, *on, *pol, *k, *cost);
+                if pol.core().is_some() && pair.split() {
+                    pair.split_checks += 1;
                 }
+                prop_assert_eq!(status, 200, "{}: {}", at, v);
+                prop_assert_eq!(&v["allowed"], &json!(d.allowed), "{}: {}", at, v);
+                prop_assert_eq!(&v["remaining"], &json!(d.remaining), "{}: {}", at, v);
+                model.stand(&pair.rules[*on], *pol, *k, d);
             }
             Op::Batch { on, items } => {
                 let checks: Vec<Value> = items
@@ -398,24 +797,27 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     .collect();
                 let (status, v) = pair.daemons[*on].check(&json!({"checks": checks}));
                 prop_assert_eq!(status, 200, "{}: {}", at, v);
-                let decided: Vec<(bool, u64, Option<u64>)> = items
+                let decided: Vec<Decided> = items
                     .iter()
-                    .map(|(p, k, c)| model.decide(&pair.rules, *p, KEYS[*k], *c))
+                    .map(|(p, k, c)| model.check(pair, *on, *p, *k, *c))
                     .collect();
-                let passed = decided.iter().all(|d| d.0);
+                let passed = decided.iter().all(|d| d.allowed);
                 prop_assert_eq!(&v["allowed"], &json!(passed), "{}: {}", at, v);
-                for (i, ((p, k, c), d)) in items.iter().zip(&decided).enumerate() {
+                for (i, ((p, k, c), d)) in items.iter().zip(decided).enumerate() {
                     let r = &v["results"][i];
-                    prop_assert_eq!(&r["allowed"], &json!(d.0), "{} [{}]: {}", at, i, v);
-                    prop_assert_eq!(&r["remaining"], &json!(d.1), "{} [{}]: {}", at, i, v);
-                    match (passed, d.2, p) {
-                        (true, Some(w), _) => model.write(&pair.rules, *p, KEYS[*k], w),
-                        // Refunded: a bucket holds what it held before, now written down
-                        // (a key the batch created stays, full at the burst in force).
-                        (false, Some(_), Pol::Bucket) => {
-                            model.write(&pair.rules, *p, KEYS[*k], d.1 + c)
-                        }
-                        _ => {}
+                    prop_assert_eq!(&r["allowed"], &json!(d.allowed), "{} [{}]: {}", at, i, v);
+                    prop_assert_eq!(
+                        &r["remaining"],
+                        &json!(d.remaining),
+                        "{} [{}]: {}",
+                        at,
+                        i,
+                        v
+                    );
+                    if passed {
+                        model.stand(&pair.rules[*on], *p, *k, d);
+                    } else if d.allowed {
+                        model.refunded(&pair.rules[*on], *p, *k, *c, d);
                     }
                 }
             }
@@ -428,7 +830,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 // every later answer, from either instance, must agree with the model.
                 match status {
                     204 => {
-                        model.reset(*pol, KEYS[*k]);
+                        model.reset(*pol, *k);
                         // A reset of a `bucket` key ends the reservations open on it.
                         for r in model.reservations.iter_mut() {
                             if *pol == Pol::Bucket && r.0 == *k && !r.3 {
@@ -450,10 +852,25 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 }
             }
             Op::Reload { rules, bump } => {
-                let window = rules.log_hours != pair.rules.log_hours;
-                let result = pair.reload(rules, *bump);
-                let want = if window && !bump { "refused" } else { "ok" };
-                prop_assert_eq!(result, want, "{}", at);
+                // One file for both: a version above both's when they differ (a rollout
+                // raised one), so both answer alike.
+                let raise = *bump || pair.versions[0] != pair.versions[1];
+                let version = pair.versions[0].max(pair.versions[1]) + u64::from(raise);
+                for on in 0..2 {
+                    let want = pair.expected(on, rules, version);
+                    let got = pair.reload(on, rules, version);
+                    prop_assert_eq!(got, want, "{} on {}", at, on);
+                }
+            }
+            Op::Rollout { on, rules, bump } => {
+                let rules = pair.rules[*on].with_core_of(rules);
+                let version = match bump {
+                    true => pair.versions[0].max(pair.versions[1]) + 1,
+                    false => pair.versions[*on],
+                };
+                let want = pair.expected(*on, &rules, version);
+                let got = pair.reload(*on, &rules, version);
+                prop_assert_eq!(got, want, "{}", at);
             }
             Op::Reserve {
                 on,
@@ -461,11 +878,11 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 estimate,
             } => {
                 let (allowed, remaining, write) =
-                    model.decide(&pair.rules, Pol::Bucket, KEYS[*k], *estimate);
+                    model.decide(&pair.rules[*on], Pol::Bucket, KEYS[*k], *estimate);
                 let body =
                     json!({"policy": "bucket", "key": key(*k), "cost": estimate, "settle": true});
                 let (status, v) = pair.daemons[*on].check(&body);
-                if *estimate > pair.rules.bucket_limit {
+                if *estimate > pair.rules[*on].bucket_limit {
                     prop_assert_eq!(status, 400, "{}: over the capacity: {}", at, v);
                     continue;
                 }
@@ -482,11 +899,11 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     _ => prop_assert!(false, "{}: a reservation iff admitted: {}", at, v),
                 }
                 if let Some(w) = write {
-                    model.write(&pair.rules, Pol::Bucket, KEYS[*k], w);
+                    model.write(&pair.rules[*on], Pol::Bucket, KEYS[*k], w);
                 }
             }
             Op::Settle { on, which, cost } => {
-                let cap = pair.rules.bucket_limit;
+                let cap = pair.rules[*on].bucket_limit;
                 let (k, id, estimate, settled, ended) = match model.reservations.len() {
                     0 => (0, "0".repeat(32), 0, false, false),
                     n => model.reservations[which % n].clone(),
@@ -521,7 +938,11 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     prop_assert_eq!(status, 200, "{}: {}", at, v);
                     prop_assert_eq!(&v["status"], "settled", "{}: {}", at, v);
                     prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
-                    model.put_tokens(&pair.rules, KEYS[k], t);
+                    // At the estimate nothing is charged or given back: nothing is
+                    // written (a write would put the key in the numbers in force).
+                    if *cost != estimate {
+                        model.put_tokens(&pair.rules[*on], KEYS[k], t);
+                    }
                     if let Some(r) = model.reservations.iter_mut().find(|r| r.1 == id) {
                         r.3 = true;
                     }
@@ -535,17 +956,17 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                 }
             }
             Op::Charge { on, key: k, cost } => {
-                let t = model.tokens(pair.rules.bucket_limit, KEYS[*k]) - *cost as i64;
+                let t = model.tokens(pair.rules[*on].bucket_limit, KEYS[*k]) - *cost as i64;
                 let body = json!({"policy": "bucket", "key": key(*k), "cost": cost});
                 let (status, _, v) = pair.daemons[*on].post("/v1/charge", &body);
                 prop_assert_eq!(status, 200, "{}: {}", at, v);
                 prop_assert_eq!(&v["outcome"], "allowed", "{}: {}", at, v);
                 prop_assert_eq!(&v["remaining"], &json!(t.max(0)), "{}: {}", at, v);
-                model.put_tokens(&pair.rules, KEYS[*k], t);
+                model.put_tokens(&pair.rules[*on], KEYS[*k], t);
             }
             Op::Acquire { on, key: k, units } => {
                 let held = model.held.get(k).copied().unwrap_or(0);
-                let allowed = held + units <= pair.rules.slots_limit;
+                let allowed = held + units <= pair.rules[*on].slots_limit;
                 let body = json!({"policy": "slots", "key": key(*k), "units": units});
                 let (status, _, v) = pair.daemons[*on].post("/v1/acquire", &body);
                 prop_assert_eq!(status, 200, "{}: {}", at, v);
@@ -614,7 +1035,12 @@ fn two_instances_answer_every_step_as_the_model_does() {
     let state = std::cell::RefCell::new((0u64, 0usize));
     let pair = std::cell::RefCell::new(&mut pair);
     let started = Instant::now();
-    let result = runner.run(&prop::collection::vec(op(), 1..=MAX_STEPS), |ops| {
+    let ops = (
+        prop::sample::subsequence(ALL.to_vec(), 1..=3),
+        prop::sample::subsequence(vec![0, 1, 2], 1..=2),
+    )
+        .prop_flat_map(|(pols, keys)| prop::collection::vec(op(pols, keys), 1..=MAX_STEPS));
+    let result = runner.run(&ops, |ops| {
         let tag = {
             let mut s = state.borrow_mut();
             s.0 += 1;
@@ -624,13 +1050,18 @@ fn two_instances_answer_every_step_as_the_model_does() {
         run_case(&mut pair.borrow_mut(), tag, &ops)
     });
     let (runs, steps) = *state.borrow();
+    let split = pair.borrow().split_checks;
     eprintln!(
-        "{runs} runs ({CASES} cases and any shrinking), {steps} steps in {:.1} s",
+        "{runs} runs ({CASES} cases and any shrinking), {steps} steps in {:.1} s; {split} checks of keys under two configs",
         started.elapsed().as_secs_f64()
     );
     if let Err(e) = result {
         panic!("{e}");
     }
+    assert!(
+        split > 100,
+        "only {split} checks under two configs: rollouts barely exercised"
+    );
 }
 
 // ------------------------------------------------------------------ two regions

@@ -24,10 +24,11 @@
 //! or burst, or gives the key an override, asks another question, so the store is asked
 //! again), and the same cost. The answer is then the store's own: `remaining` does not
 //! change while the key stays denied for that cost (a cost-1 denial leaves 0 whole units
-//! for every algorithm; a fixed window's count holds until the window ends), and the
-//! retry and reset times are instants, reported as what is left of them now. A denial of
-//! a cost above 1 is remembered only for a fixed window: elsewhere its `remaining` grows
-//! with time while it stays denied, and a remembered one would report the past.
+//! for every algorithm), and the retry and reset times are instants, reported as what is
+//! left of them now. A denial of a cost above 1 is remembered only for a fixed window
+//! with nothing left: elsewhere `remaining` grows with time while the key stays denied,
+//! and a window's that is not 0 falls when a smaller cost is admitted (here or on
+//! another instance, which announces nothing): a remembered one would report the past.
 //!
 //! Not cached: peeks whose answer would be "allowed", global policies (a loan arriving
 //! raises a key's rate, so its retry time is not final), and anything from the embedded
@@ -132,8 +133,10 @@ impl DenyCache {
         if self.max_per_shard == 0 || v.allowed || !self.live.load(Ordering::Acquire) {
             return;
         }
-        // Above cost 1, only a fixed window's `remaining` holds while the key is denied.
-        if q.cost() > 1 && q.algorithm != Algorithm::FixedWindow {
+        // Above cost 1, only a fixed window's denial with nothing left holds whole while
+        // the key is denied: time moves the others' `remaining`, and a smaller cost
+        // admitted (here or elsewhere, unannounced) lowers a window's that is not 0.
+        if q.cost() > 1 && (q.algorithm != Algorithm::FixedWindow || v.remaining > 0) {
             return;
         }
         let after = |us: i64| {
@@ -226,9 +229,9 @@ mod tests {
         c.set_live(true);
         let t0 = Instant::now();
         let fw = |cost| q("k", Algorithm::FixedWindow, cost);
-        c.remember(&fw(3), &denial(2, 1_000_000, 5_000_000), t0, c.epoch());
+        c.remember(&fw(3), &denial(0, 1_000_000, 5_000_000), t0, c.epoch());
         let v = c.lookup(&fw(3), t0 + Duration::from_millis(400)).unwrap();
-        assert!(!v.allowed && v.remaining == 2);
+        assert!(!v.allowed && v.remaining == 0);
         assert!((599_000..=600_000).contains(&v.retry_after_us), "{v:?}");
         assert!(
             c.lookup(&fw(10), t0).is_none(),
@@ -276,7 +279,12 @@ mod tests {
         );
         let fw = q("k", Algorithm::FixedWindow, 3);
         c.remember(&fw, &denial(2, 1_000_000, 1_000_000), t0, c.epoch());
-        assert!(c.lookup(&fw, t0).is_some());
+        assert!(
+            c.lookup(&fw, t0).is_none(),
+            "a smaller cost admitted takes a window's 2 left"
+        );
+        c.remember(&fw, &denial(0, 1_000_000, 1_000_000), t0, c.epoch());
+        assert!(c.lookup(&fw, t0).is_some(), "a full window stays full");
     }
 
     #[test]
