@@ -61,11 +61,12 @@ TOML
 # Loads quotad's token-bucket script into the redis-server at $RP (files in $1) and sets
 # SHA and EVAL_ARGS: the EVALSHA quotad sends for policy "bench" on keys
 # rl:bench:tb:{k<random>} (redis-benchmark fills __rand_int__), with the frame and since
-# of its numbers at policy.version 1 (`scripts::frame_args`).
+# of its numbers at policy.version 1 from now (`scripts::frame_args`: the version and the
+# instant in ms, each after a letter counting its digits).
 load_token_bucket() {
   "$Q" script token_bucket >"$1/token_bucket.lua"
   SHA=$(redis-cli -p "$RP" -x script load <"$1/token_bucket.lua" | tr -d '\r')
-  EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 - 100:60000000:100 000000000000000000010000000000000)
+  EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 - 100:60000000:100 "b1n$(date +%s%3N)")
 }
 
 # CPU time of process $1 so far, in clock ticks (user + system, /proc/PID/stat), and the

@@ -165,7 +165,7 @@ done
 "$Q" script token_bucket >"$OUT/token_bucket.lua"
 SHA=$(rcli "${SA_CLI[@]}" -x script load <"$OUT/token_bucket.lua" | tr -d '\r')
 # The same arguments quotad sends: key, mode, limit, window_us, burst, cost, member.
-EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 - 100:60000000:100 000000000000000000010000000000000)
+EVAL_ARGS=(evalsha "$SHA" 1 "rl:bench:tb:{k__rand_int__}" check 100 60000000 100 1 - 100:60000000:100 "b1n$(date +%s%3N)")
 
 # Empties every server of a topology (keys only: scripts and commandstats stay).
 flush() {

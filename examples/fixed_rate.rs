@@ -102,6 +102,7 @@ async fn worker(
     let mut s = TcpStream::connect(addr).await.expect("connect");
     let _ = s.set_nodelay(true);
     let mut buf = Vec::with_capacity(4096);
+    let frame = bench_frame();
     let mut i = j;
     let mut busy_until = start;
     while i < total {
@@ -124,20 +125,10 @@ async fn worker(
             Target::Redis { sha, .. } => {
                 let k = format!("rl:bench:tb:{{k{}}}", key());
                 // As quotad sends it: mode, limit, window_us, burst, cost, member, then
-                // the frame and since of policy.version 1 (`scripts::frame_args`).
+                // the frame and since of the bench policy's numbers.
                 let args = [
-                    "EVALSHA",
-                    sha,
-                    "1",
-                    &k,
-                    "check",
-                    "100",
-                    "60000000",
-                    "100",
-                    "1",
-                    "-",
-                    "100:60000000:100",
-                    "000000000000000000010000000000000",
+                    "EVALSHA", sha, "1", &k, "check", "100", "60000000", "100", "1", "-", &frame.0,
+                    &frame.1,
                 ];
                 let mut cmd = format!("*{}\r\n", args.len());
                 for a in args {
@@ -159,6 +150,21 @@ async fn worker(
 
 /// Sends `msg` and reads until `answered` says the reply in `buf` is whole: `Some(ok)`.
 /// False on a write or read error, or a connection closed first.
+/// The frame and since quotad sends for the bench policy (100 per minute, version 1,
+/// in force from now).
+fn bench_frame() -> (String, String) {
+    use quotad_core::algorithm::{Limits, Since};
+    let at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    quotad_daemon::store::scripts::frame_args(&Limits {
+        limit: 100,
+        window_us: 60_000_000,
+        burst: 100,
+        since: Since { version: 1, at_ms },
+    })
+}
+
 async fn exchange(
     s: &mut TcpStream,
     buf: &mut Vec<u8>,

@@ -130,9 +130,9 @@ fn a_check_through_quotad_beside_evalsha_and_a_hot_key_beside_both() {
 
 /// The benchmarks call quotad's token-bucket script as quotad does (the EVALSHA ceiling
 /// quotad is compared with, the open-loop generator's Redis target, the memory figures):
-/// the script answers their arguments with a decision, not an argument error. The
-/// scripts once took two more arguments (a key's frame and since) and the ceiling went on
-/// measuring errors.
+/// the script answers their arguments with a decision, not an argument error, and their
+/// since is spelled as quotad spells it. The scripts once took two more arguments (a
+/// key's frame and since) and the ceiling went on measuring errors.
 #[test]
 fn the_benchmarks_call_the_scripts_as_quotad_does() {
     use quotad_core::algorithm::{Algorithm, Limits, Since};
@@ -144,35 +144,51 @@ fn the_benchmarks_call_the_scripts_as_quotad_does() {
         let text = read(file);
         let line = text
             .lines()
-            .find_map(|l| l.trim().strip_prefix("EVAL_ARGS=(evalsha "))
+            .map(str::trim)
+            .find(|l| l.starts_with("EVAL_ARGS=(evalsha "))
             .unwrap_or_else(|| panic!("{file}: no EVAL_ARGS"));
-        let words: Vec<&str> = line.trim_end_matches(')').split_whitespace().collect();
-        // "$SHA" 1 "<key>" then the script's arguments.
-        let key = words[2].trim_matches('"').replace("__rand_int__", "1");
+        // The words as bash makes them: "evalsha" "$SHA" 1 "<key>", then the script's.
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "SHA=sha; {line}; printf '%s\\n' \"${{EVAL_ARGS[@]}}\""
+            ))
+            .output()
+            .unwrap();
+        let words: Vec<String> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(String::from)
+            .collect();
+        let key = words[3].replace("__rand_int__", "1");
         let reply: redis::RedisResult<Vec<i64>> = redis::cmd("EVAL")
             .arg(scripts::source(Algorithm::TokenBucket))
             .arg(1)
             .arg(&key)
-            .arg(&words[3..])
+            .arg(&words[4..])
             .query(&mut redis.conn());
         assert!(
             matches!(reply.as_deref(), Ok([1, ..])),
             "{file}: {words:?} answered {reply:?}"
         );
+        let since = &words[words.len() - 1];
+        let at_ms = since.strip_prefix("b1n").and_then(|ms| ms.parse().ok());
+        let quotads = at_ms.map(|at_ms| {
+            let l = Limits {
+                limit: 100,
+                window_us: 60_000_000,
+                burst: 100,
+                since: Since { version: 1, at_ms },
+            };
+            scripts::frame_args(&l).1
+        });
+        assert_eq!(quotads.as_ref(), Some(since), "{file}: {words:?}");
     }
-    // The generator and the memory figures spell the same frame and since.
-    let bench = Limits {
-        limit: 100,
-        window_us: 60_000_000,
-        burst: 100,
-        since: Since {
-            version: 1,
-            at_ms: 0,
-        },
-    };
-    let (frame, since) = scripts::frame_args(&bench);
-    let generator = read("examples/fixed_rate.rs");
-    assert!(generator.contains(&format!("\"{frame}\"")) && generator.contains(&since));
+    // The generator takes them from `frame_args`; the memory figures spell them as above.
+    assert!(read("examples/fixed_rate.rs").contains("scripts::frame_args"));
     let memory = read("bench/memory.sh");
-    assert!(memory.contains("$n:3600000000:$n") && memory.contains(&since));
+    assert!(
+        memory.contains("SINCE=\"b1n$(date +%s%3N)\"")
+            && memory.contains("$n:3600000000:$n $SINCE")
+    );
 }

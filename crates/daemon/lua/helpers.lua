@@ -166,7 +166,7 @@ end
 -- The transition rule (quotad_core::algorithm::frame, the reference model; keep them in
 -- step): what a key's state means when read under other numbers than it was written with.
 -- A state carries its frame (field f: "limit:window_us:burst"), when those came into force
--- (v: the writer's "since", zero-padded so that newer compares greater) and a hold (k:
+-- (v: the writer's "since", written so that newer compares greater, scripts.rs frame_args) and a hold (k:
 -- "until_us:unit_us:full_us", while two configs meet on the key). The reader passes its own
 -- frame string and since (prelude.lua: F and V).
 

@@ -14,7 +14,8 @@
 -- ARGV[6]  member       unique id of this request (sliding_log entries; others ignore it)
 -- ARGV[7]  frame        the reader's numbers, "limit:window_us:burst" (the transition rule,
 --                       helpers.lua; sliding_log ignores it)
--- ARGV[8]  since        when they came into force, zero-padded ("newer" compares greater)
+-- ARGV[8]  since        when they came into force ("newer" compares greater as a string:
+--                       src/store/scripts.rs, frame_args)
 -- ARGV[9]  now_us       TESTS ONLY: the differential test injects time here. quotad never
 --                       passes it: production decisions always use redis.call('TIME').
 -- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us}

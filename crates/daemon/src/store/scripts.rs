@@ -11,13 +11,24 @@ use quotad_core::algorithm::{Algorithm, Limits};
 
 /// A reader's numbers as the scripts take them for the transition rule
 /// (`lua/helpers.lua`, `quotad_core::algorithm::frame`): the frame, `limit:window_us:burst`,
-/// compared whole with a key's; and since when they are in force, zero-padded, so that a
-/// newer one compares greater as a string.
+/// compared whole with a key's; and since when they are in force, its version and instant
+/// each written as its digits after a letter that counts them (`b1n1765432100000`), so
+/// that a newer one compares greater as a string. Every key keeps one: 16 bytes for
+/// version 1 today, where zero-padding took 33.
 pub fn frame_args(l: &Limits) -> (String, String) {
     (
         format!("{}:{}:{}", l.limit, l.window_us, l.burst),
-        format!("{:020}{:013}", l.since.version, l.since.at_ms),
+        format!("{}{}", ordered(l.since.version), ordered(l.since.at_ms)),
     )
+}
+
+/// `n`'s digits after a letter for how many there are (`b` for one, up to `u` for twenty):
+/// equal-length numbers compare as their digits do, and a shorter one is smaller, so the
+/// strings order as the numbers.
+fn ordered(n: u64) -> String {
+    let digits = n.to_string();
+    let count = char::from(b'a' + digits.len() as u8);
+    format!("{count}{digits}")
 }
 
 macro_rules! script {
@@ -162,5 +173,53 @@ impl Default for Scripts {
 impl Scripts {
     pub fn sha(&self, algorithm: Algorithm) -> &str {
         self.scripts[algorithm.index()].get_hash()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quotad_core::algorithm::Since;
+
+    /// What the scripts compare as strings orders as `Since` does, at the edges of every
+    /// digit count and for the instants a clock gives.
+    #[test]
+    fn a_since_compares_as_a_string_as_it_does_as_numbers() {
+        let edges = [
+            0,
+            1,
+            9,
+            10,
+            99,
+            100,
+            1_765_432_100_000,
+            9_999_999_999_999,
+            u64::MAX,
+        ];
+        let sinces: Vec<Since> = edges
+            .iter()
+            .flat_map(|&version| edges.iter().map(move |&at_ms| Since { version, at_ms }))
+            .collect();
+        let text = |s: &Since| {
+            let l = Limits {
+                limit: 1,
+                window_us: 1,
+                burst: 1,
+                since: *s,
+            };
+            frame_args(&l).1
+        };
+        for a in &sinces {
+            for b in &sinces {
+                assert_eq!(text(a).cmp(&text(b)), a.cmp(b), "{a:?} against {b:?}");
+            }
+        }
+        assert_eq!(
+            text(&Since {
+                version: 1,
+                at_ms: 1_765_432_100_000
+            }),
+            "b1n1765432100000"
+        );
     }
 }
