@@ -100,13 +100,17 @@ done
 echo "hot key (every check denied after the first 100):"
 target hot quotad-hot-deny WRK_HOT=1
 echo "breaker open (Redis stopped with SIGSTOP; policy fails open):"
-# Server-side decision time from quotad's own histogram, over this run only.
-hist() { curl -s "127.0.0.1:$QP/metrics" | awk -v s="$1" 'index($0, s) == 1 {print $NF}'; }
+# Server-side decision time from quotad's own histogram, over this run only: series $1
+# summed over its entry points, only those carrying label $2 when given.
+hist() {
+  curl -s "127.0.0.1:$QP/metrics" |
+    awk -v s="$1" -v l="${2:-}" 'index($0, s) == 1 && (l == "" || index($0, l)) {t += $NF} END {printf "%d", t}'
+}
 kill -STOP "$REDIS_PID"
 sleep 0.5
-b0=$(hist 'quotad_check_duration_seconds_bucket{le="0.001"}'); c0=$(hist 'quotad_check_duration_seconds_count')
+b0=$(hist quotad_check_duration_seconds_bucket 'le="0.001"'); c0=$(hist quotad_check_duration_seconds_count)
 target open quotad-fail-open
-b1=$(hist 'quotad_check_duration_seconds_bucket{le="0.001"}'); c1=$(hist 'quotad_check_duration_seconds_count')
+b1=$(hist quotad_check_duration_seconds_bucket 'le="0.001"'); c1=$(hist quotad_check_duration_seconds_count)
 kill -CONT "$REDIS_PID"
 awk -v b=$((b1 - b0)) -v c=$((c1 - c0)) 'BEGIN{printf "  breaker open: %d of %d decisions (%.3f%%) took under 1 ms in quotad (quotad_check_duration_seconds)\n", b, c, 100*b/c}' \
   | tee "$OUT/fail-open-latency.txt"

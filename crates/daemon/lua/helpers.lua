@@ -99,6 +99,7 @@ local function slices_held(list, t)
 end
 -- The slices live at now, as stored (nil: none), and the latest end among them (or now).
 local function slices_text(list, now)
+  if #list == 0 then return nil, now end
   local out, last = {}, now
   for _, s in ipairs(list) do
     if s[3] > now then

@@ -18,22 +18,29 @@ local hold = hold_parse(st[6])
 local stored, stored_ts = tonumber(st[1]), tonumber(st[2])
 local exists = stored ~= nil and stored_ts ~= nil
 -- A state at rest (full in its frame, its hold passed) reads as no state.
-local rest = nil
+local rest, x = nil, nil
 if exists then
   local fl, fw, fb = limit, window, burst
-  if st[4] then fl, fw, fb = frame_numbers(st[4]) end
-  local x = bucket_refill(stored, stored_ts, now, fl, fw, fb, slices)
+  if st[4] and st[4] ~= F then fl, fw, fb = frame_numbers(st[4]) end
+  x = bucket_refill(stored, stored_ts, now, fl, fw, fb, slices)
   rest = rest_after(hold, math.ceil((fb - x) * fw / fl), now)
 end
 if not rest then exists, hold = false, nil end
 -- (No state, or one at rest: the reader's own.)
 local r = reading(exists and st[4], exists and st[5], limit, window, burst, F, V, true)
 local nl, nw, nb = r.n[1], r.n[2], r.n[3]
-local tokens, ts = nb, now
-if exists then tokens, ts = stored, stored_ts end
--- Taken over: what was used carries into the reader's burst as of the last write.
-if r.take then tokens = carry_tokens(tokens, r.take[3], burst) end
-tokens = bucket_refill(tokens, ts, now, nl, nw, nb, slices)
+local tokens
+if exists and not r.take then
+  -- Read under its own frame's numbers, as refilled above.
+  tokens = x
+else
+  local ts = now
+  tokens = nb
+  if exists then tokens, ts = stored, stored_ts end
+  -- Taken over: what was used carries into the reader's burst as of the last write.
+  if r.take then tokens = carry_tokens(tokens, r.take[3], burst) end
+  tokens = bucket_refill(tokens, ts, now, nl, nw, nb, slices)
+end
 local own = own_tokens(r, hold, limit, window, burst, now)
 
 local function full_in(t)
