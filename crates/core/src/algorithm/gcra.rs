@@ -197,3 +197,22 @@ pub(super) fn charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> 
         write: g.put(new_tat, cost as i64, now),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::algorithm::Algorithm;
+    use crate::algorithm::testing::{SEC, check, limits, run};
+
+    #[test]
+    fn gcra_admits_at_ten_thousand_per_second() {
+        // 10,000/s, burst 1: emission interval 100 us. Offer one request every 50 us for 1 s.
+        let l = limits(10_000, SEC, 1);
+        let t0 = 7 * SEC;
+        let steps: Vec<_> = (0..20_000).map(|i| (t0 + i * 50, check(1))).collect();
+        let admitted = run(Algorithm::Gcra, l, &steps)
+            .iter()
+            .filter(|v| v.allowed)
+            .count();
+        assert_eq!(admitted, 10_000);
+    }
+}

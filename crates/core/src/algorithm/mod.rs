@@ -4,7 +4,7 @@
 //! no maps, one file per algorithm, and the transition rule ([`frame`]: what a key's state
 //! means under other numbers than it was written with) beside them. The daemon's embedded
 //! store keeps one [`State`] per key and runs [`apply`] on it; the Lua scripts in
-//! `crates/daemon/lua/` do the same arithmetic inside Redis.
+//! `lua/` do the same arithmetic inside Redis.
 //! The differential test (`tests/differential.rs`) drives both with the same random
 //! sequences and requires identical answers, so the two copies cannot drift apart.
 //!
@@ -25,14 +25,14 @@
 
 use serde::{Deserialize, Serialize};
 
-mod bucket;
-mod fixed;
+mod fixed_window;
 pub mod frame;
 mod gcra;
-mod log;
-mod sliding;
+mod sliding_log;
+mod sliding_window;
+mod token_bucket;
 
-pub use bucket::{BucketRate, token_bucket_at};
+pub use token_bucket::{BucketRate, token_bucket_at};
 
 /// Which algorithm a policy uses. The names are the config and API names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -292,10 +292,10 @@ pub fn apply(
     member: &str,
 ) -> Outcome {
     match algorithm {
-        Algorithm::FixedWindow => fixed::apply(limits, state, now_us, op),
-        Algorithm::SlidingLog => log::apply(limits, state, now_us, op, member),
-        Algorithm::SlidingWindow => sliding::apply(limits, state, now_us, op),
-        Algorithm::TokenBucket => bucket::apply(limits, state, now_us, op),
+        Algorithm::FixedWindow => fixed_window::apply(limits, state, now_us, op),
+        Algorithm::SlidingLog => sliding_log::apply(limits, state, now_us, op, member),
+        Algorithm::SlidingWindow => sliding_window::apply(limits, state, now_us, op),
+        Algorithm::TokenBucket => token_bucket::apply(limits, state, now_us, op),
         Algorithm::Gcra => gcra::apply(limits, state, now_us, op),
     }
 }
@@ -314,8 +314,8 @@ pub fn charge(
     cost: u64,
 ) -> Option<Outcome> {
     match algorithm {
-        Algorithm::FixedWindow => Some(fixed::charge(limits, state, now_us, cost)),
-        Algorithm::TokenBucket => Some(bucket::charge(limits, state, now_us, cost)),
+        Algorithm::FixedWindow => Some(fixed_window::charge(limits, state, now_us, cost)),
+        Algorithm::TokenBucket => Some(token_bucket::charge(limits, state, now_us, cost)),
         Algorithm::Gcra => Some(gcra::charge(limits, state, now_us, cost)),
         _ => None,
     }
@@ -409,14 +409,15 @@ fn floor_u(x: f64) -> u64 {
     if x <= 0.0 { 0 } else { x.floor() as u64 }
 }
 
+/// What the algorithms' tests share: a sequence run on one key, and limits to run it at.
 #[cfg(test)]
-mod tests {
-    use super::*;
+mod testing {
+    use super::{Algorithm, Limits, Op, Since, State, Verdict, Write, apply};
 
-    const SEC: i64 = 1_000_000;
+    pub(super) const SEC: i64 = 1_000_000;
 
     /// Runs a sequence on one key, applying writes, and returns the verdicts.
-    fn run(alg: Algorithm, limits: Limits, steps: &[(i64, Op)]) -> Vec<Verdict> {
+    pub(super) fn run(alg: Algorithm, limits: Limits, steps: &[(i64, Op)]) -> Vec<Verdict> {
         let mut state: Option<State> = None;
         steps
             .iter()
@@ -436,11 +437,11 @@ mod tests {
             .collect()
     }
 
-    fn check(cost: u64) -> Op {
+    pub(super) fn check(cost: u64) -> Op {
         Op::Check { cost }
     }
 
-    fn limits(limit: u64, window_us: i64, burst: u64) -> Limits {
+    pub(super) fn limits(limit: u64, window_us: i64, burst: u64) -> Limits {
         Limits {
             limit,
             window_us,
@@ -450,12 +451,18 @@ mod tests {
     }
 
     /// `l` as a config that came into force at `at_ms`.
-    fn since(l: Limits, at_ms: u64) -> Limits {
+    pub(super) fn since(l: Limits, at_ms: u64) -> Limits {
         Limits {
             since: Since { version: 1, at_ms },
             ..l
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
 
     /// A charge beyond what a key has is debt: checks wait it out, so over time the key
     /// admits no more than its rate whatever the charges were.
@@ -481,173 +488,6 @@ mod tests {
             assert!(charge(alg, &l, None, t0, 1).is_none());
             assert!(!alg.holds_debt());
         }
-    }
-
-    /// A fixed window owes what a charge could not count in it: the windows after start
-    /// with the debt counted, a limit's worth each, until it is paid.
-    #[test]
-    fn a_fixed_windows_debt_fills_the_windows_after_it() {
-        let (l, t0) = (limits(10, SEC, 10), 100 * SEC);
-        // 4 spent, then 31 charged: 6 fit here and 25 are owed: the two windows after
-        // this one are full, and the third starts with 5.
-        let mut state = match apply(Algorithm::FixedWindow, &l, None, t0, check(4), "a").write {
-            Write::Put { state, .. } => state,
-            w => panic!("{w:?}"),
-        };
-        let out = charge(Algorithm::FixedWindow, &l, Some(&state), t0 + 1, 31).unwrap();
-        assert_eq!(out.verdict.remaining, 0);
-        assert_eq!(out.verdict.reset_after_us, 4 * SEC - 1, "clear once paid");
-        if let Write::Put { state: s, ttl_us } = out.write {
-            assert_eq!(ttl_us, 4 * SEC - 1);
-            state = s;
-        }
-        let at = |t: i64, c: u64| {
-            apply(Algorithm::FixedWindow, &l, Some(&state), t, check(c), "b").verdict
-        };
-        let v = at(t0 + 2, 1);
-        assert!(!v.allowed);
-        assert_eq!(v.retry_after_us, 3 * SEC - 2, "the third window has room");
-        assert!(!at(t0 + SEC, 1).allowed, "the next window is full of debt");
-        assert!(!at(t0 + 2 * SEC, 1).allowed, "and the one after");
-        assert!(!at(t0 + 3 * SEC, 6).allowed, "the third holds 5 owed");
-        assert!(at(t0 + 3 * SEC, 5).allowed);
-        let paid = at(t0 + 4 * SEC, 10);
-        assert!(paid.allowed, "paid: a whole window again");
-    }
-
-    #[test]
-    fn fixed_window_counts_down_and_resets_at_the_boundary() {
-        let (l, t0) = (limits(3, SEC, 3), 10 * SEC);
-        let v = run(
-            Algorithm::FixedWindow,
-            l,
-            &[
-                (t0, check(1)),
-                (t0 + 1, check(1)),
-                (t0 + 2, check(1)),
-                (t0 + 3, check(1)),
-                (t0 + SEC, check(1)),
-            ],
-        );
-        let got: Vec<_> = v.iter().map(|v| (v.allowed, v.remaining)).collect();
-        assert_eq!(
-            got,
-            vec![(true, 2), (true, 1), (true, 0), (false, 0), (true, 2)]
-        );
-        assert_eq!(v[3].retry_after_us, SEC - 3);
-    }
-
-    #[test]
-    fn sliding_log_article_sequence() {
-        // Limit 3 per 60 s; requests at 0, 100, 200, 300, 59 999, 60 001, 60 150 ms.
-        let l = limits(3, 60 * SEC, 3);
-        let ms = 1000;
-        let t0 = 1_000 * SEC;
-        let times = [0, 100, 200, 300, 59_999, 60_001, 60_150];
-        let steps: Vec<_> = times.iter().map(|t| (t0 + t * ms, check(1))).collect();
-        let got: Vec<_> = run(Algorithm::SlidingLog, l, &steps)
-            .iter()
-            .map(|v| v.allowed)
-            .collect();
-        assert_eq!(got, vec![true, true, true, false, false, true, true]);
-    }
-
-    #[test]
-    fn sliding_log_refund_removes_exactly_its_entries() {
-        let l = limits(5, SEC, 5);
-        let st = None;
-        let a = apply(Algorithm::SlidingLog, &l, st.as_ref(), 0, check(3), "a");
-        let Write::Put { state, .. } = a.write else {
-            panic!()
-        };
-        let b = apply(Algorithm::SlidingLog, &l, Some(&state), 1, check(2), "b");
-        assert_eq!(b.verdict.remaining, 0);
-        let Write::Put { state, .. } = b.write else {
-            panic!()
-        };
-        let r = apply(
-            Algorithm::SlidingLog,
-            &l,
-            Some(&state),
-            2,
-            Op::Refund { cost: 3 },
-            "a",
-        );
-        assert_eq!(r.verdict.remaining, 3);
-    }
-
-    #[test]
-    fn token_bucket_article_sequence() {
-        // Capacity 5 at 2 tokens/s: seven immediate calls, then one after 1 s.
-        let l = limits(2, SEC, 5);
-        let t0 = 50 * SEC;
-        let mut steps: Vec<_> = (0..7).map(|i| (t0 + i * 100, check(1))).collect();
-        steps.push((t0 + 600 + SEC, check(1)));
-        let got: Vec<_> = run(Algorithm::TokenBucket, l, &steps)
-            .iter()
-            .map(|v| (v.allowed, v.remaining))
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                (true, 4),
-                (true, 3),
-                (true, 2),
-                (true, 1),
-                (true, 0),
-                (false, 0),
-                (false, 0),
-                (true, 1)
-            ]
-        );
-    }
-
-    #[test]
-    fn token_bucket_keeps_fractional_tokens() {
-        let l = limits(2, SEC, 1);
-        let a = apply(Algorithm::TokenBucket, &l, None, 0, check(1), "");
-        let Write::Put { state, .. } = a.write else {
-            panic!()
-        };
-        // 0.25 s later: 0.5 tokens, not enough; the deny says 0.25 s more.
-        let b = apply(
-            Algorithm::TokenBucket,
-            &l,
-            Some(&state),
-            SEC / 4,
-            check(1),
-            "",
-        );
-        assert!(!b.verdict.allowed);
-        assert_eq!(b.verdict.retry_after_us, SEC / 4);
-    }
-
-    #[test]
-    fn gcra_admits_at_ten_thousand_per_second() {
-        // 10,000/s, burst 1: emission interval 100 us. Offer one request every 50 us for 1 s.
-        let l = limits(10_000, SEC, 1);
-        let t0 = 7 * SEC;
-        let steps: Vec<_> = (0..20_000).map(|i| (t0 + i * 50, check(1))).collect();
-        let admitted = run(Algorithm::Gcra, l, &steps)
-            .iter()
-            .filter(|v| v.allowed)
-            .count();
-        assert_eq!(admitted, 10_000);
-    }
-
-    #[test]
-    fn sliding_window_weights_the_previous_window() {
-        let l = limits(10, SEC, 10);
-        let t0 = 100 * SEC;
-        // 10 in window 0, then at 25% into window 1 the estimate is 7.5: 2 more fit, not 3.
-        let mut steps: Vec<_> = (0..10).map(|i| (t0 + i, check(1))).collect();
-        steps.push((t0 + SEC + SEC / 4, check(2)));
-        steps.push((t0 + SEC + SEC / 4, check(1)));
-        let v = run(Algorithm::SlidingWindow, l, &steps);
-        assert!(v[..10].iter().all(|v| v.allowed));
-        assert!(v[10].allowed);
-        assert!(!v[11].allowed, "{:?}", v[11]);
-        assert!(v[11].retry_after_us > 0);
     }
 
     #[test]

@@ -31,13 +31,16 @@ fn ordered(n: u64) -> String {
     format!("{count}{digits}")
 }
 
+/// A file of the top-level `lua/` folder, compiled in.
+macro_rules! lua {
+    ($($part:literal),+) => {
+        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../lua/", $($part),+))
+    };
+}
+
 macro_rules! script {
     ($file:literal) => {
-        concat!(
-            include_str!("../../lua/helpers.lua"),
-            include_str!("../../lua/prelude.lua"),
-            include_str!(concat!("../../lua/", $file))
-        )
+        concat!(lua!("helpers.lua"), lua!("prelude.lua"), lua!($file))
     };
 }
 
@@ -48,7 +51,7 @@ macro_rules! algorithm_function {
             "local function ",
             $name,
             "(key, refund, limit, window, burst, cost, member, now, write, eval_cost, charge, F, V)\n",
-            include_str!(concat!("../../lua/", $name, ".lua")),
+            lua!($name, ".lua"),
             "\nend\n"
         )
     };
@@ -56,52 +59,49 @@ macro_rules! algorithm_function {
 
 /// The all-or-nothing script of a co-location group (see `lua/composite.lua`).
 pub const COMPOSITE: &str = concat!(
-    include_str!("../../lua/helpers.lua"),
+    lua!("helpers.lua"),
     algorithm_function!("fixed_window"),
     algorithm_function!("sliding_log"),
     algorithm_function!("sliding_window"),
     algorithm_function!("token_bucket"),
     algorithm_function!("gcra"),
-    include_str!("../../lua/composite.lua"),
+    lua!("composite.lua"),
 );
 
 /// Reservations of an estimated cost and their settlement at the real one (see
 /// `lua/settle.lua`; the model is `quotad_core::settlement`), over the algorithms that can
 /// hold a debt, wrapped as for the composite script.
 pub const SETTLE: &str = concat!(
-    include_str!("../../lua/helpers.lua"),
+    lua!("helpers.lua"),
     algorithm_function!("fixed_window"),
     algorithm_function!("token_bucket"),
     algorithm_function!("gcra"),
-    include_str!("../../lua/settle.lua"),
+    lua!("settle.lua"),
 );
 
 /// A reset: the key's state forgotten and the invalidation published, atomically (see
 /// `lua/reset.lua`).
-pub const RESET: &str = include_str!("../../lua/reset.lua");
+pub const RESET: &str = lua!("reset.lua");
 
 /// Hot-key slices of a fixed window: takes and returns (see `lua/slice.lua`).
 pub const SLICE: &str = concat!(
-    include_str!("../../lua/helpers.lua"),
+    lua!("helpers.lua"),
     algorithm_function!("fixed_window"),
-    include_str!("../../lua/slice.lua")
+    lua!("slice.lua")
 );
 
 /// Hot-key slices of a token bucket or GCRA key: takes and returns (see
 /// `lua/bucket_slice.lua`).
 pub const BUCKET_SLICE: &str = concat!(
-    include_str!("../../lua/helpers.lua"),
+    lua!("helpers.lua"),
     algorithm_function!("token_bucket"),
     algorithm_function!("gcra"),
-    include_str!("../../lua/bucket_slice.lua")
+    lua!("bucket_slice.lua")
 );
 
 /// Concurrency limits: acquire, release, extend and peek of leases (see
 /// `lua/concurrency.lua`; its reference model is `quotad_core::concurrency`).
-pub const CONCURRENCY: &str = concat!(
-    include_str!("../../lua/helpers.lua"),
-    include_str!("../../lua/concurrency.lua")
-);
+pub const CONCURRENCY: &str = concat!(lua!("helpers.lua"), lua!("concurrency.lua"));
 
 /// The full source sent to Redis for `algorithm`.
 pub fn source(algorithm: Algorithm) -> &'static str {
@@ -116,10 +116,7 @@ pub fn source(algorithm: Algorithm) -> &'static str {
 
 macro_rules! global_script {
     ($file:literal) => {
-        concat!(
-            include_str!("../../lua/global/common.lua"),
-            include_str!(concat!("../../lua/global/", $file))
-        )
+        concat!(lua!("global/common.lua"), lua!("global/", $file))
     };
 }
 

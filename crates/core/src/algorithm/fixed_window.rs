@@ -189,3 +189,63 @@ pub(super) fn charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> 
         write: at.put(count, owed, cost as i64, now),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::algorithm::testing::{SEC, check, limits, run};
+    use crate::algorithm::{Algorithm, Write, apply, charge};
+
+    /// A fixed window owes what a charge could not count in it: the windows after start
+    /// with the debt counted, a limit's worth each, until it is paid.
+    #[test]
+    fn a_fixed_windows_debt_fills_the_windows_after_it() {
+        let (l, t0) = (limits(10, SEC, 10), 100 * SEC);
+        // 4 spent, then 31 charged: 6 fit here and 25 are owed: the two windows after
+        // this one are full, and the third starts with 5.
+        let mut state = match apply(Algorithm::FixedWindow, &l, None, t0, check(4), "a").write {
+            Write::Put { state, .. } => state,
+            w => panic!("{w:?}"),
+        };
+        let out = charge(Algorithm::FixedWindow, &l, Some(&state), t0 + 1, 31).unwrap();
+        assert_eq!(out.verdict.remaining, 0);
+        assert_eq!(out.verdict.reset_after_us, 4 * SEC - 1, "clear once paid");
+        if let Write::Put { state: s, ttl_us } = out.write {
+            assert_eq!(ttl_us, 4 * SEC - 1);
+            state = s;
+        }
+        let at = |t: i64, c: u64| {
+            apply(Algorithm::FixedWindow, &l, Some(&state), t, check(c), "b").verdict
+        };
+        let v = at(t0 + 2, 1);
+        assert!(!v.allowed);
+        assert_eq!(v.retry_after_us, 3 * SEC - 2, "the third window has room");
+        assert!(!at(t0 + SEC, 1).allowed, "the next window is full of debt");
+        assert!(!at(t0 + 2 * SEC, 1).allowed, "and the one after");
+        assert!(!at(t0 + 3 * SEC, 6).allowed, "the third holds 5 owed");
+        assert!(at(t0 + 3 * SEC, 5).allowed);
+        let paid = at(t0 + 4 * SEC, 10);
+        assert!(paid.allowed, "paid: a whole window again");
+    }
+
+    #[test]
+    fn fixed_window_counts_down_and_resets_at_the_boundary() {
+        let (l, t0) = (limits(3, SEC, 3), 10 * SEC);
+        let v = run(
+            Algorithm::FixedWindow,
+            l,
+            &[
+                (t0, check(1)),
+                (t0 + 1, check(1)),
+                (t0 + 2, check(1)),
+                (t0 + 3, check(1)),
+                (t0 + SEC, check(1)),
+            ],
+        );
+        let got: Vec<_> = v.iter().map(|v| (v.allowed, v.remaining)).collect();
+        assert_eq!(
+            got,
+            vec![(true, 2), (true, 1), (true, 0), (false, 0), (true, 2)]
+        );
+        assert_eq!(v[3].retry_after_us, SEC - 3);
+    }
+}

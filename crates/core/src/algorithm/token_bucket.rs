@@ -266,3 +266,55 @@ fn refilled(rate: &BucketRate, state: Option<&State>, now: i64) -> f64 {
     rate.capacity
         .min(tokens + elapsed * rate.amount / rate.per_us)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::algorithm::testing::{SEC, check, limits, run};
+    use crate::algorithm::{Algorithm, Write, apply};
+
+    #[test]
+    fn token_bucket_article_sequence() {
+        // Capacity 5 at 2 tokens/s: seven immediate calls, then one after 1 s.
+        let l = limits(2, SEC, 5);
+        let t0 = 50 * SEC;
+        let mut steps: Vec<_> = (0..7).map(|i| (t0 + i * 100, check(1))).collect();
+        steps.push((t0 + 600 + SEC, check(1)));
+        let got: Vec<_> = run(Algorithm::TokenBucket, l, &steps)
+            .iter()
+            .map(|v| (v.allowed, v.remaining))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (true, 4),
+                (true, 3),
+                (true, 2),
+                (true, 1),
+                (true, 0),
+                (false, 0),
+                (false, 0),
+                (true, 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn token_bucket_keeps_fractional_tokens() {
+        let l = limits(2, SEC, 1);
+        let a = apply(Algorithm::TokenBucket, &l, None, 0, check(1), "");
+        let Write::Put { state, .. } = a.write else {
+            panic!()
+        };
+        // 0.25 s later: 0.5 tokens, not enough; the deny says 0.25 s more.
+        let b = apply(
+            Algorithm::TokenBucket,
+            &l,
+            Some(&state),
+            SEC / 4,
+            check(1),
+            "",
+        );
+        assert!(!b.verdict.allowed);
+        assert_eq!(b.verdict.retry_after_us, SEC / 4);
+    }
+}

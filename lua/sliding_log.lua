@@ -1,4 +1,5 @@
--- sliding_log: an exact sliding window, one sorted-set entry per admitted unit.
+-- sliding_log: an exact sliding window, one sorted-set entry per admitted unit. The model
+-- is quotad_core::algorithm (sliding_log.rs).
 --
 -- KEYS[1]  sorted set: score = admission time (us), member = '<request id>:<i>' for
 --          i = 1..cost, unique per admission so same-microsecond requests never collapse

@@ -6,10 +6,10 @@
 -- ARGV     see prelude.lua (member unused)
 -- Returns  {allowed, remaining = floor(tokens), reset_after_us = until the bucket is full,
 --           retry_after_us = until enough tokens for this cost}
--- The model is quotad_core::algorithm (bucket.rs, frame.rs). Fractional tokens are kept in
--- the hash (never truncated by Lua-to-Redis integer conversion); a missing key is a full
--- bucket, and the TTL is the time to refill, so expiry never changes a decision. Denials
--- and peeks write nothing. A hot key's slices (field sl, see helpers.lua) lower the
+-- The model is quotad_core::algorithm (token_bucket.rs, frame.rs). Fractional tokens are
+-- kept in the hash (never truncated by Lua-to-Redis integer conversion); a missing key is a
+-- full bucket, and the TTL is the time to refill, so expiry never changes a decision.
+-- Denials and peeks write nothing. A hot key's slices (field sl, see helpers.lua) lower the
 -- capacity while they are live, and the TTL then covers the last of them too. O(1) in the
 -- number of slices (a few per instance).
 local st = redis.call('HMGET', key, 't', 'ts', 'sl', 'f', 'v', 'k')

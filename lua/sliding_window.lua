@@ -7,7 +7,7 @@
 -- Returns  {allowed, remaining = floor(limit - estimate),
 --           reset_after_us = until both counted windows have passed,
 --           retry_after_us = until the estimate leaves room for this cost}
--- The model is quotad_core::algorithm (sliding.rs, frame.rs). Smooth at window
+-- The model is quotad_core::algorithm (sliding_window.rs, frame.rs). Smooth at window
 -- boundaries, two numbers per key; approximate (assumes the previous window's admissions
 -- were spread evenly). Denied requests are not counted. O(1).
 if charge then

@@ -1,7 +1,8 @@
 -- quotad global policies: the regional bucket of one key. Prepended to every script in
--- lua/global/ (see src/store/scripts.rs). The reference model is src/coordinator/bucket.rs
--- (with lease.rs and algorithm::token_bucket_at): the same steps in the same order with the
--- same floating-point operations, and tests/global_lua.rs runs both on the same inputs.
+-- lua/global/ (see src/store/scripts.rs). The reference model is
+-- crates/core/src/coordinator/bucket.rs (with lease.rs and algorithm::token_bucket_at): the
+-- same steps in the same order with the same floating-point operations, and
+-- tests/global_lua.rs runs both on the same inputs.
 --
 -- The key's hash (KEYS[1], the user key inside a hash tag):
 --   t, ts   token bucket: tokens (a double, %.17g) and the time of the last write, us

@@ -218,3 +218,24 @@ pub(super) fn apply(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outc
         write: Write::Keep,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::algorithm::Algorithm;
+    use crate::algorithm::testing::{SEC, check, limits, run};
+
+    #[test]
+    fn sliding_window_weights_the_previous_window() {
+        let l = limits(10, SEC, 10);
+        let t0 = 100 * SEC;
+        // 10 in window 0, then at 25% into window 1 the estimate is 7.5: 2 more fit, not 3.
+        let mut steps: Vec<_> = (0..10).map(|i| (t0 + i, check(1))).collect();
+        steps.push((t0 + SEC + SEC / 4, check(2)));
+        steps.push((t0 + SEC + SEC / 4, check(1)));
+        let v = run(Algorithm::SlidingWindow, l, &steps);
+        assert!(v[..10].iter().all(|v| v.allowed));
+        assert!(v[10].allowed);
+        assert!(!v[11].allowed, "{:?}", v[11]);
+        assert!(v[11].retry_after_us > 0);
+    }
+}

@@ -93,3 +93,48 @@ fn is_member_of(m: &str, member: &str, cost: u64) -> bool {
         .and_then(|n| n.parse::<u64>().ok())
         .is_some_and(|n| (1..=cost).contains(&n))
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::algorithm::testing::{SEC, check, limits, run};
+    use crate::algorithm::{Algorithm, Op, Write, apply};
+
+    #[test]
+    fn sliding_log_article_sequence() {
+        // Limit 3 per 60 s; requests at 0, 100, 200, 300, 59 999, 60 001, 60 150 ms.
+        let l = limits(3, 60 * SEC, 3);
+        let ms = 1000;
+        let t0 = 1_000 * SEC;
+        let times = [0, 100, 200, 300, 59_999, 60_001, 60_150];
+        let steps: Vec<_> = times.iter().map(|t| (t0 + t * ms, check(1))).collect();
+        let got: Vec<_> = run(Algorithm::SlidingLog, l, &steps)
+            .iter()
+            .map(|v| v.allowed)
+            .collect();
+        assert_eq!(got, vec![true, true, true, false, false, true, true]);
+    }
+
+    #[test]
+    fn sliding_log_refund_removes_exactly_its_entries() {
+        let l = limits(5, SEC, 5);
+        let st = None;
+        let a = apply(Algorithm::SlidingLog, &l, st.as_ref(), 0, check(3), "a");
+        let Write::Put { state, .. } = a.write else {
+            panic!()
+        };
+        let b = apply(Algorithm::SlidingLog, &l, Some(&state), 1, check(2), "b");
+        assert_eq!(b.verdict.remaining, 0);
+        let Write::Put { state, .. } = b.write else {
+            panic!()
+        };
+        let r = apply(
+            Algorithm::SlidingLog,
+            &l,
+            Some(&state),
+            2,
+            Op::Refund { cost: 3 },
+            "a",
+        );
+        assert_eq!(r.verdict.remaining, 3);
+    }
+}

@@ -7,11 +7,11 @@
 -- ARGV     see prelude.lua (member unused)
 -- Returns  {allowed, remaining = limit - n, reset_after_us = until the slot's end and the
 --           slots a debt fills, retry_after_us = until a slot with room, when denied}
--- The model is quotad_core::algorithm (fixed.rs, frame.rs). The count and its PEXPIRE are
--- written by the same script, so no counter can exist without a TTL. Denied requests are
--- not counted. A charge (see prelude.lua) counts what fits and owes the rest: each later
--- slot starts with up to `limit` units of the debt counted (helpers.lua, fixed_roll), and
--- the TTL lasts until it is paid. O(1).
+-- The model is quotad_core::algorithm (fixed_window.rs, frame.rs). The count and its
+-- PEXPIRE are written by the same script, so no counter can exist without a TTL. Denied
+-- requests are not counted. A charge (see prelude.lua) counts what fits and owes the rest:
+-- each later slot starts with up to `limit` units of the debt counted (helpers.lua,
+-- fixed_roll), and the TTL lasts until it is paid. O(1).
 local st = redis.call('HMGET', key, 'w', 'n', 'o', 'ts', 'f', 'v', 'k', 'h')
 local stored = tonumber(st[1])
 local count0, owed0 = tonumber(st[2]) or 0, tonumber(st[3]) or 0
