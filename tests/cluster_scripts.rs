@@ -22,9 +22,9 @@ use quotad_daemon::federation::incarnation;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore, global_policies};
 use quotad_daemon::federation::lock::Lock;
 use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::store::cluster::slot;
+use quotad_daemon::layout::slot;
+use quotad_daemon::layout::{PolicyLayout, ReservationId};
 use quotad_daemon::store::connect::{Target, Topology};
-use quotad_daemon::store::layout::{PolicyLayout, ReservationId};
 use quotad_daemon::store::{global, scripts};
 
 const ALGORITHMS: [&str; 5] = [

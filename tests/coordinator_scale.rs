@@ -27,7 +27,7 @@ use quotad_daemon::federation::lease_store::global_policies;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad_daemon::federation::lock::Lock;
 use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::store::layout::Layout;
+use quotad_daemon::layout::Layout;
 
 /// Regions sorted: eu = 0 (the daemon), us = 1 (a peer that never answers).
 fn config(redis: &RedisServer) -> String {

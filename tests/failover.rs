@@ -20,7 +20,7 @@ use quotad_daemon::federation::lease_store::global_policies;
 use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
 use quotad_daemon::federation::lock::Lock;
 use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::store::layout::Layout;
+use quotad_daemon::layout::Layout;
 
 fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     let config = eu_with_silent_us(&redis.url(), "0123456789abcdef")

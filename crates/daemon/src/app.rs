@@ -16,13 +16,13 @@ use tokio_util::task::TaskTracker;
 use crate::api::{self, AppState, request::Caps};
 use crate::config::{Settings, StoreBackend};
 use crate::federation::{BackendChoice, Federation};
+use crate::layout::{Layout, Layouts, RegionPlace};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::reload::{self, Live, LiveConfig};
 use crate::server::{self, Drain, Endpoint, Listener};
 use crate::store::janitor;
-use crate::store::layout::{Layout, Layouts, RegionPlace};
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
 use crate::store::{Store, StoreError};
@@ -63,7 +63,7 @@ pub fn layouts(settings: &Settings) -> Layouts {
 /// out again before each sweep, so a repaired key gets the TTL its policy writes now).
 /// Global policies are always laid out as `settings` started them: a reload can neither
 /// add, remove nor reshape one, and the escrow of a re-split reaches the scripts through
-/// [`GlobalLayout::shape_for`](crate::store::layout::GlobalLayout::shape_for), never
+/// [`GlobalLayout::shape_for`](crate::layout::GlobalLayout::shape_for), never
 /// through a new layout.
 pub fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layouts {
     let region = settings.global.as_ref().map(|g| RegionPlace {

@@ -5,15 +5,17 @@
 //! # Request flow (one way)
 //!
 //! HTTP request → [`api`] (parse + validate, no business logic) → [`policy`] (the compiled
-//! policy; the storage key built in one function) → [`limiter`] (shadow and fail modes;
-//! returns a `Decision` value) → [`store`] (Redis: one Lua script call | memory: the same
-//! algorithm in Rust, from [`quotad_core::algorithm`]) → decision → [`metrics`] → HTTP response with
+//! policy) → [`limiter`] (shadow and fail modes; returns a `Decision` value) → [`store`]
+//! (the key from [`layout`]; Redis: one Lua script call | memory: the same algorithm in
+//! Rust, from [`quotad_core::algorithm`]) → decision → [`metrics`] → HTTP response with
 //! RateLimit headers.
 //!
 //! # Layout
 //!
 //! - [`store`]: the storage boundary: Redis (scripts, timeouts, circuit breaker) and memory.
-//! - [`policy`]: policy types that cannot be invalid; storage-key building.
+//! - [`layout`]: the one owner of storage keys, hash tags and how long keys live; every
+//!   layer that names a key asks it.
+//! - [`policy`]: policy types that cannot be invalid.
 //! - [`limiter`]: one check or a batch → decisions; fail modes, shadow mode, batch refunds.
 //! - [`api`]: the axum router, request parsing, the error type.
 //! - [`server`]: connections: their bound, per-phase timeouts, eviction and the drain.
@@ -27,6 +29,7 @@ pub mod api;
 pub mod app;
 pub mod config;
 pub mod federation;
+pub mod layout;
 pub mod limiter;
 pub mod metrics;
 pub mod policy;

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use crate::api::error::ApiError;
+use crate::layout::ReservationId;
 use crate::limiter::{Acquire, Check, Held, LeaseId};
 use crate::policy::{ConcurrencyPolicy, Policies, Policy};
-use crate::store::layout::ReservationId;
 use std::time::Duration;
 
 /// Caps from `[server]`.

@@ -8,10 +8,10 @@ use std::time::Duration;
 use toml::Spanned;
 
 use super::{ConfigError, NAME_RULE, Validator, raw};
+use crate::layout::GLOBAL_KEEP_MS;
 use crate::policy::{
     self, ConcurrencyPolicy, FailMode, GlobalSpec, KeyMatch, Override, Policy, PolicySpec,
 };
-use crate::store::layout::GLOBAL_KEEP_MS;
 use quotad_core::algorithm::Algorithm;
 use quotad_core::coordinator::Mode;
 

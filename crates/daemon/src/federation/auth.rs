@@ -325,6 +325,14 @@ impl Verifier {
     }
 }
 
+/// Wall-clock milliseconds, for signatures only (decisions use Redis's clock).
+pub fn wall_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

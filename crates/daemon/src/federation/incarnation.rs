@@ -44,9 +44,9 @@ pub fn next(last: Option<u64>, wall_ms: u64, max_skew_ms: u64) -> Drawn {
 }
 
 /// The wall clock incarnations are drawn and judged by, in ms: the one exchanges are
-/// signed with ([`super::peers::wall_ms`]), which is what peers compare them to.
+/// signed with ([`super::auth::wall_ms`]), which is what peers compare them to.
 pub fn now_ms() -> u64 {
-    super::peers::wall_ms().max(0) as u64
+    super::auth::wall_ms().max(0) as u64
 }
 
 /// Whether a coordinator with incarnation `incarnation` must take over again: at

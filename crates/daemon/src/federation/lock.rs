@@ -17,7 +17,7 @@ use std::time::Duration;
 use redis::{ConnectionLike, RedisResult, Script};
 
 use super::incarnation;
-use crate::store::layout::Layout;
+use crate::layout::Layout;
 
 pub struct Lock {
     key: String,

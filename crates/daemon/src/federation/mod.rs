@@ -31,9 +31,9 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::config::{Encoding, GlobalSettings};
+use crate::layout::Layouts;
 use crate::metrics::Metrics;
 use crate::policy::Policy;
-use crate::store::layout::Layouts;
 use auth::{Rejection, Signed};
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::node::{KeyStatus, Link, NodeStats, PolicyStatus};
@@ -451,7 +451,7 @@ impl Federation {
     /// `declared_len` is the request's Content-Length.
     pub fn admit(&self, signed: Signed, declared_len: Option<u64>) -> Result<Admitted, Rejection> {
         let len = declared_len.ok_or(Rejection::LengthRequired)?;
-        self.verifier.precheck(&signed, len, peers::wall_ms())?;
+        self.verifier.precheck(&signed, len, auth::wall_ms())?;
         let s = &self.shared.settings;
         let peer = s
             .peers
@@ -485,7 +485,7 @@ impl Federation {
         body: &[u8],
     ) -> Result<SignedReply, Rejection> {
         let signed = &admitted.signed;
-        self.verifier.verify(signed, body, peers::wall_ms())?;
+        self.verifier.verify(signed, body, auth::wall_ms())?;
         let s = &self.shared.settings;
         let peer = &s.peers[admitted.peer];
         self.shared

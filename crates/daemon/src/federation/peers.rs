@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use super::Shared;
-use super::auth::{self, HEADER_SIGNATURE};
+use super::auth::{self, HEADER_SIGNATURE, wall_ms};
 use super::runtime::Event;
 use crate::config::Encoding;
 use quotad_core::coordinator::RegionId;
@@ -324,12 +324,4 @@ async fn read_at_most(mut resp: reqwest::Response, max: usize) -> Option<Vec<u8>
         body.extend_from_slice(&chunk);
     }
     Some(body)
-}
-
-/// Wall-clock milliseconds, for signatures only (decisions use Redis's clock).
-pub fn wall_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

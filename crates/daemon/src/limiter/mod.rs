@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use crate::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId};
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
 use crate::store::hot::{Heat, HotKeys, Mark, Taker};
-use crate::store::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId};
 use crate::store::memory::MemoryStore;
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};

@@ -7,10 +7,10 @@
 //! (`fail_open`, `fail_closed`, `local`) opens none: there is nothing to settle, and the
 //! estimate is what the key was charged (`local`: in the fallback store).
 
+use crate::layout::{PolicyLayout, ReservationId};
 use crate::limiter::{Charged, Check, Decision, Limiter, Outcome, Target, decision, store_call};
 use crate::policy::{FailMode, Policy};
 use crate::store::admission::Shed;
-use crate::store::layout::{PolicyLayout, ReservationId};
 use crate::store::{Ends, SettleCall, SettleReply, StoreCall, StoreError};
 use quotad_core::algorithm::Op;
 use quotad_core::settlement::Settled;

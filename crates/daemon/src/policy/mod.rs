@@ -3,7 +3,7 @@
 //! Policies are built only by [`crate::config`] after validation ([`Policy::new`] re-checks
 //! the invariants it relies on), then shared read-only as a [`Policies`] snapshot. They
 //! are domain values: where their state lives in Redis is the store's business
-//! ([`crate::store::layout`]).
+//! ([`crate::layout`]).
 
 use std::collections::BTreeMap;
 use std::num::NonZeroU64;

@@ -8,18 +8,6 @@ use std::time::Duration;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, RedisError, RedisResult, Value};
 
-/// Redis Cluster's hash slot of `key`: CRC16 of its hash tag (the part between the first
-/// `{` and the next `}`, when not empty) or of the whole key, modulo 16384.
-pub fn slot(key: &str) -> u16 {
-    let b = key.as_bytes();
-    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
-        let rest = &b[open + 1..];
-        let close = rest.iter().position(|&c| c == b'}')?;
-        (close > 0).then(|| &rest[..close])
-    });
-    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(b)) % 16384
-}
-
 /// Redirects a command may follow before its error is the caller's.
 const REDIRECTS: u32 = 5;
 

@@ -23,7 +23,8 @@ use std::time::Duration;
 use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClientBuilder;
 
-use crate::store::cluster::{self, slot};
+use crate::layout::slot;
+use crate::store::cluster;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};

@@ -5,12 +5,12 @@
 //! `lua/global/common.lua`). Per policy: a meta hash with the default escrow, a sorted set
 //! of recently active keys (score: Redis time of the last check), and the set of keys with
 //! a book (recovery after a coordinator restart), and the fencing token of the coordinator
-//! that may write them. Their names are [`super::layout`]'s: all in one hash slot, so every
+//! that may write them. Their names are [`crate::layout`]'s: all in one hash slot, so every
 //! script below runs on a cluster too.
 
 use redis::{Script, ScriptInvocation};
 
-use super::layout::{PolicyKeys, ScriptShape};
+use crate::layout::{PolicyKeys, ScriptShape};
 
 use quotad_core::algorithm::{Op, State};
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot};

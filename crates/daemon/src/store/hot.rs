@@ -11,15 +11,15 @@
 //! The sum admitted by all instances in a window is therefore at most the units Redis
 //! granted in it, which is at most the limit.
 //!
-//! For a token bucket or GCRA key (`lua/bucket_slice.lua`): a slice is tokens taken out
-//! of the bucket, recorded with the key and living [`BUCKET_SLICE_LIFE`] by Redis's
-//! clock; while it lives the bucket refills only up to its burst less the units of live
-//! slices (every check's script honours that). Tokens in Redis plus units held never
-//! pass the burst, and fall by exactly what is admitted wherever it is: the bucket's
-//! envelope holds as if each unit had been taken when it was spent. A slice is spent only
-//! before its end (timed as a window's) and given back in its last [`COOL`].
-//! Sliding windows and logs do not take part: they weigh each admission by when it
-//! happened, which a slice taken earlier does not know.
+//! For a token bucket or GCRA key (`lua/bucket_slice.lua`): a slice is tokens taken out of
+//! the bucket, recorded with the key and living
+//! [`BUCKET_SLICE_LIFE`](crate::layout::BUCKET_SLICE_LIFE) by Redis's clock; while it lives
+//! the bucket refills only up to its burst less the units of live slices (every check's
+//! script honours that). Tokens in Redis plus units held never pass the burst, and fall by
+//! exactly what is admitted wherever it is: the bucket's envelope holds as if each unit had
+//! been taken when it was spent. A slice is spent only before its end (timed as a window's)
+//! and given back in its last [`COOL`]. Sliding windows and logs do not take part: they
+//! weigh each admission by when it happened, which a slice taken earlier does not know.
 //!
 //! Sizing: a take asks for the units of every check of the key waiting on this instance
 //! (all concurrent misses share one take: one Redis call decides a whole burst). A taker
@@ -62,9 +62,6 @@ pub const MAX_HOT_KEYS: usize = 10_000;
 pub const HORIZON: Duration = Duration::from_millis(50);
 /// A hot key without a check for this long cools: its slice is given back.
 pub const COOL: Duration = Duration::from_millis(200);
-/// How long a token bucket's or GCRA key's slice lives (Redis's clock): its units count
-/// against the bucket's capacity until it is given back or ends.
-pub const BUCKET_SLICE_LIFE: Duration = Duration::from_secs(1);
 /// The rate counters' period: a key is hot once it is checked `hot_key_rate` times
 /// within one.
 pub const EPOCH: Duration = Duration::from_secs(1);
@@ -123,7 +120,8 @@ pub enum Mark {
     /// ends with the window.
     Window { slot: i64, ledger: i64 },
     /// A token bucket's or GCRA key's slice (`lua/bucket_slice.lua`), `gcra` telling which;
-    /// it lives [`BUCKET_SLICE_LIFE`] and goes back before it ends.
+    /// it lives [`BUCKET_SLICE_LIFE`](crate::layout::BUCKET_SLICE_LIFE) and goes back
+    /// before it ends.
     Bucket { id: i64, gcra: bool },
 }
 

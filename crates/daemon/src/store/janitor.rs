@@ -10,9 +10,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use redis::aio::ConnectionLike;
 use tokio_util::sync::CancellationToken;
 
+use crate::layout::{KeyOwner, Layouts};
 use crate::metrics::Metrics;
 use crate::store::connect::{SharedTarget, Target};
-use crate::store::layout::{KeyOwner, Layouts};
 
 /// Bound on connecting to a node (and on each reply while connected).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -130,7 +130,7 @@ async fn repair<C: ConnectionLike + Send>(
 
 /// The region's janitor, run by every instance against the region's Redis: each
 /// interval, the instance that takes the interval's claim (`SET NX PX interval` on
-/// [`Layout::janitor_key`](crate::store::layout::Layout::janitor_key)) sweeps, and the
+/// [`Layout::janitor_key`](crate::layout::Layout::janitor_key)) sweeps, and the
 /// others skip it; one that dies mid-sweep leaves the next interval to whoever claims it.
 /// Errors are logged and retried the next interval: a janitor never stops the daemon.
 ///
@@ -227,8 +227,8 @@ async fn claim_and_sweep(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::{GLOBAL_KEEP_MS, Layout, RegionPlace};
     use crate::policy::{FailMode, GlobalSpec, Policy, PolicySpec};
-    use crate::store::layout::{GLOBAL_KEEP_MS, Layout, RegionPlace};
     use quotad_core::algorithm::Algorithm;
     use quotad_core::coordinator::{Mode, RegionId};
     use std::time::Duration;

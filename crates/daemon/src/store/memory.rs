@@ -21,8 +21,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::store::layout::GLOBAL_KEEP_MS;
-use crate::store::layout::{PolicyKeys, PolicyLayout, ScriptShape};
+use crate::layout::{GLOBAL_KEEP_MS, PolicyKeys, PolicyLayout, ScriptShape, ttl_ms};
 use crate::store::{Ends, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
 use quotad_core::algorithm::{self, Algorithm, Limits, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
@@ -105,15 +104,6 @@ fn live<'m>(map: &'m HashMap<String, Entry>, key: &str, now: i64) -> Option<&'m 
 fn peek(algorithm: Algorithm, limits: &Limits, state: Option<&State>, now: i64) -> Verdict {
     let check = Op::Check { cost: 0 };
     algorithm::apply(algorithm, limits, state, now, check, "").verdict
-}
-
-/// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/prelude.lua).
-pub const TTL_GRACE_MS: i64 = 1000;
-
-/// The TTL the Lua scripts set for a state that is equivalent to absent after `us`:
-/// whole milliseconds rounded up, plus [`TTL_GRACE_MS`] (see `ttl_ms` in lua/prelude.lua).
-pub fn ttl_ms(us: i64) -> i64 {
-    ((us.max(0) as u64).div_ceil(1000) as i64).saturating_add(TTL_GRACE_MS)
 }
 
 impl MemoryStore {
@@ -514,6 +504,7 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::TTL_GRACE_MS;
     use quotad_core::algorithm::{Algorithm, Limits, Op};
     use quotad_core::clock::ManualClock;
 

@@ -15,11 +15,11 @@ pub mod deny_cache;
 pub mod global;
 pub mod hot;
 pub mod janitor;
-pub mod layout;
 pub mod memory;
 pub mod redis;
 pub mod scripts;
 
+use crate::layout;
 use quotad_core::algorithm::{Algorithm, Limits, Op, Verdict};
 use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
 use quotad_core::settlement::Settled;

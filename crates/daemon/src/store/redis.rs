@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 use tokio_util::sync::CancellationToken;
 
+use crate::layout::Layout;
 use crate::metrics::Metrics;
 use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
 use crate::store::breaker::Breaker;
@@ -38,7 +39,6 @@ use crate::store::connect::{AsyncConn, SharedTarget, Target};
 use crate::store::deadline::{self, Within};
 use crate::store::deny_cache::{DenyCache, Question};
 use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Taker, Want};
-use crate::store::layout::Layout;
 use crate::store::scripts::{self, Scripts};
 use crate::store::{
     LeaseCall, SettleCall, SettleReply, StoreCall, StoreError, global, parse_lease, parse_verdict,
@@ -430,7 +430,7 @@ impl RedisStore {
         cmd.arg(self.concurrency.get_hash())
             .arg(2)
             .arg(call.key)
-            .arg(super::layout::PolicyLayout::ended_leases_key(call.key))
+            .arg(crate::layout::PolicyLayout::ended_leases_key(call.key))
             .arg(mode)
             .arg(call.limit)
             .arg(id)
@@ -595,7 +595,7 @@ impl RedisStore {
         inv.arg(want.need).arg(want.demand).arg(want.prefetch);
         if let Taker::Bucket { .. } = taker {
             let (id, units) = want.ends.unwrap_or((0, 0));
-            inv.arg(hot::BUCKET_SLICE_LIFE.as_micros() as i64)
+            inv.arg(crate::layout::BUCKET_SLICE_LIFE.as_micros() as i64)
                 .arg(id)
                 .arg(units);
         }

@@ -38,10 +38,36 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::policy::{ConcurrencyPolicy, Policy};
-use crate::store::memory::TTL_GRACE_MS;
 use quotad_core::coordinator::{RegionId, escrow_share};
+
+/// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/helpers.lua).
+pub const TTL_GRACE_MS: i64 = 1000;
+
+/// The TTL the Lua scripts set for a state that is equivalent to absent after `us`:
+/// whole milliseconds rounded up, plus [`TTL_GRACE_MS`] (see `ttl_ms` in lua/helpers.lua).
+pub fn ttl_ms(us: i64) -> i64 {
+    ((us.max(0) as u64).div_ceil(1000) as i64).saturating_add(TTL_GRACE_MS)
+}
+
+/// Redis Cluster's hash slot of `key` (the rule the hash tags above are for): CRC16 of its hash tag (the part between the first
+/// `{` and the next `}`, when not empty) or of the whole key, modulo 16384.
+pub fn slot(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &b[open + 1..];
+        let close = rest.iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    crc16::State::<crc16::XMODEM>::calculate(tagged.unwrap_or(b)) % 16384
+}
+
+/// How long a token bucket's or GCRA key's hot-key slice lives (Redis's clock): its units
+/// count against the bucket's capacity until it is given back or ends, and the key lives
+/// at least as long (store::hot).
+pub const BUCKET_SLICE_LIFE: Duration = Duration::from_secs(1);
 
 /// How long every key of a global policy lives after its last touch, in ms: longer than
 /// any lease, so a book outlives what it records.
@@ -132,7 +158,7 @@ impl Layout {
                 let mut longest = policy.limits().longest_ttl_us(policy.algorithm);
                 // A bucket's hot-key slices keep its key past a full refill by their life.
                 if policy.hot_key_rate.is_some() && policy.algorithm.has_burst() {
-                    longest += crate::store::hot::BUCKET_SLICE_LIFE.as_micros() as i64;
+                    longest += BUCKET_SLICE_LIFE.as_micros() as i64;
                 }
                 let longest_ms = (longest.max(0) as u64).div_ceil(1000) as i64;
                 // A policy that takes settlements: a key in debt lives until refill has
@@ -495,7 +521,6 @@ mod tests {
 
     #[test]
     fn a_group_is_the_hash_tag_of_its_keys() {
-        let slot = crate::store::cluster::slot;
         let l = Layout::new("rl").policy(&policy("api", None), None);
         assert_eq!(
             l.grouped_key("tenant:9", "alice"),
@@ -535,7 +560,6 @@ mod tests {
         assert_eq!(g.keys.fence, "rl:g:g:{rl:g}:fence");
         assert_eq!(g.keys.replid, "rl:g:g:{rl:g}:replid");
         // One slot for all of them, whatever the user key.
-        let slot = crate::store::cluster::slot;
         for k in [
             &l.storage_key("a}{b"),
             &l.storage_key("x"),
