@@ -1,6 +1,8 @@
 //! The layering the code is built on, checked: the pure core crate depends on no runtime,
-//! network or Redis crate, the simulator only on the core, and inside every crate the
-//! top-level modules import each other without a cycle (the data flows one way). Run with
+//! network or Redis crate, the simulator only on the core, inside every crate the
+//! top-level modules import each other without a cycle (the data flows one way), and in
+//! the core and the daemon no file imports a file that imports it back, directly or
+//! around a circle. Run with
 //! `--no-capture` to see each crate's module graph.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -182,6 +184,168 @@ fn no_module_imports_a_module_that_imports_it_back() {
         }
         if let Some(cycle) = find_cycle(&graph) {
             panic!("{krate}: import cycle {}", cycle.join(" -> "));
+        }
+    }
+}
+
+/// A source file's module path (`store/redis.rs` → `store::redis`, `store/mod.rs` →
+/// `store`, `lib.rs` → the crate root, ``).
+fn module_path(src: &Path, file: &Path) -> String {
+    let rel = file.strip_prefix(src).expect("under src");
+    let mut parts: Vec<String> = rel
+        .components()
+        .map(|c| {
+            c.as_os_str()
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_owned()
+        })
+        .collect();
+    if matches!(
+        parts.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
+        parts.pop();
+    }
+    parts.join("::")
+}
+
+/// The paths a `use` tree names, its braces expanded (`a::{b, c::d}` → `a::b`, `a::c::d`).
+fn use_paths(tree: &str) -> Vec<String> {
+    let tree: String = tree.chars().filter(|c| !c.is_whitespace()).collect();
+    let Some(open) = tree.find('{') else {
+        return vec![tree];
+    };
+    let (prefix, inner) = (&tree[..open], &tree[open + 1..tree.len() - 1]);
+    let (mut parts, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in inner.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&inner[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&inner[start..]);
+    parts
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .flat_map(|p| use_paths(&format!("{prefix}{p}")))
+        .collect()
+}
+
+/// Edges `file → file it imports` inside one crate, through `use` trees and inline
+/// `crate::…`/`super::…` paths (a child module's own name, `mod x;` in the file, counts
+/// too). A module's file naming its own descendants is how Rust declares them, not an
+/// import back: those edges are left out, so a parent and its children form no circle.
+fn file_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let files = sources(src);
+    let by_module: BTreeMap<String, String> = files
+        .iter()
+        .map(|f| {
+            let rel = f.strip_prefix(src).unwrap().to_string_lossy().into_owned();
+            (module_path(src, f), rel)
+        })
+        .collect();
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for file in &files {
+        let here = module_path(src, file);
+        let rel = file
+            .strip_prefix(src)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let text: String = std::fs::read_to_string(file)
+            .expect("read source")
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let children: BTreeSet<String> = text
+            .lines()
+            .filter_map(|l| {
+                let l = l.trim_start().trim_start_matches("pub ");
+                let name = l.strip_prefix("mod ")?.strip_suffix(';')?;
+                Some(name.to_owned())
+            })
+            .collect();
+        let mut paths: Vec<String> = Vec::new();
+        for (at, _) in text.match_indices("use ") {
+            if text[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            let stmt = &text[at + 4..];
+            if let Some(end) = stmt.find(';') {
+                paths.extend(use_paths(&stmt[..end]));
+            }
+        }
+        for root in ["crate::", "super::"] {
+            for (at, _) in text.match_indices(root) {
+                if text[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':') {
+                    continue;
+                }
+                let path: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                    .collect();
+                paths.push(path);
+            }
+        }
+        let targets = graph.entry(rel.clone()).or_default();
+        for path in paths {
+            let mut segs: Vec<&str> = path.split("::").filter(|s| !s.is_empty()).collect();
+            let mut base: Vec<String> = if here.is_empty() {
+                Vec::new()
+            } else {
+                here.split("::").map(str::to_owned).collect()
+            };
+            match segs.first().copied() {
+                Some("crate") => {
+                    base.clear();
+                    segs.remove(0);
+                }
+                Some("super") => {
+                    while segs.first() == Some(&"super") {
+                        base.pop();
+                        segs.remove(0);
+                    }
+                }
+                Some("self") => {
+                    segs.remove(0);
+                }
+                Some(first) if children.contains(first) => {}
+                _ => continue,
+            }
+            let mut full = base;
+            full.extend(segs.iter().map(|s| s.to_string()));
+            // The longest prefix that is a module with a file of its own.
+            let to = (0..=full.len())
+                .rev()
+                .find_map(|n| by_module.get(&full[..n].join("::")));
+            let Some(to) = to else { continue };
+            let to_module = module_path(src, &src.join(to));
+            let descendant = here.is_empty() || to_module.starts_with(&format!("{here}::"));
+            if *to != rel && !descendant {
+                targets.insert(to.clone());
+            }
+        }
+    }
+    graph
+}
+
+#[test]
+fn no_file_imports_a_file_that_imports_it_back() {
+    for krate in ["crates/core", "crates/daemon"] {
+        let graph = file_graph(&root().join(krate).join("src"));
+        assert!(
+            graph.values().map(BTreeSet::len).sum::<usize>() >= 20,
+            "{krate}: no imports found"
+        );
+        if let Some(cycle) = find_cycle(&graph) {
+            panic!("{krate}: files in a circle {}", cycle.join(" -> "));
         }
     }
 }
