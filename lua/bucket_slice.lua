@@ -1,4 +1,4 @@
--- bucket_slice: hot-key slices of a token bucket or GCRA key (see src/store/hot.rs). An
+-- bucket_slice: hot-key slices of a token bucket or GCRA key (see src/store/redis/hot.rs). An
 -- instance that sees a key hot takes tokens here, atomically, and admits from them in
 -- memory until the slice ends; what it did not spend it gives back before then. While a
 -- slice is live the bucket's capacity is lowered by its units (helpers.lua): the tokens

@@ -2,7 +2,7 @@
 -- co-location group: the group is the hash tag of every key). Every check is decided
 -- against the state before any is charged; only if no enforced check is denied is each
 -- charged, by its algorithm's own code (the functions above are the algorithm scripts'
--- bodies, wrapped at build time; see src/store/scripts.rs). The model is
+-- bodies, wrapped at build time; see src/store/redis/scripts.rs). The model is
 -- quotad_core::algorithm::apply_all.
 --
 -- KEYS[i]  check i's storage key (distinct; all in one slot)

@@ -1,5 +1,5 @@
 -- quotad limiter helpers: prepended to every algorithm script and to the composite script
--- (see src/store/scripts.rs), so TTLs and replies are built in one place.
+-- (see src/store/redis/scripts.rs), so TTLs and replies are built in one place.
 
 -- Key TTL in ms for a state that becomes equivalent to "absent" after us microseconds:
 -- rounded up, plus a 1 s grace. The grace is measured, not decorative: under load, Redis
@@ -74,7 +74,7 @@ local function slice_grant(left, cap, demand, prefetch)
   return math.min(demand + extra, left)
 end
 
--- Hot-key slices of a token bucket or GCRA key (lua/bucket_slice.lua, src/store/hot.rs):
+-- Hot-key slices of a token bucket or GCRA key (lua/bucket_slice.lua, src/store/redis/hot.rs):
 -- units an instance took out of the bucket to spend from memory until the slice's end,
 -- stored with the key as "id:units:end" entries (end in Redis time, us) joined by ','.
 -- While a slice is live the bucket holds at most burst less the units of live slices:

@@ -1,5 +1,5 @@
 -- quotad limiter prelude: the arguments of a one-key script, prepended to every algorithm
--- (after helpers.lua; see src/store/scripts.rs), so argument parsing and the clock live in
+-- (after helpers.lua; see src/store/redis/scripts.rs), so argument parsing and the clock live in
 -- one place. composite.lua passes the same names to each algorithm as a function's
 -- parameters instead.
 --
@@ -15,7 +15,7 @@
 -- ARGV[7]  frame        the reader's numbers, "limit:window_us:burst" (the transition rule,
 --                       helpers.lua; sliding_log ignores it)
 -- ARGV[8]  since        when they came into force ("newer" compares greater as a string:
---                       src/store/scripts.rs, frame_args)
+--                       src/store/redis/scripts.rs, frame_args)
 -- ARGV[9]  now_us       TESTS ONLY: the differential test injects time here. quotad never
 --                       passes it: production decisions always use redis.call('TIME').
 -- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us}

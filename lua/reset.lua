@@ -13,7 +13,7 @@
 --
 -- PUBLISH comes first: if it is refused (an ACL without it) the script stops before
 -- anything changed, and the reset is reported not done. Nothing another instance
--- remembers can then outlive a reset that was reported done (store/deny_cache.rs).
+-- remembers can then outlive a reset that was reported done (store/redis/deny_cache.rs).
 if not ((#KEYS == 1 and #ARGV == 2) or (#KEYS == 2 and #ARGV == 3)) then
   return redis.error_reply('ERR quotad reset: expected 1 key and 2 arguments, or 2 and 3')
 end

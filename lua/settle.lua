@@ -1,6 +1,6 @@
 -- settle: a check that reserves an estimated cost, and its settlement at the real cost
 -- (the model is quotad_core::settlement). The algorithm functions above are the
--- algorithm scripts' bodies, wrapped at build time (src/store/scripts.rs), so the
+-- algorithm scripts' bodies, wrapped at build time (src/store/redis/scripts.rs), so the
 -- arithmetic is theirs; only those that can hold a debt settle.
 --
 -- KEYS[1]  the limiter key

@@ -1,4 +1,4 @@
--- slice: hot-key slices of a fixed window (see src/store/hot.rs). An instance that sees a
+-- slice: hot-key slices of a fixed window (see src/store/redis/hot.rs). An instance that sees a
 -- key hot takes units of the key's current window here, atomically, and admits from them
 -- in memory; what it did not spend it gives back to the same window.
 --

@@ -264,7 +264,10 @@ fn main() -> ExitCode {
             duration,
         } => demo(usize::from(regions), embedded, keys as usize, duration),
         Command::Script { algorithm } => {
-            print!("{}", quotad_daemon::store::scripts::source(algorithm));
+            print!(
+                "{}",
+                quotad_daemon::store::redis::scripts::source(algorithm)
+            );
             ExitCode::SUCCESS
         }
         Command::Serve { config } => {

@@ -136,7 +136,7 @@ fn a_check_through_quotad_beside_evalsha_and_a_hot_key_beside_both() {
 #[test]
 fn the_benchmarks_call_the_scripts_as_quotad_does() {
     use quotad_core::algorithm::{Algorithm, Limits, Since};
-    use quotad_daemon::store::scripts;
+    use quotad_daemon::store::redis::scripts;
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let read = |f: &str| std::fs::read_to_string(root.join(f)).unwrap();
     let redis = RedisServer::start();

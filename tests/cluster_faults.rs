@@ -32,7 +32,7 @@ fn assert_all_200(samples: &[Sample]) {
 /// The slot of a hot key moves to another master (IMPORTING, MIGRATING, MIGRATE key by key,
 /// SETSLOT NODE) while checks run: every answer is a decision (no fail mode), and the
 /// admitted count stays exactly the limit. Mid-migration the source answers ASK for keys
-/// it no longer has; quotad sends ASKING and the script together (store/connect.rs).
+/// it no longer has; quotad sends ASKING and the script together (store/redis/connect.rs).
 #[test]
 fn a_hot_keys_slot_moves_to_another_master_under_load_with_exact_admission() {
     const LIMIT: usize = 1000;

@@ -24,8 +24,8 @@ use quotad_daemon::federation::lock::Lock;
 use quotad_daemon::federation::runtime::Coordinated;
 use quotad_daemon::layout::slot;
 use quotad_daemon::layout::{PolicyLayout, ReservationId};
-use quotad_daemon::store::connect::{Target, Topology};
-use quotad_daemon::store::{global, scripts};
+use quotad_daemon::store::redis::connect::{Target, Topology};
+use quotad_daemon::store::redis::{global, scripts};
 
 const ALGORITHMS: [&str; 5] = [
     "fixed_window",

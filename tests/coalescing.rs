@@ -1,4 +1,4 @@
-//! Coalesced Redis I/O (`store::coalesce`): the commands that requests issue in the same
+//! Coalesced Redis I/O (`store::redis::coalesce`): the commands that requests issue in the same
 //! turn leave as one pipeline (`quotad_store_pipelines_total` against
 //! `quotad_store_pipelined_commands_total`), so Redis reads far fewer times than it runs
 //! decisions (its `total_reads_processed` against `cmdstat_evalsha`); a lone check still

@@ -63,7 +63,7 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
         .token;
     let clock = RedisClock::new();
     let mut store = RedisLeaseStore::new(
-        quotad_daemon::store::connect::SyncConn::Single(conn),
+        quotad_daemon::store::redis::connect::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,

@@ -54,7 +54,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         .token;
     let clock = RedisClock::new();
     let s = RedisLeaseStore::new(
-        quotad_daemon::store::connect::SyncConn::Single(conn),
+        quotad_daemon::store::redis::connect::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,

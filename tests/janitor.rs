@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use quotad_daemon::config::Settings;
-use quotad_daemon::store::janitor::{CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep};
+use quotad_daemon::store::redis::janitor::{
+    CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep,
+};
 use quotad_testkit::{Config, Policy, Quotad, RedisServer, wait_for};
 
 /// Nothing of the janitor's in SLOWLOG (its connection is named), and the `keys` it

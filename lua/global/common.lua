@@ -1,5 +1,5 @@
 -- quotad global policies: the regional bucket of one key. Prepended to every script in
--- lua/global/ (see src/store/scripts.rs). The reference model is
+-- lua/global/ (see src/store/redis/scripts.rs). The reference model is
 -- crates/core/src/coordinator/bucket.rs (with lease.rs and algorithm::token_bucket_at): the
 -- same steps in the same order with the same floating-point operations, and
 -- tests/global_lua.rs runs both on the same inputs.

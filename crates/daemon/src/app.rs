@@ -22,9 +22,9 @@ use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::reload::{self, Live, LiveConfig};
 use crate::server::{self, Drain, Endpoint, Listener};
-use crate::store::janitor;
 use crate::store::memory::MemoryStore;
 use crate::store::redis::RedisStore;
+use crate::store::redis::janitor;
 use crate::store::{Store, StoreError};
 use quotad_core::clock::SystemClock;
 

@@ -66,7 +66,7 @@ pub fn slot(key: &str) -> u16 {
 
 /// How long a token bucket's or GCRA key's hot-key slice lives (Redis's clock): its units
 /// count against the bucket's capacity until it is given back or ends, and the key lives
-/// at least as long (store::hot).
+/// at least as long (store::redis::hot).
 pub const BUCKET_SLICE_LIFE: Duration = Duration::from_secs(1);
 
 /// How long every key of a global policy lives after its last touch, in ms: longer than

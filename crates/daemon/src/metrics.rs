@@ -73,7 +73,7 @@ pub struct Metrics {
     /// `quotad_store_queued`: requests waiting for Redis permits.
     pub store_queued: IntGauge,
     /// `quotad_store_pipelines_total`: pipelines the request path sent to Redis (one
-    /// socket write each; `store::coalesce`).
+    /// socket write each; `store::redis::coalesce`).
     pub store_pipelines: IntCounter,
     /// `quotad_store_pipelined_commands_total`: commands sent in them; over
     /// `quotad_store_pipelines_total`, the commands per write.
@@ -106,7 +106,7 @@ pub struct Metrics {
     /// `quotad_janitor_repaired_total`: TTLs the janitor gave back.
     pub janitor_repaired: IntCounter,
     /// `quotad_store_late_replies_total`: Redis replies taken after the call's timer
-    /// fired, in the scheduler turns `store::deadline` allows: quotad's runtime was behind
+    /// fired, in the scheduler turns `store::redis::deadline` allows: quotad's runtime was behind
     /// in reading them (they are answers, not timeouts).
     pub store_late_replies: IntCounter,
     /// `quotad_hot_key_admits_total{policy}`: checks admitted from a hot key's slice, in

@@ -15,7 +15,7 @@
 //! `quotad_config_reloads_total{result}`; the loaded file's hash is in `GET /v1/policies`.
 //!
 //! Nothing derived from the old config outlives it: a remembered denial answers only a
-//! check under the same numbers (`store::deny_cache`), and layouts for the janitor are
+//! check under the same numbers (`store::redis::deny_cache`), and layouts for the janitor are
 //! built from the config in force. docs/architecture.md lists every such pair.
 
 use std::path::{Path, PathBuf};
@@ -33,7 +33,7 @@ use crate::config::{
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::policy::{KeyMatch, Policy};
-use crate::store::connect::Target;
+use crate::store::redis::connect::Target;
 use quotad_core::algorithm::{Algorithm, Since};
 
 /// How often the file's modification time and length are looked at.

@@ -361,7 +361,7 @@ mod tests {
         };
         assert_eq!(
             r.target.topology,
-            quotad_daemon::store::connect::Topology::Cluster(seeds.to_vec())
+            quotad_daemon::store::redis::connect::Topology::Cluster(seeds.to_vec())
         );
     }
 }

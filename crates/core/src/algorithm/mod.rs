@@ -635,7 +635,7 @@ mod tests {
             }
         }
 
-        /// What lets a denial be answered from memory (`store::deny_cache`), also for a
+        /// What lets a denial be answered from memory (`store::redis::deny_cache`), also for a
         /// key in debt ([`charge`]) and for a state written under other numbers (two
         /// configs take turns, as in a rollout): a denial writes nothing, and with no
         /// other write to the key the same check, or one that costs more (a peek counting

@@ -7,7 +7,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use crate::store::admission::Shed;
+use crate::store::redis::admission::Shed;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ApiError {
@@ -74,7 +74,7 @@ pub enum ApiError {
         "lease: a reset of the key gave this lease back before its end; nothing to extend, nothing changed"
     )]
     LeaseEndedByReset,
-    /// Shed by admission control (see `store::admission`): quotad is at its Redis
+    /// Shed by admission control (see `store::redis::admission`): quotad is at its Redis
     /// concurrency limit. Not a decision; nothing was charged. 503 with `Retry-After`.
     #[error("overloaded ({0}): nothing was charged; retry after the Retry-After delay")]
     Overloaded(#[from] Shed),

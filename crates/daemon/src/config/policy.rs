@@ -333,7 +333,7 @@ impl Validator<'_> {
 
     /// `hot_key_rate`: checks per second of one key on one instance from which the key
     /// takes slices of its quota; fixed windows, token buckets and GCRA only (see
-    /// `store::hot` for why).
+    /// `store::redis::hot` for why).
     fn hot_key_rate(
         &mut self,
         i: usize,
@@ -342,7 +342,7 @@ impl Validator<'_> {
     ) -> Option<u64> {
         let rate = rate?;
         match algorithm {
-            Some(a) if crate::store::hot::Taker::of(a).is_some() => {}
+            Some(a) if crate::store::redis::hot::Taker::of(a).is_some() => {}
             Some(a) => {
                 self.error(
                     rate,

@@ -140,7 +140,7 @@ pub struct Policy {
     pub on_store_error: Option<Spanned<String>>,
     pub shadow: Option<Spanned<bool>>,
     /// Checks per second of one key on one instance from which it takes slices
-    /// (`store::hot`); absent: never.
+    /// (`store::redis::hot`); absent: never.
     pub hot_key_rate: Option<Spanned<i64>>,
     /// How long a reservation of this policy may wait for its settlement (`POST
     /// /v1/settle`); absent: checks cannot reserve.

@@ -8,9 +8,9 @@ use toml::Spanned;
 use super::secret::Sources;
 use super::{NAME_RULE, Validator, raw};
 use crate::policy;
-use crate::store::admission::AdmissionSettings;
-use crate::store::connect::{Target, TlsFiles, Topology};
 use crate::store::redis::RedisSettings;
+use crate::store::redis::admission::AdmissionSettings;
+use crate::store::redis::connect::{Target, TlsFiles, Topology};
 
 #[derive(Debug, Clone, PartialEq)]
 #[allow(clippy::large_enum_variant)] // built once, at start-up

@@ -205,7 +205,7 @@ pub enum BackendChoice {
     Redis {
         /// Shared with the request path: credentials rotated live reach the
         /// coordinator's next connection.
-        target: crate::store::connect::SharedTarget,
+        target: crate::store::redis::connect::SharedTarget,
         timeout: Duration,
     },
     /// The embedded store of this process (one instance per region).

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use crate::limiter::reaper::Due;
 use crate::limiter::{Decision, Limiter, Outcome};
 use crate::policy::{ConcurrencyPolicy, FailMode};
-use crate::store::admission::Shed;
+use crate::store::redis::admission::Shed;
 use crate::store::{LeaseCall, StoreError};
 use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
 

@@ -2,7 +2,7 @@
 //! policy's shadow mode and store-failure mode applied. Returns [`Decision`] values: a
 //! store failure becomes `fail_open`, `fail_closed` or a `local` decision, and every one is
 //! counted. The one refusal is [`Shed`]: quotad itself is at capacity (see
-//! [`crate::store::admission`]); that is not a decision, and nothing was charged.
+//! [`crate::store::redis::admission`]); that is not a decision, and nothing was charged.
 //!
 //! The limiter owns no state of its own beyond a request-id counter; it holds the store, the
 //! in-process fallback store and the metrics handles it was given.
@@ -14,9 +14,9 @@ use std::time::Instant;
 use crate::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId};
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
-use crate::store::admission::Shed;
-use crate::store::hot::{Heat, HotKeys, Mark, Taker};
 use crate::store::memory::MemoryStore;
+use crate::store::redis::admission::Shed;
+use crate::store::redis::hot::{Heat, HotKeys, Mark, Taker};
 use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
@@ -243,7 +243,7 @@ impl Limiter {
     }
 
     /// An answer without a Redis call or a permit: a remembered denial, or an admission
-    /// from a hot key's slice ([`crate::store::hot`]).
+    /// from a hot key's slice ([`crate::store::redis::hot`]).
     ///
     /// The slice first: units this instance holds were taken for it in Redis and are
     /// its to spend whatever it was denied since (a hot key's usual case: one lookup).
@@ -283,7 +283,7 @@ impl Limiter {
     }
 
     /// A denial the store gave this key and that still holds (no Redis call, no permit;
-    /// see [`crate::store::deny_cache`]); counted.
+    /// see [`crate::store::redis::deny_cache`]); counted.
     fn remembered(&self, check: &Check, key: &Target) -> Option<Decision> {
         let call = store_call(check, key, Op::Check { cost: check.cost }, "");
         let v = self.store.cached_denial(&call)?;

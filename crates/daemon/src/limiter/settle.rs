@@ -10,7 +10,7 @@
 use crate::layout::{PolicyLayout, ReservationId};
 use crate::limiter::{Charged, Check, Decision, Limiter, Outcome, Target, decision, store_call};
 use crate::policy::{FailMode, Policy};
-use crate::store::admission::Shed;
+use crate::store::redis::admission::Shed;
 use crate::store::{Ends, SettleCall, SettleReply, StoreCall, StoreError};
 use quotad_core::algorithm::Op;
 use quotad_core::settlement::Settled;

@@ -49,8 +49,8 @@ pub struct Policy {
     /// A global budget: `limit` per `window` is the rate ρ for all regions together.
     pub global: Option<GlobalSpec>,
     /// Checks per second of one key on one instance from which the key takes slices of
-    /// its quota and is admitted from them in memory (`store::hot`); fixed windows, token
-    /// buckets and GCRA only (`store::hot::Taker`).
+    /// its quota and is admitted from them in memory (`store::redis::hot`); fixed windows, token
+    /// buckets and GCRA only (`store::redis::hot::Taker`).
     pub hot_key_rate: Option<NonZeroU64>,
     /// Checks of this policy may reserve an estimated cost, settled at the real one
     /// within this long (`quotad_core::settlement`); `None`: no reservations. Token

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::layout::{GLOBAL_KEEP_MS, PolicyKeys, PolicyLayout, ScriptShape, ttl_ms};
-use crate::store::{Ends, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
+use crate::store::call::{Ends, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
 use quotad_core::algorithm::{self, Algorithm, Limits, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
 use quotad_core::concurrency::{self, LeaseAnswer, LeaseWrite, Leases};
@@ -412,7 +412,7 @@ impl MemoryStore {
 
     /// Forgets what `key`'s user spent: the key (a local policy's), or a global key's
     /// bucket only (its book and counters are the coordinator's).
-    pub fn reset(&self, key: &str, forget: crate::store::Forget, ends: Option<Ends<'_>>) {
+    pub fn reset(&self, key: &str, forget: crate::store::call::Forget, ends: Option<Ends<'_>>) {
         if ends.is_some() {
             // The reservations open on the key end with it (as the reset mark ends them in
             // Redis: `lua/settle.lua`).
@@ -428,8 +428,8 @@ impl MemoryStore {
             }
         }
         match forget {
-            crate::store::Forget::All => self.delete(key),
-            crate::store::Forget::Spent => {
+            crate::store::call::Forget::All => self.delete(key),
+            crate::store::call::Forget::Spent => {
                 if let Some(slot) = self.global().slots.get_mut(key) {
                     slot.bucket = None;
                 }
@@ -698,7 +698,7 @@ mod tests {
         );
         let book = LeaseBook::new(3.0);
         store.global().slots.get_mut("g:{k}").unwrap().book = Some(book.clone());
-        store.reset("g:{k}", crate::store::Forget::Spent, None);
+        store.reset("g:{k}", crate::store::call::Forget::Spent, None);
         let slot = store.global().slots.get("g:{k}").cloned().unwrap();
         assert_eq!(slot.book, Some(book), "the coordinator's book stays");
         assert!(slot.bucket.is_none(), "what the user spent is forgotten");

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::layout::{KeyOwner, Layouts};
 use crate::metrics::Metrics;
-use crate::store::connect::{SharedTarget, Target};
+use crate::store::redis::connect::{SharedTarget, Target};
 
 /// Bound on connecting to a node (and on each reply while connected).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);

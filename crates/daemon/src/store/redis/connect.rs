@@ -24,7 +24,7 @@ use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClientBuilder;
 
 use crate::layout::slot;
-use crate::store::cluster;
+use crate::store::redis::cluster;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
@@ -469,22 +469,22 @@ mod tests {
 pub enum AsyncConn {
     Single(MultiplexedConnection),
     /// One server's connection whose commands leave in one write per scheduler turn
-    /// (`store::coalesce`): the request path's.
-    Coalesced(crate::store::coalesce::Coalescing),
+    /// (`store::redis::coalesce`): the request path's.
+    Coalesced(crate::store::redis::coalesce::Coalescing),
     Cluster(redis::cluster_async::ClusterConnection),
 }
 
 impl AsyncConn {
     /// This connection with its single commands coalesced (on a cluster: submitted
     /// together, each on its own).
-    pub fn coalesced(self, counters: crate::store::coalesce::Counters) -> AsyncConn {
+    pub fn coalesced(self, counters: crate::store::redis::coalesce::Counters) -> AsyncConn {
         match self {
             AsyncConn::Single(c) => {
-                AsyncConn::Coalesced(crate::store::coalesce::Coalescing::new(c, counters))
+                AsyncConn::Coalesced(crate::store::redis::coalesce::Coalescing::new(c, counters))
             }
-            AsyncConn::Cluster(c) => {
-                AsyncConn::Coalesced(crate::store::coalesce::Coalescing::cluster(c, counters))
-            }
+            AsyncConn::Cluster(c) => AsyncConn::Coalesced(
+                crate::store::redis::coalesce::Coalescing::cluster(c, counters),
+            ),
             other => other,
         }
     }

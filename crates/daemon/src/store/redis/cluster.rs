@@ -1,7 +1,7 @@
 //! A command on Redis Cluster: its hash slot, and the redirects it may meet on the way
 //! (MOVED, ASK, TRYAGAIN), followed here rather than by the crate (see
 //! `connect::Target::cluster_builder` for why). Used by the request path's connection
-//! (`connect::AsyncConn`) and by its coalescer (`store::coalesce`).
+//! (`connect::AsyncConn`) and by its coalescer (`store::redis::coalesce`).
 
 use std::time::Duration;
 

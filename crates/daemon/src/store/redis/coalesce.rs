@@ -13,7 +13,7 @@
 //! its caller); a lost connection answers every command of the pipeline with the error.
 //!
 //! On a cluster the turn's commands are submitted together, each on its own with its
-//! redirects followed (`store::cluster`): the cluster client hands them to the nodes'
+//! redirects followed (`store::redis::cluster`): the cluster client hands them to the nodes'
 //! connections at once, and each connection writes what reached it together. Never as
 //! pipelines there: the crate retries a whole pipeline when one command in it meets a
 //! redirect, and would run the others twice.
@@ -25,7 +25,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
 use tokio::sync::{Notify, oneshot};
 
-use crate::store::cluster;
+use crate::store::redis::cluster;
 
 type Reply = oneshot::Sender<RedisResult<Value>>;
 

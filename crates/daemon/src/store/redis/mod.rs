@@ -24,6 +24,19 @@
 //! - NOSCRIPT (after `SCRIPT FLUSH` or a restart that the connection survived) is answered
 //!   with `SCRIPT LOAD` and one retry inside the same call: clients never see it.
 
+pub mod admission;
+pub mod breaker;
+pub mod cluster;
+pub mod coalesce;
+pub mod connect;
+pub mod deadline;
+pub mod deny_cache;
+pub mod global;
+pub mod hot;
+pub mod janitor;
+pub mod scripts;
+pub mod wire;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -33,19 +46,18 @@ use tokio_util::sync::CancellationToken;
 
 use crate::layout::Layout;
 use crate::metrics::Metrics;
-use crate::store::admission::{Admission, AdmissionSettings, Admitted, Shed};
-use crate::store::breaker::Breaker;
-use crate::store::connect::{AsyncConn, SharedTarget, Target};
-use crate::store::deadline::{self, Within};
-use crate::store::deny_cache::{DenyCache, Question};
-use crate::store::hot::{self, Grant, HotKeys, Mark, Return, Taker, Want};
-use crate::store::scripts::{self, Scripts};
-use crate::store::{
-    LeaseCall, SettleCall, SettleReply, StoreCall, StoreError, global, parse_lease, parse_verdict,
-};
+use crate::store::call::{LeaseCall, SettleCall, SettleReply, StoreCall, StoreError};
+use admission::{Admission, AdmissionSettings, Admitted, Shed};
+use breaker::Breaker;
+use connect::{AsyncConn, SharedTarget, Target};
+use deadline::Within;
+use deny_cache::{DenyCache, Question};
+use hot::{Grant, HotKeys, Mark, Return, Taker, Want};
 use quotad_core::algorithm::{Op, Verdict};
 use quotad_core::concurrency::LeaseAnswer;
 use quotad_core::settlement::Settled;
+use scripts::Scripts;
+use wire::{parse_lease, parse_verdict};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RedisSettings {
@@ -59,7 +71,7 @@ pub struct RedisSettings {
     pub admission: AdmissionSettings,
     /// Denials remembered at most (0: none; see [`DenyCache`]).
     pub deny_cache_keys: usize,
-    /// How often the region's TTL janitor sweeps (see [`crate::store::janitor`]).
+    /// How often the region's TTL janitor sweeps (see [`crate::store::redis::janitor`]).
     pub janitor_interval: Duration,
 }
 
@@ -96,7 +108,7 @@ pub struct RedisStore {
     admission: Admission,
     /// Denials answered from memory until their retry time.
     deny: DenyCache,
-    /// Hot keys' slices, admitted from in memory (`store::hot`).
+    /// Hot keys' slices, admitted from in memory (`store::redis::hot`).
     hot: HotKeys,
     /// Takes and returns of a fixed window's slices (`lua/slice.lua`).
     slice: redis::Script,
@@ -467,7 +479,7 @@ impl RedisStore {
         self.eval(&cmd, scripts::SETTLE).await
     }
 
-    /// A co-location group's checks in one script (see [`super::Store::apply_all`]).
+    /// A co-location group's checks in one script (see [`crate::store::Store::apply_all`]).
     pub async fn apply_all(
         &self,
         calls: &[StoreCall<'_>],
@@ -748,14 +760,14 @@ impl RedisStore {
         }
     }
 
-    /// Forgets what `key`'s user spent (see [`super::Forget`]) and publishes the
+    /// Forgets what `key`'s user spent (see [`crate::store::call::Forget`]) and publishes the
     /// invalidation in the same script: if Redis refuses the PUBLISH, nothing changed and
     /// the error says so.
     pub async fn reset(
         &self,
         key: &str,
-        forget: super::Forget,
-        ends: Option<super::Ends<'_>>,
+        forget: crate::store::call::Forget,
+        ends: Option<crate::store::call::Ends<'_>>,
     ) -> Result<(), StoreError> {
         self.deny.invalidate(key);
         self.end_slice(key);
@@ -955,7 +967,7 @@ impl RedisStore {
         };
         match tokio::time::timeout(self.settings.connect_timeout + t * 9, attempt).await {
             Ok(Ok((conn, master))) => {
-                self.install(conn.coalesced(crate::store::coalesce::Counters {
+                self.install(conn.coalesced(crate::store::redis::coalesce::Counters {
                     pipelines: self.metrics.store_pipelines.clone(),
                     commands: self.metrics.store_pipelined_commands.clone(),
                 }));

@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use quotad_core::algorithm::{Algorithm, Limits, Verdict};
 
-use crate::store::deny_cache::RATE_MARGIN;
+use crate::store::redis::deny_cache::RATE_MARGIN;
 
 /// Keys hot at once on one instance, at most.
 pub const MAX_HOT_KEYS: usize = 10_000;

@@ -1,0 +1,90 @@
+//! Redis's side of the call shapes: the arguments a call becomes and the replies the
+//! scripts give, read back as domain values (a malformed reply is a [`StoreError::Reply`]).
+
+use quotad_core::algorithm::Verdict;
+use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
+use quotad_core::settlement::Settled;
+
+use crate::store::call::{LeaseCall, SettleReply, StoreError};
+
+impl SettleReply {
+    /// `lua/settle.lua`'s reply to a settlement: `{code, remaining, reset_after_us,
+    /// charged, refunded}`.
+    pub fn parse(reply: &[i64]) -> Result<SettleReply, StoreError> {
+        let settled = match reply {
+            [1, _, _, charged, refunded] if *charged >= 0 && *refunded >= 0 => Settled::Now {
+                charged: *charged as u64,
+                refunded: *refunded as u64,
+            },
+            [2, _, _, 0, 0] => Settled::Already,
+            [0, _, _, 0, 0] => Settled::Unknown,
+            [3, _, _, 0, 0] => Settled::Ended,
+            other => return Err(StoreError::Reply(format!("{other:?}"))),
+        };
+        match reply[1] {
+            remaining @ 0.. => Ok(SettleReply {
+                settled,
+                remaining: remaining as u64,
+                reset_after_us: reply[2],
+            }),
+            _ => Err(StoreError::Reply(format!("{reply:?}"))),
+        }
+    }
+}
+
+impl LeaseCall<'_> {
+    /// The concurrency script's arguments after the key: mode, limit, id, units, hold.
+    pub(super) fn args(&self) -> (&'static str, &str, u64, i64) {
+        match self.op {
+            LeaseOp::Acquire { id, units, hold_us } => ("acquire", id, units, hold_us),
+            LeaseOp::Release { id, units } => ("release", id, units, 0),
+            LeaseOp::Extend { id, units, hold_us } => ("extend", id, units, hold_us),
+            LeaseOp::Peek => ("peek", "", 0, 0),
+            LeaseOp::Clear => ("clear", "", 0, 0),
+        }
+    }
+}
+
+/// `lua/concurrency.lua`'s reply: `{ok (0, 1, or 2: a lease a reset ended), held,
+/// reset_after_us, retry_after_us, expired, released}`.
+pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
+    match reply {
+        [ok @ (0..=2), held, reset, retry, expired, released]
+            if [*held, *reset, *retry, *expired, *released]
+                .iter()
+                .all(|n| *n >= 0) =>
+        {
+            Ok(LeaseAnswer {
+                ok: *ok == 1,
+                held: *held as u64,
+                reset_after_us: *reset,
+                retry_after_us: *retry,
+                expired: *expired as u64,
+                released: *released as u64,
+                ended: *ok == 2,
+            })
+        }
+        other => Err(StoreError::Reply(format!("{other:?}"))),
+    }
+}
+
+/// A script's reply past 2^53 microseconds means "never" (a global key at a zero rate).
+pub const NEVER_US: i64 = 1 << 53;
+
+/// Every limiter script replies `{allowed, remaining, reset_after_us, retry_after_us}`.
+pub fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
+    let wait = |v: i64| if v >= NEVER_US { i64::MAX } else { v };
+    match reply {
+        [allowed, remaining, reset, retry]
+            if (*allowed == 0 || *allowed == 1) && *remaining >= 0 =>
+        {
+            Ok(Verdict {
+                allowed: *allowed == 1,
+                remaining: *remaining as u64,
+                reset_after_us: wait(*reset),
+                retry_after_us: wait(*retry),
+            })
+        }
+        other => Err(StoreError::Reply(format!("{other:?}"))),
+    }
+}
