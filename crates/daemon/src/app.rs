@@ -171,7 +171,7 @@ pub async fn serve_both(
                 let r = r.clone();
                 Some(Arc::new(move |target| {
                     let r = r.clone();
-                    Box::pin(async move { r.rotate(target).await.map_err(|e| e.kind().to_owned()) })
+                    Box::pin(async move { r.rotate(target).await })
                 }))
             }
             Store::Memory(_) => None,

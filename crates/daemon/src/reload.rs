@@ -33,6 +33,7 @@ use crate::config::{
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::policy::{KeyMatch, Policy};
+use crate::store::StoreError;
 use crate::store::redis::connect::Target;
 use quotad_core::algorithm::{Algorithm, Since};
 
@@ -399,9 +400,11 @@ pub type OnReload = Box<dyn Fn(&Live) + Send + Sync>;
 
 /// Puts new `[store]` credentials (username, password, TLS files) in force live, if they
 /// authenticate (`RedisStore::rotate`): every connection opened after uses them, those
-/// open already finish what they carry. The error names why not, never a secret.
+/// open already finish what they carry. The log names why not by its kind, never a secret.
 pub type Rotate = Arc<
-    dyn Fn(Target) -> futures_util::future::BoxFuture<'static, Result<(), String>> + Send + Sync,
+    dyn Fn(Target) -> futures_util::future::BoxFuture<'static, Result<(), StoreError>>
+        + Send
+        + Sync,
 >;
 
 /// The new `[store]` target when `new` differs from `old` in its credentials alone.
@@ -539,8 +542,9 @@ async fn reload(
                         now_running.store = new.store.clone();
                         rotated = Some(now_running);
                     }
-                    Err(why) => tracing::warn!(
-                        "config reload: the new [store] credentials did not authenticate ({why}); the old ones stay in use"
+                    Err(e) => tracing::warn!(
+                        "config reload: the new [store] credentials did not authenticate ({}); the old ones stay in use",
+                        e.kind()
                     ),
                 }
             }

@@ -227,18 +227,18 @@ struct Validator<'a> {
 
 impl Validator<'_> {
     /// Records an error at byte `offset` of the file (for values that are not `Spanned`).
-    fn error_at(&mut self, offset: usize, field: &str, message: impl Into<String>) {
+    fn error_at(&mut self, offset: usize, field: &str, message: impl ToString) {
         let line = raw::locate(self.src, offset).line;
         self.errors.push(ConfigError {
             file: self.file.to_owned(),
             line,
             field: field.to_owned(),
-            message: message.into(),
+            message: message.to_string(),
         });
     }
 
     /// Records an error on the line of `value`.
-    fn error<T>(&mut self, value: &Spanned<T>, field: &str, message: impl Into<String>) {
+    fn error<T>(&mut self, value: &Spanned<T>, field: &str, message: impl ToString) {
         self.error_at(value.span().start, field, message);
     }
 

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use super::Shared;
 use super::lock::{Lock, Takeover};
-use super::runtime::{Backend, Coordinated};
+use super::runtime::{Backend, Coordinated, StoreFault};
 use crate::config::GlobalSettings;
 use crate::layout::{GlobalLayout, Layouts, PolicyLayout};
 use crate::policy::Policy;
@@ -299,7 +299,7 @@ impl RedisLeaseStore {
 
     /// Starts an event: reads Redis's clock (`TIME`, halfway through the round trip) and,
     /// on a round, replication (replicas attached; a failover drops every loan).
-    fn begin_event(&mut self, round: bool) -> Result<(), String> {
+    fn begin_event(&mut self, round: bool) -> Result<(), StoreFault> {
         self.failure = None;
         let t0 = self.clock.mono_us();
         let time: Result<(i64, i64), _> = redis::cmd("TIME").query(&mut self.conn);
@@ -309,7 +309,7 @@ impl RedisLeaseStore {
             // half the round trip: beyond a quarter of the margin (half of what the step
             // tolerance leaves) the event is skipped and the previous offset kept.
             Ok(_) if t1 - t0 > self.max_sync_us * 2 => {
-                return Err(format!("TIME took {} us: clock not synced", t1 - t0));
+                return Err(StoreFault::ClockNotSynced(t1 - t0));
             }
             Ok((s, us)) => {
                 let redis_us = s * 1_000_000 + us;
@@ -319,7 +319,7 @@ impl RedisLeaseStore {
             }
             Err(e) => {
                 self.fail(&e);
-                return Err(e.to_string());
+                return Err(e.into());
             }
         }
         if round {
@@ -334,7 +334,7 @@ impl RedisLeaseStore {
     /// replicated key in the policy's slot), so a promoted replica, or a restart that
     /// reloaded its data, shows a different one, even to a coordinator that only just
     /// connected. Then every loan is dropped (of every policy: the safe side).
-    fn replication(&mut self) -> Result<(), String> {
+    fn replication(&mut self) -> Result<(), StoreFault> {
         let mut names: Vec<String> = self.policies.keys().cloned().collect();
         names.sort();
         let mut current = Vec::with_capacity(names.len());
@@ -345,12 +345,8 @@ impl RedisLeaseStore {
                 let replid = keys.replid.clone();
                 let info = self
                     .conn
-                    .query_at(redis::cmd("INFO").arg("replication"), &replid)
-                    .map_err(|e| e.to_string())?;
-                let stored = redis::cmd("GET")
-                    .arg(&replid)
-                    .query(&mut self.conn)
-                    .map_err(|e| e.to_string())?;
+                    .query_at(redis::cmd("INFO").arg("replication"), &replid)?;
+                let stored = redis::cmd("GET").arg(&replid).query(&mut self.conn)?;
                 (info, stored)
             };
             let field = |name: &str| {
@@ -380,7 +376,7 @@ impl RedisLeaseStore {
             self.failed_over = true;
             self.drop_all_loans();
             if let Some(e) = &self.failure {
-                return Err(e.clone());
+                return Err(StoreFault::EventFailed(e.clone()));
             }
         }
         // Refreshed every round: its TTL must not lapse while the region runs.
@@ -391,8 +387,7 @@ impl RedisLeaseStore {
                 .arg(&replid)
                 .arg("PX")
                 .arg(p.shape.keep_ms)
-                .query(&mut self.conn)
-                .map_err(|e| e.to_string())?;
+                .query(&mut self.conn)?;
             self.replid_written.insert(name);
         }
         Ok(())
@@ -545,7 +540,7 @@ fn query_scripts<T: redis::FromRedisValue>(
 }
 
 impl Coordinated for RedisLeaseStore {
-    fn begin(&mut self, round: bool) -> Result<(), String> {
+    fn begin(&mut self, round: bool) -> Result<(), StoreFault> {
         self.begin_event(round)
     }
 
@@ -557,8 +552,8 @@ impl Coordinated for RedisLeaseStore {
         self.fenced
     }
 
-    fn renew(&mut self) -> Result<bool, String> {
-        let renewed = self.lock.renew(&mut self.conn).map_err(|e| e.to_string())?;
+    fn renew(&mut self) -> Result<bool, StoreFault> {
+        let renewed = self.lock.renew(&mut self.conn)?;
         if renewed {
             self.renewed = Instant::now();
         }
@@ -792,11 +787,13 @@ impl LeaseStore for RedisLeaseStore {
             .arg(&meta)
             .arg(&["d", "dp", "dt"])
             .query(&mut self.conn);
-        match v
-            .map_err(|e| e.to_string())
-            .and_then(|v| global::decode_default(&v))
-        {
-            Ok(d) => d.map(|d| d.escrow),
+        let decoded = v.map(|v| global::decode_default(&v));
+        match decoded {
+            Ok(Ok(d)) => d.map(|d| d.escrow),
+            Ok(Err(e)) => {
+                self.fail(e);
+                None
+            }
             Err(e) => {
                 self.fail(e);
                 None

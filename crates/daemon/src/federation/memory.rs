@@ -15,7 +15,7 @@ use super::Shared;
 use super::incarnation;
 use super::lease_store::{PolicyEntry, global_policies};
 use super::lock::Takeover;
-use super::runtime::{Backend, Coordinated};
+use super::runtime::{Backend, Coordinated, StoreFault};
 use crate::store::memory::{MemoryStore, shape_of};
 use quotad_core::clock::SystemClock;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot};
@@ -64,7 +64,7 @@ pub struct MemoryLeaseStore {
 }
 
 impl Coordinated for MemoryLeaseStore {
-    fn begin(&mut self, _round: bool) -> Result<(), String> {
+    fn begin(&mut self, _round: bool) -> Result<(), StoreFault> {
         Ok(())
     }
     fn failure(&self) -> Option<&str> {
@@ -73,7 +73,7 @@ impl Coordinated for MemoryLeaseStore {
     fn fenced(&self) -> bool {
         false
     }
-    fn renew(&mut self) -> Result<bool, String> {
+    fn renew(&mut self) -> Result<bool, StoreFault> {
         Ok(true)
     }
     fn release(&mut self) {}

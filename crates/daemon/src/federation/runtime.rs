@@ -21,17 +21,31 @@ use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::node::{LeaseStore, Link, Node};
 use quotad_core::coordinator::{GlobalPolicy, RegionId};
 
+/// Why the coordinator's store could not start an event or renew the region's lock.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreFault {
+    /// Redis refused a command or could not be reached.
+    #[error(transparent)]
+    Redis(#[from] redis::RedisError),
+    /// Redis's clock was read over a round trip too long to place the reading.
+    #[error("TIME took {0} us: clock not synced")]
+    ClockNotSynced(i64),
+    /// A write of the event failed earlier (the first error, as Redis gave it).
+    #[error("{0}")]
+    EventFailed(String),
+}
+
 /// The coordinator's store as the runtime drives it: a [`LeaseStore`] with events that
 /// can fail as a whole, and the region's lock.
 pub trait Coordinated: LeaseStore + Send {
     /// Starts an event (reads the store's clock; on a round, checks replication).
-    fn begin(&mut self, round: bool) -> Result<(), String>;
+    fn begin(&mut self, round: bool) -> Result<(), StoreFault>;
     /// The first error since [`Coordinated::begin`]: the event is abandoned.
     fn failure(&self) -> Option<&str>;
     /// A write was refused because another instance holds the lock now.
     fn fenced(&self) -> bool;
     /// Extends the lock; `Ok(false)` if another instance holds it.
-    fn renew(&mut self) -> Result<bool, String>;
+    fn renew(&mut self) -> Result<bool, StoreFault>;
     /// Gives the lock up.
     fn release(&mut self);
 }

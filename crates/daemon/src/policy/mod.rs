@@ -119,29 +119,46 @@ pub fn check_rates(
     limit: u64,
     window: Duration,
     burst: u64,
-) -> Result<(), String> {
+) -> Result<(), RateError> {
     let window_us = window.as_micros();
     match algorithm {
         Algorithm::Gcra if window_us < limit as u128 => {
-            return Err(format!(
-                "gcra needs window / limit of at least 1us (at most 1000000 per second); {limit} per {} is faster",
-                humantime::format_duration(window)
-            ));
+            return Err(RateError::GcraTooFast { limit, window });
         }
         Algorithm::SlidingLog if limit > MAX_SLIDING_LOG_LIMIT => {
-            return Err(format!(
-                "sliding_log allows at most {MAX_SLIDING_LOG_LIMIT} per window"
-            ));
+            return Err(RateError::SlidingLogTooLong);
         }
         _ => {}
     }
     if algorithm.has_burst() && burst as u128 * window_us / limit as u128 > MAX_WINDOW.as_micros() {
-        return Err(format!(
-            "refilling burst {burst} at {limit} per {} takes longer than a year",
-            humantime::format_duration(window)
-        ));
+        return Err(RateError::RefillTooSlow {
+            burst,
+            limit,
+            window,
+        });
     }
     Ok(())
+}
+
+/// Why numbers are outside what [`check_rates`] lets a policy take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RateError {
+    #[error(
+        "gcra needs window / limit of at least 1us (at most 1000000 per second); {limit} per {} is faster",
+        humantime::format_duration(*window)
+    )]
+    GcraTooFast { limit: u64, window: Duration },
+    #[error("sliding_log allows at most {MAX_SLIDING_LOG_LIMIT} per window")]
+    SlidingLogTooLong,
+    #[error(
+        "refilling burst {burst} at {limit} per {} takes longer than a year",
+        humantime::format_duration(*window)
+    )]
+    RefillTooSlow {
+        burst: u64,
+        limit: u64,
+        window: Duration,
+    },
 }
 
 /// What a config entry asks for; [`Policy::new`] checks it.

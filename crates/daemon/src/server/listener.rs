@@ -31,15 +31,27 @@ pub enum Endpoint {
 impl Endpoint {
     /// `"127.0.0.1:8686"`, `"[::1]:8686"` or `"unix:/absolute/path"`; the error says
     /// what is expected.
-    pub fn parse(s: &str) -> Result<Endpoint, String> {
+    pub fn parse(s: &str) -> Result<Endpoint, EndpointError> {
         match s.strip_prefix(UNIX_PREFIX) {
             Some(path) if Path::new(path).is_absolute() => Ok(Endpoint::Unix(path.into())),
-            Some(_) => Err("a Unix socket needs an absolute path, e.g. \"unix:/run/quotad/quotad.sock\"".into()),
-            None => s.parse().map(Endpoint::Tcp).map_err(|_| {
-                "must be an IP address and port (\"127.0.0.1:8686\") or a Unix socket (\"unix:/run/quotad/quotad.sock\")".into()
-            }),
+            Some(_) => Err(EndpointError::RelativeSocketPath),
+            None => s
+                .parse()
+                .map(Endpoint::Tcp)
+                .map_err(|_| EndpointError::NotAnEndpoint),
         }
     }
+}
+
+/// Why a listen address does not parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("a Unix socket needs an absolute path, e.g. \"unix:/run/quotad/quotad.sock\"")]
+    RelativeSocketPath,
+    #[error(
+        "must be an IP address and port (\"127.0.0.1:8686\") or a Unix socket (\"unix:/run/quotad/quotad.sock\")"
+    )]
+    NotAnEndpoint,
 }
 
 impl fmt::Display for Endpoint {
@@ -271,12 +283,19 @@ mod tests {
             Endpoint::parse("unix:/run/q.sock"),
             Ok(Endpoint::Unix("/run/q.sock".into()))
         );
+        assert_eq!(
+            Endpoint::parse("unix:q.sock"),
+            Err(EndpointError::RelativeSocketPath)
+        );
         assert!(
-            Endpoint::parse("unix:q.sock")
-                .unwrap_err()
+            EndpointError::RelativeSocketPath
+                .to_string()
                 .contains("absolute")
         );
-        assert!(Endpoint::parse("localhost:80").is_err());
+        assert_eq!(
+            Endpoint::parse("localhost:80"),
+            Err(EndpointError::NotAnEndpoint)
+        );
         assert_eq!(Endpoint::Unix("/a".into()).to_string(), "unix:/a");
     }
 

@@ -167,13 +167,36 @@ fn words(groups: impl Iterator<Item = String>) -> String {
     groups.collect::<Vec<_>>().join(" ")
 }
 
+/// A global key's hash, or its policy's meta hash, that does not read as the model's
+/// values (named by the hash field at fault).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("expected {expected} fields, got {got}")]
+    Fields { expected: usize, got: usize },
+    #[error("{field}: {words} words, not groups of {width}")]
+    Groups {
+        field: &'static str,
+        words: usize,
+        width: usize,
+    },
+    #[error("{field}: not a number: {value:?}")]
+    NotANumber { field: &'static str, value: String },
+    #[error("{field}: not an integer: {value:?}")]
+    NotAnInteger { field: &'static str, value: String },
+    #[error("{field}: out of range: {value:?}")]
+    OutOfRange { field: &'static str, value: String },
+}
+
 /// The hash fields [`decode_slot`] reads, in its order.
 pub const SLOT_FIELDS: [&str; 9] = ["t", "ts", "e", "r", "l", "hw", "ep", "a", "x"];
 
 /// A key's hash (the values of [`SLOT_FIELDS`]) as the model's [`KeySlot`].
-pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, String> {
+pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, DecodeError> {
     if v.len() != SLOT_FIELDS.len() {
-        return Err(format!("expected {} fields", SLOT_FIELDS.len()));
+        return Err(DecodeError::Fields {
+            expected: SLOT_FIELDS.len(),
+            got: v.len(),
+        });
     }
     let field = |i: usize| v[i].as_deref();
     let bucket = match (field(0), field(1)) {
@@ -198,7 +221,7 @@ pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, String> {
                         until: parse_int(g[3], "r")?,
                     })
                 })
-                .collect::<Result<_, String>>()?,
+                .collect::<Result<_, DecodeError>>()?,
             borrowed: groups(field(4).unwrap_or(""), 5, "l")?
                 .into_iter()
                 .map(|g| {
@@ -210,7 +233,7 @@ pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, String> {
                         until: parse_int(g[4], "l")?,
                     })
                 })
-                .collect::<Result<_, String>>()?,
+                .collect::<Result<_, DecodeError>>()?,
             high_water: match field(5) {
                 Some(hw) => parse_int(hw, "hw")?,
                 None => LocalUs::MIN,
@@ -230,7 +253,7 @@ pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, String> {
 }
 
 /// The meta hash's `d`, `dp`, `dt`; `None` when no default was ever written.
-pub fn decode_default(v: &[Option<String>]) -> Result<Option<DefaultEscrow>, String> {
+pub fn decode_default(v: &[Option<String>]) -> Result<Option<DefaultEscrow>, DecodeError> {
     let Some(d) = v.first().and_then(|d| d.as_deref()) else {
         return Ok(None);
     };
@@ -248,37 +271,51 @@ pub fn decode_default(v: &[Option<String>]) -> Result<Option<DefaultEscrow>, Str
     }))
 }
 
-fn groups<'s>(s: &'s str, width: usize, field: &str) -> Result<Vec<Vec<&'s str>>, String> {
+fn groups<'s>(
+    s: &'s str,
+    width: usize,
+    field: &'static str,
+) -> Result<Vec<Vec<&'s str>>, DecodeError> {
     let words: Vec<&str> = s.split_ascii_whitespace().collect();
     if words.len() % width != 0 {
-        return Err(format!(
-            "{field}: {} words, not groups of {width}",
-            words.len()
-        ));
+        return Err(DecodeError::Groups {
+            field,
+            words: words.len(),
+            width,
+        });
     }
     Ok(words.chunks(width).map(|c| c.to_vec()).collect())
 }
 
-fn parse(s: &str, field: &str) -> Result<f64, String> {
+fn parse(s: &str, field: &'static str) -> Result<f64, DecodeError> {
     s.parse::<f64>()
         .ok()
         .filter(|x| x.is_finite())
-        .ok_or_else(|| format!("{field}: not a number: {s:?}"))
+        .ok_or_else(|| DecodeError::NotANumber {
+            field,
+            value: s.to_owned(),
+        })
 }
 
 /// Integers the scripts wrote with `%d` (or a double that holds an integer).
-fn parse_int<T: TryFrom<i64>>(s: &str, field: &str) -> Result<T, String> {
+fn parse_int<T: TryFrom<i64>>(s: &str, field: &'static str) -> Result<T, DecodeError> {
     let n = match s.parse::<i64>() {
         Ok(n) => n,
         Err(_) => {
             let x = parse(s, field)?;
             if x.fract() != 0.0 || x.abs() > 9.0e15 {
-                return Err(format!("{field}: not an integer: {s:?}"));
+                return Err(DecodeError::NotAnInteger {
+                    field,
+                    value: s.to_owned(),
+                });
             }
             x as i64
         }
     };
-    T::try_from(n).map_err(|_| format!("{field}: out of range: {s:?}"))
+    T::try_from(n).map_err(|_| DecodeError::OutOfRange {
+        field,
+        value: s.to_owned(),
+    })
 }
 
 #[cfg(test)]
