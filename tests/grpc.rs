@@ -425,14 +425,15 @@ fn shadow_mode_answers_ok_and_counts_the_denial() {
 }
 
 /// 500 concurrent requests on one descriptor at limit 100: exactly 100 admitted. The
-/// store timeout is generous and the policy fails closed, so that a Redis call slowed by
-/// the burst (on a loaded 2-core machine) is not an unenforced `fail_open` admission: what
-/// is counted is the store's decisions.
+/// store timeout and the admission queue's are generous and the policy fails closed, so
+/// that a Redis call slowed by the burst (on a loaded 2-core machine) is neither an
+/// unenforced `fail_open` admission nor shed: what is counted is the store's decisions.
 #[test]
 fn concurrent_requests_admit_exactly_the_limit() {
     let redis = RedisServer::start();
     let config = Config::redis(&redis.url())
         .store("timeout", "2s")
+        .store("queue_timeout", "2s")
         .policy(Policy::new("hundred", "fixed_window", 100, "1h").on_store_error("closed"))
         .descriptor(DOMAIN, Descriptor::new("tenant").policy("hundred"))
         .to_toml();
