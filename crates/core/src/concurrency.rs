@@ -136,33 +136,11 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
     let (ok, retry, changed) = match op {
         LeaseOp::Peek => (true, 0, false),
         LeaseOp::Clear => {
-            for (t, name) in entries.drain(..) {
-                let id = name.rsplit_once(':').map_or(name.as_str(), |(id, _)| id);
-                match ended.iter_mut().find(|(e, _)| e == id) {
-                    Some((_, until)) => *until = (*until).max(t),
-                    None => ended.push((id.to_owned(), t)),
-                }
-            }
-            ended.sort();
+            clear(&mut entries, &mut ended);
             (true, 0, live > 0)
         }
         LeaseOp::Acquire { id, units, hold_us } => {
-            let held = entries.len() as u64;
-            if held + units <= limit {
-                let until = now_us + hold_us;
-                for i in 1..=units {
-                    insert(&mut entries, until, entry(id, i));
-                }
-                (true, 0, true)
-            } else {
-                // Fits once the earliest (held + units - limit) entries have ended.
-                let k = held + units - limit;
-                let retry = match k.checked_sub(1).and_then(|i| entries.get(i as usize)) {
-                    Some((t, _)) => t - now_us,
-                    None => 0, // more than the limit could ever hold: never
-                };
-                (false, retry, false)
-            }
+            acquire(&mut entries, limit, now_us, id, units, hold_us)
         }
         LeaseOp::Release { id, units } => {
             let held = holds(&entries, id, units);
@@ -179,14 +157,7 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
             let live = holds(&entries, id, units);
             by_reset = !live && was_ended(id);
             if live {
-                let until = now_us + hold_us;
-                for i in 1..=units {
-                    let name = entry(id, i);
-                    if let Some(at) = entries.iter().position(|(_, m)| *m == name) {
-                        entries.remove(at);
-                        insert(&mut entries, until, name);
-                    }
-                }
+                extend(&mut entries, now_us + hold_us, id, units);
             }
             (live, 0, live)
         }
@@ -206,21 +177,79 @@ pub fn apply(limit: u64, state: Option<&Leases>, now_us: i64, op: LeaseOp<'_>) -
     };
     let write = if !changed && expired == 0 {
         LeaseWrite::Keep
-    } else if entries.is_empty() && ended.is_empty() {
-        LeaseWrite::Delete
     } else {
-        let last = entries.iter().map(|(t, _)| *t);
-        let ttl_us = last
-            .chain(ended.iter().map(|(_, t)| *t))
-            .max()
-            .unwrap_or(now_us)
-            - now_us;
-        LeaseWrite::Put {
-            leases: Leases { entries, ended },
-            ttl_us,
-        }
+        written(entries, ended, now_us)
     };
     LeaseOutcome { answer, write }
+}
+
+/// Ends every live lease (a reset): each id is remembered as ended until its lease would
+/// have ended, so its release or extend says so.
+fn clear(entries: &mut Vec<(i64, String)>, ended: &mut Vec<(String, i64)>) {
+    for (t, name) in entries.drain(..) {
+        let id = name.rsplit_once(':').map_or(name.as_str(), |(id, _)| id);
+        match ended.iter_mut().find(|(e, _)| e == id) {
+            Some((_, until)) => *until = (*until).max(t),
+            None => ended.push((id.to_owned(), t)),
+        }
+    }
+    ended.sort();
+}
+
+/// Acquires `units` for lease `id` until `now_us + hold_us` if they fit under `limit`:
+/// (acquired, retry after, changed).
+fn acquire(
+    entries: &mut Vec<(i64, String)>,
+    limit: u64,
+    now_us: i64,
+    id: &str,
+    units: u64,
+    hold_us: i64,
+) -> (bool, i64, bool) {
+    let held = entries.len() as u64;
+    if held + units <= limit {
+        let until = now_us + hold_us;
+        for i in 1..=units {
+            insert(entries, until, entry(id, i));
+        }
+        return (true, 0, true);
+    }
+    // Fits once the earliest (held + units - limit) entries have ended.
+    let k = held + units - limit;
+    let retry = match k.checked_sub(1).and_then(|i| entries.get(i as usize)) {
+        Some((t, _)) => t - now_us,
+        None => 0, // more than the limit could ever hold: never
+    };
+    (false, retry, false)
+}
+
+/// Moves the `units` entries of live lease `id` to end at `until`.
+fn extend(entries: &mut Vec<(i64, String)>, until: i64, id: &str, units: u64) {
+    for i in 1..=units {
+        let name = entry(id, i);
+        if let Some(at) = entries.iter().position(|(_, m)| *m == name) {
+            entries.remove(at);
+            insert(entries, until, name);
+        }
+    }
+}
+
+/// The write of a changed key: gone when nothing is held or remembered, else kept until
+/// its last lease or remembered end.
+fn written(entries: Vec<(i64, String)>, ended: Vec<(String, i64)>, now_us: i64) -> LeaseWrite {
+    if entries.is_empty() && ended.is_empty() {
+        return LeaseWrite::Delete;
+    }
+    let last = entries.iter().map(|(t, _)| *t);
+    let ttl_us = last
+        .chain(ended.iter().map(|(_, t)| *t))
+        .max()
+        .unwrap_or(now_us)
+        - now_us;
+    LeaseWrite::Put {
+        leases: Leases { entries, ended },
+        ttl_us,
+    }
 }
 
 /// Inserts in sorted-set order: by expiry, then by name.

@@ -124,20 +124,7 @@ pub async fn serve_both(
     shutdown: CancellationToken,
 ) -> Result<(), AppError> {
     reload::stamp_since(&mut settings, None, reload::now_ms());
-    let metrics = Arc::new(Metrics::new(
-        settings.policies.iter().map(|p| p.name.as_str()),
-        &StoreError::KINDS,
-    ));
-    for p in settings
-        .policies
-        .iter()
-        .filter(|p| p.settle_within.is_some())
-    {
-        metrics.preregister_settlements(&p.name);
-    }
-    for c in &settings.concurrency {
-        metrics.preregister_concurrency(&c.name);
-    }
+    let metrics = new_metrics(&settings);
     let layouts = Arc::new(layouts(&settings));
     let background = Background::default();
     let local = Arc::new(MemoryStore::new(
@@ -158,35 +145,7 @@ pub async fn serve_both(
         [("local", Some(local.clone())), ("primary", store.memory())],
     );
     let federation = start_federation(&settings, &live.get().policies, &layouts, &store, &metrics)?;
-    if let Some(path) = settings.source.clone() {
-        let coordinator = federation.clone();
-        let on_reload: reload::OnReload = Box::new(move |live: &Live| {
-            if let Some(f) = &coordinator {
-                f.reload(live.policies.iter().cloned().collect());
-            }
-        });
-        // New [store] credentials go in live when they authenticate (Redis only).
-        let rotate: Option<reload::Rotate> = match &*store {
-            Store::Redis(r) => {
-                let r = r.clone();
-                Some(Arc::new(move |target| {
-                    let r = r.clone();
-                    Box::pin(async move { r.rotate(target).await })
-                }))
-            }
-            Store::Memory(_) => None,
-        };
-        let task = reload::watch(
-            path,
-            settings.clone(),
-            live.clone(),
-            metrics.clone(),
-            on_reload,
-            rotate,
-            background.stop.clone(),
-        );
-        background.tasks.spawn(task);
-    }
+    watch_config(&settings, &live, &metrics, &store, &federation, &background);
     let drain = Drain::default();
     let limiter = Arc::new(Limiter::new(
         store.clone(),
@@ -202,12 +161,7 @@ pub async fn serve_both(
         limiter,
         store,
         metrics: metrics.clone(),
-        caps: Caps {
-            max_body_bytes: settings.server.max_body_bytes,
-            max_batch: settings.server.max_batch,
-            max_key_bytes: settings.server.max_key_bytes,
-            body_timeout: settings.server.body_timeout,
-        },
+        caps: caps(&settings),
         drain: drain.clone(),
         ready_requires_store: settings.server.ready_requires_store,
         body_budget: api::body::BodyBudget::new(settings.server.max_body_memory, metrics.clone()),
@@ -243,6 +197,78 @@ pub async fn serve_both(
         Some(e) => Err(AppError::Grpc(e)),
         None => Ok(()),
     }
+}
+
+/// The metric catalogue for these policies, with the series of settling policies and
+/// concurrency limits registered before their first event.
+fn new_metrics(settings: &Settings) -> Arc<Metrics> {
+    let metrics = Arc::new(Metrics::new(
+        settings.policies.iter().map(|p| p.name.as_str()),
+        &StoreError::KINDS,
+    ));
+    for p in settings
+        .policies
+        .iter()
+        .filter(|p| p.settle_within.is_some())
+    {
+        metrics.preregister_settlements(&p.name);
+    }
+    for c in &settings.concurrency {
+        metrics.preregister_concurrency(&c.name);
+    }
+    metrics
+}
+
+/// The HTTP API's request caps, from `[server]`.
+fn caps(settings: &Settings) -> Caps {
+    Caps {
+        max_body_bytes: settings.server.max_body_bytes,
+        max_batch: settings.server.max_batch,
+        max_key_bytes: settings.server.max_key_bytes,
+        body_timeout: settings.server.body_timeout,
+    }
+}
+
+/// Watches the config file the settings came from (none: nothing to watch): a reload
+/// tells the coordinator the new policies, and new `[store]` credentials go in live when
+/// they authenticate (Redis only).
+fn watch_config(
+    settings: &Settings,
+    live: &Arc<LiveConfig>,
+    metrics: &Arc<Metrics>,
+    store: &Arc<Store>,
+    federation: &Option<Arc<Federation>>,
+    background: &Background,
+) {
+    let Some(path) = settings.source.clone() else {
+        return;
+    };
+    let coordinator = federation.clone();
+    let on_reload: reload::OnReload = Box::new(move |live: &Live| {
+        if let Some(f) = &coordinator {
+            f.reload(live.policies.iter().cloned().collect());
+        }
+    });
+    let rotate: Option<reload::Rotate> = match &**store {
+        Store::Redis(r) => {
+            let r = r.clone();
+            Some(Arc::new(move |target| {
+                let r = r.clone();
+                Box::pin(async move { r.rotate(target).await })
+            }))
+        }
+        Store::Memory(_) => None,
+    };
+    let task = reload::watch(
+        path,
+        settings.clone(),
+        live.clone(),
+        metrics.clone(),
+        on_reload,
+        rotate,
+        background.stop.clone(),
+    );
+    background.tasks.spawn(task);
 }
 
 /// The Envoy rate-limit service on the same limiter, policies and drain as the HTTP API,

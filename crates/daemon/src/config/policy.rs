@@ -80,104 +80,136 @@ impl Validator<'_> {
                 why,
             );
         }
-        let mut out = Vec::new();
         let mut seen = std::collections::BTreeMap::new();
-        for (j, o) in p.overrides.iter().enumerate().take(MAX_OVERRIDES) {
-            let errors_before = self.errors.len();
-            let named = [("key", &o.key), ("prefix", &o.prefix), ("glob", &o.glob)];
-            if let Some((kind, v)) = named.iter().find_map(|(k, v)| Some((*k, v.as_ref()?))) {
-                // An empty key matches no request (a prefix or glob "" every one): a typo
-                // either way. Two for the same keys: the second would never apply.
-                if v.get_ref().is_empty() {
-                    self.error(v, &field(j, kind), "must not be empty");
-                } else if let Some(first) = seen.insert((kind, v.get_ref().as_str()), j) {
-                    // The value is not repeated: an exact key may be an API key.
-                    let why = format!(
-                        "duplicate override: override[{first}] names the same {kind}; this one would never apply"
-                    );
-                    self.error(v, &field(j, kind), why);
-                    seen.insert((kind, v.get_ref().as_str()), first);
-                }
-            }
-            let keys = match (&o.key, &o.prefix, &o.glob) {
-                (Some(k), None, None) => KeyMatch::Exact(k.get_ref().clone()),
-                (None, Some(k), None) => KeyMatch::Prefix(k.get_ref().clone()),
-                (None, None, Some(k)) => KeyMatch::Glob(k.get_ref().clone()),
-                _ => {
-                    let why = "name exactly one of key, prefix or glob";
-                    let at = [&o.key, &o.prefix, &o.glob].into_iter().flatten().nth(1);
-                    let at = at.map_or(o.limit.span().start, |v| v.span().start);
-                    self.error_at(at, &field(j, "key"), why);
-                    continue;
-                }
-            };
-            let limit = self.integer(
-                Some(&o.limit),
-                &field(j, "limit"),
-                1,
-                1,
-                policy::MAX_LIMIT as i64,
-            );
-            let window = self.duration(
-                o.window.as_ref(),
-                &field(j, "window"),
-                base.window,
-                policy::MIN_WINDOW,
-                policy::MAX_WINDOW,
-            );
-            let burst = match (&o.burst, base.algorithm.has_burst()) {
-                (Some(b), false) => {
-                    self.error(
-                        b,
-                        &field(j, "burst"),
-                        "burst applies only to token_bucket and gcra",
-                    );
-                    None
-                }
-                (Some(b), true) => {
-                    Some(
-                        self.integer(Some(b), &field(j, "burst"), 1, 1, policy::MAX_LIMIT as i64)
-                            as u64,
-                    )
-                }
-                // The policy's burst when it sets one (docs/api.md): a premium key must
-                // not burst less than an ordinary one. Without one, burst is the limit at
-                // both levels, so the override's own.
-                (None, true) => p.burst.as_ref().map(|_| base.burst.get()),
-                (None, false) => None,
-            };
-            if self.errors.len() > errors_before {
-                continue;
-            }
-            let capacity = burst.unwrap_or(limit as u64);
-            if let Err(why) = policy::check_rates(base.algorithm, limit as u64, window, capacity) {
-                self.error(&o.limit, &field(j, "limit"), why);
-                continue;
-            }
-            let spec = PolicySpec {
-                name: &base.name,
-                algorithm: base.algorithm,
-                limit: limit as u64,
-                window,
-                burst,
-                on_store_error: base.on_store_error,
-                shadow: base.shadow,
-                global: None,
-            };
-            match Policy::new(spec) {
-                Some(mut policy) => {
-                    // An overridden key is as hot as any other of the policy.
-                    policy.hot_key_rate = base.hot_key_rate;
-                    policy.settle_within = base.settle_within;
-                    out.push(Override {
-                        keys,
-                        policy: std::sync::Arc::new(policy),
-                    })
-                }
-                None => self.error(&o.limit, &field(j, "limit"), "override is invalid"),
+        p.overrides
+            .iter()
+            .enumerate()
+            .take(MAX_OVERRIDES)
+            .filter_map(|(j, o)| self.an_override(i, j, o, p, base, &mut seen))
+            .collect()
+    }
+
+    /// Override `j` of policy `i`, or `None` with its errors recorded.
+    fn an_override<'p>(
+        &mut self,
+        i: usize,
+        j: usize,
+        o: &'p raw::Override,
+        p: &raw::Policy,
+        base: &Policy,
+        seen: &mut std::collections::BTreeMap<(&'static str, &'p str), usize>,
+    ) -> Option<Override> {
+        let field = |k: &str| format!("policy[{i}].override[{j}].{k}");
+        let errors_before = self.errors.len();
+        let keys = self.override_keys(i, j, o, seen)?;
+        let limit = self.integer(
+            Some(&o.limit),
+            &field("limit"),
+            1,
+            1,
+            policy::MAX_LIMIT as i64,
+        );
+        let window = self.duration(
+            o.window.as_ref(),
+            &field("window"),
+            base.window,
+            policy::MIN_WINDOW,
+            policy::MAX_WINDOW,
+        );
+        let burst = self.override_burst(i, j, o, p, base);
+        if self.errors.len() > errors_before {
+            return None;
+        }
+        let capacity = burst.unwrap_or(limit as u64);
+        if let Err(why) = policy::check_rates(base.algorithm, limit as u64, window, capacity) {
+            self.error(&o.limit, &field("limit"), why);
+            return None;
+        }
+        let spec = PolicySpec {
+            name: &base.name,
+            algorithm: base.algorithm,
+            limit: limit as u64,
+            window,
+            burst,
+            on_store_error: base.on_store_error,
+            shadow: base.shadow,
+            global: None,
+        };
+        let Some(mut policy) = Policy::new(spec) else {
+            self.error(&o.limit, &field("limit"), "override is invalid");
+            return None;
+        };
+        // An overridden key is as hot as any other of the policy.
+        policy.hot_key_rate = base.hot_key_rate;
+        policy.settle_within = base.settle_within;
+        Some(Override {
+            keys,
+            policy: std::sync::Arc::new(policy),
+        })
+    }
+
+    /// The keys override `j` of policy `i` names: exactly one of key, prefix or glob, not
+    /// empty, and not named by an earlier override (`seen`).
+    fn override_keys<'p>(
+        &mut self,
+        i: usize,
+        j: usize,
+        o: &'p raw::Override,
+        seen: &mut std::collections::BTreeMap<(&'static str, &'p str), usize>,
+    ) -> Option<KeyMatch> {
+        let field = |k: &str| format!("policy[{i}].override[{j}].{k}");
+        let named = [("key", &o.key), ("prefix", &o.prefix), ("glob", &o.glob)];
+        if let Some((kind, v)) = named.iter().find_map(|(k, v)| Some((*k, v.as_ref()?))) {
+            // An empty key matches no request (a prefix or glob "" every one): a typo
+            // either way. Two for the same keys: the second would never apply.
+            if v.get_ref().is_empty() {
+                self.error(v, &field(kind), "must not be empty");
+            } else if let Some(first) = seen.insert((kind, v.get_ref().as_str()), j) {
+                // The value is not repeated: an exact key may be an API key.
+                let why = format!(
+                    "duplicate override: override[{first}] names the same {kind}; this one would never apply"
+                );
+                self.error(v, &field(kind), why);
+                seen.insert((kind, v.get_ref().as_str()), first);
             }
         }
-        out
+        match (&o.key, &o.prefix, &o.glob) {
+            (Some(k), None, None) => Some(KeyMatch::Exact(k.get_ref().clone())),
+            (None, Some(k), None) => Some(KeyMatch::Prefix(k.get_ref().clone())),
+            (None, None, Some(k)) => Some(KeyMatch::Glob(k.get_ref().clone())),
+            _ => {
+                let why = "name exactly one of key, prefix or glob";
+                let at = [&o.key, &o.prefix, &o.glob].into_iter().flatten().nth(1);
+                let at = at.map_or(o.limit.span().start, |v| v.span().start);
+                self.error_at(at, &field("key"), why);
+                None
+            }
+        }
+    }
+
+    /// Override `j`'s burst: its own (token_bucket and gcra only), else the policy's when
+    /// it sets one (docs/api.md: a premium key must not burst less than an ordinary one);
+    /// without either, burst is the limit at both levels, so the override's own (`None`).
+    fn override_burst(
+        &mut self,
+        i: usize,
+        j: usize,
+        o: &raw::Override,
+        p: &raw::Policy,
+        base: &Policy,
+    ) -> Option<u64> {
+        let field = format!("policy[{i}].override[{j}].burst");
+        match (&o.burst, base.algorithm.has_burst()) {
+            (Some(b), false) => {
+                self.error(b, &field, "burst applies only to token_bucket and gcra");
+                None
+            }
+            (Some(b), true) => {
+                Some(self.integer(Some(b), &field, 1, 1, policy::MAX_LIMIT as i64) as u64)
+            }
+            (None, true) => p.burst.as_ref().map(|_| base.burst.get()),
+            (None, false) => None,
+        }
     }
 
     /// Every `[[policy]]` (at least one, names unique), and the timing of the global ones.

@@ -455,39 +455,9 @@ impl HotKeys {
             }
         }
         let demand = entry.waiting.load(Ordering::Acquire).max(cost);
-        // A slice taken under other limits (a reload since) is spent no more: back now,
-        // not when the key cools (a lowered limit may grant no slice to replace it).
-        let stale = entry.state().slice.take_if(|s| s.limits != limits);
-        if let Some(old) = stale.filter(|o| o.units > 0 && o.ends > Instant::now()) {
-            self.give_back(returned(key, &old));
-        }
-        // A bucket's slice under these limits ends with this take (spent, or too small
-        // for this check): out of the table first, so nothing spends it once it is sent.
-        let ends = entry
-            .state()
-            .slice
-            .take_if(|s| s.limits == limits && matches!(s.mark, Mark::Bucket { .. }))
-            .and_then(|s| match s.mark {
-                Mark::Bucket { id, .. } => Some((id, s.units)),
-                Mark::Window { .. } => None,
-            });
+        let ends = self.retire_before_take(key, &entry, limits);
         let sent = Instant::now();
-        // Checks queued behind this one are the demand a burst brings, and a burst may
-        // end with them: units beyond it would wait, unspent, while other instances are
-        // denied. Only a taker alone, on a key hot for a while (a steady flow), prefetches.
-        let prefetch = {
-            let mut st = entry.state();
-            let rate =
-                st.spent as f64 / sent.duration_since(st.counted_from).as_secs_f64().max(1e-3);
-            st.spent = 0;
-            st.counted_from = sent;
-            let steady = sent.duration_since(entry.since) >= self.steady;
-            if demand == cost && steady {
-                ((rate * HORIZON.as_secs_f64()) as u64).min(limits.limit)
-            } else {
-                0
-            }
-        };
+        let prefetch = self.prefetch(&entry, demand, cost, limits, sent);
         let seen_invalidations = self.invalidations.load(Ordering::Acquire);
         let result = take(Want {
             need: cost,
@@ -511,23 +481,72 @@ impl HotKeys {
                 ends: sent + window_left(grant.ends_after_us),
                 resets: sent + window_left(grant.reset_after_us),
             };
-            // An invalidation while the take was in flight (it may predate a reset), or
-            // the key cooled meanwhile: the units go back rather than into a slice.
-            let current = self.entry(key).is_some_and(|e| Arc::ptr_eq(&e, &entry));
-            if current && self.invalidations.load(Ordering::Acquire) == seen_invalidations {
-                let old = entry.state().slice.replace(slice);
-                // Units of a slice this one replaces (under other limits: a reload) go
-                // back, unless it ended (an earlier window's lapse with it).
-                let now = Instant::now();
-                if let Some(old) = old.filter(|o| o.units > 0 && o.ends > now) {
-                    self.give_back(returned(key, &old));
-                }
-            } else {
-                self.give_back(returned(key, &slice));
-            }
+            self.keep(key, &entry, slice, seen_invalidations);
         }
         drop(turn);
         Ok((verdict, None))
+    }
+
+    /// Before a take of `key` under `limits`: a slice taken under other limits (a reload
+    /// since) is spent no more and goes back now, not when the key cools (a lowered limit
+    /// may grant no slice to replace it); a bucket's slice under these limits ends with
+    /// this take (spent, or too small for this check), out of the table first so nothing
+    /// spends it once the take is sent: its id and units, for the take to end.
+    fn retire_before_take(&self, key: &str, entry: &Entry, limits: Limits) -> Option<(i64, u64)> {
+        let stale = entry.state().slice.take_if(|s| s.limits != limits);
+        if let Some(old) = stale.filter(|o| o.units > 0 && o.ends > Instant::now()) {
+            self.give_back(returned(key, &old));
+        }
+        entry
+            .state()
+            .slice
+            .take_if(|s| s.limits == limits && matches!(s.mark, Mark::Bucket { .. }))
+            .and_then(|s| match s.mark {
+                Mark::Bucket { id, .. } => Some((id, s.units)),
+                Mark::Window { .. } => None,
+            })
+    }
+
+    /// The units a take sent at `sent` asks for beyond the `demand` waiting. Checks queued
+    /// behind this one are the demand a burst brings, and a burst may end with them: units
+    /// beyond it would wait, unspent, while other instances are denied. Only a taker
+    /// alone, on a key hot for a while (a steady flow), prefetches.
+    fn prefetch(
+        &self,
+        entry: &Entry,
+        demand: u64,
+        cost: u64,
+        limits: Limits,
+        sent: Instant,
+    ) -> u64 {
+        let mut st = entry.state();
+        let rate = st.spent as f64 / sent.duration_since(st.counted_from).as_secs_f64().max(1e-3);
+        st.spent = 0;
+        st.counted_from = sent;
+        let steady = sent.duration_since(entry.since) >= self.steady;
+        if demand == cost && steady {
+            ((rate * HORIZON.as_secs_f64()) as u64).min(limits.limit)
+        } else {
+            0
+        }
+    }
+
+    /// Keeps what a take granted beyond its check as `key`'s slice, unless an
+    /// invalidation came while the take was in flight (it may predate a reset) or the key
+    /// cooled meanwhile: then the units go back rather than into a slice. Units of a slice
+    /// this one replaces (under other limits: a reload) go back too, unless it ended (an
+    /// earlier window's lapse with it).
+    fn keep(&self, key: &str, entry: &Arc<Entry>, slice: Slice, seen_invalidations: u64) {
+        let current = self.entry(key).is_some_and(|e| Arc::ptr_eq(&e, entry));
+        if current && self.invalidations.load(Ordering::Acquire) == seen_invalidations {
+            let old = entry.state().slice.replace(slice);
+            let now = Instant::now();
+            if let Some(old) = old.filter(|o| o.units > 0 && o.ends > now) {
+                self.give_back(returned(key, &old));
+            }
+        } else {
+            self.give_back(returned(key, &slice));
+        }
     }
 
     fn give_back(&self, r: Return) {
