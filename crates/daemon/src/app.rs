@@ -186,17 +186,23 @@ pub async fn serve_both(
         tokio::join!(http, grpc);
     };
     until_drained(&settings, servers, drain, &shutdown).await;
+    stop(background, federation).await;
+    tracing::info!("stopped");
+    match grpc_failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(AppError::Grpc(e)),
+        None => Ok(()),
+    }
+}
+
+/// After the servers drained: the background tasks and the coordinator stop, given a
+/// second to finish.
+async fn stop(background: Background, federation: Option<Arc<Federation>>) {
     background.stop.cancel();
     if let Some(f) = &federation {
         f.stop().await;
     }
     background.tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(1), background.tasks.wait()).await;
-    tracing::info!("stopped");
-    match grpc_failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(AppError::Grpc(e)),
-        None => Ok(()),
-    }
 }
 
 /// The metric catalogue for these policies, with the series of settling policies and

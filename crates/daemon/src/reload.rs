@@ -524,56 +524,60 @@ async fn reload(
             None
         }
         Ok(new) => {
-            // New credentials alone in [store], beside policies that may apply: tried live
-            // first. If they authenticate they are in force, and the rest is reviewed
-            // against them; if not, they stay named among what needs a restart.
-            let mut rotated = None;
-            let policies_apply =
-                global_refusal(running, &new).is_none() && state_refusal(running, &new).is_none();
-            if let (Some(rotate), Some(target), true) =
-                (rotate, rotated_credentials(running, &new), policies_apply)
-            {
-                match rotate(target).await {
-                    Ok(()) => {
-                        tracing::info!(
-                            "config reload: the new [store] credentials authenticated and are in force"
-                        );
-                        let mut now_running = running.clone();
-                        now_running.store = new.store.clone();
-                        rotated = Some(now_running);
-                    }
-                    Err(e) => tracing::warn!(
-                        "config reload: the new [store] credentials did not authenticate ({}); the old ones stay in use",
-                        e.kind()
-                    ),
-                }
-            }
+            let rotated = rotated(running, &new, rotate).await;
             let r = review(rotated.as_ref().unwrap_or(running), &new);
-            match r.apply {
-                None => {
-                    let why = r.refused.unwrap_or_default();
-                    tracing::warn!("config reload refused: {why}; the running config stays");
-                    count("refused");
-                    None
-                }
-                Some(applied) => {
-                    let mut next = Live::from_settings(&applied, h);
-                    next.kept = r.kept.clone();
-                    live.set(next, &applied.log);
-                    if r.kept.is_empty() {
-                        tracing::info!(policies = applied.policies.len(), "config reloaded");
-                        count("ok");
-                    } else {
-                        tracing::warn!(
-                            policies = applied.policies.len(),
-                            "config reloaded in part: the policies, overrides, forward-auth and descriptors applied; not applied, running as before: {}",
-                            r.kept.join("; ")
-                        );
-                        count("partial");
-                    }
-                    Some(applied)
-                }
+            let Some(applied) = r.apply else {
+                let why = r.refused.unwrap_or_default();
+                tracing::warn!("config reload refused: {why}; the running config stays");
+                count("refused");
+                return None;
+            };
+            let mut next = Live::from_settings(&applied, h);
+            next.kept = r.kept.clone();
+            live.set(next, &applied.log);
+            if r.kept.is_empty() {
+                tracing::info!(policies = applied.policies.len(), "config reloaded");
+                count("ok");
+            } else {
+                tracing::warn!(
+                    policies = applied.policies.len(),
+                    "config reloaded in part: the policies, overrides, forward-auth and descriptors applied; not applied, running as before: {}",
+                    r.kept.join("; ")
+                );
+                count("partial");
             }
+            Some(applied)
+        }
+    }
+}
+
+/// New credentials alone in `[store]`, beside policies that may apply, are tried live
+/// first: if they authenticate they are in force, and the running settings with them
+/// are what the rest is reviewed against; if not (`None`), they stay named among what
+/// needs a restart.
+async fn rotated(running: &Settings, new: &Settings, rotate: Option<&Rotate>) -> Option<Settings> {
+    let policies_apply =
+        global_refusal(running, new).is_none() && state_refusal(running, new).is_none();
+    let (Some(rotate), Some(target), true) =
+        (rotate, rotated_credentials(running, new), policies_apply)
+    else {
+        return None;
+    };
+    match rotate(target).await {
+        Ok(()) => {
+            tracing::info!(
+                "config reload: the new [store] credentials authenticated and are in force"
+            );
+            let mut now_running = running.clone();
+            now_running.store = new.store.clone();
+            Some(now_running)
+        }
+        Err(e) => {
+            tracing::warn!(
+                "config reload: the new [store] credentials did not authenticate ({}); the old ones stay in use",
+                e.kind()
+            );
+            None
         }
     }
 }

@@ -61,25 +61,9 @@ pub async fn authz(
             format!("policy \"{name}\" has no [policy.forward_auth]"),
         ));
     };
-    let key = match key_of(auth, &headers) {
-        Some(k) if k.len() <= state.caps.max_key_bytes => k,
-        // Too long to be a key: as good as none.
-        _ => {
-            // Counted whatever the answer: deny and allow decide nothing, so no other
-            // metric would show a proxy that stopped forwarding the key. The policy is
-            // a configured one (looked up above), so the label set stays bounded.
-            let answer = &auth.on_missing_key;
-            state
-                .metrics
-                .forward_auth_missing_key
-                .with_label_values(&[name.as_str(), answer.answer()])
-                .inc();
-            match answer {
-                MissingKey::Key(k) => k.clone(),
-                MissingKey::Allow => return Ok(missing(StatusCode::OK, &name)),
-                MissingKey::Deny => return Ok(missing(denied_status(auth), &name)),
-            }
-        }
+    let key = match request_key(&state, &name, auth, &headers) {
+        Ok(k) => k,
+        Err(status) => return Ok(missing(status, &name)),
     };
     let check = Check {
         policy: live.policies.for_key(&policy, &key),
@@ -106,6 +90,36 @@ pub async fn authz(
         resp.extensions_mut().insert(s);
     }
     Ok(with_headers(resp, std::slice::from_ref(&d)))
+}
+
+/// The key the request names, or the policy's answer to a request without one (a key
+/// too long to be one is as good as none): its own key, or the status that allows or
+/// denies it outright.
+fn request_key(
+    state: &AppState,
+    name: &str,
+    auth: &ForwardAuth,
+    headers: &HeaderMap,
+) -> Result<String, StatusCode> {
+    match key_of(auth, headers) {
+        Some(k) if k.len() <= state.caps.max_key_bytes => Ok(k),
+        _ => {
+            // Counted whatever the answer: deny and allow decide nothing, so no other
+            // metric would show a proxy that stopped forwarding the key. The policy is a
+            // configured one (looked up by the caller), so the label set stays bounded.
+            let answer = &auth.on_missing_key;
+            state
+                .metrics
+                .forward_auth_missing_key
+                .with_label_values(&[name, answer.answer()])
+                .inc();
+            match answer {
+                MissingKey::Key(k) => Ok(k.clone()),
+                MissingKey::Allow => Err(StatusCode::OK),
+                MissingKey::Deny => Err(denied_status(auth)),
+            }
+        }
+    }
 }
 
 fn denied_status(auth: &ForwardAuth) -> StatusCode {

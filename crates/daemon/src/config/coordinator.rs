@@ -277,18 +277,7 @@ impl Validator<'_> {
             Duration::from_millis(1),
             Duration::from_secs(10),
         );
-        let epsilon = match &c.epsilon {
-            None => defaults.epsilon,
-            Some(e) if (0.0..0.1).contains(e.get_ref()) => *e.get_ref(),
-            Some(e) => {
-                self.error(
-                    e,
-                    "coordinator.epsilon",
-                    "must be in [0, 0.1): the bound on any clock's rate error",
-                );
-                defaults.epsilon
-            }
-        };
+        let epsilon = self.epsilon(c, defaults.epsilon);
         let lock = self.duration(
             c.lock.as_ref(),
             "coordinator.lock",
@@ -318,21 +307,7 @@ impl Validator<'_> {
             Duration::ZERO,
             round / 2,
         );
-        let encoding = match &c.exchange_encoding {
-            None => Encoding::Binary,
-            Some(e) => match e.get_ref().as_str() {
-                "binary" => Encoding::Binary,
-                "json" => Encoding::Json,
-                _ => {
-                    self.error(
-                        e,
-                        "coordinator.exchange_encoding",
-                        "must be \"binary\" or \"json\"",
-                    );
-                    Encoding::Binary
-                }
-            },
-        };
+        let encoding = self.encoding(c);
         let params = Params {
             round_us: round.as_micros() as i64,
             lease_us: lease.as_micros() as i64,
@@ -352,6 +327,41 @@ impl Validator<'_> {
             max_exchange_bytes: 0,
             max_key_bytes: 0,
             encoding,
+        }
+    }
+
+    /// `coordinator.epsilon`: the bound on any clock's rate error, in [0, 0.1).
+    fn epsilon(&mut self, c: &raw::Coordinator, default: f64) -> f64 {
+        match &c.epsilon {
+            None => default,
+            Some(e) if (0.0..0.1).contains(e.get_ref()) => *e.get_ref(),
+            Some(e) => {
+                self.error(
+                    e,
+                    "coordinator.epsilon",
+                    "must be in [0, 0.1): the bound on any clock's rate error",
+                );
+                default
+            }
+        }
+    }
+
+    /// `coordinator.exchange_encoding`: "binary" (the default) or "json".
+    fn encoding(&mut self, c: &raw::Coordinator) -> Encoding {
+        let Some(e) = &c.exchange_encoding else {
+            return Encoding::Binary;
+        };
+        match e.get_ref().as_str() {
+            "binary" => Encoding::Binary,
+            "json" => Encoding::Json,
+            _ => {
+                self.error(
+                    e,
+                    "coordinator.exchange_encoding",
+                    "must be \"binary\" or \"json\"",
+                );
+                Encoding::Binary
+            }
         }
     }
 }

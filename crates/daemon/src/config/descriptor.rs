@@ -202,17 +202,7 @@ impl Validator<'_> {
         }
         let value = d.value.as_ref().map(|v| v.get_ref().clone());
         if let Some(v) = &d.value {
-            let text = v.get_ref();
-            let why = if text.is_empty() || text == "*" {
-                Some("must not be empty or \"*\" (leave it out to match any value)")
-            } else if text.trim_end_matches('*').contains('*') || text.ends_with("**") {
-                Some("a `*` may only end the value (a prefix wildcard, e.g. \"api-*\")")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                self.error(v, &format!("{field}.value"), why);
-            }
+            self.descriptor_value(v, field);
         }
         let this = (key.clone(), value.clone());
         if seen.contains(&this) {
@@ -231,18 +221,7 @@ impl Validator<'_> {
             .and_then(|p| self.descriptor_policy(p, field, names));
         let charge = d.charge.as_ref().is_some_and(|c| *c.get_ref());
         if let Some(c) = d.charge.as_ref().filter(|c| *c.get_ref()) {
-            let why = match &policy {
-                None if d.policy.is_none() => {
-                    Some("a charged descriptor needs its policy on the same node".to_owned())
-                }
-                Some(p) if !names.settling.contains(&p.as_str()) => Some(format!(
-                    "policy \"{p}\" takes no settlements: a charge needs a policy that can carry a debt (set its settle_within)"
-                )),
-                _ => None,
-            };
-            if let Some(why) = why {
-                self.error(c, &format!("{field}.charge"), why);
-            }
+            self.descriptor_charge(c, d, policy.as_deref(), field, names);
         }
         if d.policy.is_none() && d.descriptor.is_empty() {
             let why =
@@ -268,6 +247,45 @@ impl Validator<'_> {
             charge,
             children,
         })
+    }
+
+    /// A node's value: not empty, not `*` alone, a `*` only at its end.
+    fn descriptor_value(&mut self, v: &Spanned<String>, field: &str) {
+        let text = v.get_ref();
+        let why = if text.is_empty() || text == "*" {
+            Some("must not be empty or \"*\" (leave it out to match any value)")
+        } else if text.trim_end_matches('*').contains('*') || text.ends_with("**") {
+            Some("a `*` may only end the value (a prefix wildcard, e.g. \"api-*\")")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            self.error(v, &format!("{field}.value"), why);
+        }
+    }
+
+    /// A charged node (`charge = c`): its policy (`policy`, as resolved) is on the same
+    /// node and takes settlements.
+    fn descriptor_charge(
+        &mut self,
+        c: &Spanned<bool>,
+        d: &raw::Descriptor,
+        policy: Option<&str>,
+        field: &str,
+        names: &Names<'_>,
+    ) {
+        let why = match policy {
+            None if d.policy.is_none() => {
+                Some("a charged descriptor needs its policy on the same node".to_owned())
+            }
+            Some(p) if !names.settling.contains(&p) => Some(format!(
+                "policy \"{p}\" takes no settlements: a charge needs a policy that can carry a debt (set its settle_within)"
+            )),
+            _ => None,
+        };
+        if let Some(why) = why {
+            self.error(c, &format!("{field}.charge"), why);
+        }
     }
 
     fn descriptor_policy(

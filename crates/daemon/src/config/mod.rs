@@ -341,25 +341,7 @@ impl Validator<'_> {
             timing,
             overrides,
         } = self.policies(&raw.policy, &regions, !raw.peer.is_empty());
-        let forward_auth = raw
-            .policy
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| !policy::is_concurrency(p))
-            .filter_map(|(i, p)| {
-                // The smallest capacity of the policy and its overrides bounds the cost of
-                // a forward-auth check: a larger one could never pass for some keys.
-                let name = p.name.get_ref();
-                let overridden = overrides.get(name).into_iter().flatten();
-                let capacity = policies
-                    .iter()
-                    .find(|c| c.name == *name)
-                    .map(Policy::capacity)
-                    .map(|c| overridden.map(|o| o.policy.capacity()).fold(c, u64::min));
-                let f = self.forward_auth(i, p.forward_auth.as_ref()?, capacity)?;
-                Some((p.name.get_ref().clone(), f))
-            })
-            .collect();
+        let forward_auth = self.forward_auths(&raw.policy, &policies, &overrides);
         let versions = raw
             .policy
             .iter()
@@ -406,6 +388,32 @@ impl Validator<'_> {
             descriptors,
             log,
         }
+    }
+
+    /// Every policy's `[policy.forward_auth]`. The smallest capacity of the policy and its
+    /// overrides bounds the cost of a forward-auth check: a larger one could never pass
+    /// for some keys.
+    fn forward_auths(
+        &mut self,
+        raw: &[raw::Policy],
+        policies: &[Policy],
+        overrides: &Overrides,
+    ) -> ForwardAuths {
+        raw.iter()
+            .enumerate()
+            .filter(|(_, p)| !policy::is_concurrency(p))
+            .filter_map(|(i, p)| {
+                let name = p.name.get_ref();
+                let overridden = overrides.get(name).into_iter().flatten();
+                let capacity = policies
+                    .iter()
+                    .find(|c| c.name == *name)
+                    .map(Policy::capacity)
+                    .map(|c| overridden.map(|o| o.policy.capacity()).fold(c, u64::min));
+                let f = self.forward_auth(i, p.forward_auth.as_ref()?, capacity)?;
+                Some((p.name.get_ref().clone(), f))
+            })
+            .collect()
     }
 }
 

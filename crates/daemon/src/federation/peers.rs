@@ -227,45 +227,56 @@ impl PeerClient {
         else {
             return Outcome::Failed;
         };
-        let Some(reply) = self.read_reply(resp, &peer.region).await else {
+        let Some(bytes) = self.read_reply(resp, &peer.region).await else {
             return Outcome::Failed;
         };
-        if !auth::verify_reply(&peer.secret.0, &signed.nonce, &reply, &sig) {
-            tracing::warn!(peer = %peer.region, "exchange reply with a bad signature dropped");
-            self.shared
-                .metrics
-                .global
-                .exchange_rejected
-                .with_label_values(&["bad_signature"])
-                .inc();
-            return Outcome::Failed;
-        }
-        let decoded = if wire::is_binary(&reply) {
-            wire::decode_reply(&msg, &reply).ok()
-        } else {
-            serde_json::from_slice::<ExchangeReply>(&reply).ok()
-        };
-        let Some(reply) = decoded else {
+        let Some(reply) = self.accepted(peer_idx, &msg, &signed.nonce, &bytes, &sig) else {
             return Outcome::Failed;
         };
-        if let Err(why) = super::validate_reply(&reply, wall_ms(), s) {
-            tracing::warn!(peer = %peer.region, why, "exchange reply refused: a value is out of bounds");
-            self.shared
-                .metrics
-                .global
-                .exchange_rejected
-                .with_label_values(&["invalid"])
-                .inc();
-            return Outcome::Failed;
-        }
-        if reply.from != to {
-            return Outcome::Failed;
-        }
         // The peer decoded the exchange: it has every key the exchange spelled out.
         if let Some(spelled) = &body.spelled {
             self.wire(peer_idx).ids.confirm(spelled);
         }
         Outcome::Reply(reply)
+    }
+
+    /// Peer `peer_idx`'s reply to `msg`, if it is signed for the request's `nonce`,
+    /// decodes, holds values within bounds and comes from that peer; a bad signature or
+    /// an out-of-bounds value is counted.
+    fn accepted(
+        &self,
+        peer_idx: usize,
+        msg: &Exchange,
+        nonce: &str,
+        bytes: &[u8],
+        sig: &str,
+    ) -> Option<ExchangeReply> {
+        let s = &self.shared.settings;
+        let peer = &s.peers[peer_idx];
+        let rejected = |why: &str| {
+            self.shared
+                .metrics
+                .global
+                .exchange_rejected
+                .with_label_values(&[why])
+                .inc()
+        };
+        if !auth::verify_reply(&peer.secret.0, nonce, bytes, sig) {
+            tracing::warn!(peer = %peer.region, "exchange reply with a bad signature dropped");
+            rejected("bad_signature");
+            return None;
+        }
+        let reply = if wire::is_binary(bytes) {
+            wire::decode_reply(msg, bytes).ok()
+        } else {
+            serde_json::from_slice::<ExchangeReply>(bytes).ok()
+        }?;
+        if let Err(why) = super::validate_reply(&reply, wall_ms(), s) {
+            tracing::warn!(peer = %peer.region, why, "exchange reply refused: a value is out of bounds");
+            rejected("invalid");
+            return None;
+        }
+        (reply.from == peer.id).then_some(reply)
     }
 
     /// Reads at most what a round can carry before the signature is checked: the link is

@@ -617,51 +617,14 @@ impl RedisStore {
         let reply: Vec<i64> = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
             .await?;
-        let grant = match (taker, &reply[..]) {
-            (Taker::Window, &[granted, left, reset_after_us, slot, ledger, retry])
-                if granted >= 0 && left >= 0 =>
-            {
-                Grant {
-                    granted: granted as u64,
-                    left: left as u64,
-                    reset_after_us,
-                    // (A take of a key in other numbers answers the check alone, with its
-                    // own retry; otherwise the window's end.)
-                    retry_after_us: if retry > 0 { retry } else { reset_after_us },
-                    ends_after_us: reset_after_us,
-                    mark: (ledger > 0).then_some(Mark::Window { slot, ledger }),
-                }
-            }
-            (
-                Taker::Bucket { gcra },
-                &[
-                    granted,
-                    left,
-                    reset_after_us,
-                    retry_after_us,
-                    id,
-                    ends_after_us,
-                    back,
-                ],
-            ) if granted >= 0 && left >= 0 => {
-                if back > 0 {
-                    // The slice this take ended gave its unspent units back.
-                    self.metrics
-                        .hot_units
-                        .with_label_values(&["returned"])
-                        .inc_by(back as u64);
-                }
-                Grant {
-                    granted: granted as u64,
-                    left: left as u64,
-                    reset_after_us,
-                    retry_after_us,
-                    ends_after_us,
-                    mark: (id > 0).then_some(Mark::Bucket { id, gcra }),
-                }
-            }
-            _ => return Err(StoreError::Reply(format!("slice take: {reply:?}"))),
-        };
+        let (grant, back) = wire::grant(taker, &reply)?;
+        if back > 0 {
+            // The slice this take ended gave its unspent units back.
+            self.metrics
+                .hot_units
+                .with_label_values(&["returned"])
+                .inc_by(back);
+        }
         if grant.granted > 0 {
             self.metrics.hot_slices.with_label_values(&["taken"]).inc();
             self.metrics

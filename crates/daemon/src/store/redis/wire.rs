@@ -6,6 +6,7 @@ use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
 use quotad_core::settlement::Settled;
 
 use crate::store::call::{LeaseCall, SettleReply, StoreError};
+use crate::store::redis::hot::{Grant, Mark, Taker};
 
 impl SettleReply {
     /// `lua/settle.lua`'s reply to a settlement: `{code, remaining, reset_after_us,
@@ -86,5 +87,50 @@ pub fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
             })
         }
         other => Err(StoreError::Reply(format!("{other:?}"))),
+    }
+}
+
+/// A slice take's reply (`lua/slice.lua`, `lua/bucket_slice.lua`) as its grant, with the
+/// units a bucket's slice that the take ended gave back.
+pub(super) fn grant(taker: Taker, reply: &[i64]) -> Result<(Grant, u64), StoreError> {
+    match (taker, reply) {
+        (Taker::Window, &[granted, left, reset_after_us, slot, ledger, retry])
+            if granted >= 0 && left >= 0 =>
+        {
+            let grant = Grant {
+                granted: granted as u64,
+                left: left as u64,
+                reset_after_us,
+                // (A take of a key in other numbers answers the check alone, with its own
+                // retry; otherwise the window's end.)
+                retry_after_us: if retry > 0 { retry } else { reset_after_us },
+                ends_after_us: reset_after_us,
+                mark: (ledger > 0).then_some(Mark::Window { slot, ledger }),
+            };
+            Ok((grant, 0))
+        }
+        (
+            Taker::Bucket { gcra },
+            &[
+                granted,
+                left,
+                reset_after_us,
+                retry_after_us,
+                id,
+                ends_after_us,
+                back,
+            ],
+        ) if granted >= 0 && left >= 0 => {
+            let grant = Grant {
+                granted: granted as u64,
+                left: left as u64,
+                reset_after_us,
+                retry_after_us,
+                ends_after_us,
+                mark: (id > 0).then_some(Mark::Bucket { id, gcra }),
+            };
+            Ok((grant, back.max(0) as u64))
+        }
+        _ => Err(StoreError::Reply(format!("slice take: {reply:?}"))),
     }
 }
