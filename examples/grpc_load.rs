@@ -11,11 +11,11 @@
 //! ```
 //!
 //! There is no Go toolchain here for ghz, so the client is tonic's, of the same Envoy
-//! messages as the server (`quotad_daemon::api::grpc::envoy`).
+//! messages as the server (`quotad_daemon::envoy`).
 
 use std::time::{Duration, Instant};
 
-use quotad_daemon::api::grpc::envoy::{Code, Entry, RateLimitDescriptor, RateLimitRequest};
+use quotad_daemon::envoy::{Code, Entry, RateLimitDescriptor, RateLimitRequest};
 use quotad_testkit::grpc::RateLimitServiceClient;
 
 struct Args {

@@ -142,7 +142,7 @@ fn headers_follow_the_ietf_draft_and_retry_after_on_denial() {
     let h = |n| common::header(&headers, n).unwrap_or_else(|| panic!("missing {n}: {headers:?}"));
     // q is the burst (what `remaining` counts against); refilling 5 at 2/s takes 2.5 s,
     // not a whole number of seconds, so no w (tests/headers.rs has the whole table).
-    let pk = quotad_daemon::api::headers::partition_key("tb", "h");
+    let pk = quotad_daemon::partition_key("tb", "h");
     assert_eq!(h("ratelimit-policy"), format!("\"tb\";q=5;pk={pk}"));
     // After a denial, t is the wait until a token is back: the same as Retry-After.
     assert_eq!(h("ratelimit"), format!("\"tb\";r=0;t=1;pk={pk}"));

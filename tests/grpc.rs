@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::grpc::RateLimitServiceClient;
 use common::grpc::descriptor as desc;
 use common::{Config, Descriptor, Policy, Quotad, RedisServer, free_port, runtime, wait_for};
-use quotad_daemon::api::grpc::envoy::{
+use quotad_daemon::envoy::{
     Code, RateLimitDescriptor, RateLimitRequest, RateLimitResponse, UInt64Value, Unit,
 };
 use tonic::transport::Channel;

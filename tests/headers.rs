@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{Config, Policy, Quotad, RedisServer, wait_for};
-use quotad_daemon::api::headers::partition_key;
+use quotad_daemon::partition_key;
 use serde_json::{Value, json};
 
 /// One member of a RateLimit or RateLimit-Policy list: the policy name and its parameters.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use common::grpc::RateLimitServiceClient;
 use common::{Config, Descriptor, Policy, RedisServer, quotad_binary, runtime, wait_for};
-use quotad_daemon::api::grpc::envoy::{Code, Entry, RateLimitDescriptor, RateLimitRequest};
+use quotad_daemon::envoy::{Code, Entry, RateLimitDescriptor, RateLimitRequest};
 use serde_json::Value;
 
 struct Daemon {

@@ -15,6 +15,8 @@
 //! This crate depends on serde and nothing else at run time: no async runtime, network or
 //! Redis client. The daemon (`quotad-daemon`) and the simulator (`quotad-sim`) drive it.
 
+#![warn(unreachable_pub)]
+
 pub mod algorithm;
 pub mod clock;
 pub mod concurrency;

@@ -25,14 +25,22 @@
 //!   Redis as the node's store and clock, signed HTTP exchanges with the peers.
 //! - [`app`]: the composition root and shutdown order.
 
-pub mod api;
+#![warn(unreachable_pub)]
+
+mod api;
 pub mod app;
 pub mod config;
 pub mod federation;
 pub mod layout;
-pub mod limiter;
+mod limiter;
 pub mod metrics;
-pub mod policy;
-pub mod reload;
+mod policy;
+mod reload;
 pub mod server;
 pub mod store;
+
+/// The Envoy rate-limit service's messages, as the gRPC API reads and writes them (for
+/// clients of it).
+pub use api::grpc::envoy;
+/// The partition key quotad's RateLimit headers name for a policy and key.
+pub use api::headers::partition_key;

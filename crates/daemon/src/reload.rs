@@ -44,10 +44,10 @@ const POLL: Duration = Duration::from_secs(1);
 /// written in place passes through prefixes that may parse (2 of 13 policies), and one
 /// of those must never serve. A SIGHUP applies the file at once (the operator says it is
 /// whole); an atomic rename (what a ConfigMap does) is whole at once too, and settles.
-pub const SETTLE: Duration = Duration::from_secs(2);
+pub(crate) const SETTLE: Duration = Duration::from_secs(2);
 
 /// What a reload replaces: read by every request.
-pub struct Live {
+pub(crate) struct Live {
     pub policies: Policies,
     pub forward_auth: ForwardAuths,
     /// `[[descriptor]]`: what the gRPC service maps Envoy's descriptors to.
@@ -60,7 +60,7 @@ pub struct Live {
 }
 
 impl Live {
-    pub fn from_settings(settings: &Settings, hash: String) -> Live {
+    pub(crate) fn from_settings(settings: &Settings, hash: String) -> Live {
         Live {
             policies: policies(settings),
             forward_auth: settings.forward_auth.clone(),
@@ -72,14 +72,14 @@ impl Live {
 }
 
 /// The policies of `settings` with their per-key overrides, as a reload puts them in force.
-pub fn policies(settings: &Settings) -> Policies {
+pub(crate) fn policies(settings: &Settings) -> Policies {
     Policies::new(settings.policies.iter().cloned())
         .with_overrides(settings.overrides.clone())
         .with_concurrency(settings.concurrency.iter().cloned())
 }
 
 /// The live config, swapped whole by a reload. A std RwLock: held only to clone the Arc.
-pub struct LiveConfig {
+pub(crate) struct LiveConfig {
     live: RwLock<Arc<Live>>,
     /// `[log] requests` as "every Nth request" (`config::sample_every`): read by every
     /// answer, so kept apart from the lock.
@@ -87,19 +87,19 @@ pub struct LiveConfig {
 }
 
 impl LiveConfig {
-    pub fn new(live: Live, log: &LogSettings) -> Self {
+    pub(crate) fn new(live: Live, log: &LogSettings) -> Self {
         LiveConfig {
             live: RwLock::new(Arc::new(live)),
             request_every: AtomicU64::new(sample_every(log.requests)),
         }
     }
 
-    pub fn get(&self) -> Arc<Live> {
+    pub(crate) fn get(&self) -> Arc<Live> {
         self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Every how many requests one goes to the request log (0: none).
-    pub fn request_every(&self) -> u64 {
+    pub(crate) fn request_every(&self) -> u64 {
         self.request_every.load(Ordering::Relaxed)
     }
 
@@ -111,7 +111,7 @@ impl LiveConfig {
 }
 
 /// SHA-256 of a config file's bytes, hex.
-pub fn hash(bytes: &[u8]) -> String {
+pub(crate) fn hash(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
 }
 
@@ -148,8 +148,10 @@ fn fixed_parts(old: &Settings, new: &Settings) -> [(&'static str, bool); 8] {
     ]
 }
 
-/// Why `new` cannot replace `old` whole in a running daemon; `None` when it can.
-pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
+/// Why `new` cannot replace `old` whole in a running daemon; `None` when it can (the
+/// tests' summary of what `review` applies and keeps).
+#[cfg(test)]
+pub(crate) fn refusal(old: &Settings, new: &Settings) -> Option<String> {
     fixed_parts(old, new)
         .iter()
         .find(|(_, ok)| !ok)
@@ -160,7 +162,7 @@ pub fn refusal(old: &Settings, new: &Settings) -> Option<String> {
 
 /// What a reload puts in force of a new file.
 #[derive(Debug)]
-pub struct Review {
+pub(crate) struct Review {
     /// The settings to put in force: the new file, with every part that cannot change
     /// live as it runs. `None`: nothing of the file applies.
     pub apply: Option<Settings>,
@@ -176,7 +178,7 @@ pub struct Review {
 /// coordinator and peers) stays as it runs and is named in [`Review::kept`]. A change of
 /// the policies that cannot apply live (a window without a higher version, a global
 /// policy's rate) refuses the reload whole: the policies go in together.
-pub fn review(old: &Settings, new: &Settings) -> Review {
+pub(crate) fn review(old: &Settings, new: &Settings) -> Review {
     let parts = fixed_parts(old, new);
     let kept: Vec<String> = parts
         .iter()
@@ -347,7 +349,7 @@ fn global_refusal(old: &Settings, new: &Settings) -> Option<String> {
 /// numbers is read by this order (`quotad_core::algorithm::frame`): the newer config
 /// takes it over, the older one is held to both. Global policies keep `Since::ZERO`:
 /// their numbers change only through a restart of every region.
-pub fn stamp_since(new: &mut Settings, previous: Option<&Settings>, at_ms: u64) {
+pub(crate) fn stamp_since(new: &mut Settings, previous: Option<&Settings>, at_ms: u64) {
     let since = |p: &Policy, before: Option<&Policy>, version: u64| {
         let numbers = |p: &Policy| (p.algorithm, p.limit, p.window, p.burst);
         match before {
@@ -372,7 +374,7 @@ pub fn stamp_since(new: &mut Settings, previous: Option<&Settings>, at_ms: u64) 
 }
 
 /// Now, in ms since the Unix epoch (the instant numbers come into force).
-pub fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
@@ -396,12 +398,12 @@ fn stamps(path: &Path, running: &Settings) -> Vec<Stamp> {
 
 /// Told of every config a reload put in force (the coordinator installs new versions of
 /// global policies from it).
-pub type OnReload = Box<dyn Fn(&Live) + Send + Sync>;
+pub(crate) type OnReload = Box<dyn Fn(&Live) + Send + Sync>;
 
 /// Puts new `[store]` credentials (username, password, TLS files) in force live, if they
 /// authenticate (`RedisStore::rotate`): every connection opened after uses them, those
 /// open already finish what they carry. The log names why not by its kind, never a secret.
-pub type Rotate = Arc<
+pub(crate) type Rotate = Arc<
     dyn Fn(Target) -> futures_util::future::BoxFuture<'static, Result<(), StoreError>>
         + Send
         + Sync,
@@ -421,7 +423,7 @@ fn rotated_credentials(old: &Settings, new: &Settings) -> Option<Target> {
 /// Reloads on SIGHUP and when the file at `path` changes, until `stop`. `running` is the
 /// config the daemon was started with, then the last one reloaded (what cannot change,
 /// and global policies' versions, are compared against it).
-pub async fn watch(
+pub(crate) async fn watch(
     path: PathBuf,
     mut running: Settings,
     live: Arc<LiveConfig>,

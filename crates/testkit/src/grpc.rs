@@ -1,7 +1,7 @@
 //! One Envoy `ShouldRateLimit` call from a blocking test, and the client behind it: a
 //! tonic client of the same messages the daemon serves (`api::grpc::envoy`).
 
-use quotad_daemon::api::grpc::envoy::{
+use quotad_daemon::envoy::{
     Entry, RateLimitDescriptor, RateLimitRequest, RateLimitResponse, SHOULD_RATE_LIMIT,
 };
 use tonic::transport::Channel;
@@ -93,7 +93,7 @@ pub fn charge(port: u16, domain: &str, key: &str, hits: u64) -> Result<(), Strin
         let request = RateLimitRequest {
             domain: domain.into(),
             descriptors: vec![RateLimitDescriptor {
-                hits_addend: Some(quotad_daemon::api::grpc::envoy::UInt64Value { value: hits }),
+                hits_addend: Some(quotad_daemon::envoy::UInt64Value { value: hits }),
                 ..descriptor(&[("api_key", key)])
             }],
             hits_addend: 0,

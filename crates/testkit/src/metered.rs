@@ -15,7 +15,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use quotad_daemon::api::grpc::envoy::{RateLimitDescriptor, RateLimitRequest, UInt64Value};
+use quotad_daemon::envoy::{RateLimitDescriptor, RateLimitRequest, UInt64Value};
 
 /// The child modes of this module.
 pub const MODES: [&str; 2] = ["settle_http", "charge_grpc"];

@@ -56,13 +56,13 @@ pub(crate) struct Reading {
 impl Reading {
     /// The frame a state stamped `stamp` is in: its stamp's, or (no state, or one from
     /// before frames) the reader's own numbers.
-    pub fn frame(l: &Limits, stamp: Option<&Stamp>) -> Limits {
+    pub(crate) fn frame(l: &Limits, stamp: Option<&Stamp>) -> Limits {
         stamp.map_or(*l, |s| s.frame)
     }
 
     /// How reader `l` reads a state stamped `stamp` (`None`: no state, or one from before
     /// frames: the reader's own).
-    pub fn of(algorithm: Algorithm, l: &Limits, stamp: Option<&Stamp>) -> Reading {
+    pub(crate) fn of(algorithm: Algorithm, l: &Limits, stamp: Option<&Stamp>) -> Reading {
         let own = Reading {
             algorithm,
             reader: *l,
@@ -90,7 +90,13 @@ impl Reading {
     /// more: the reading's numbers, and the hold ([`Hold`]): started by a take-over at
     /// the rest of the state taken over, or by a reader held to both at its own numbers;
     /// moved by what is spent while it lasts.
-    pub fn stamp(&self, stored: Option<&Stamp>, rest_us: i64, spent: i64, now: i64) -> Stamp {
+    pub(crate) fn stamp(
+        &self,
+        stored: Option<&Stamp>,
+        rest_us: i64,
+        spent: i64,
+        now: i64,
+    ) -> Stamp {
         let mut hold = stored.and_then(|s| s.hold).filter(|h| h.until_us > now);
         if let Some(f) = self.take_over {
             let until_us = hold
@@ -109,20 +115,20 @@ impl Reading {
     }
 
     /// The reader's own numbers.
-    pub fn reader(&self) -> Limits {
+    pub(crate) fn reader(&self) -> Limits {
         self.reader
     }
 
     /// Whether the reader is held to both configs: its numbers are older than the
     /// state's.
-    pub fn held(&self) -> bool {
+    pub(crate) fn held(&self) -> bool {
         !self.numbers.same_numbers(&self.reader)
     }
 
     /// A bucket reader held to both: what its own numbers leave it of everything spent
     /// on the key, the hold read as its own bucket (`None`: no hold at its numbers' pace;
     /// its own bucket is full).
-    pub fn own_tokens(&self, stamp: Option<&Stamp>, now: i64) -> Option<f64> {
+    pub(crate) fn own_tokens(&self, stamp: Option<&Stamp>, now: i64) -> Option<f64> {
         let hold = stamp.and_then(|s| s.hold)?;
         let mine = Hold::of(self.algorithm, &self.reader, 0);
         if !self.held() || hold.unit_us != mine.unit_us || hold.full_us != mine.full_us {

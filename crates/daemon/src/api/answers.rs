@@ -18,19 +18,19 @@ use crate::federation::peers::EXCHANGE_PATH;
 use crate::metrics::Metrics;
 use crate::reload::LiveConfig;
 
-pub const CHECK: &str = "/v1/check";
-pub const RESET: &str = "/v1/reset";
-pub const SETTLE: &str = "/v1/settle";
-pub const CHARGE: &str = "/v1/charge";
-pub const ACQUIRE: &str = "/v1/acquire";
-pub const RELEASE: &str = "/v1/release";
-pub const EXTEND: &str = "/v1/extend";
-pub const AUTHZ: &str = "/v1/authz/{policy}";
-pub const POLICIES: &str = "/v1/policies";
-pub const STATUS: &str = "/v1/status";
-pub const HEALTHZ: &str = "/healthz";
-pub const READYZ: &str = "/readyz";
-pub const METRICS: &str = "/metrics";
+pub(super) const CHECK: &str = "/v1/check";
+pub(super) const RESET: &str = "/v1/reset";
+pub(super) const SETTLE: &str = "/v1/settle";
+pub(super) const CHARGE: &str = "/v1/charge";
+pub(super) const ACQUIRE: &str = "/v1/acquire";
+pub(super) const RELEASE: &str = "/v1/release";
+pub(super) const EXTEND: &str = "/v1/extend";
+pub(super) const AUTHZ: &str = "/v1/authz/{policy}";
+pub(super) const POLICIES: &str = "/v1/policies";
+pub(super) const STATUS: &str = "/v1/status";
+pub(super) const HEALTHZ: &str = "/healthz";
+pub(super) const READYZ: &str = "/readyz";
+pub(super) const METRICS: &str = "/metrics";
 
 /// Every route without a path parameter.
 const FIXED: [&str; 13] = [
@@ -50,12 +50,12 @@ const FIXED: [&str; 13] = [
 ];
 
 /// The route label of a path no route serves.
-pub const NO_ROUTE: &str = "other";
+pub(super) const NO_ROUTE: &str = "other";
 
 /// The route that serves `path`, as its template; [`NO_ROUTE`] for none. Computed from
 /// the path rather than taken from the router's match, which would cost every request an
 /// extensions map on the request and one on the response.
-pub fn route_of(path: &str) -> &'static str {
+pub(super) fn route_of(path: &str) -> &'static str {
     let authz = AUTHZ.trim_end_matches("{policy}");
     match path.strip_prefix(authz) {
         Some(name) if !name.is_empty() && !name.contains('/') => AUTHZ,

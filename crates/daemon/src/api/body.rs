@@ -20,13 +20,13 @@ use crate::store::redis::admission::Shed;
 
 /// The budget, in KiB, that bodies being read share.
 #[derive(Clone)]
-pub struct BodyBudget {
+pub(crate) struct BodyBudget {
     kib: Arc<Semaphore>,
     metrics: Arc<Metrics>,
 }
 
 impl BodyBudget {
-    pub fn new(bytes: usize, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(bytes: usize, metrics: Arc<Metrics>) -> Self {
         metrics.shed.with_label_values(&[Shed::BodyMemory.reason()]);
         BodyBudget {
             kib: Arc::new(Semaphore::new(bytes.div_ceil(1024).max(1))),
@@ -35,7 +35,7 @@ impl BodyBudget {
     }
 
     /// Room for a body of up to `bytes`, or shed at once.
-    pub fn take(&self, bytes: u64) -> Result<OwnedSemaphorePermit, ApiError> {
+    pub(crate) fn take(&self, bytes: u64) -> Result<OwnedSemaphorePermit, ApiError> {
         let kib = (bytes.div_ceil(1024).max(1)).min(u32::MAX as u64) as u32;
         self.kib.clone().try_acquire_many_owned(kib).map_err(|_| {
             self.metrics
@@ -48,7 +48,7 @@ impl BodyBudget {
 }
 
 /// The body's declared length, if any.
-pub fn declared(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn declared(headers: &HeaderMap) -> Option<u64> {
     headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -58,7 +58,7 @@ pub fn declared(headers: &HeaderMap) -> Option<u64> {
 /// Reads `body` whole; `max` bytes at most, within `timeout`, holding its share of
 /// `budget` (if any: the peer endpoint has per-peer budgets of its own) until the returned
 /// permit is dropped.
-pub async fn read(
+pub(crate) async fn read(
     headers: &HeaderMap,
     body: Body,
     max: usize,

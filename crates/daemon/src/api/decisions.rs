@@ -13,7 +13,7 @@ use crate::limiter::Decision;
 /// decision and serialized straight into the response: nothing is built in between on
 /// the check's path.
 #[derive(Serialize)]
-pub struct Body<'a> {
+pub(super) struct Body<'a> {
     allowed: bool,
     policy: &'a str,
     key: &'a str,
@@ -28,7 +28,7 @@ pub struct Body<'a> {
     reservation: Option<&'a str>,
 }
 
-pub fn body(d: &Decision) -> Body<'_> {
+pub(super) fn body(d: &Decision) -> Body<'_> {
     Body {
         allowed: d.allowed,
         policy: &d.policy,
@@ -44,7 +44,7 @@ pub fn body(d: &Decision) -> Body<'_> {
 }
 
 /// The body with more fields beside the decision's (an acquire's lease, a charge's units).
-pub fn body_with(d: &Decision, more: serde_json::Value) -> serde_json::Value {
+pub(super) fn body_with(d: &Decision, more: serde_json::Value) -> serde_json::Value {
     let mut v = serde_json::to_value(body(d)).unwrap_or_default();
     if let (Some(v), serde_json::Value::Object(more)) = (v.as_object_mut(), more) {
         v.extend(more);
@@ -54,12 +54,12 @@ pub fn body_with(d: &Decision, more: serde_json::Value) -> serde_json::Value {
 
 /// A batch's answer: `{"allowed": <every check allowed>, "results": [decision, ...]}`.
 #[derive(Serialize)]
-pub struct Batch<'a> {
+pub(super) struct Batch<'a> {
     allowed: bool,
     results: Vec<Body<'a>>,
 }
 
-pub fn batch(ds: &[Decision]) -> Batch<'_> {
+pub(super) fn batch(ds: &[Decision]) -> Batch<'_> {
     Batch {
         allowed: ds.iter().all(|d| d.allowed),
         results: ds.iter().map(body).collect(),

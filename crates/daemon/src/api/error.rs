@@ -10,7 +10,7 @@ use serde_json::json;
 use crate::store::redis::admission::Shed;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ApiError {
+pub(crate) enum ApiError {
     /// The body is not JSON.
     #[error("malformed JSON: {0}")]
     InvalidJson(String),
@@ -83,7 +83,7 @@ pub enum ApiError {
 impl ApiError {
     /// What a store error means to a client of a call that changes state (a reset, a
     /// settlement, a release, an extend): nothing done, or perhaps done.
-    pub fn unavailable(e: &crate::store::StoreError) -> Self {
+    pub(crate) fn unavailable(e: &crate::store::StoreError) -> Self {
         if e.outcome_unknown() {
             ApiError::OutcomeUnknown
         } else {
@@ -91,7 +91,7 @@ impl ApiError {
         }
     }
 
-    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
         ApiError::InvalidRequest {
             field: field.into(),
             message: message.into(),
@@ -121,7 +121,7 @@ impl ApiError {
         }
     }
 
-    pub fn code(&self) -> &'static str {
+    pub(crate) fn code(&self) -> &'static str {
         match self {
             ApiError::InvalidJson(_) => "invalid_json",
             ApiError::InvalidRequest { .. } => "invalid_request",

@@ -26,7 +26,7 @@ use crate::api::{AppState, with_headers};
 use crate::config::{ForwardAuth, KeySource, MissingKey};
 use crate::limiter::Check;
 
-pub async fn authz(
+pub(crate) async fn authz(
     State(state): State<AppState>,
     path: Result<Path<String>, PathRejection>,
     sampled: Option<Extension<Sampled>>,
@@ -138,7 +138,7 @@ fn missing(status: StatusCode, policy: &str) -> Response {
 
 /// The key the policy's sources give, parts joined by [`crate::api::key::join`] (so no
 /// value can pose as two parts); `None` if any is missing.
-pub fn key_of(auth: &ForwardAuth, headers: &HeaderMap) -> Option<String> {
+pub(crate) fn key_of(auth: &ForwardAuth, headers: &HeaderMap) -> Option<String> {
     let parts: Option<Vec<String>> = auth
         .key
         .iter()
@@ -165,7 +165,7 @@ fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
 /// only when no proxy wrote `X-Forwarded-For` at all. Several `X-Forwarded-For` headers
 /// read as one list, in order. An IPv4 address written as IPv6 (`::ffff:1.2.3.4`) is
 /// the IPv4 address: one client, one key.
-pub fn client_ip(headers: &HeaderMap, hops: usize) -> Option<IpAddr> {
+pub(crate) fn client_ip(headers: &HeaderMap, hops: usize) -> Option<IpAddr> {
     let xff: Vec<&str> = headers
         .get_all("x-forwarded-for")
         .iter()

@@ -64,7 +64,7 @@ const PK_BYTES: usize = 12;
 /// `RateLimit-Limit/Remaining/Reset` of the most restrictive one, and `Retry-After` when
 /// any decision is a denial (including `fail_closed`). See the module documentation for
 /// what each value means.
-pub fn rate_limit_headers(h: &mut HeaderMap, decisions: &[Decision]) {
+pub(crate) fn rate_limit_headers(h: &mut HeaderMap, decisions: &[Decision]) {
     let enforced: Vec<&Decision> = decisions
         .iter()
         .filter(|d| d.outcome.is_enforced())
@@ -92,7 +92,7 @@ pub fn rate_limit_headers(h: &mut HeaderMap, decisions: &[Decision]) {
 /// `Retry-After` in seconds: when any decision is a denial, the longest of their waits
 /// (rounded up, at least 1). It equals the `t` of the denied member that waits longest,
 /// so it is never earlier than the end of a denying policy's effective window.
-pub fn retry_after_secs(decisions: &[Decision]) -> Option<u64> {
+pub(crate) fn retry_after_secs(decisions: &[Decision]) -> Option<u64> {
     decisions
         .iter()
         .filter(|d| !d.allowed)
@@ -103,7 +103,7 @@ pub fn retry_after_secs(decisions: &[Decision]) -> Option<u64> {
 /// The `t` of a decision: seconds, rounded up, within which `r` is all the client can
 /// use. A refusal by the policy (a denial, or a shadow one: `retry_after_ms > 0`): until
 /// the refused request could pass; otherwise: until the key is back to full.
-pub fn effective_window_secs(d: &Decision) -> u64 {
+pub(crate) fn effective_window_secs(d: &Decision) -> u64 {
     if d.retry_after_ms > 0 {
         secs_ceil(d.retry_after_ms).max(1)
     } else {

@@ -8,10 +8,10 @@
 //! override names them as they look (`free|ann` for the parts `free` and `ann`).
 
 /// The separator between parts.
-pub const SEPARATOR: char = '|';
+pub(crate) const SEPARATOR: char = '|';
 
 /// `parts` joined with [`SEPARATOR`], each escaped.
-pub fn join<'a>(parts: impl IntoIterator<Item = &'a str>) -> String {
+pub(crate) fn join<'a>(parts: impl IntoIterator<Item = &'a str>) -> String {
     let mut key = String::new();
     for (i, part) in parts.into_iter().enumerate() {
         if i > 0 {

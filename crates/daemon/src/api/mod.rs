@@ -3,16 +3,16 @@
 //! into JSON and RateLimit headers. No business logic lives here.
 
 mod answers;
-pub mod body;
+pub(crate) mod body;
 mod decisions;
-pub mod error;
-pub mod forward_auth;
-pub mod grpc;
-pub mod headers;
-pub mod key;
+pub(crate) mod error;
+pub(crate) mod forward_auth;
+pub(crate) mod grpc;
+pub(crate) mod headers;
+pub(crate) mod key;
 mod leases;
-pub mod request;
-pub mod request_log;
+pub(crate) mod request;
+pub(crate) mod request_log;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -39,7 +39,7 @@ use request::{Caps, CheckRequest};
 
 /// What the handlers share, read-only (the drain is the server's: readiness reads it).
 #[derive(Clone)]
-pub struct AppState {
+pub(crate) struct AppState {
     /// Policies, overrides and forward-auth settings: swapped whole by a reload.
     pub live: Arc<crate::reload::LiveConfig>,
     pub limiter: Arc<Limiter>,
@@ -56,7 +56,7 @@ pub struct AppState {
     pub federation: Option<Arc<Federation>>,
 }
 
-pub fn router(state: AppState) -> Router {
+pub(crate) fn router(state: AppState) -> Router {
     let counted = answers::Answers {
         metrics: state.metrics.clone(),
         live: state.live.clone(),
@@ -157,7 +157,7 @@ pub(crate) fn with_headers(mut resp: Response, ds: &[Decision]) -> Response {
 
 /// The same headers as (lower-case name, value) pairs: the gRPC service sends them as
 /// `response_headers_to_add`.
-pub fn ratelimit_headers(ds: &[Decision]) -> Vec<(String, String)> {
+pub(crate) fn ratelimit_headers(ds: &[Decision]) -> Vec<(String, String)> {
     let mut h = axum::http::HeaderMap::new();
     headers::rate_limit_headers(&mut h, ds);
     h.iter()

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 /// Caps from `[server]`.
 #[derive(Debug, Clone, Copy)]
-pub struct Caps {
+pub(crate) struct Caps {
     pub max_body_bytes: usize,
     pub max_batch: usize,
     pub max_key_bytes: usize,
@@ -23,7 +23,7 @@ pub struct Caps {
 
 /// A parsed `POST /v1/check` body.
 #[derive(Debug)]
-pub enum CheckRequest {
+pub(crate) enum CheckRequest {
     Single(Check),
     Batch(Vec<Check>),
 }
@@ -31,7 +31,7 @@ pub enum CheckRequest {
 /// Parses a body as JSON, refusing duplicate object keys: with serde_json's last-wins,
 /// `{"key":"A","key":"B","cost":1,"cost":0}` would be a peek on B, which is not what any
 /// client meant to send. The error names the duplicated field's path (`checks[1].key`).
-pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
+pub(crate) fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
     let duplicate = std::cell::RefCell::new(None);
     let mut de = serde_json::Deserializer::from_slice(body);
     let root = Strict {
@@ -246,7 +246,11 @@ fn hold(obj: &Map<String, Value>, policy: &ConcurrencyPolicy) -> Result<Duration
 }
 
 /// A parsed `POST /v1/acquire` body.
-pub fn parse_acquire(v: &Value, policies: &Policies, caps: &Caps) -> Result<Acquire, ApiError> {
+pub(crate) fn parse_acquire(
+    v: &Value,
+    policies: &Policies,
+    caps: &Caps,
+) -> Result<Acquire, ApiError> {
     let obj = object(v, "body")?;
     no_unknown_fields(obj, &["policy", "key", "units", "hold_ms"], "")?;
     let policy = concurrency_policy(policies, obj)?.clone();
@@ -268,7 +272,7 @@ pub fn parse_acquire(v: &Value, policies: &Policies, caps: &Caps) -> Result<Acqu
 }
 
 /// A parsed `POST /v1/release` or `POST /v1/extend` body (`extend`: it may name a hold).
-pub fn parse_held(
+pub(crate) fn parse_held(
     v: &Value,
     policies: &Policies,
     caps: &Caps,
@@ -446,7 +450,7 @@ fn settle_flag(
 
 /// A parsed `POST /v1/charge` body: a cost counted after the work, without a
 /// reservation; policies that take settlements, up to what they refill in a year.
-pub fn parse_charge(v: &Value, policies: &Policies, caps: &Caps) -> Result<Check, ApiError> {
+pub(crate) fn parse_charge(v: &Value, policies: &Policies, caps: &Caps) -> Result<Check, ApiError> {
     let obj = object(v, "body")?;
     no_unknown_fields(obj, &["policy", "key", "cost"], "")?;
     let base = policy(policies, obj, "")?;
@@ -491,7 +495,7 @@ fn settling(policy: &Policy, field: &str) -> Result<(), ApiError> {
 
 /// A parsed `POST /v1/settle` body: the check whose key holds the reservation (its cost
 /// unused), the reservation, and the real cost.
-pub fn parse_settle(
+pub(crate) fn parse_settle(
     v: &Value,
     policies: &Policies,
     caps: &Caps,
@@ -592,7 +596,11 @@ fn distinct_in_group(checks: &[Check]) -> Result<(), ApiError> {
 }
 
 impl CheckRequest {
-    pub fn parse(v: &Value, policies: &Policies, caps: &Caps) -> Result<CheckRequest, ApiError> {
+    pub(crate) fn parse(
+        v: &Value,
+        policies: &Policies,
+        caps: &Caps,
+    ) -> Result<CheckRequest, ApiError> {
         let obj = object(v, "body")?;
         let Some(checks) = obj.get("checks") else {
             return check(v, "", policies, caps).map(CheckRequest::Single);
@@ -621,7 +629,7 @@ impl CheckRequest {
 }
 
 /// A parsed `POST /v1/reset` body.
-pub fn parse_reset(v: &Value, policies: &Policies, caps: &Caps) -> Result<Reset, ApiError> {
+pub(crate) fn parse_reset(v: &Value, policies: &Policies, caps: &Caps) -> Result<Reset, ApiError> {
     let obj = object(v, "body")?;
     // A concurrency limit's key: every lease given back (no group: it has none).
     if let Some(Value::String(name)) = obj.get("policy")
@@ -639,7 +647,7 @@ pub fn parse_reset(v: &Value, policies: &Policies, caps: &Caps) -> Result<Reset,
 
 /// What a `POST /v1/reset` forgets.
 #[derive(Debug)]
-pub enum Reset {
+pub(crate) enum Reset {
     /// What a rate policy's key (in its group, if any) spent.
     Spent(Arc<Policy>, String, Option<String>),
     /// Every lease a concurrency limit's key holds.

@@ -18,17 +18,17 @@ use crate::limiter::Decision;
 static SEEN: AtomicU64 = AtomicU64::new(0);
 
 /// Whether this request is one of the sample: every `every`th (0: none).
-pub fn sampled(every: u64) -> bool {
+pub(crate) fn sampled(every: u64) -> bool {
     every != 0 && SEEN.fetch_add(1, Ordering::Relaxed) % every == 0
 }
 
 /// Marks a request of the sample: handlers that decide put a [`Summary`] on its response.
 #[derive(Debug, Clone, Copy)]
-pub struct Sampled;
+pub(crate) struct Sampled;
 
 /// What a decision adds to its request's line.
 #[derive(Debug, Clone)]
-pub struct Summary {
+pub(crate) struct Summary {
     pub policy: String,
     pub outcome: &'static str,
     pub key_hash: String,
@@ -38,7 +38,7 @@ pub struct Summary {
 
 impl Summary {
     /// Of a request's decisions: the first denied one's (else the first's), and how many.
-    pub fn of(ds: &[Decision]) -> Option<Summary> {
+    pub(crate) fn of(ds: &[Decision]) -> Option<Summary> {
         let d = ds.iter().find(|d| !d.allowed).or_else(|| ds.first())?;
         Some(Summary {
             policy: d.policy.clone(),
@@ -50,14 +50,14 @@ impl Summary {
 }
 
 /// The first 12 hex digits of the key's SHA-256.
-pub fn key_hash(key: &str) -> String {
+pub(crate) fn key_hash(key: &str) -> String {
     let digest = Sha256::digest(key.as_bytes());
     hex::encode(&digest[..6])
 }
 
 /// The trace id the caller sent: a `traceparent`'s trace-id, else `x-request-id` (at
 /// most 128 visible ASCII characters); none otherwise.
-pub fn trace_id(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn trace_id(headers: &HeaderMap) -> Option<String> {
     let visible = |s: &str| s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic());
     headers
         .get("traceparent")
@@ -74,7 +74,7 @@ pub fn trace_id(headers: &HeaderMap) -> Option<String> {
 }
 
 /// One request's line.
-pub struct Line<'a> {
+pub(crate) struct Line<'a> {
     pub entry: &'static str,
     /// The route's template (HTTP) or the method (gRPC).
     pub route: &'a str,
@@ -86,7 +86,7 @@ pub struct Line<'a> {
 }
 
 impl Line<'_> {
-    pub fn write(&self) {
+    pub(crate) fn write(&self) {
         let s = self.summary;
         tracing::info!(
             target: "quotad::request",

@@ -61,8 +61,8 @@ pub struct ForwardAuth {
 /// Forward-auth settings by policy name.
 pub type ForwardAuths = HashMap<String, ForwardAuth>;
 
-pub const DEFAULT_TRUSTED_HOPS: i64 = 1;
-pub const DEFAULT_DENIED_STATUS: i64 = 429;
+pub(super) const DEFAULT_TRUSTED_HOPS: i64 = 1;
+pub(super) const DEFAULT_DENIED_STATUS: i64 = 429;
 
 impl Validator<'_> {
     /// `[policy.forward_auth]` of policy `i` (named `name`).

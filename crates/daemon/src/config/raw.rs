@@ -9,7 +9,7 @@ use toml::Spanned;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Config {
+pub(super) struct Config {
     pub region: Option<Spanned<String>>,
     pub server: Option<Server>,
     pub store: Option<Store>,
@@ -26,7 +26,7 @@ pub struct Config {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Log {
+pub(super) struct Log {
     pub format: Option<Spanned<String>>,
     pub requests: Option<Spanned<f64>>,
 }
@@ -35,7 +35,7 @@ pub struct Log {
 /// descriptor tree (envoyproxy/ratelimit's `descriptors:`). `domain` on the top level only.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Descriptor {
+pub(super) struct Descriptor {
     pub domain: Option<Spanned<String>>,
     pub key: Spanned<String>,
     pub value: Option<Spanned<String>>,
@@ -48,7 +48,7 @@ pub struct Descriptor {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Coordinator {
+pub(super) struct Coordinator {
     pub secret: Option<Spanned<String>>,
     pub secret_file: Option<Spanned<String>>,
     pub secret_env: Option<Spanned<String>>,
@@ -63,7 +63,7 @@ pub struct Coordinator {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Peer {
+pub(super) struct Peer {
     pub region: Spanned<String>,
     pub url: Option<Spanned<String>>,
     pub urls: Option<Spanned<Vec<String>>>,
@@ -74,7 +74,7 @@ pub struct Peer {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Global {
+pub(super) struct Global {
     pub escrow: Spanned<std::collections::BTreeMap<String, Spanned<f64>>>,
     pub lease: Option<Spanned<String>>,
     pub round: Option<Spanned<String>>,
@@ -84,7 +84,7 @@ pub struct Global {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Server {
+pub(super) struct Server {
     pub listen: Option<Spanned<String>>,
     pub grpc_listen: Option<Spanned<String>>,
     pub grpc_max_connections: Option<Spanned<i64>>,
@@ -104,7 +104,7 @@ pub struct Server {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Store {
+pub(super) struct Store {
     pub redis: Option<Spanned<String>>,
     pub redis_cluster: Option<Spanned<Vec<Spanned<String>>>>,
     pub redis_sentinels: Option<Spanned<Vec<Spanned<String>>>>,
@@ -131,7 +131,7 @@ pub struct Store {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Policy {
+pub(super) struct Policy {
     pub name: Spanned<String>,
     pub algorithm: Spanned<String>,
     pub limit: Spanned<i64>,
@@ -156,7 +156,7 @@ pub struct Policy {
 /// `[[policy.override]]`: one of `key`, `prefix`, `glob`, and the limits.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Override {
+pub(super) struct Override {
     pub key: Option<Spanned<String>>,
     pub prefix: Option<Spanned<String>>,
     pub glob: Option<Spanned<String>>,
@@ -167,7 +167,7 @@ pub struct Override {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ForwardAuth {
+pub(super) struct ForwardAuth {
     pub key: Spanned<Vec<Spanned<String>>>,
     pub trusted_hops: Option<Spanned<i64>>,
     pub denied_status: Option<Spanned<i64>>,
@@ -178,7 +178,7 @@ pub struct ForwardAuth {
 
 /// Where an offset falls in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Location {
+pub(super) struct Location {
     /// 1-based line.
     pub line: usize,
     /// The enclosing table as a path, e.g. `policy[1]` (`[[policy]]` headers are counted);
@@ -190,13 +190,13 @@ pub struct Location {
 
 impl Location {
     /// `table.key`, `key` or `table`.
-    pub fn field(&self) -> String {
+    pub(super) fn field(&self) -> String {
         self.join(self.key.as_deref())
     }
 
     /// For serde's "missing field `x`" / "unknown field `x`" messages, whose span may cover
     /// a whole table or another key: the field the message names, inside this table.
-    pub fn field_for(&self, message: &str) -> String {
+    pub(super) fn field_for(&self, message: &str) -> String {
         let named = message
             .strip_prefix("missing field `")
             .or_else(|| message.strip_prefix("unknown field `"))
@@ -218,7 +218,7 @@ impl Location {
 }
 
 /// Finds the line, table and key of byte `offset` in `src`.
-pub fn locate(src: &str, offset: usize) -> Location {
+pub(super) fn locate(src: &str, offset: usize) -> Location {
     let mut offset = offset.min(src.len());
     while !src.is_char_boundary(offset) {
         offset -= 1;

@@ -24,7 +24,7 @@ use super::Validator;
 
 /// The largest secret file read: a password or an HMAC key, not a file that happens to be
 /// mounted at the wrong path.
-pub const MAX_SECRET_FILE_BYTES: u64 = 64 * 1024;
+pub(super) const MAX_SECRET_FILE_BYTES: u64 = 64 * 1024;
 
 /// The three places a secret field `X` may be given.
 pub(super) struct Sources<'a> {

@@ -80,7 +80,7 @@ pub const DEFAULT_MAX_BODY_BYTES: i64 = 64 * 1024;
 pub const DEFAULT_MAX_BATCH: i64 = 64;
 /// Envoy opens about one HTTP/2 connection per worker thread to its rate-limit cluster:
 /// 1,024 serve a hundred 8-worker proxies with room to spare.
-pub const DEFAULT_GRPC_MAX_CONNECTIONS: i64 = 1024;
+pub(super) const DEFAULT_GRPC_MAX_CONNECTIONS: i64 = 1024;
 pub const DEFAULT_MAX_KEY_BYTES: i64 = 512;
 pub const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
 /// Request headers (request line included): 431 beyond. nginx holds 8 KiB per line;

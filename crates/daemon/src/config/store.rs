@@ -39,7 +39,7 @@ pub const DEFAULT_MEMORY_MAX_KEYS: i64 = 1_000_000;
 pub const DEFAULT_KEY_PREFIX: &str = "rl";
 /// A sweep of a million keys takes 10,000 paced SCAN steps: a few minutes between sweeps
 /// keeps the janitor's share of Redis negligible and a lost TTL short-lived.
-pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(300);
+pub(super) const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(300);
 
 /// How each call to Redis is bounded, and when the breaker opens and probes.
 struct RedisCalls {

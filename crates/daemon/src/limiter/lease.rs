@@ -21,7 +21,7 @@ use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
 /// in-process store holds. The hex digits are 128 random bits: a lease cannot be guessed,
 /// and no text of a client's reaches a sorted-set member but these digits.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseId {
+pub(crate) struct LeaseId {
     hex: String,
     units: u64,
     local: bool,
@@ -40,7 +40,7 @@ impl LeaseId {
     }
 
     /// A client's text, if it is a lease's shape with 1 ..= `limit` units.
-    pub fn parse(text: &str, limit: u64) -> Option<Self> {
+    pub(crate) fn parse(text: &str, limit: u64) -> Option<Self> {
         let (local, rest) = match text.strip_prefix(LOCAL) {
             Some(rest) => (true, rest),
             None => (false, text),
@@ -57,7 +57,7 @@ impl LeaseId {
         })
     }
 
-    pub fn units(&self) -> u64 {
+    pub(crate) fn units(&self) -> u64 {
         self.units
     }
 }
@@ -71,7 +71,7 @@ impl std::fmt::Display for LeaseId {
 
 /// An acquire, validated by the API: 1 ..= limit units, a hold within the policy's lease.
 #[derive(Debug, Clone)]
-pub struct Acquire {
+pub(crate) struct Acquire {
     pub policy: Arc<ConcurrencyPolicy>,
     pub key: String,
     pub units: u64,
@@ -80,7 +80,7 @@ pub struct Acquire {
 
 /// A release or an extend of a lease the client holds (`hold`: the extend's).
 #[derive(Debug, Clone)]
-pub struct Held {
+pub(crate) struct Held {
     pub policy: Arc<ConcurrencyPolicy>,
     pub key: String,
     pub lease: LeaseId,
@@ -89,7 +89,7 @@ pub struct Held {
 
 /// The answer to an acquire.
 #[derive(Debug, Clone)]
-pub struct Acquired {
+pub(crate) struct Acquired {
     pub policy: Arc<ConcurrencyPolicy>,
     pub key: String,
     pub allowed: bool,
@@ -110,7 +110,7 @@ impl Acquired {
     /// The acquire as a decision, for the answer and its RateLimit headers: the quota is
     /// the limit (held at once, over no window), `remaining` what is not held, `reset`
     /// until the earliest lease ends by expiry.
-    pub fn decision(&self) -> Decision {
+    pub(crate) fn decision(&self) -> Decision {
         let limit = self.policy.limit.get();
         let ms = |us: i64| super::ms_ceil(us);
         Decision {
@@ -133,7 +133,7 @@ impl Acquired {
 
 /// Why a release or an extend changed nothing.
 #[derive(Debug, thiserror::Error)]
-pub enum LeaseError {
+pub(crate) enum LeaseError {
     #[error(transparent)]
     Shed(#[from] Shed),
     #[error(transparent)]
@@ -153,7 +153,7 @@ impl Limiter {
 
     /// Acquires `a.units` of `a.key` for `a.hold`, if they fit under the limit. Counted in
     /// `quotad_decisions_total` and `quotad_lease_units_total`.
-    pub async fn acquire(&self, a: &Acquire) -> Result<Acquired, Shed> {
+    pub(crate) async fn acquire(&self, a: &Acquire) -> Result<Acquired, Shed> {
         let key = self.lease_key(&a.policy, &a.key);
         let hold_us = a.hold.as_micros() as i64;
         let lease = LeaseId::random(a.units, false);
@@ -252,7 +252,7 @@ impl Limiter {
 
     /// Gives a lease back. `ok: false`: the key holds no such lease (never acquired,
     /// released already, or ended by expiry), and nothing changed.
-    pub async fn release(&self, h: &Held) -> Result<LeaseAnswer, LeaseError> {
+    pub(crate) async fn release(&self, h: &Held) -> Result<LeaseAnswer, LeaseError> {
         let op = LeaseOp::Release {
             id: &h.lease.hex,
             units: h.lease.units,
@@ -268,7 +268,7 @@ impl Limiter {
 
     /// Gives back every lease of `key` (a reset): in the store and in the in-process one
     /// (`local` leases). The units are counted `released`; returns how many.
-    pub async fn clear_leases(
+    pub(crate) async fn clear_leases(
         &self,
         policy: &ConcurrencyPolicy,
         key: &str,
@@ -295,7 +295,7 @@ impl Limiter {
     }
 
     /// Moves a live lease's end to `h.hold` from now. `ok: false`: no such live lease.
-    pub async fn extend(&self, h: &Held) -> Result<LeaseAnswer, LeaseError> {
+    pub(crate) async fn extend(&self, h: &Held) -> Result<LeaseAnswer, LeaseError> {
         let op = LeaseOp::Extend {
             id: &h.lease.hex,
             units: h.lease.units,
@@ -349,7 +349,7 @@ impl Limiter {
     /// Every 100 ms until `stop`: reads the keys of the leases acquired here whose end has
     /// passed, so what ended unreleased is dropped and counted `expired` then, not at the
     /// key's next operation (see [`reaper`](super::reaper)).
-    pub async fn reap_until(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+    pub(crate) async fn reap_until(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,

@@ -23,12 +23,12 @@ use quotad_core::algorithm::{Algorithm, Op, Verdict};
 mod lease;
 mod reaper;
 mod settle;
-pub use lease::{Acquire, Acquired, Held, LeaseError, LeaseId};
-pub use settle::SettleError;
+pub(crate) use lease::{Acquire, Held, LeaseError, LeaseId};
+pub(crate) use settle::SettleError;
 
 /// How a decision was reached: the API's `outcome` and the metrics' label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     Allowed,
     Denied,
     Shadow,
@@ -38,7 +38,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Outcome::Allowed => "allowed",
             Outcome::Denied => "denied",
@@ -50,7 +50,7 @@ impl Outcome {
     }
 
     /// Whether a store decided (and counted) this request.
-    pub fn is_enforced(self) -> bool {
+    pub(crate) fn is_enforced(self) -> bool {
         matches!(
             self,
             Outcome::Allowed | Outcome::Denied | Outcome::Shadow | Outcome::Local
@@ -61,7 +61,7 @@ impl Outcome {
 /// One check, validated by the API: the policy exists, the key is within limits, the cost
 /// fits the policy's capacity.
 #[derive(Debug, Clone)]
-pub struct Check {
+pub(crate) struct Check {
     pub policy: Arc<Policy>,
     pub key: String,
     pub cost: u64,
@@ -76,7 +76,7 @@ pub struct Check {
 /// The answer to one check: a domain value. The API turns it into its JSON body and
 /// headers in one place (`api::decisions`, `api::headers`).
 #[derive(Debug, Clone)]
-pub struct Decision {
+pub(crate) struct Decision {
     pub allowed: bool,
     pub policy: String,
     pub key: String,
@@ -143,7 +143,7 @@ impl Decision {
 
 /// Why a reset changed nothing.
 #[derive(Debug, thiserror::Error)]
-pub enum ResetError {
+pub(crate) enum ResetError {
     #[error(transparent)]
     Shed(#[from] Shed),
     #[error(transparent)]
@@ -154,7 +154,7 @@ pub enum ResetError {
 /// supervisor needs to notice a recovered Redis (probe interval plus reconnect).
 const FAIL_CLOSED_RETRY_MS: u64 = 1000;
 
-pub struct Limiter {
+pub(crate) struct Limiter {
     store: Arc<Store>,
     /// The embedded store for `on_store_error = "local"` (unused when `store` is memory).
     local: Arc<MemoryStore>,
@@ -181,7 +181,7 @@ pub(crate) fn ms_ceil(us: i64) -> u64 {
 }
 
 impl Limiter {
-    pub fn new(
+    pub(crate) fn new(
         store: Arc<Store>,
         local: Arc<MemoryStore>,
         layouts: Arc<Layouts>,
@@ -224,7 +224,7 @@ impl Limiter {
     }
 
     /// Decides one check.
-    pub async fn check(&self, check: &Check) -> Result<Decision, Shed> {
+    pub(crate) async fn check(&self, check: &Check) -> Result<Decision, Shed> {
         let key = self.target(check);
         let d = match self.in_memory(check, &key) {
             Some(d) => d,
@@ -298,7 +298,7 @@ impl Limiter {
     /// charged are refunded, so a denied batch costs nothing (envoyproxy/ratelimit#1060).
     /// Checks whose denial is remembered are answered from memory; the others still go to
     /// the store (their answers are part of the response).
-    pub async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
+    pub(crate) async fn check_batch(&self, checks: &[Check]) -> Result<Vec<Decision>, Shed> {
         let keys: Vec<Target> = checks.iter().map(|c| self.target(c)).collect();
         if one_group(checks) {
             return self.check_group(checks, &keys).await;
@@ -417,7 +417,7 @@ impl Limiter {
     /// a local policy's key whole; a global policy's bucket only (its lease book and
     /// counters are the coordinator's: deleting them would let the region lend again what
     /// it already lent).
-    pub async fn reset(
+    pub(crate) async fn reset(
         &self,
         policy: &Policy,
         key: &str,

@@ -16,18 +16,18 @@ use std::time::{Duration, Instant};
 use crate::policy::ConcurrencyPolicy;
 
 /// Leases tracked at most per instance.
-pub const MAX_TRACKED: usize = 100_000;
+pub(super) const MAX_TRACKED: usize = 100_000;
 
 /// How long after a lease's end (by this instance's clock) its key is read: the reply of
 /// the acquire, the Redis clock's lead and a scheduler turn.
-pub const MARGIN: Duration = Duration::from_millis(50);
+pub(super) const MARGIN: Duration = Duration::from_millis(50);
 
 /// Keys read per pass at most (the rest wait for the next pass, 100 ms later).
-pub const PER_PASS: usize = 512;
+pub(super) const PER_PASS: usize = 512;
 
 /// A lease to read at its end.
 #[derive(Debug, Clone)]
-pub struct Due {
+pub(super) struct Due {
     /// The key's storage key.
     pub key: String,
     pub policy: Arc<ConcurrencyPolicy>,
@@ -45,7 +45,7 @@ struct Book {
 }
 
 #[derive(Default)]
-pub struct Reaper {
+pub(super) struct Reaper {
     book: Mutex<Book>,
 }
 
@@ -55,7 +55,7 @@ impl Reaper {
     }
 
     /// Tracks lease `id` ending at `end`; false (not tracked) at the bound.
-    pub fn track(&self, id: &str, end: Instant, due: Due) -> bool {
+    pub(super) fn track(&self, id: &str, end: Instant, due: Due) -> bool {
         let mut b = self.book();
         if b.by_lease.len() >= MAX_TRACKED {
             return false;
@@ -68,7 +68,7 @@ impl Reaper {
     }
 
     /// The lease was released: nothing to read at its end.
-    pub fn forget(&self, id: &str) {
+    pub(super) fn forget(&self, id: &str) {
         let mut b = self.book();
         if let Some(place) = b.by_lease.remove(id) {
             b.by_end.remove(&place);
@@ -78,7 +78,7 @@ impl Reaper {
     /// The lease was extended (through this instance): read its key at the new end
     /// instead; a lease acquired through another instance is tracked from now (that one
     /// reads the key at the old end, finding nothing ended). False at the bound.
-    pub fn moved(&self, id: &str, end: Instant, due: Due) -> bool {
+    pub(super) fn moved(&self, id: &str, end: Instant, due: Due) -> bool {
         {
             let mut b = self.book();
             if let Some(place) = b.by_lease.get(id).copied()
@@ -96,7 +96,7 @@ impl Reaper {
 
     /// The leases whose end (plus [`MARGIN`]) has passed at `now`, at most
     /// [`PER_PASS`], no longer tracked.
-    pub fn ended(&self, now: Instant) -> Vec<Due> {
+    pub(super) fn ended(&self, now: Instant) -> Vec<Due> {
         let mut b = self.book();
         let mut out = Vec::new();
         while out.len() < PER_PASS {
@@ -113,7 +113,7 @@ impl Reaper {
         out
     }
 
-    pub fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         self.book().by_lease.len()
     }
 }

@@ -17,7 +17,7 @@ use quotad_core::settlement::Settled;
 
 /// Why a settlement changed nothing.
 #[derive(Debug, thiserror::Error)]
-pub enum SettleError {
+pub(crate) enum SettleError {
     #[error(transparent)]
     Shed(#[from] Shed),
     #[error(transparent)]
@@ -97,7 +97,7 @@ impl Limiter {
     /// where the key lacks it, what it is below is given back. Settling again charges
     /// nothing; an unknown or expired reservation charges nothing and is answered
     /// [`Settled::Unknown`]. Counted in `quotad_settlements_total`.
-    pub async fn settle(
+    pub(crate) async fn settle(
         &self,
         check: &Check,
         id: &ReservationId,
@@ -134,7 +134,7 @@ impl Limiter {
     /// work, on Envoy's response path): never denied. A store that cannot answer loses
     /// the charge (`fail_open`, counted `failed`), except under `local`, where the
     /// fallback store takes it.
-    pub async fn charge(&self, check: &Check) -> Result<Decision, Shed> {
+    pub(crate) async fn charge(&self, check: &Check) -> Result<Decision, Shed> {
         let key = self.target(check);
         let call = store_call(check, &key, Op::Check { cost: check.cost }, "");
         let name = check.policy.name.as_str();

@@ -79,10 +79,10 @@ pub struct ConcurrencyPolicy {
 }
 
 /// Units a concurrency limit may hold at once: one sorted-set entry each.
-pub const MAX_CONCURRENCY: u64 = 10_000;
+pub(crate) const MAX_CONCURRENCY: u64 = 10_000;
 /// The shortest and longest lease of a concurrency limit.
-pub const MIN_LEASE: Duration = Duration::from_millis(100);
-pub const MAX_LEASE: Duration = Duration::from_secs(86_400);
+pub(crate) const MIN_LEASE: Duration = Duration::from_millis(100);
+pub(crate) const MAX_LEASE: Duration = Duration::from_secs(86_400);
 
 /// How a global policy splits its budget (validated by the config layer).
 #[derive(Debug, Clone, PartialEq)]
@@ -96,16 +96,16 @@ pub struct GlobalSpec {
 
 /// Smallest window: the scripts' clock resolution is 1 us, but windows below 1 ms make no
 /// sense for a network service and would make TTLs round to nothing.
-pub const MIN_WINDOW: Duration = Duration::from_millis(1);
+pub(crate) const MIN_WINDOW: Duration = Duration::from_millis(1);
 /// Largest window: keeps every microsecond product far inside a double's exact range.
-pub const MAX_WINDOW: Duration = Duration::from_secs(31_557_600); // humantime's "1year"
-pub const MAX_LIMIT: u64 = 1_000_000_000;
+pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(31_557_600); // humantime's "1year"
+pub(crate) const MAX_LIMIT: u64 = 1_000_000_000;
 /// The shortest and longest time a reservation may wait for its settlement
 /// (`settle_within`): a request's work, from a second to a day.
-pub const MIN_SETTLE_WITHIN: Duration = Duration::from_secs(1);
-pub const MAX_SETTLE_WITHIN: Duration = Duration::from_secs(86_400);
+pub(crate) const MIN_SETTLE_WITHIN: Duration = Duration::from_secs(1);
+pub(crate) const MAX_SETTLE_WITHIN: Duration = Duration::from_secs(86_400);
 /// See `config::MAX_SLIDING_LOG_LIMIT`.
-pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
+pub(crate) const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
 
 /// The limits on rates that keep the scripts' double arithmetic exact (microsecond
 /// timestamps are about 2^51, so a double resolves about 0.25 us there):
@@ -114,7 +114,7 @@ pub const MAX_SLIDING_LOG_LIMIT: u64 = 10_000;
 /// - for token_bucket and gcra, refilling the whole burst (`burst * window / limit`) must
 ///   take at most [`MAX_WINDOW`], so every TTL stays far inside the exact range;
 /// - a sliding log holds at most [`MAX_SLIDING_LOG_LIMIT`] entries.
-pub fn check_rates(
+pub(crate) fn check_rates(
     algorithm: Algorithm,
     limit: u64,
     window: Duration,
@@ -142,7 +142,7 @@ pub fn check_rates(
 
 /// Why numbers are outside what [`check_rates`] lets a policy take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum RateError {
+pub(crate) enum RateError {
     #[error(
         "gcra needs window / limit of at least 1us (at most 1000000 per second); {limit} per {} is faster",
         humantime::format_duration(*window)
@@ -276,7 +276,7 @@ impl Policy {
 }
 
 /// Policy names: 1-64 of `[A-Za-z0-9_.-]` (they appear in keys, metrics labels and URLs).
-pub fn valid_name(name: &str) -> bool {
+pub(crate) fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
         && name
             .bytes()
@@ -284,7 +284,7 @@ pub fn valid_name(name: &str) -> bool {
 }
 
 /// Key prefixes follow the same rule as names.
-pub fn valid_prefix(prefix: &str) -> bool {
+pub(crate) fn valid_prefix(prefix: &str) -> bool {
     valid_name(prefix)
 }
 

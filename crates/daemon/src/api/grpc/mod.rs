@@ -51,7 +51,7 @@ use wire::{WireDescriptor, WireRequest};
 /// worker over few connections, so this is well above what one needs, and bounds what one
 /// client can start at once (beyond it the client queues; the store's admission bounds the
 /// work itself).
-pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
+pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 1024;
 
 /// HTTP/2 pings on an idle connection, and how long an answer may take: a peer that went
 /// away without a FIN is noticed, and its connection slot given back.
@@ -61,7 +61,7 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection's lifetime: then GOAWAY, calls in flight finish (within the call timeout)
 /// and the client reconnects. No client holds a slot for ever, however it behaves, and
 /// after a scale-out Envoy's connections spread over the new instances within this.
-pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(600);
+pub(crate) const MAX_CONNECTION_AGE: Duration = Duration::from_secs(600);
 
 /// The HTTP/2 client preface (RFC 9113 section 3.4): a connection has until the header
 /// timeout to send it whole, so a socket that sends nothing (or dribbles) holds its slot
@@ -77,7 +77,7 @@ impl Connected for Handed {
 }
 
 /// The service: what it needs to turn descriptors into checks.
-pub struct RateLimiter {
+pub(crate) struct RateLimiter {
     /// Policies, overrides and descriptors: swapped whole by a reload.
     pub live: Arc<LiveConfig>,
     pub limiter: Arc<Limiter>,
@@ -87,7 +87,7 @@ pub struct RateLimiter {
 
 /// The gRPC listener's bounds, from `[server]`.
 #[derive(Debug, Clone, Copy)]
-pub struct Bounds {
+pub(crate) struct Bounds {
     /// Connections open at once (`server.grpc_max_connections`): beyond it, connects wait
     /// in the kernel's backlog until one closes.
     pub max_connections: usize,
@@ -324,7 +324,7 @@ const UNITS: [(u64, Unit); 5] = [
 /// The policy's limit in Envoy's terms: its window when that is a unit; else the same
 /// rate per the next longer unit when the window divides it (10 per 30s = 20 per MINUTE); else
 /// the limit per `UNKNOWN` (the window is in `/v1/policies`). `name` is the policy's.
-pub fn current_limit(policy: &Policy) -> RateLimit {
+pub(crate) fn current_limit(policy: &Policy) -> RateLimit {
     let limit = policy.limit.get();
     let window = policy.window.as_nanos();
     let (per_unit, unit) = UNITS
@@ -352,7 +352,7 @@ fn pb_duration(d: Duration) -> PbDuration {
 /// Serves the rate-limit service on `listener` until the drain stops accepting; then
 /// in-flight calls finish (HTTP/2 GOAWAY) and connections close. The app's drain deadline
 /// bounds the wait.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: Listener,
     service: RateLimiter,
     bounds: Bounds,

@@ -26,7 +26,7 @@ use crate::api::request_log::{self, Line};
 
 /// `envoy.service.ratelimit.v3.RateLimitRequest`, strings as bytes.
 #[derive(Clone, PartialEq, Message)]
-pub struct WireRequest {
+pub(crate) struct WireRequest {
     #[prost(bytes = "vec", tag = "1")]
     pub domain: Vec<u8>,
     #[prost(message, repeated, tag = "2")]
@@ -38,7 +38,7 @@ pub struct WireRequest {
 /// `envoy.extensions.common.ratelimit.v3.RateLimitDescriptor`, without the `limit`
 /// override (tag 2), which quotad ignores (docs/envoy.md) and prost skips.
 #[derive(Clone, PartialEq, Message)]
-pub struct WireDescriptor {
+pub(crate) struct WireDescriptor {
     #[prost(message, repeated, tag = "1")]
     pub entries: Vec<WireEntry>,
     #[prost(message, optional, tag = "3")]
@@ -47,7 +47,7 @@ pub struct WireDescriptor {
 
 /// One descriptor entry: `key` and `value` as sent.
 #[derive(Clone, PartialEq, Message)]
-pub struct WireEntry {
+pub(crate) struct WireEntry {
     #[prost(bytes = "vec", tag = "1")]
     pub key: Vec<u8>,
     #[prost(bytes = "vec", tag = "2")]
@@ -100,13 +100,13 @@ impl Decoder for WireDecoder {
 
 /// The rate-limit service as tonic serves it.
 #[derive(Clone)]
-pub struct Server {
+pub(super) struct Server {
     inner: Arc<RateLimiter>,
     max_message_bytes: usize,
 }
 
 impl Server {
-    pub fn new(inner: RateLimiter, max_message_bytes: usize) -> Self {
+    pub(super) fn new(inner: RateLimiter, max_message_bytes: usize) -> Self {
         Server {
             inner: Arc::new(inner),
             max_message_bytes,
@@ -198,7 +198,7 @@ fn count<T>(inner: &RateLimiter, resp: &http::Response<T>) -> tonic::Code {
 }
 
 /// A status code's name as gRPC writes it (`INVALID_ARGUMENT`).
-pub fn code_name(code: tonic::Code) -> &'static str {
+pub(super) fn code_name(code: tonic::Code) -> &'static str {
     use tonic::Code::*;
     match code {
         Ok => "OK",
