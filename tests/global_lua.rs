@@ -14,8 +14,9 @@ use quotad_core::algorithm::{Op, Verdict};
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
+use quotad_daemon::federation::books::{self, SLOT_FIELDS};
 use quotad_daemon::layout::{PolicyKeys, ScriptShape};
-use quotad_daemon::store::redis::global::{self, SLOT_FIELDS};
+use quotad_daemon::store::redis::global;
 use quotad_daemon::store::redis::scripts::Global;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -37,7 +38,7 @@ fn read_slot(conn: &mut redis::Connection, key: &str) -> KeySlot {
         .arg(&SLOT_FIELDS[..])
         .query(conn)
         .unwrap();
-    global::decode_slot(&v).unwrap()
+    books::decode_slot(&v).unwrap()
 }
 
 fn random_book(rng: &mut StdRng, now: i64, rho: f64) -> LeaseBook {
@@ -113,16 +114,16 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
         // Writes books of one or more users in one call, as a round does.
         let write = |token: u64, books: &[(&str, &LeaseBook)]| {
             let names: Vec<String> = books.iter().map(|(u, _)| storage(u)).collect();
-            let writes: Vec<global::BookWrite> = books
+            let writes: Vec<books::BookWrite> = books
                 .iter()
                 .zip(&names)
-                .map(|((u, book), storage_key)| global::BookWrite {
+                .map(|((u, book), storage_key)| books::BookWrite {
                     storage_key,
                     user_key: u,
                     book,
                 })
                 .collect();
-            global::write_books_invocation(&s.write, &keys, token, &args, &writes, Some(now))
+            books::write_books_invocation(&s.write, &keys, token, &args, &writes, Some(now))
         };
         // The users whose stored state the step may change, compared with the model after it.
         let mut touched = vec![user];
@@ -179,7 +180,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 format!("write {call:?}")
             }
             75..=82 => {
-                let inv = global::drop_loans_invocation(&s.drop, &key, &keys, 1, &args, Some(now));
+                let inv = books::drop_loans_invocation(&s.drop, &key, &keys, 1, &args, Some(now));
                 let dropped: i64 = inv.invoke(conn).unwrap();
                 assert_eq!(
                     dropped == 1,
@@ -203,7 +204,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 } else {
                     rho * rng.random_range(0.0..1.0)
                 };
-                let inv = global::set_default_invocation(
+                let inv = books::set_default_invocation(
                     &s.default,
                     &keys,
                     1,
@@ -242,7 +243,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
             .query(conn)
             .unwrap();
         assert_eq!(
-            global::decode_default(&meta).unwrap(),
+            books::decode_default(&meta).unwrap(),
             default,
             "seed {seed} step {step}"
         );

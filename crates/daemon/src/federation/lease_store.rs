@@ -26,13 +26,13 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::Shared;
+use super::books::{self, SLOT_FIELDS};
 use super::lock::{Lock, Takeover};
 use super::runtime::{Backend, Coordinated, StoreFault};
 use crate::config::GlobalSettings;
 use crate::layout::{GlobalLayout, Layouts, PolicyLayout};
 use crate::policy::Policy;
 use crate::store::redis::connect::{SharedTarget, SyncConn};
-use crate::store::redis::global::{self, SLOT_FIELDS};
 use crate::store::redis::scripts::Global;
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::demand::Counters;
@@ -403,7 +403,7 @@ impl RedisLeaseStore {
                 let mut pipe = redis::pipe();
                 for key in chunk {
                     let storage = p.layout.storage_key(key);
-                    let inv = global::drop_loans_invocation(
+                    let inv = books::drop_loans_invocation(
                         &self.drop,
                         &storage,
                         &p.global.keys,
@@ -498,7 +498,7 @@ impl RedisLeaseStore {
                 }
             };
             for row in rows {
-                match global::decode_slot(&row) {
+                match books::decode_slot(&row) {
                     Ok(mut slot) => {
                         // A loan from a region this config does not have (the region set
                         // changed) is dropped: dropping a loan is always safe. Reservations
@@ -601,19 +601,19 @@ impl LeaseStore for RedisLeaseStore {
             let storage: Vec<String> = chunk.iter().map(|(k, _)| p.layout.storage_key(k)).collect();
             let mut pipe = redis::pipe();
             for (group, names) in chunk
-                .chunks(global::BOOKS_PER_CALL)
-                .zip(storage.chunks(global::BOOKS_PER_CALL))
+                .chunks(books::BOOKS_PER_CALL)
+                .zip(storage.chunks(books::BOOKS_PER_CALL))
             {
-                let writes: Vec<global::BookWrite> = group
+                let writes: Vec<books::BookWrite> = group
                     .iter()
                     .zip(names)
-                    .map(|((key, book), storage_key)| global::BookWrite {
+                    .map(|((key, book), storage_key)| books::BookWrite {
                         storage_key,
                         user_key: key,
                         book,
                     })
                     .collect();
-                let inv = global::write_books_invocation(
+                let inv = books::write_books_invocation(
                     &self.write,
                     &p.global.keys,
                     self.token,
@@ -787,7 +787,7 @@ impl LeaseStore for RedisLeaseStore {
             .arg(&meta)
             .arg(&["d", "dp", "dt"])
             .query(&mut self.conn);
-        let decoded = v.map(|v| global::decode_default(&v));
+        let decoded = v.map(|v| books::decode_default(&v));
         match decoded {
             Ok(Ok(d)) => d.map(|d| d.escrow),
             Ok(Err(e)) => {
@@ -808,7 +808,7 @@ impl LeaseStore for RedisLeaseStore {
         let Some(p) = self.policies.get(policy) else {
             return false;
         };
-        let inv = global::set_default_invocation(
+        let inv = books::set_default_invocation(
             &self.default,
             &p.global.keys,
             self.token,

@@ -15,6 +15,7 @@
 //! verified replies come back through the same channel.
 
 pub mod auth;
+pub mod books;
 pub mod incarnation;
 pub mod lease_store;
 pub mod lock;
