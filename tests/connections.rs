@@ -26,6 +26,36 @@ fn start(extra: &str) -> Quotad {
     Quotad::serve_with(&config, extra)
 }
 
+/// Waits until the server on `port` has accepted `n` connections and read everything
+/// sent on them: the kernel's table of loopback sockets (`/proc/net/tcp`) lists the
+/// server's end of each established connection (local port `port`, state 01) with its
+/// receive queue, which is empty once the server has read it. A connection still in the
+/// accept queue has its bytes there too.
+fn until_read(port: u16, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+        let queues: Vec<u64> = table
+            .lines()
+            .skip(1)
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let local = u16::from_str_radix(f.get(1)?.rsplit(':').next()?, 16).ok()?;
+                let unread = u64::from_str_radix(f.get(4)?.split(':').nth(1)?, 16).ok()?;
+                (local == port && *f.get(3)? == "01").then_some(unread)
+            })
+            .collect();
+        if queues.len() >= n && queues.iter().all(|q| *q == 0) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server did not read its {n} connections: receive queues {queues:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn connect(q: &Quotad) -> TcpStream {
     let s = TcpStream::connect(("127.0.0.1", q.port)).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -228,7 +258,9 @@ fn at_the_connection_bound_with_every_connection_busy_a_new_one_is_turned_away()
             s
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(200));
+    // Both read by the server (requests in progress, not silent connections it may close
+    // to make room) before the third comes.
+    until_read(q.port, 2);
     let mut third = connect(&q);
     let _ = third.write_all(check_request("x").as_bytes());
     let (resp, _) = until_closed(&mut third, Instant::now());
