@@ -14,7 +14,7 @@ use crate::limiter::reaper::Due;
 use crate::limiter::{Decision, Limiter, Outcome};
 use crate::policy::{ConcurrencyPolicy, FailMode};
 use crate::store::redis::admission::Shed;
-use crate::store::{LeaseCall, StoreError};
+use crate::store::{LeaseCall, Permit, StoreError};
 use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
 
 /// A lease as its holder names it: `<32 hex digits>-<units>`, or `local-…` for one the
@@ -167,8 +167,8 @@ impl Limiter {
             },
         };
         let answer = {
-            let _admitted = self.store.admit(1).await?;
-            self.store.lease(&call).await
+            let permit = self.store.admit(1).await?;
+            self.store.lease(&permit, &call).await
         };
         let acquired = match answer {
             Ok(ans) => self.acquired(a, ans, lease, Outcome::Allowed),
@@ -280,9 +280,9 @@ impl Limiter {
             op: LeaseOp::Clear,
         };
         let ans = {
-            let _admitted = self.store.admit(1).await?;
+            let permit = self.store.admit(1).await?;
             self.store
-                .lease(&call)
+                .lease(&permit, &call)
                 .await
                 .inspect_err(|e| self.store_failed(&policy.name, e))?
         };
@@ -333,8 +333,8 @@ impl Limiter {
                 .lease(&call)
                 .map_err(|full| StoreError::Full(full.0))?
         } else {
-            let _admitted = self.store.admit(1).await?;
-            match self.store.lease(&call).await {
+            let permit = self.store.admit(1).await?;
+            match self.store.lease(&permit, &call).await {
                 Ok(a) => a,
                 Err(e) => {
                     self.store_failed(&h.policy.name, &e);
@@ -376,7 +376,7 @@ impl Limiter {
                 .lease(&call)
                 .map_err(|full| StoreError::Full(full.0))
         } else {
-            self.store.lease(&call).await
+            self.store.lease(&Permit::background(), &call).await
         };
         match answer {
             Ok(ans) => self.count_lease_units(&due.policy.name, "expired", ans.expired),

@@ -17,7 +17,7 @@ use crate::policy::{FailMode, Policy};
 use crate::store::memory::MemoryStore;
 use crate::store::redis::admission::Shed;
 use crate::store::redis::hot::{Heat, HotKeys, Mark, Taker};
-use crate::store::{Forget, GlobalCall, Store, StoreCall, StoreError};
+use crate::store::{Forget, GlobalCall, Permit, Store, StoreCall, StoreError};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
 mod lease;
@@ -229,12 +229,12 @@ impl Limiter {
         let d = match self.in_memory(check, &key) {
             Some(d) => d,
             None if check.reserve => {
-                let _admitted = self.store.admit(1).await?;
-                self.decide_reserving(check, &key).await
+                let permit = self.store.admit(1).await?;
+                self.decide_reserving(&permit, check, &key).await
             }
             None => {
-                let _admitted = self.store.admit(1).await?;
-                self.decide(check, &key, &self.member(check.policy.algorithm))
+                let permit = self.store.admit(1).await?;
+                self.decide(&permit, check, &key, &self.member(check.policy.algorithm))
                     .await
             }
         };
@@ -310,10 +310,8 @@ impl Limiter {
             .collect();
         let asked = remembered.iter().filter(|d| d.is_none()).count();
         // One permit per check asked; the refunds reuse them.
-        let _admitted = match asked {
-            0 => None,
-            n => self.store.admit(n).await?,
-        };
+        let permit = self.store.admit(asked).await?;
+        let permit = &permit;
         let members: Vec<String> = checks
             .iter()
             .map(|c| self.member(c.policy.algorithm))
@@ -323,7 +321,7 @@ impl Limiter {
                 |(((c, k), m), known)| async move {
                     match known {
                         Some(d) => d,
-                        None => self.decide(c, k, m).await,
+                        None => self.decide(permit, c, k, m).await,
                     }
                 },
             ),
@@ -337,7 +335,7 @@ impl Limiter {
                 .zip(decisions.iter_mut())
                 .filter(|(_, d)| d.charged.is_some())
                 .map(|(((c, k), m), d)| async move {
-                    if self.refund(c, k, m, d.charged).await {
+                    if self.refund(permit, c, k, m, d.charged).await {
                         d.refunded = true;
                     }
                 });
@@ -354,7 +352,7 @@ impl Limiter {
     /// In a denied batch, the checks that alone would have passed are reported `refunded`
     /// (nothing of theirs was spent), as in a batch decided check by check.
     async fn check_group(&self, checks: &[Check], keys: &[Target]) -> Result<Vec<Decision>, Shed> {
-        let _admitted = self.store.admit(1).await?;
+        let permit = self.store.admit(1).await?;
         let members: Vec<String> = checks
             .iter()
             .map(|c| self.member(c.policy.algorithm))
@@ -366,7 +364,7 @@ impl Limiter {
             .map(|((c, k), m)| store_call(c, k, Op::Check { cost: c.cost }, m))
             .collect();
         let enforced: Vec<bool> = checks.iter().map(|c| !c.policy.shadow).collect();
-        let decisions = match self.store.apply_all(&calls, &enforced).await {
+        let decisions = match self.store.apply_all(&permit, &calls, &enforced).await {
             Ok(verdicts) => group_decisions(checks, &verdicts, Outcome::Allowed, Charged::Primary),
             Err(e) => {
                 self.store_failed(&checks[0].policy.name, &e);
@@ -436,10 +434,12 @@ impl Limiter {
         // A settling policy's reset ends the reservations open on the key too.
         let mark = PolicyLayout::reset_mark_key(&storage_key);
         let ends = settle::reset_ends(policy, &mark);
-        let _admitted = self.store.admit(1).await?;
+        let permit = self.store.admit(1).await?;
         // The store first: when it fails the caller is told nothing changed, so the local
         // fallback's state must not have changed either.
-        self.store.reset(&storage_key, forget, ends).await?;
+        self.store
+            .reset(&permit, &storage_key, forget, ends)
+            .await?;
         self.local.reset(&storage_key, forget, ends);
         Ok(())
     }
@@ -452,7 +452,13 @@ impl Limiter {
     }
 
     /// `key` is the check's target (built once per check by the caller).
-    async fn decide(&self, check: &Check, key: &Target, member: &str) -> Decision {
+    async fn decide(
+        &self,
+        permit: &Permit<'_>,
+        check: &Check,
+        key: &Target,
+        member: &str,
+    ) -> Decision {
         let policy = &check.policy;
         let call = store_call(check, key, Op::Check { cost: check.cost }, member);
         let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
@@ -468,9 +474,9 @@ impl Limiter {
             }
         });
         let answer = if hot {
-            self.store.apply_hot(&call, check.cost).await
+            self.store.apply_hot(permit, &call, check.cost).await
         } else {
-            self.store.apply(&call).await.map(|v| (v, None))
+            self.store.apply(permit, &call).await.map(|v| (v, None))
         };
         match answer {
             Ok((v, from)) => {
@@ -529,6 +535,7 @@ impl Limiter {
 
     async fn refund(
         &self,
+        permit: &Permit<'_>,
         check: &Check,
         key: &Target,
         member: &str,
@@ -537,8 +544,12 @@ impl Limiter {
         let policy = &check.policy;
         let call = store_call(check, key, Op::Refund { cost: check.cost }, member);
         let given = match charged {
-            Some(Charged::Primary) => self.store.apply(&call).await.map(|_| ()),
-            Some(Charged::Slice(mark)) => self.store.refund_spent(&call, mark, check.cost).await,
+            Some(Charged::Primary) => self.store.apply(permit, &call).await.map(|_| ()),
+            Some(Charged::Slice(mark)) => {
+                self.store
+                    .refund_spent(permit, &call, mark, check.cost)
+                    .await
+            }
             // A refund only lowers a key the store holds: never refused for room.
             Some(Charged::Local) => return self.local.apply(&call).is_ok(),
             None => return false,

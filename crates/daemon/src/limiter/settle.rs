@@ -11,7 +11,7 @@ use crate::layout::{PolicyLayout, ReservationId};
 use crate::limiter::{Charged, Check, Decision, Limiter, Outcome, Target, decision, store_call};
 use crate::policy::{FailMode, Policy};
 use crate::store::redis::admission::Shed;
-use crate::store::{Ends, SettleCall, SettleReply, StoreCall, StoreError};
+use crate::store::{Ends, Permit, SettleCall, SettleReply, StoreCall, StoreError};
 use quotad_core::algorithm::Op;
 use quotad_core::settlement::Settled;
 
@@ -59,13 +59,19 @@ pub(super) fn reset_ends<'a>(policy: &Policy, mark: &'a str) -> Option<Ends<'a>>
 impl Limiter {
     /// A reserving check (`key` its target): the store admits the estimate and opens the
     /// reservation in one script; its id goes back with the decision.
-    pub(super) async fn decide_reserving(&self, check: &Check, key: &Target) -> Decision {
+    pub(super) async fn decide_reserving(
+        &self,
+        permit: &Permit<'_>,
+        check: &Check,
+        key: &Target,
+    ) -> Decision {
         let id = ReservationId::random();
         let reservation = PolicyLayout::reservation_key(&key.key, &id);
         let mark = PolicyLayout::reset_mark_key(&key.key);
         match self
             .store
             .reserve(
+                permit,
                 &settle_call(check, &key.key, &reservation, &mark),
                 check.cost,
             )
@@ -108,8 +114,8 @@ impl Limiter {
         let mark = PolicyLayout::reset_mark_key(&key.key);
         let call = settle_call(check, &key.key, &reservation, &mark);
         let name = check.policy.name.as_str();
-        let _admitted = self.store.admit(1).await?;
-        let reply = match self.store.settle(&call, cost).await {
+        let permit = self.store.admit(1).await?;
+        let reply = match self.store.settle(&permit, &call, cost).await {
             Ok(r) => r,
             Err(e) => {
                 self.store_failed(&check.policy.name, &e);
@@ -138,8 +144,8 @@ impl Limiter {
         let key = self.target(check);
         let call = store_call(check, &key, Op::Check { cost: check.cost }, "");
         let name = check.policy.name.as_str();
-        let _admitted = self.store.admit(1).await?;
-        let d = match self.store.charge(&call, check.cost).await {
+        let permit = self.store.admit(1).await?;
+        let d = match self.store.charge(&permit, &call, check.cost).await {
             Ok(v) => decision(check, &v, Outcome::Allowed, Some(Charged::Primary)),
             Err(e) => {
                 self.store_failed(&check.policy.name, &e);

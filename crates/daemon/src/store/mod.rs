@@ -17,6 +17,22 @@ use quotad_core::algorithm::Verdict;
 use quotad_core::concurrency::LeaseAnswer;
 use redis::{admission, hot};
 
+/// Leave to call the store, from [`Store::admit`]: Redis admission's permits for the
+/// calls a request makes (none in memory, with the breaker open, or for no call). Every
+/// call on the [`Store`] takes one by reference, so a call cannot be made without
+/// admission; the permits go back when it is dropped.
+pub struct Permit<'a> {
+    _held: Option<admission::Admitted<'a>>,
+}
+
+impl Permit<'_> {
+    /// For quotad's own background reads, bounded by the task that makes them (the lease
+    /// reaper's reads of ended leases), never for a request.
+    pub(crate) fn background() -> Permit<'static> {
+        Permit { _held: None }
+    }
+}
+
 /// The configured backend. An enum rather than a trait object: there are exactly two, and
 /// static dispatch keeps the request path free of boxing.
 pub enum Store {
@@ -26,16 +42,15 @@ pub enum Store {
 
 impl Store {
     /// Admission for a request that will make `calls` store calls: Redis permits (see
-    /// [`admission`]), or nothing to wait for in memory. Hold the result until the calls,
-    /// refunds included, are done.
-    pub async fn admit(
-        &self,
-        calls: usize,
-    ) -> Result<Option<admission::Admitted<'_>>, admission::Shed> {
-        match self {
-            Store::Redis(r) => r.admit(calls).await,
-            Store::Memory(_) => Ok(None),
-        }
+    /// [`admission`]), or nothing to wait for in memory or for no call. Every call below
+    /// takes the [`Permit`], so none can skip admission; hold it until the calls, refunds
+    /// included, are done.
+    pub async fn admit(&self, calls: usize) -> Result<Permit<'_>, admission::Shed> {
+        let held = match self {
+            Store::Redis(r) if calls > 0 => r.admit(calls).await?,
+            _ => None,
+        };
+        Ok(Permit { _held: held })
     }
 
     /// A denial of this call remembered from the store and still in force: answering it
@@ -59,13 +74,14 @@ impl Store {
     /// [`redis::RedisStore::refund_spent`]); slices are Redis's only.
     pub async fn refund_spent(
         &self,
+        _permit: &Permit<'_>,
         call: &StoreCall<'_>,
         mark: hot::Mark,
         cost: u64,
     ) -> Result<(), StoreError> {
         match self {
             Store::Redis(r) => r.refund_spent(call, mark, cost).await,
-            Store::Memory(_) => self.apply(call).await.map(|_| ()),
+            Store::Memory(_) => self.apply(_permit, call).await.map(|_| ()),
         }
     }
 
@@ -74,16 +90,21 @@ impl Store {
     /// that takes no slices.
     pub async fn apply_hot(
         &self,
+        _permit: &Permit<'_>,
         call: &StoreCall<'_>,
         cost: u64,
     ) -> Result<(Verdict, Option<hot::Mark>), StoreError> {
         match (self, hot::Taker::of(call.algorithm)) {
             (Store::Redis(r), Some(taker)) => r.apply_hot(call, taker, cost).await,
-            _ => self.apply(call).await.map(|v| (v, None)),
+            _ => self.apply(_permit, call).await.map(|v| (v, None)),
         }
     }
 
-    pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
+    pub async fn apply(
+        &self,
+        _permit: &Permit<'_>,
+        call: &StoreCall<'_>,
+    ) -> Result<Verdict, StoreError> {
         match self {
             Store::Redis(r) => r.apply(call).await,
             Store::Memory(m) => match &call.global {
@@ -96,7 +117,12 @@ impl Store {
 
     /// Spends `cost` units whether or not the key has them (a cost counted after the
     /// work: debt where it lacks them). Never denied. Local policies that can hold a debt.
-    pub async fn charge(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+    pub async fn charge(
+        &self,
+        _permit: &Permit<'_>,
+        call: &StoreCall<'_>,
+        cost: u64,
+    ) -> Result<Verdict, StoreError> {
         match self {
             Store::Redis(r) => r.charge(call, cost).await,
             Store::Memory(m) => m.charge(call, cost).map_err(|e| StoreError::Full(e.0)),
@@ -106,6 +132,7 @@ impl Store {
     /// A check of `estimate` units that, admitted, opens the reservation.
     pub async fn reserve(
         &self,
+        _permit: &Permit<'_>,
         call: &SettleCall<'_>,
         estimate: u64,
     ) -> Result<Verdict, StoreError> {
@@ -121,6 +148,7 @@ impl Store {
     /// the key lacks it) or given back; once.
     pub async fn settle(
         &self,
+        _permit: &Permit<'_>,
         call: &SettleCall<'_>,
         cost: u64,
     ) -> Result<SettleReply, StoreError> {
@@ -131,7 +159,11 @@ impl Store {
     }
 
     /// One operation on a concurrency limit's key: acquire, release, extend or peek.
-    pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, StoreError> {
+    pub async fn lease(
+        &self,
+        _permit: &Permit<'_>,
+        call: &LeaseCall<'_>,
+    ) -> Result<LeaseAnswer, StoreError> {
         match self {
             Store::Redis(r) => r.lease(call).await,
             Store::Memory(m) => m.lease(call).map_err(|e| StoreError::Full(e.0)),
@@ -144,6 +176,7 @@ impl Store {
     /// Never for keys of global policies.
     pub async fn apply_all(
         &self,
+        _permit: &Permit<'_>,
         calls: &[StoreCall<'_>],
         enforced: &[bool],
     ) -> Result<Vec<Verdict>, StoreError> {
@@ -160,6 +193,7 @@ impl Store {
     /// done.
     pub async fn reset(
         &self,
+        _permit: &Permit<'_>,
         key: &str,
         forget: Forget,
         ends: Option<Ends<'_>>,
