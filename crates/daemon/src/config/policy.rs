@@ -374,7 +374,7 @@ impl Validator<'_> {
     ) -> Option<u64> {
         let rate = rate?;
         match algorithm {
-            Some(a) if crate::store::redis::hot::Taker::of(a).is_some() => {}
+            Some(a) if crate::store::takes_slices(a) => {}
             Some(a) => {
                 self.error(
                     rate,

@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 use crate::limiter::reaper::Due;
 use crate::limiter::{Decision, Limiter, Outcome};
 use crate::policy::{ConcurrencyPolicy, FailMode};
-use crate::store::redis::admission::Shed;
-use crate::store::{LeaseCall, Permit, StoreError};
+use crate::store::{LeaseCall, Permit, Shed, StoreError};
 use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
 
 /// A lease as its holder names it: `<32 hex digits>-<units>`, or `local-…` for one the

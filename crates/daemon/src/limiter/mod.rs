@@ -9,15 +9,14 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 use crate::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId};
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::memory::MemoryStore;
-use crate::store::redis::admission::Shed;
-use crate::store::redis::hot::{Heat, HotKeys, Mark, Taker};
-use crate::store::{Forget, GlobalCall, Permit, Store, StoreCall, StoreError};
+use crate::store::{
+    Forget, GlobalCall, Permit, Shed, SliceMark, Store, StoreCall, StoreError, takes_slices,
+};
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
 mod lease;
@@ -105,7 +104,7 @@ enum Charged {
     Primary,
     /// From a hot key's slice, spent in memory: given back to that slice while it lasts
     /// (in Redis its units are held by this instance, not in the key's bucket or count).
-    Slice(Mark),
+    Slice(SliceMark),
     Local,
 }
 
@@ -248,9 +247,13 @@ impl Limiter {
     /// The slice first: units this instance holds were taken for it in Redis and are
     /// its to spend whatever it was denied since (a hot key's usual case: one lookup).
     fn in_memory(&self, check: &Check, key: &Target) -> Option<Decision> {
-        let spent = self.hot(check).and_then(|h| {
-            h.spend_from(&key.key, check.policy.limits(), check.cost, Instant::now())
-        });
+        let spent = self
+            .slices(check)
+            .then(|| {
+                let call = store_call(check, key, Op::Check { cost: check.cost }, "");
+                self.store.spend_from_slice(&call, check.cost)
+            })
+            .flatten();
         if let Some((v, mark)) = spent {
             self.metrics
                 .hot_admits
@@ -266,20 +269,18 @@ impl Limiter {
         self.remembered(check, key)
     }
 
-    /// The hot-key table when this check may take part: its policy sets `hot_key_rate`
+    /// Whether this check may take part in hot-key slices: its policy sets `hot_key_rate`
     /// (fixed windows, token buckets and GCRA), it is enforced (a shadow policy is
     /// decided in Redis), it spends (not a peek) and is not part of a co-location group.
-    fn hot(&self, check: &Check) -> Option<&HotKeys> {
+    fn slices(&self, check: &Check) -> bool {
         let policy = &check.policy;
-        (policy.hot_key_rate.is_some()
-            && Taker::of(policy.algorithm).is_some()
+        policy.hot_key_rate.is_some()
+            && takes_slices(policy.algorithm)
             && policy.global.is_none()
             && !policy.shadow
             && check.cost > 0
             && !check.reserve
-            && check.group.is_none())
-        .then(|| self.store.hot())
-        .flatten()
+            && check.group.is_none()
     }
 
     /// A denial the store gave this key and that still holds (no Redis call, no permit;
@@ -462,22 +463,10 @@ impl Limiter {
         let policy = &check.policy;
         let call = store_call(check, key, Op::Check { cost: check.cost }, member);
         let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
-        let hot = self.hot(check).is_some_and(|h| {
-            let rate = check.policy.hot_key_rate.map_or(u64::MAX, |r| r.get());
-            match h.note(&key.key, rate, Instant::now()) {
-                Heat::Hot => true,
-                Heat::Cold => false,
-                Heat::Refused => {
-                    self.metrics.hot_refused.inc();
-                    false
-                }
-            }
-        });
-        let answer = if hot {
-            self.store.apply_hot(permit, &call, check.cost).await
-        } else {
-            self.store.apply(permit, &call).await.map(|v| (v, None))
-        };
+        let hot_rate = self
+            .slices(check)
+            .then(|| check.policy.hot_key_rate.map_or(u64::MAX, |r| r.get()));
+        let answer = self.store.decide(permit, &call, check.cost, hot_rate).await;
         match answer {
             Ok((v, from)) => {
                 let outcome = if v.allowed {

@@ -10,8 +10,7 @@
 use crate::layout::{PolicyLayout, ReservationId};
 use crate::limiter::{Charged, Check, Decision, Limiter, Outcome, Target, decision, store_call};
 use crate::policy::{FailMode, Policy};
-use crate::store::redis::admission::Shed;
-use crate::store::{Ends, Permit, SettleCall, SettleReply, StoreCall, StoreError};
+use crate::store::{Ends, Permit, SettleCall, SettleReply, Shed, StoreCall, StoreError};
 use quotad_core::algorithm::Op;
 use quotad_core::settlement::Settled;
 

@@ -12,10 +12,20 @@ pub mod redis;
 pub use call::{
     Ends, Forget, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall, StoreError,
 };
+pub use redis::admission::Shed;
+pub use redis::hot::Mark as SliceMark;
 
-use quotad_core::algorithm::Verdict;
+use std::time::Instant;
+
+use quotad_core::algorithm::{Algorithm, Verdict};
 use quotad_core::concurrency::LeaseAnswer;
 use redis::{admission, hot};
+
+/// Whether keys of `algorithm` can take hot-key slices (fixed windows, token buckets and
+/// GCRA; see [`hot`]).
+pub fn takes_slices(algorithm: Algorithm) -> bool {
+    hot::Taker::of(algorithm).is_some()
+}
 
 /// Leave to call the store, from [`Store::admit`]: Redis admission's permits for the
 /// calls a request makes (none in memory, with the breaker open, or for no call). Every
@@ -62,11 +72,40 @@ impl Store {
         }
     }
 
-    /// Hot-key slices: Redis only (the embedded store is in memory already).
-    pub fn hot(&self) -> Option<&hot::HotKeys> {
+    /// Spends `cost` from this instance's slice of a hot key when it holds enough (see
+    /// [`hot`]): no Redis call and no permit. Redis only (the embedded store is in memory
+    /// already). With the verdict, the slice a refund gives the units back to.
+    pub fn spend_from_slice(
+        &self,
+        call: &StoreCall<'_>,
+        cost: u64,
+    ) -> Option<(Verdict, SliceMark)> {
         match self {
-            Store::Redis(r) => Some(r.hot()),
+            Store::Redis(r) => r
+                .hot()
+                .spend_from(call.key, call.limits, cost, Instant::now()),
             Store::Memory(_) => None,
+        }
+    }
+
+    /// A check of `cost`; one that may take part in hot-key slices (`hot_rate`: its
+    /// policy's `hot_key_rate`) counts towards its key's heat and, the key hot, is decided
+    /// through a slice (see [`hot`]). With the verdict, the slice its units came from.
+    pub async fn decide(
+        &self,
+        permit: &Permit<'_>,
+        call: &StoreCall<'_>,
+        cost: u64,
+        hot_rate: Option<u64>,
+    ) -> Result<(Verdict, Option<SliceMark>), StoreError> {
+        let hot = match (self, hot_rate) {
+            (Store::Redis(r), Some(rate)) => r.heat(call.key, rate),
+            _ => false,
+        };
+        if hot {
+            self.apply_hot(permit, call, cost).await
+        } else {
+            self.apply(permit, call).await.map(|v| (v, None))
         }
     }
 
@@ -88,7 +127,7 @@ impl Store {
     /// A check of a hot key that its slice could not answer (see [`hot`]), with the
     /// slice its units came from; `apply` on the embedded store, and for an algorithm
     /// that takes no slices.
-    pub async fn apply_hot(
+    async fn apply_hot(
         &self,
         _permit: &Permit<'_>,
         call: &StoreCall<'_>,

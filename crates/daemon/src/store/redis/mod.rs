@@ -521,6 +521,19 @@ impl RedisStore {
         &self.hot
     }
 
+    /// Counts a check of `key` towards its heat (`rate`: the policy's `hot_key_rate`):
+    /// whether the key is hot now. A key the table had no room for is counted refused.
+    pub fn heat(&self, key: &str, rate: u64) -> bool {
+        match self.hot.note(key, rate, Instant::now()) {
+            hot::Heat::Hot => true,
+            hot::Heat::Cold => false,
+            hot::Heat::Refused => {
+                self.metrics.hot_refused.inc();
+                false
+            }
+        }
+    }
+
     /// A check of a hot key that its slice could not answer: decided through a take of
     /// a slice (see [`HotKeys::decide`]), with the slice its units came from; a denial is
     /// remembered as any other.
