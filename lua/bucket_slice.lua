@@ -90,18 +90,14 @@ local function store(spent)
   local ttl = ttl_ms(held_ttl(h, full_in(tokens) + (last - now), now))
   if kind == 'tb' then
     local args = {'t', string.format('%.17g', tokens), 'ts', now, 'f', F, 'v', V}
-    if sl then
-      args[#args + 1] = 'sl'
-      args[#args + 1] = sl
-    else
-      redis.call('HDEL', key, 'sl')
-    end
-    local k = hold_text(h)
-    if k then
-      args[#args + 1] = 'k'
-      args[#args + 1] = k
-    else
-      redis.call('HDEL', key, 'k')
+    -- A field written when it has a value, removed when it has none.
+    for _, fv in ipairs({{'sl', sl}, {'k', hold_text(h)}}) do
+      if fv[2] then
+        args[#args + 1] = fv[1]
+        args[#args + 1] = fv[2]
+      else
+        redis.call('HDEL', key, fv[1])
+      end
     end
     redis.call('HSET', key, unpack(args))
     redis.call('PEXPIRE', key, ttl)

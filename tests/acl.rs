@@ -41,6 +41,25 @@ fn config(redis: &RedisServer) -> Config {
         .policy(Policy::new("open", "fixed_window", 5, "1d").on_store_error("open"))
 }
 
+/// Redis with quotad's ACL user, and quotad started with its password in a file (the
+/// file's directory is kept alive with it), up and authenticated.
+fn with_password_file() -> (RedisServer, tempfile::TempDir, std::path::PathBuf, Quotad) {
+    let redis = redis_with_acl();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("redis-password");
+    std::fs::write(&file, format!("{PASSWORD}\n")).unwrap();
+    let q = Quotad::start(
+        &config(&redis)
+            .store("username", "quotad")
+            .store("password_file", file.to_str().unwrap())
+            .to_toml(),
+    );
+    wait_for("redis up", Duration::from_secs(10), || {
+        (q.metric("quotad_store_up") == 1.0).then_some(())
+    });
+    (redis, dir, file, q)
+}
+
 fn outcome(q: &Quotad, policy: &str) -> String {
     let (status, v) = q.check(&json!({"policy": policy, "key": "alice"}));
     assert_eq!(status, 200, "{v}");
@@ -115,19 +134,7 @@ fn without_the_right_credentials_the_fail_modes_answer() {
 /// reload is not counted `ok`.
 #[test]
 fn a_password_from_a_file_is_used_shown_nowhere_and_its_rotation_refused() {
-    let redis = redis_with_acl();
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("redis-password");
-    std::fs::write(&file, format!("{PASSWORD}\n")).unwrap();
-    let q = Quotad::start(
-        &config(&redis)
-            .store("username", "quotad")
-            .store("password_file", file.to_str().unwrap())
-            .to_toml(),
-    );
-    wait_for("redis up", Duration::from_secs(10), || {
-        (q.metric("quotad_store_up") == 1.0).then_some(())
-    });
+    let (redis, _dir, file, q) = with_password_file();
     let outcomes: Vec<String> = (0..6).map(|_| outcome(&q, "five")).collect();
     assert_eq!(
         outcomes,
@@ -203,19 +210,7 @@ fn a_password_from_a_file_is_used_shown_nowhere_and_its_rotation_refused() {
 /// one and decides as before. It used to be refused until a restart.
 #[test]
 fn a_password_rotated_to_one_that_authenticates_goes_in_live() {
-    let redis = redis_with_acl();
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("redis-password");
-    std::fs::write(&file, format!("{PASSWORD}\n")).unwrap();
-    let q = Quotad::start(
-        &config(&redis)
-            .store("username", "quotad")
-            .store("password_file", file.to_str().unwrap())
-            .to_toml(),
-    );
-    wait_for("redis up", Duration::from_secs(10), || {
-        (q.metric("quotad_store_up") == 1.0).then_some(())
-    });
+    let (redis, _dir, file, q) = with_password_file();
     assert_eq!(outcome(&q, "five"), "allowed");
     let next = "the-next-password-of-quotad";
     let acl = |args: &[&str]| {
