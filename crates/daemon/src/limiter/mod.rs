@@ -10,12 +10,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId};
+use crate::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId, ScriptShape};
 use crate::metrics::Metrics;
 use crate::policy::{FailMode, Policy};
 use crate::store::memory::MemoryStore;
 use crate::store::{
-    Forget, GlobalCall, Permit, Shed, SliceMark, Store, StoreCall, StoreError, takes_slices,
+    Checked, Forget, GlobalCall, Permit, Shed, SliceMark, Source, Store, StoreCall, StoreError,
+    takes_slices,
 };
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
@@ -218,81 +219,42 @@ impl Limiter {
                 Some(group) => layout.grouped_key(group, &check.key),
                 None => layout.storage_key(&check.key),
             },
-            global: layout.global.clone(),
+            global: layout
+                .global
+                .clone()
+                .map(|g| (g.shape_for(&check.policy), g)),
         }
     }
 
     /// Decides one check.
     pub(crate) async fn check(&self, check: &Check) -> Result<Decision, Shed> {
         let key = self.target(check);
-        let d = match self.in_memory(check, &key) {
-            Some(d) => d,
-            None if check.reserve => {
-                let permit = self.store.admit(1).await?;
-                self.decide_reserving(&permit, check, &key).await
-            }
-            None => {
-                let permit = self.store.admit(1).await?;
-                self.decide(&permit, check, &key, &self.member(check.policy.algorithm))
-                    .await
-            }
+        let d = if check.reserve {
+            let permit = self.store.admit(1).await?;
+            self.decide_reserving(&permit, check, &key).await
+        } else {
+            let member = self.member(check.policy.algorithm);
+            let call = store_call(check, &key, Op::Check { cost: check.cost }, &member);
+            let answer = self.store.check(&call, self.hot_rate(check)).await?;
+            self.decided(check, &call, answer)
         };
         self.count(&d);
         Ok(d)
     }
 
-    /// An answer without a Redis call or a permit: a remembered denial, or an admission
-    /// from a hot key's slice ([`crate::store::redis::hot`]).
-    ///
-    /// The slice first: units this instance holds were taken for it in Redis and are
-    /// its to spend whatever it was denied since (a hot key's usual case: one lookup).
-    fn in_memory(&self, check: &Check, key: &Target) -> Option<Decision> {
-        let spent = self
-            .slices(check)
-            .then(|| {
-                let call = store_call(check, key, Op::Check { cost: check.cost }, "");
-                self.store.spend_from_slice(&call, check.cost)
-            })
-            .flatten();
-        if let Some((v, mark)) = spent {
-            self.metrics
-                .hot_admits
-                .with_label_values(&[check.policy.name.as_str()])
-                .inc();
-            return Some(decision(
-                check,
-                &v,
-                Outcome::Allowed,
-                Some(Charged::Slice(mark)),
-            ));
-        }
-        self.remembered(check, key)
-    }
-
-    /// Whether this check may take part in hot-key slices: its policy sets `hot_key_rate`
-    /// (fixed windows, token buckets and GCRA), it is enforced (a shadow policy is
-    /// decided in Redis), it spends (not a peek) and is not part of a co-location group.
-    fn slices(&self, check: &Check) -> bool {
+    /// The policy's `hot_key_rate` when this check may take part in hot-key slices: its
+    /// policy sets one (fixed windows, token buckets and GCRA), it is enforced (a shadow
+    /// policy is decided in Redis), it spends (not a peek) and is not part of a
+    /// co-location group.
+    fn hot_rate(&self, check: &Check) -> Option<u64> {
         let policy = &check.policy;
-        policy.hot_key_rate.is_some()
-            && takes_slices(policy.algorithm)
+        let takes = takes_slices(policy.algorithm)
             && policy.global.is_none()
             && !policy.shadow
             && check.cost > 0
             && !check.reserve
-            && check.group.is_none()
-    }
-
-    /// A denial the store gave this key and that still holds (no Redis call, no permit;
-    /// see [`crate::store::redis::deny_cache`]); counted.
-    fn remembered(&self, check: &Check, key: &Target) -> Option<Decision> {
-        let call = store_call(check, key, Op::Check { cost: check.cost }, "");
-        let v = self.store.cached_denial(&call)?;
-        self.metrics
-            .deny_cache_hits
-            .with_label_values(&[check.policy.name.as_str()])
-            .inc();
-        Some(decision(check, &v, Outcome::Denied, None))
+            && check.group.is_none();
+        takes.then_some(policy.hot_key_rate?.get())
     }
 
     /// Decides a batch: all checks run concurrently; if any is denied, the others that were
@@ -304,30 +266,28 @@ impl Limiter {
         if one_group(checks) {
             return self.check_group(checks, &keys).await;
         }
-        let remembered: Vec<Option<Decision>> = checks
-            .iter()
-            .zip(&keys)
-            .map(|(c, k)| self.in_memory(c, k))
-            .collect();
-        let asked = remembered.iter().filter(|d| d.is_none()).count();
-        // One permit per check asked; the refunds reuse them.
-        let permit = self.store.admit(asked).await?;
-        let permit = &permit;
         let members: Vec<String> = checks
             .iter()
             .map(|c| self.member(c.policy.algorithm))
             .collect();
-        let mut decisions = futures_util::future::join_all(
-            checks.iter().zip(&keys).zip(&members).zip(remembered).map(
-                |(((c, k), m), known)| async move {
-                    match known {
-                        Some(d) => d,
-                        None => self.decide(permit, c, k, m).await,
-                    }
-                },
-            ),
-        )
-        .await;
+        let calls: Vec<(StoreCall<'_>, Option<u64>)> = checks
+            .iter()
+            .zip(&keys)
+            .zip(&members)
+            .map(|((c, k), m)| {
+                let call = store_call(c, k, Op::Check { cost: c.cost }, m);
+                (call, self.hot_rate(c))
+            })
+            .collect();
+        // The refunds reuse the batch's permit.
+        let (answers, permit) = self.store.check_each(&calls).await?;
+        let permit = &permit;
+        let mut decisions: Vec<Decision> = checks
+            .iter()
+            .zip(&calls)
+            .zip(answers)
+            .map(|((c, (call, _)), answer)| self.decided(c, call, answer))
+            .collect();
         if decisions.iter().any(|d| !d.allowed) {
             let refunds = checks
                 .iter()
@@ -452,36 +412,38 @@ impl Limiter {
             .inc();
     }
 
-    /// `key` is the check's target (built once per check by the caller).
-    async fn decide(
-        &self,
-        permit: &Permit<'_>,
-        check: &Check,
-        key: &Target,
-        member: &str,
-    ) -> Decision {
-        let policy = &check.policy;
-        let call = store_call(check, key, Op::Check { cost: check.cost }, member);
-        let charged = |v: &Verdict, by| (v.allowed && check.cost > 0).then_some(by);
-        let hot_rate = self
-            .slices(check)
-            .then(|| check.policy.hot_key_rate.map_or(u64::MAX, |r| r.get()));
-        let answer = self.store.decide(permit, &call, check.cost, hot_rate).await;
-        match answer {
-            Ok((v, from)) => {
-                let outcome = if v.allowed {
-                    Outcome::Allowed
-                } else {
-                    Outcome::Denied
-                };
-                let by = from.map_or(Charged::Primary, Charged::Slice);
-                decision(check, &v, outcome, charged(&v, by))
+    /// A check's decision from the store's answer: counted where memory answered it, the
+    /// policy's `on_store_error` where the store failed.
+    fn decided(&self, check: &Check, call: &StoreCall<'_>, answer: Checked) -> Decision {
+        let (v, from) = match answer {
+            Checked::Decided(v, from) => (v, from),
+            Checked::Failed(e) => {
+                self.store_failed(&check.policy.name, &e);
+                return self.fallback(check, call);
             }
-            Err(e) => {
-                self.store_failed(&policy.name, &e);
-                self.fallback(check, &call)
+        };
+        let policy = check.policy.name.as_str();
+        let by = match from {
+            Source::Slice(mark) => {
+                self.metrics.hot_admits.with_label_values(&[policy]).inc();
+                Some(Charged::Slice(mark))
             }
-        }
+            Source::Remembered => {
+                self.metrics
+                    .deny_cache_hits
+                    .with_label_values(&[policy])
+                    .inc();
+                None
+            }
+            Source::Call(slice) => Some(slice.map_or(Charged::Primary, Charged::Slice)),
+        };
+        let outcome = if v.allowed {
+            Outcome::Allowed
+        } else {
+            Outcome::Denied
+        };
+        let charged = by.filter(|_| v.allowed && check.cost > 0);
+        decision(check, &v, outcome, charged)
     }
 
     /// A check the store could not decide, answered by its policy's `on_store_error`.
@@ -596,7 +558,7 @@ fn group_decisions(
 /// what [`Layouts`] says about it.
 struct Target {
     key: String,
-    global: Option<Arc<GlobalLayout>>,
+    global: Option<(ScriptShape, Arc<GlobalLayout>)>,
 }
 
 fn store_call<'a>(check: &'a Check, key: &'a Target, op: Op, member: &'a str) -> StoreCall<'a> {
@@ -606,26 +568,20 @@ fn store_call<'a>(check: &'a Check, key: &'a Target, op: Op, member: &'a str) ->
         key: &key.key,
         op,
         member,
-        global: key.global.as_deref().map(|g| GlobalCall {
+        global: key.global.as_ref().map(|(shape, g)| GlobalCall {
             user_key: &check.key,
             keys: &g.keys,
-            shape: g.shape_for(&check.policy),
+            shape: *shape,
         }),
     }
 }
 
 fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charged>) -> Decision {
-    let policy = &check.policy;
-    let (allowed, outcome) = match (v.allowed, policy.shadow) {
+    let (allowed, outcome) = match (v.allowed, check.policy.shadow) {
         (false, true) => (true, Outcome::Shadow),
         (a, _) => (a, outcome),
     };
     Decision {
-        allowed,
-        policy: policy.name.clone(),
-        key: check.key.clone(),
-        outcome,
-        limit: policy.limit.get(),
         remaining: v.remaining,
         reset_after_ms: ms_ceil(v.reset_after_us),
         retry_after_ms: if v.allowed {
@@ -633,31 +589,38 @@ fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charge
         } else {
             ms_ceil(v.retry_after_us)
         },
-        refunded: false,
-        quota: policy.capacity(),
-        quota_window_secs: policy.quota_window_secs(),
         charged,
-        reservation: None,
+        ..answer(check, allowed, outcome)
     }
 }
 
 /// A decision the store did not make: allowed unenforced (`fail_open`) or denied
 /// (`fail_closed`). `remaining` is 0: nothing is known about the key.
 fn unenforced(check: &Check, open: bool) -> Decision {
+    let outcome = if open {
+        Outcome::FailOpen
+    } else {
+        Outcome::FailClosed
+    };
+    Decision {
+        retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
+        ..answer(check, open, outcome)
+    }
+}
+
+/// What every answer to `check` says of its policy; nothing known of the key, nothing
+/// charged.
+fn answer(check: &Check, allowed: bool, outcome: Outcome) -> Decision {
     let policy = &check.policy;
     Decision {
-        allowed: open,
+        allowed,
         policy: policy.name.clone(),
         key: check.key.clone(),
-        outcome: if open {
-            Outcome::FailOpen
-        } else {
-            Outcome::FailClosed
-        },
+        outcome,
         limit: policy.limit.get(),
         remaining: 0,
         reset_after_ms: 0,
-        retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
+        retry_after_ms: 0,
         refunded: false,
         quota: policy.capacity(),
         quota_window_secs: policy.quota_window_secs(),

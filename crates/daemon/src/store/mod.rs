@@ -17,7 +17,7 @@ pub use redis::hot::Mark as SliceMark;
 
 use std::time::Instant;
 
-use quotad_core::algorithm::{Algorithm, Verdict};
+use quotad_core::algorithm::{Algorithm, Op, Verdict};
 use quotad_core::concurrency::LeaseAnswer;
 use redis::{admission, hot};
 
@@ -43,6 +43,35 @@ impl Permit<'_> {
     }
 }
 
+/// A check's answer from the store.
+#[derive(Debug)]
+pub enum Checked {
+    /// The store's verdict, and where it came from.
+    Decided(Verdict, Source),
+    /// No decision: the store failed (the policy's `on_store_error` answers).
+    Failed(StoreError),
+}
+
+/// Where a check's verdict came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Spent from this instance's slice of a hot key, in memory: no store call.
+    Slice(SliceMark),
+    /// A denial the store gave the key that still holds: no store call.
+    Remembered,
+    /// A store call; for a hot key, the slice its units came from (a refund goes back
+    /// to it).
+    Call(Option<SliceMark>),
+}
+
+/// The units a check asks for (0 for any other operation).
+fn checked_cost(call: &StoreCall<'_>) -> u64 {
+    match call.op {
+        Op::Check { cost } => cost,
+        _ => 0,
+    }
+}
+
 /// The configured backend. An enum rather than a trait object: there are exactly two, and
 /// static dispatch keeps the request path free of boxing.
 pub enum Store {
@@ -63,49 +92,90 @@ impl Store {
         Ok(Permit { _held: held })
     }
 
-    /// A denial of this call remembered from the store and still in force: answering it
-    /// costs no Redis call (see [`deny_cache`]). Never for the embedded store.
-    pub fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
-        match self {
-            Store::Redis(r) => r.cached_denial(call),
-            Store::Memory(_) => None,
-        }
-    }
-
-    /// Spends `cost` from this instance's slice of a hot key when it holds enough (see
-    /// [`hot`]): no Redis call and no permit. Redis only (the embedded store is in memory
-    /// already). With the verdict, the slice a refund gives the units back to.
-    pub fn spend_from_slice(
+    /// Decides one check (`call.op` is a check): from memory when it can (a hot key's
+    /// slice, then a remembered denial: no Redis call and no permit), else under a permit
+    /// taken and given back here. `hot_rate` (the policy's `hot_key_rate`, for a check
+    /// that may take part in hot-key slices) counts the check towards its key's heat.
+    pub async fn check(
         &self,
         call: &StoreCall<'_>,
-        cost: u64,
-    ) -> Option<(Verdict, SliceMark)> {
-        match self {
-            Store::Redis(r) => r
-                .hot()
-                .spend_from(call.key, call.limits, cost, Instant::now()),
-            Store::Memory(_) => None,
+        hot_rate: Option<u64>,
+    ) -> Result<Checked, admission::Shed> {
+        if let Some(known) = self.answer_in_memory(call, hot_rate) {
+            return Ok(known);
         }
+        let permit = self.admit(1).await?;
+        Ok(self.decide(&permit, call, hot_rate).await)
     }
 
-    /// A check of `cost`; one that may take part in hot-key slices (`hot_rate`: its
-    /// policy's `hot_key_rate`) counts towards its key's heat and, the key hot, is decided
-    /// through a slice (see [`hot`]). With the verdict, the slice its units came from.
-    pub async fn decide(
+    /// Decides a batch of checks, each as [`Store::check`] would, concurrently; one
+    /// permit per store call the batch makes. The permit comes back with the answers, for
+    /// the refunds of a denied batch.
+    pub async fn check_each<'s>(
+        &'s self,
+        calls: &[(StoreCall<'_>, Option<u64>)],
+    ) -> Result<(Vec<Checked>, Permit<'s>), admission::Shed> {
+        let known: Vec<Option<Checked>> = calls
+            .iter()
+            .map(|(call, hot_rate)| self.answer_in_memory(call, *hot_rate))
+            .collect();
+        let asked = known.iter().filter(|k| k.is_none()).count();
+        let permit = self.admit(asked).await?;
+        let held = &permit;
+        let answers = futures_util::future::join_all(calls.iter().zip(known).map(
+            |((call, hot_rate), known)| async move {
+                match known {
+                    Some(answer) => answer,
+                    None => self.decide(held, call, *hot_rate).await,
+                }
+            },
+        ))
+        .await;
+        Ok((answers, permit))
+    }
+
+    /// An answer without a Redis call or a permit (Redis only; the embedded store is in
+    /// memory already). The slice first: units this instance holds were taken for it in
+    /// Redis and are its to spend whatever it was denied since (a hot key's usual case:
+    /// one lookup); then a denial the store gave this key that still holds (see
+    /// [`redis::deny_cache`]).
+    fn answer_in_memory(&self, call: &StoreCall<'_>, hot_rate: Option<u64>) -> Option<Checked> {
+        let Store::Redis(r) = self else {
+            return None;
+        };
+        let cost = checked_cost(call);
+        if hot_rate.is_some()
+            && let Some((v, mark)) = r
+                .hot()
+                .spend_from(call.key, call.limits, cost, Instant::now())
+        {
+            return Some(Checked::Decided(v, Source::Slice(mark)));
+        }
+        r.cached_denial(call)
+            .map(|v| Checked::Decided(v, Source::Remembered))
+    }
+
+    /// A store call for a check; one that may take part in hot-key slices (`hot_rate`)
+    /// counts towards its key's heat and, the key hot, is decided through a slice (see
+    /// [`hot`]).
+    async fn decide(
         &self,
         permit: &Permit<'_>,
         call: &StoreCall<'_>,
-        cost: u64,
         hot_rate: Option<u64>,
-    ) -> Result<(Verdict, Option<SliceMark>), StoreError> {
+    ) -> Checked {
         let hot = match (self, hot_rate) {
             (Store::Redis(r), Some(rate)) => r.heat(call.key, rate),
             _ => false,
         };
-        if hot {
-            self.apply_hot(permit, call, cost).await
+        let answer = if hot {
+            self.apply_hot(permit, call, checked_cost(call)).await
         } else {
             self.apply(permit, call).await.map(|v| (v, None))
+        };
+        match answer {
+            Ok((v, slice)) => Checked::Decided(v, Source::Call(slice)),
+            Err(e) => Checked::Failed(e),
         }
     }
 
