@@ -157,7 +157,7 @@ fn bench_frame() -> (String, String) {
     let at_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
-    quotad_daemon::store::redis::scripts::frame_args(&Limits {
+    quotad_daemon::testing::redis::frame_args(&Limits {
         limit: 100,
         window_us: 60_000_000,
         burst: 100,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use quotad_daemon::config::Settings;
+use quotad_daemon::Settings;
 use quotad_testkit::load::{Answer, Load, ManyKeys, admitted_between, max_admitted_in_window};
 use quotad_testkit::proxy::{Leg, LegHandle, Proxy};
 use quotad_testkit::{Config, Global, Peer, Policy, Quotad, RedisServer, redis_available};

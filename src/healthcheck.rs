@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use quotad_daemon::server::listener::Endpoint;
+use quotad_daemon::Endpoint;
 
 /// Connect, send and read each within this; a daemon slower than that is not healthy.
 const TIMEOUT: Duration = Duration::from_secs(2);

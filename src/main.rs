@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use quotad_core::algorithm::Algorithm;
-use quotad_daemon::config::{LogFormat, Settings};
+use quotad_daemon::{LogFormat, Settings};
 
 /// Every request allocates a little (JSON, keys, headers): glibc's malloc was ~15% of the
 /// daemon's CPU under load in perf; mimalloc's thread-local free lists cost a fraction.
@@ -233,7 +233,7 @@ fn main() -> ExitCode {
                 println!(
                     "{}: ok ({})",
                     path.display(),
-                    policies_found(s.policies.len() + s.concurrency.len())
+                    policies_found(s.policy_count())
                 );
                 ExitCode::SUCCESS
             }
@@ -243,7 +243,7 @@ fn main() -> ExitCode {
             }
         },
         Command::Healthcheck { config } => match Settings::load(&config) {
-            Ok(s) => match healthcheck::probe(&s.server.listen) {
+            Ok(s) => match healthcheck::probe(s.listen()) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("unhealthy: {e}");
@@ -264,10 +264,7 @@ fn main() -> ExitCode {
             duration,
         } => demo(usize::from(regions), embedded, keys as usize, duration),
         Command::Script { algorithm } => {
-            print!(
-                "{}",
-                quotad_daemon::store::redis::scripts::source(algorithm)
-            );
+            print!("{}", quotad_daemon::script_source(algorithm));
             ExitCode::SUCCESS
         }
         Command::Serve { config } => {
@@ -283,7 +280,7 @@ fn main() -> ExitCode {
                     }
                 },
             };
-            init_tracing_at("info", settings.log.format);
+            init_tracing_at("info", settings.log_format());
             serve(settings)
         }
     }
@@ -352,9 +349,9 @@ fn init_tracing_at(default: &str, format: LogFormat) {
 }
 
 fn serve(settings: Settings) -> ExitCode {
-    let _ = quotad_daemon::metrics::REVISION.set(env!("QUOTAD_REVISION"));
+    let _ = quotad_daemon::REVISION.set(env!("QUOTAD_REVISION"));
     until_signal(|shutdown| async move {
-        quotad_daemon::app::run(settings, shutdown)
+        quotad_daemon::run(settings, shutdown)
             .await
             .map_err(|e| tracing::error!("{e}"))
     })

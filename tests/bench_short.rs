@@ -136,7 +136,7 @@ fn a_check_through_quotad_beside_evalsha_and_a_hot_key_beside_both() {
 #[test]
 fn the_benchmarks_call_the_scripts_as_quotad_does() {
     use quotad_core::algorithm::{Algorithm, Limits, Since};
-    use quotad_daemon::store::redis::scripts;
+    use quotad_daemon::testing::redis as scripts;
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let read = |f: &str| std::fs::read_to_string(root.join(f)).unwrap();
     let redis = RedisServer::start();
@@ -185,7 +185,7 @@ fn the_benchmarks_call_the_scripts_as_quotad_does() {
         assert_eq!(quotads.as_ref(), Some(since), "{file}: {words:?}");
     }
     // The generator takes them from `frame_args`; the memory figures spell them as above.
-    assert!(read("examples/fixed_rate.rs").contains("scripts::frame_args"));
+    assert!(read("examples/fixed_rate.rs").contains("testing::redis::frame_args"));
     let memory = read("bench/memory.sh");
     assert!(
         memory.contains("SINCE=\"b1n$(date +%s%3N)\"")

@@ -8,7 +8,7 @@
 //! daemons: what they admit together stays inside the bucket's envelope.
 
 use quotad_core::algorithm::Algorithm;
-use quotad_daemon::store::redis::scripts;
+use quotad_daemon::testing::redis as scripts;
 use quotad_testkit::{Config, Policy, Quotad, RedisServer, wait_for};
 use std::time::Duration;
 

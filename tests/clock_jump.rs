@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::federation::{TWO_REGIONS as REGIONS, TwoRegions};
 use common::{Config, Global, Peer, Policy, RedisServer, wait_for};
-use quotad_daemon::federation::auth::wall_ms;
-use quotad_daemon::layout::Layout;
+use quotad_daemon::testing::Layout;
+use quotad_daemon::testing::federation::wall_ms;
 use serde_json::Value;
 
 const SECRET: &str = "clock-jump-test-secret-0123456789";

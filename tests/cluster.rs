@@ -135,7 +135,7 @@ fn ten_thousand_keys_spread_over_every_master_each_with_a_ttl() {
 /// Nothing of the janitor's in SLOWLOG (its connections are named, as tests/janitor.rs
 /// checks on one server).
 fn assert_no_janitor_command_in_slowlog(node: &RedisServer) {
-    let slow = node.slowlog_of(quotad_daemon::store::redis::janitor::CLIENT_NAME);
+    let slow = node.slowlog_of(quotad_daemon::testing::redis::CLIENT_NAME);
     assert!(
         slow.is_empty(),
         "the janitor in SLOWLOG of {}: {slow:?}",

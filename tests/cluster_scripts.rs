@@ -17,15 +17,15 @@ use quotad_core::algorithm::{Algorithm, Op};
 use quotad_core::clock::Clock;
 use quotad_core::coordinator::lease::LeaseBook;
 use quotad_core::coordinator::node::LeaseStore;
-use quotad_daemon::config::Settings;
-use quotad_daemon::federation::incarnation;
-use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore, global_policies};
-use quotad_daemon::federation::lock::Lock;
-use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::layout::slot;
-use quotad_daemon::layout::{PolicyLayout, ReservationId};
-use quotad_daemon::store::redis::connect::{Target, Topology};
-use quotad_daemon::store::redis::{global, scripts};
+use quotad_daemon::Settings;
+use quotad_daemon::testing::federation as incarnation;
+use quotad_daemon::testing::federation::Coordinated;
+use quotad_daemon::testing::federation::Lock;
+use quotad_daemon::testing::federation::{RedisClock, RedisLeaseStore, global_policies};
+use quotad_daemon::testing::redis::{self as scripts, self as global};
+use quotad_daemon::testing::redis::{Target, Topology};
+use quotad_daemon::testing::slot;
+use quotad_daemon::testing::{PolicyLayout, ReservationId};
 
 const ALGORITHMS: [&str; 5] = [
     "fixed_window",
@@ -57,14 +57,15 @@ fn cluster_target(cluster: &RedisCluster) -> Target {
 fn every_script_runs_in_one_slot_on_a_cluster() {
     let cluster = RedisCluster::start();
     let settings = settings();
-    let layouts = quotad_daemon::app::layouts(&settings);
+    let layouts = quotad_daemon::testing::layouts(&settings);
+    let policies = quotad_daemon::testing::policies(&settings);
     let target = cluster_target(&cluster);
     let mut conn = target.connect_sync(Duration::from_secs(2)).unwrap();
 
     // Each algorithm on a plain key and on a key of a group, then the group's composite.
     let mut grouped = Vec::new();
     for a in ALGORITHMS {
-        let policy = settings.policies.iter().find(|p| p.name == a).unwrap();
+        let policy = policies.iter().find(|p| p.name == a).unwrap();
         let layout = layouts.by_name(a).unwrap();
         let limits = policy.limits();
         for key in [
@@ -92,7 +93,7 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
     let slice = redis::Script::new(scripts::SLICE);
     let bucket_slice = redis::Script::new(scripts::BUCKET_SLICE);
     for a in ["fixed_window", "token_bucket", "gcra"] {
-        let policy = settings.policies.iter().find(|p| p.name == a).unwrap();
+        let policy = policies.iter().find(|p| p.name == a).unwrap();
         let key = layouts.by_name(a).unwrap().storage_key("carol");
         let l = policy.limits();
         let back: i64 = if a == "fixed_window" {
@@ -159,7 +160,7 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
     // A reservation beside its key, and its settlement: two keys, one slot.
     let settle = redis::Script::new(scripts::SETTLE);
     for a in ["fixed_window", "token_bucket", "gcra"] {
-        let policy = settings.policies.iter().find(|p| p.name == a).unwrap();
+        let policy = policies.iter().find(|p| p.name == a).unwrap();
         let key = layouts.by_name(a).unwrap().storage_key("dave");
         let id = ReservationId::random();
         let reservation = PolicyLayout::reservation_key(&key, &id);
@@ -233,7 +234,6 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
     assert_eq!(Algorithm::ALL.len(), grouped.len());
 
     // The coordinator's store, as a coordinator uses it.
-    let policies: Vec<Arc<_>> = settings.policies.iter().cloned().map(Arc::new).collect();
     let entries = global_policies(&policies, &layouts);
     let g = entries["g"].global.clone();
     let fences: Vec<&str> = entries
@@ -251,7 +251,7 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
         .unwrap()
         .expect("the lock")
         .token;
-    let global_settings = settings.global.clone().expect("a global policy");
+    let global_settings = quotad_daemon::testing::global(&settings).expect("a global policy");
     let clock = RedisClock::new();
     let mut store = RedisLeaseStore::new(
         conn,

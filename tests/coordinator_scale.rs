@@ -21,13 +21,13 @@ use quotad_core::clock::Clock;
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::lease::{LeaseBook, Reservation};
 use quotad_core::coordinator::node::LeaseStore;
-use quotad_daemon::config::Settings;
-use quotad_daemon::federation::incarnation;
-use quotad_daemon::federation::lease_store::global_policies;
-use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
-use quotad_daemon::federation::lock::Lock;
-use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::layout::Layout;
+use quotad_daemon::Settings;
+use quotad_daemon::testing::Layout;
+use quotad_daemon::testing::federation as incarnation;
+use quotad_daemon::testing::federation::Coordinated;
+use quotad_daemon::testing::federation::Lock;
+use quotad_daemon::testing::federation::global_policies;
+use quotad_daemon::testing::federation::{RedisClock, RedisLeaseStore};
 
 /// Regions sorted: eu = 0 (the daemon), us = 1 (a peer that never answers).
 fn config(redis: &RedisServer) -> String {
@@ -41,9 +41,9 @@ fn config(redis: &RedisServer) -> String {
 /// coordinator did; then that coordinator dies (its lock is gone).
 fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
     let settings = Settings::parse("scale.toml", &config(redis)).unwrap();
-    let global = settings.global.clone().expect("a global policy");
-    let layouts = quotad_daemon::app::layouts(&settings);
-    let policies: Vec<Arc<_>> = settings.policies.into_iter().map(Arc::new).collect();
+    let global = quotad_daemon::testing::global(&settings).expect("a global policy");
+    let layouts = quotad_daemon::testing::layouts(&settings);
+    let policies = quotad_daemon::testing::policies(&settings);
     let lock = Arc::new(Lock::new(
         &Layout::new("rl"),
         "previous".into(),
@@ -63,7 +63,7 @@ fn previous_coordinator_wrote(redis: &RedisServer, n: usize) {
         .token;
     let clock = RedisClock::new();
     let mut store = RedisLeaseStore::new(
-        quotad_daemon::store::redis::connect::SyncConn::Single(conn),
+        quotad_daemon::testing::redis::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,

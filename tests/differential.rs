@@ -16,8 +16,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::RedisServer;
 use quotad_core::algorithm::{self, Algorithm, Limits, Op, Since, State, Verdict, Write};
-use quotad_daemon::layout::ttl_ms;
-use quotad_daemon::store::redis::scripts;
+use quotad_daemon::testing::redis as scripts;
+use quotad_daemon::testing::ttl_ms;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -14,22 +14,22 @@ use quotad_core::clock::Clock;
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
 use quotad_core::coordinator::node::LeaseStore;
-use quotad_daemon::config::Settings;
-use quotad_daemon::federation::incarnation;
-use quotad_daemon::federation::lease_store::global_policies;
-use quotad_daemon::federation::lease_store::{RedisClock, RedisLeaseStore};
-use quotad_daemon::federation::lock::Lock;
-use quotad_daemon::federation::runtime::Coordinated;
-use quotad_daemon::layout::Layout;
+use quotad_daemon::Settings;
+use quotad_daemon::testing::Layout;
+use quotad_daemon::testing::federation as incarnation;
+use quotad_daemon::testing::federation::Coordinated;
+use quotad_daemon::testing::federation::Lock;
+use quotad_daemon::testing::federation::global_policies;
+use quotad_daemon::testing::federation::{RedisClock, RedisLeaseStore};
 
 fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
     let config = eu_with_silent_us(&redis.url(), "0123456789abcdef")
         .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()))
         .to_toml();
     let settings = Settings::parse("failover.toml", &config).unwrap();
-    let global = settings.global.clone().expect("a global policy");
-    let layouts = quotad_daemon::app::layouts(&settings);
-    let policies: Vec<Arc<_>> = settings.policies.into_iter().map(Arc::new).collect();
+    let global = quotad_daemon::testing::global(&settings).expect("a global policy");
+    let layouts = quotad_daemon::testing::layouts(&settings);
+    let policies = quotad_daemon::testing::policies(&settings);
     let lock = Arc::new(Lock::new(
         &Layout::new("rl"),
         format!("test-{}", rand::random::<u32>()),
@@ -54,7 +54,7 @@ fn store(redis: &RedisServer) -> (RedisLeaseStore, RedisClock) {
         .token;
     let clock = RedisClock::new();
     let s = RedisLeaseStore::new(
-        quotad_daemon::store::redis::connect::SyncConn::Single(conn),
+        quotad_daemon::testing::redis::SyncConn::Single(conn),
         clock.clone(),
         lock,
         token,

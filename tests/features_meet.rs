@@ -287,7 +287,7 @@ fn a_window_slice_given_back_after_a_reset_returns_nothing() {
     let window_us: i64 = 3_600_000_000;
     let eval = |args: &[String]| -> redis::Value {
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(quotad_daemon::store::redis::scripts::SLICE)
+        cmd.arg(quotad_daemon::testing::redis::SLICE)
             .arg(1)
             .arg("w");
         for a in args {
@@ -369,7 +369,7 @@ impl Drop for StopOnDrop<'_> {
 #[test]
 fn a_hot_keys_window_slice_counts_the_debt_carried_into_its_window() {
     use quotad_core::algorithm::Algorithm;
-    use quotad_daemon::store::redis::scripts;
+    use quotad_daemon::testing::redis as scripts;
     let redis = RedisServer::start();
     let mut conn = redis.conn();
     let window_us: i64 = 3_600_000_000;
@@ -437,7 +437,7 @@ fn bucket_tokens(
     key: &str,
 ) -> u64 {
     let r: Vec<i64> = redis::cmd("EVAL")
-        .arg(quotad_daemon::store::redis::scripts::source(algorithm))
+        .arg(quotad_daemon::script_source(algorithm))
         .arg(1)
         .arg(format!("rl:hot:{}:{{{key}}}", algorithm.key_tag()))
         .arg("check")

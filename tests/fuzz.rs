@@ -20,7 +20,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::message::{Exchange, KeyReport, PolicyReport};
-use quotad_daemon::federation::auth;
+use quotad_daemon::testing::federation as auth;
 use serde_json::{Value, json};
 
 const SECRET: &str = "fuzz-test-secret-0123456789abcdef";

@@ -14,10 +14,10 @@ use quotad_core::algorithm::{Op, Verdict};
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
-use quotad_daemon::federation::books::{self, SLOT_FIELDS};
-use quotad_daemon::layout::{PolicyKeys, ScriptShape};
-use quotad_daemon::store::redis::global;
-use quotad_daemon::store::redis::scripts::Global;
+use quotad_daemon::testing::federation::{self as books, SLOT_FIELDS};
+use quotad_daemon::testing::redis as global;
+use quotad_daemon::testing::redis::Global;
+use quotad_daemon::testing::{PolicyKeys, ScriptShape};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -141,7 +141,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 let inv =
                     global::check_invocation(&s.check, &key, user, &keys, &args, op, Some(now));
                 let reply: Vec<i64> = inv.invoke(conn).unwrap();
-                let got = quotad_daemon::store::redis::wire::parse_verdict(&reply).unwrap();
+                let got = quotad_daemon::testing::redis::parse_verdict(&reply).unwrap();
                 let want: Verdict = slot.decide(&d, &shape, now, op);
                 assert_eq!(
                     got,

@@ -4,10 +4,8 @@
 
 use std::time::Duration;
 
-use quotad_daemon::config::Settings;
-use quotad_daemon::store::redis::janitor::{
-    CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep,
-};
+use quotad_daemon::Settings;
+use quotad_daemon::testing::redis::{CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep};
 use quotad_testkit::{Config, Policy, Quotad, RedisServer, wait_for};
 
 /// Nothing of the janitor's in SLOWLOG (its connection is named), and the `keys` it
@@ -31,7 +29,7 @@ fn sweep_once(
     pause: Duration,
 ) -> redis::RedisResult<SweepReport> {
     let settings = Settings::parse("janitor.toml", config).unwrap_or_else(|e| panic!("{e}"));
-    let layouts = quotad_daemon::app::layouts(&settings);
+    let layouts = quotad_daemon::testing::layouts(&settings);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

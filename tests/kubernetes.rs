@@ -323,7 +323,7 @@ fn every_overlay_renders_and_its_parts_fit_together() {
             "{overlay}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let settings = quotad_daemon::config::Settings::load(&path).expect("valid");
+        let settings = quotad_daemon::Settings::load(&path).expect("valid");
         let container_port = |name: &str| {
             pod["containers"][0]["ports"]
                 .as_array()
@@ -332,25 +332,23 @@ fn every_overlay_renders_and_its_parts_fit_together() {
                 .find(|p| p["name"] == name)
                 .and_then(|p| p["containerPort"].as_u64())
         };
-        let port_of = |e: &quotad_daemon::server::Endpoint| match e {
-            quotad_daemon::server::Endpoint::Tcp(a) if a.ip().is_unspecified() => {
-                Some(u64::from(a.port()))
-            }
+        let port_of = |e: &quotad_daemon::Endpoint| match e {
+            quotad_daemon::Endpoint::Tcp(a) if a.ip().is_unspecified() => Some(u64::from(a.port())),
             _ => None,
         };
-        if port_of(&settings.server.listen) != container_port("http") {
+        if port_of(settings.listen()) != container_port("http") {
             failures.push(format!(
                 "{overlay}: listen {} is not 0.0.0.0 on the http port",
-                settings.server.listen
+                settings.listen()
             ));
         }
-        if settings.server.grpc_listen.as_ref().and_then(port_of) != container_port("grpc") {
+        if settings.grpc_listen().and_then(port_of) != container_port("grpc") {
             failures.push(format!(
                 "{overlay}: grpc_listen is not 0.0.0.0 on the grpc port"
             ));
         }
         let grace = Duration::from_secs(pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(0));
-        let drain = settings.server.shutdown_delay + settings.server.drain_timeout;
+        let drain = settings.longest_stop();
         if grace <= drain {
             failures.push(format!(
                 "{overlay}: grace {grace:?} does not exceed the drain {drain:?}"

@@ -15,7 +15,7 @@ use common::federation::{eu_with_silent_us, even_escrow};
 use common::{Policy, Quotad, RedisServer, wait_for};
 use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::message::{Exchange, ExchangeReply, KeyReport, PolicyReport};
-use quotad_daemon::federation::auth::{self, HEADER_SIGNATURE, Signed};
+use quotad_daemon::testing::federation::{self as auth, HEADER_SIGNATURE, Signed};
 use serde_json::Value;
 
 const SECRET: &[u8] = b"peer-auth-test-secret-0123456789";

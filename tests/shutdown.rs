@@ -126,18 +126,13 @@ fn zero_setup_mode_answers_with_the_builtin_policy() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let settings = quotad_daemon::config::Settings::builtin();
-        assert_eq!(settings.server.listen.to_string(), "127.0.0.1:8686");
+        let settings = quotad_daemon::Settings::builtin();
+        assert_eq!(settings.listen().to_string(), "127.0.0.1:8686");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = tokio_util::sync::CancellationToken::new();
-        let mut settings = settings;
-        settings.server.shutdown_delay = Duration::ZERO;
-        let server = tokio::spawn(quotad_daemon::app::serve(
-            settings,
-            listener,
-            shutdown.clone(),
-        ));
+        let settings = settings.without_shutdown_delay();
+        let server = tokio::spawn(quotad_daemon::serve(settings, listener, shutdown.clone()));
         let client = reqwest::Client::new();
         let url = format!("http://{addr}/v1/check");
         let mut remaining = Vec::new();

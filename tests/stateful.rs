@@ -34,7 +34,7 @@ use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 use quotad_core::algorithm::{self, Algorithm, Limits, Since, State, Write};
 use quotad_core::coordinator::Params;
 use quotad_core::coordinator::bucket::Shape;
-use quotad_daemon::federation::books::{SLOT_FIELDS, decode_default, decode_slot};
+use quotad_daemon::testing::federation::{SLOT_FIELDS, decode_default, decode_slot};
 use serde_json::{Value, json};
 
 // ------------------------------------------------------------------ two instances

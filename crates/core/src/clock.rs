@@ -7,6 +7,8 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// A source of the time, in µs since the Unix epoch: the store's clock in production, a
+/// manual one in tests.
 pub trait Clock: Send + Sync + 'static {
     /// Microseconds since the Unix epoch (the same unit the Lua scripts use).
     fn now_us(&self) -> i64;
@@ -30,12 +32,15 @@ impl Clock for SystemClock {
 pub struct ManualClock(AtomicI64);
 
 impl ManualClock {
+    /// A clock stopped at `now_us`.
     pub fn new(now_us: i64) -> Self {
         ManualClock(AtomicI64::new(now_us))
     }
+    /// Moves the clock to `now_us` (backwards too: a clock step).
     pub fn set(&self, now_us: i64) {
         self.0.store(now_us, Ordering::SeqCst);
     }
+    /// Moves the clock forward by `us`.
     pub fn advance(&self, us: i64) {
         self.0.fetch_add(us, Ordering::SeqCst);
     }

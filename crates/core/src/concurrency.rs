@@ -20,6 +20,7 @@
 /// The units held under one key: `(expiry_us, entry)`, sorted by expiry, then by name.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Leases {
+    /// `(expiry_us, lease id)` per held lease, sorted by expiry, then by id.
     pub entries: Vec<(i64, String)>,
     /// The leases a reset ([`LeaseOp::Clear`]) gave back before their end, by id, with
     /// the end they had: until then, a release or an extend of one is told so. Kept
@@ -32,17 +33,28 @@ pub struct Leases {
 pub enum LeaseOp<'a> {
     /// Hold `units` more under lease `id` until now + `hold_us`, if they fit under the limit.
     Acquire {
+        /// The lease's id.
         id: &'a str,
+        /// Units it holds.
         units: u64,
+        /// How long it holds them, µs.
         hold_us: i64,
     },
     /// Give lease `id` (of `units`) back; a lease of another unit count is not the key's.
-    Release { id: &'a str, units: u64 },
+    Release {
+        /// The lease's id.
+        id: &'a str,
+        /// Units it holds.
+        units: u64,
+    },
     /// Move the expiry of a live lease `id` (of `units`; as for a release) to now +
     /// `hold_us`.
     Extend {
+        /// The lease's id.
         id: &'a str,
+        /// Units it holds.
         units: u64,
+        /// How long from now it holds them, µs.
         hold_us: i64,
     },
     /// Only read: what is held now.
@@ -76,20 +88,26 @@ pub struct LeaseAnswer {
 /// What to do with the stored state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseWrite {
+    /// Leave the stored state (and its TTL) as it was.
     Keep,
     /// Store these entries; the key may be dropped after `ttl_us` (the latest expiry, of
     /// a held unit or of an ended lease).
     Put {
+        /// The leases to store.
         leases: Leases,
+        /// When the key may be dropped, µs from now.
         ttl_us: i64,
     },
     /// Nothing is held: remove the key.
     Delete,
 }
 
+/// What one lease operation answered, and what to store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseOutcome {
+    /// The answer.
     pub answer: LeaseAnswer,
+    /// What to do with the stored state.
     pub write: LeaseWrite,
 }
 

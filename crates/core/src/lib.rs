@@ -16,6 +16,7 @@
 //! Redis client. The daemon (`quotad-daemon`) and the simulator (`quotad-sim`) drive it.
 
 #![warn(unreachable_pub)]
+#![warn(missing_docs)]
 
 pub mod algorithm;
 pub mod clock;

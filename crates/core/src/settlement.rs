@@ -23,9 +23,17 @@ use crate::algorithm::{self, Algorithm, Limits, Op, Outcome, State, Verdict, Wri
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reservation {
     /// Admitted at `estimate` at store time `opened_us`, not settled yet.
-    Open { estimate: u64, opened_us: i64 },
+    Open {
+        /// Units admitted.
+        estimate: u64,
+        /// Store time it was opened, µs.
+        opened_us: i64,
+    },
     /// Settled at `cost`.
-    Settled { cost: u64 },
+    Settled {
+        /// The real cost.
+        cost: u64,
+    },
     /// Ended by a reset of its key before it was settled.
     Ended,
 }
@@ -34,7 +42,12 @@ pub enum Reservation {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
     /// Settled now: `charged` above the estimate, or `refunded` below it.
-    Now { charged: u64, refunded: u64 },
+    Now {
+        /// Units charged above the estimate.
+        charged: u64,
+        /// Units given back below it.
+        refunded: u64,
+    },
     /// Settled before: nothing charged again.
     Already,
     /// No such reservation (never made, denied, or kept no longer): nothing charged.
@@ -44,11 +57,14 @@ pub enum Settled {
     Ended,
 }
 
+/// What a settlement did, the key after it, and what to store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SettleOutcome {
+    /// What the settlement did.
     pub settled: Settled,
     /// The key after the settlement (as a peek reports it when nothing was charged).
     pub verdict: Verdict,
+    /// What to do with the key's stored state.
     pub write: Write,
     /// The reservation to store (`None`: leave it as it is).
     pub reservation: Option<Reservation>,

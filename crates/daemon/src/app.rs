@@ -28,17 +28,24 @@ use crate::store::redis::janitor;
 use crate::store::{Store, StoreError};
 use quotad_core::clock::SystemClock;
 
+/// Why the daemon could not start or stopped serving.
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
+    /// A listener's address could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        /// The address.
         addr: Endpoint,
+        /// Why.
         source: std::io::Error,
     },
+    /// The store's Redis URL is not one the client can use.
     #[error("invalid Redis URL: {0}")]
     RedisUrl(redis::RedisError),
+    /// The HTTP server failed.
     #[error("server failed: {0}")]
     Serve(std::io::Error),
+    /// The gRPC server failed.
     #[error("gRPC server failed: {0}")]
     Grpc(tonic::transport::Error),
 }
@@ -65,7 +72,7 @@ pub fn layouts(settings: &Settings) -> Layouts {
 /// add, remove nor reshape one, and the escrow of a re-split reaches the scripts through
 /// [`GlobalLayout::shape_for`](crate::layout::GlobalLayout::shape_for), never
 /// through a new layout.
-pub fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layouts {
+pub(crate) fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layouts {
     let region = settings.global.as_ref().map(|g| RegionPlace {
         me: g.me,
         step_tolerance_us: g.params.step_tolerance_us(),
@@ -117,7 +124,7 @@ pub async fn serve(
 
 /// Serves HTTP on `listener` and, when given, the Envoy rate-limit service on `grpc`; both
 /// drain together.
-pub async fn serve_both(
+pub(crate) async fn serve_both(
     mut settings: Settings,
     listener: Listener,
     grpc: Option<Listener>,

@@ -44,7 +44,7 @@ use crate::policy::{ConcurrencyPolicy, Policy};
 use quotad_core::coordinator::{RegionId, escrow_share};
 
 /// Grace added to every key's TTL, in ms (why: `ttl_ms` in lua/helpers.lua).
-pub const TTL_GRACE_MS: i64 = 1000;
+pub(crate) const TTL_GRACE_MS: i64 = 1000;
 
 /// The TTL the Lua scripts set for a state that is equivalent to absent after `us`:
 /// whole milliseconds rounded up, plus [`TTL_GRACE_MS`] (see `ttl_ms` in lua/helpers.lua).
@@ -67,11 +67,11 @@ pub fn slot(key: &str) -> u16 {
 /// How long a token bucket's or GCRA key's hot-key slice lives (Redis's clock): its units
 /// count against the bucket's capacity until it is given back or ends, and the key lives
 /// at least as long (store::redis::hot).
-pub const BUCKET_SLICE_LIFE: Duration = Duration::from_secs(1);
+pub(crate) const BUCKET_SLICE_LIFE: Duration = Duration::from_secs(1);
 
 /// How long every key of a global policy lives after its last touch, in ms: longer than
 /// any lease, so a book outlives what it records.
-pub const GLOBAL_KEEP_MS: i64 = 3_600_000;
+pub(crate) const GLOBAL_KEEP_MS: i64 = 3_600_000;
 
 /// The tag of a concurrency limit's keys.
 const CONCURRENCY_TAG: &str = "cc";
@@ -89,7 +89,7 @@ const COORDINATOR: &str = "coordinator";
 
 /// Whose a key is, by its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KeyOwner<'k> {
+pub(crate) enum KeyOwner<'k> {
     /// A policy's, by name (configured or not).
     Policy(&'k str),
     /// The coordinator's lock, fencing counter or replication ID.
@@ -113,7 +113,7 @@ impl Layout {
     }
 
     /// The prefix every key of this layout starts with (then `:`).
-    pub fn prefix(&self) -> &str {
+    pub(crate) fn prefix(&self) -> &str {
         &self.prefix
     }
 
@@ -129,7 +129,7 @@ impl Layout {
 
     /// Where `policy`'s keys live; for a global policy, also its per-policy keys and the
     /// scripts' numbers for the region `region` describes.
-    pub fn policy(&self, policy: &Policy, region: Option<&RegionPlace>) -> PolicyLayout {
+    pub(crate) fn policy(&self, policy: &Policy, region: Option<&RegionPlace>) -> PolicyLayout {
         let stem = self.stem(policy);
         let global = policy.global_policy().map(|g| {
             Arc::new(GlobalLayout {
@@ -182,7 +182,7 @@ impl Layout {
 
     /// Where a concurrency limit's keys live: `<prefix>:<policy>:cc:{<user key>}`, each a
     /// sorted set of the units held, living until its latest lease ends.
-    pub fn concurrency(&self, policy: &ConcurrencyPolicy) -> PolicyLayout {
+    pub(crate) fn concurrency(&self, policy: &ConcurrencyPolicy) -> PolicyLayout {
         let lease_ms = policy.lease.as_millis() as i64;
         PolicyLayout {
             stem: format!("{}:{}:{CONCURRENCY_TAG}:", self.prefix, policy.name),
@@ -193,7 +193,7 @@ impl Layout {
     }
 
     /// What a key of this layout is, from its name: the inverse of the stems above.
-    pub fn owner_of<'k>(&self, key: &'k str) -> KeyOwner<'k> {
+    pub(crate) fn owner_of<'k>(&self, key: &'k str) -> KeyOwner<'k> {
         let Some(rest) = key
             .strip_prefix(self.prefix.as_str())
             .and_then(|r| r.strip_prefix(':'))
@@ -231,23 +231,23 @@ impl Layout {
 
     /// Which instance sweeps for lost TTLs this interval (value: its id; expires with the
     /// interval). Under the coordinator's name, so the janitor leaves it alone.
-    pub fn janitor_key(&self) -> String {
+    pub(crate) fn janitor_key(&self) -> String {
         format!("{}:{COORDINATOR}:janitor", self.prefix)
     }
 
     /// The deny cache's invalidation channel.
-    pub fn invalidate_channel(&self) -> String {
+    pub(crate) fn invalidate_channel(&self) -> String {
         format!("{}:invalidate", self.prefix)
     }
 }
 
 /// This region among its peers, as far as the global scripts need it.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RegionPlace {
-    pub me: RegionId,
+pub(crate) struct RegionPlace {
+    pub(crate) me: RegionId,
     /// `Params::step_tolerance_us`: the clock step the scripts tolerate before they
     /// distrust the bucket's timestamps.
-    pub step_tolerance_us: i64,
+    pub(crate) step_tolerance_us: i64,
 }
 
 /// Where one policy's state lives.
@@ -259,10 +259,10 @@ pub struct PolicyLayout {
     /// must never meet in one key).
     tag: &'static str,
     /// Set exactly for global policies (shared: every check of the policy carries it).
-    pub global: Option<Arc<GlobalLayout>>,
+    pub(crate) global: Option<Arc<GlobalLayout>>,
     /// The TTL a key of this policy found without one may be given without changing any
     /// decision: the longest any write sets, plus the stores' grace.
-    pub repair_ttl_ms: i64,
+    pub(crate) repair_ttl_ms: i64,
 }
 
 /// A global policy's per-policy keys and script numbers.
@@ -272,7 +272,7 @@ pub struct GlobalLayout {
     /// The numbers of the policy as loaded at start-up; see [`GlobalLayout::shape_for`].
     pub shape: ScriptShape,
     /// This region's index (None where no region is known: layouts for tools and tests).
-    pub region: Option<usize>,
+    pub(crate) region: Option<usize>,
 }
 
 impl GlobalLayout {
@@ -281,7 +281,7 @@ impl GlobalLayout {
     /// and the fallback escrow, used only until the coordinator first writes a default,
     /// is then the lower of the start-up and the new one: decrease first, as the
     /// coordinator does.
-    pub fn shape_for(&self, policy: &Policy) -> ScriptShape {
+    pub(crate) fn shape_for(&self, policy: &Policy) -> ScriptShape {
         let now = match (&policy.global, self.region) {
             (Some(g), Some(i)) => escrow_share(policy.rate_per_second(), &g.weights, i),
             _ => self.shape.fallback_escrow,
@@ -323,7 +323,7 @@ impl PolicyLayout {
     }
 
     /// What every [`PolicyLayout::reservation_key`] of `storage_key` starts with.
-    pub fn reservation_key_prefix(storage_key: &str) -> String {
+    pub(crate) fn reservation_key_prefix(storage_key: &str) -> String {
         format!("{storage_key}:r:")
     }
 
@@ -355,7 +355,7 @@ impl PolicyLayout {
 pub struct ReservationId(String);
 
 impl ReservationId {
-    pub const LEN: usize = 32;
+    pub(crate) const LEN: usize = 32;
 
     /// A new random id.
     pub fn random() -> Self {
@@ -363,12 +363,12 @@ impl ReservationId {
     }
 
     /// A client's text, if it is an id's shape.
-    pub fn parse(text: &str) -> Option<Self> {
+    pub(crate) fn parse(text: &str) -> Option<Self> {
         (text.len() == Self::LEN && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
             .then(|| ReservationId(text.to_owned()))
     }
 
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.0
     }
 }
@@ -391,8 +391,11 @@ fn push_tagged(out: &mut String, s: &str) {
 /// The per-policy keys of a global policy, all in the slot of its keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyKeys {
+    /// The policy's meta hash: the default escrow the coordinator wrote.
     pub meta: String,
+    /// The policy's active set: keys spent in recently, by time.
     pub active: String,
+    /// The policy's set of keys that have a lease book.
     pub books: String,
     /// The fencing token every coordinator write to this policy checks.
     pub fence: String,
@@ -403,8 +406,11 @@ pub struct PolicyKeys {
 /// What every script of a global policy needs besides the key.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScriptShape {
+    /// The global rate ρ, units per second.
     pub rho: f64,
+    /// The global capacity B, in units.
     pub burst: f64,
+    /// A clock reading this far (µs) below a book's high-water mark is a backward step.
     pub step_tolerance_us: i64,
     /// The escrow of this region in the running config: applied to keys without a book
     /// while the coordinator has never written a default (a first start).
@@ -422,7 +428,7 @@ pub struct Layouts {
 }
 
 impl Layouts {
-    pub fn new<'a>(
+    pub(crate) fn new<'a>(
         layout: Layout,
         policies: impl IntoIterator<Item = &'a Policy>,
         region: Option<&RegionPlace>,
@@ -443,7 +449,7 @@ impl Layouts {
     /// The layout of a policy: the one built at start-up, or, for a policy a reload added
     /// or gave another algorithm (never a global one: those cannot change live), one laid
     /// out on the spot, without a region's escrow.
-    pub fn of(&self, policy: &Policy) -> std::borrow::Cow<'_, PolicyLayout> {
+    pub(crate) fn of(&self, policy: &Policy) -> std::borrow::Cow<'_, PolicyLayout> {
         match self.by_name.get(&policy.name) {
             Some(l) if l.tag == policy.algorithm.key_tag() => std::borrow::Cow::Borrowed(l),
             _ => std::borrow::Cow::Owned(self.layout.policy(policy, None)),
@@ -459,7 +465,7 @@ impl Layouts {
     }
 
     /// With the layouts of concurrency limits (names distinct from the policies').
-    pub fn with_concurrency<'a>(
+    pub(crate) fn with_concurrency<'a>(
         mut self,
         limits: impl IntoIterator<Item = &'a ConcurrencyPolicy>,
     ) -> Self {

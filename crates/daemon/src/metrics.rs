@@ -16,7 +16,7 @@ use prometheus::{
 pub static REVISION: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
 
 /// The results of a settlement (`quotad_settlements_total{result}`).
-pub const SETTLE_RESULTS: [&str; 6] = [
+pub(crate) const SETTLE_RESULTS: [&str; 6] = [
     "settled",
     "already_settled",
     "ended_by_reset",
@@ -26,228 +26,228 @@ pub const SETTLE_RESULTS: [&str; 6] = [
 ];
 
 /// The events of a lease's units (`quotad_lease_units_total{event}`).
-pub const LEASE_EVENTS: [&str; 4] = ["acquired", "released", "extended", "expired"];
+pub(crate) const LEASE_EVENTS: [&str; 4] = ["acquired", "released", "extended", "expired"];
 
 /// The results of a config reload (`quotad_config_reloads_total{result}`).
 /// `partial`: the policies applied, a part that needs a restart (a rotated credential, say)
 /// did not.
-pub const RELOAD_RESULTS: [&str; 4] = ["ok", "partial", "invalid", "refused"];
+pub(crate) const RELOAD_RESULTS: [&str; 4] = ["ok", "partial", "invalid", "refused"];
 
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     /// `quotad_decisions_total{policy,outcome}`: every decision, by outcome
     /// (allowed, denied, shadow, fail_open, fail_closed, local).
-    pub decisions: IntCounterVec,
+    pub(crate) decisions: IntCounterVec,
     /// `quotad_check_duration_seconds{entry}`: time to decide one request, store round
     /// trips included, by the way it came in: `http` (`POST /v1/check`, single or batch,
     /// from the start of the request to its answer), `forward_auth` (`/v1/authz/...`),
     /// `grpc` (one `ShouldRateLimit`, all its descriptors).
-    pub check_duration: ByEntry,
+    pub(crate) check_duration: ByEntry,
     /// `quotad_http_responses_total{route,status}`: every HTTP answer, by the route it
     /// matched (`/v1/check`, `/v1/authz/{policy}`, ...; `other` when none did) and status.
-    pub http_responses: IntCounterVec,
+    pub(crate) http_responses: IntCounterVec,
     /// `quotad_grpc_responses_total{code}`: every gRPC call, by its status code (`OK`,
     /// `INVALID_ARGUMENT`, `UNAVAILABLE`, ...). Calls the deadline cut short are not
     /// among them (they end before an answer).
-    pub grpc_responses: IntCounterVec,
+    pub(crate) grpc_responses: IntCounterVec,
     /// `quotad_store_call_duration_seconds`: Redis calls from send to answer (or to their
     /// timeout, `store.timeout`), scripts and pipelines alike.
-    pub store_call_duration: Histogram,
+    pub(crate) store_call_duration: Histogram,
     /// `quotad_store_errors_total{kind}`: store calls that gave no decision.
-    pub store_errors: IntCounterVec,
+    pub(crate) store_errors: IntCounterVec,
     /// `quotad_store_up`: 1 while the store answers probes and the circuit is closed.
-    pub store_up: IntGauge,
+    pub(crate) store_up: IntGauge,
     /// `quotad_script_loads_total`: SCRIPT LOADs sent (start-up, reconnects, NOSCRIPT recovery).
-    pub script_loads: IntCounter,
+    pub(crate) script_loads: IntCounter,
     /// `quotad_refund_errors_total`: refunds of a denied batch's siblings that failed (those
     /// units stay charged until their window passes).
-    pub refund_errors: IntCounter,
+    pub(crate) refund_errors: IntCounter,
     /// `quotad_build_info{version,revision}`: always 1. The revision is the git commit the
     /// binary was built from (`QUOTAD_REVISION` at build time, else `git`), or `unknown`.
-    pub build_info: IntGaugeVec,
+    pub(crate) build_info: IntGaugeVec,
     /// `quotad_shed_total{reason}`: requests refused with 503 `overloaded` before reaching
     /// Redis (`queue_full`, `queue_timeout`); not decisions, nothing charged.
-    pub shed: IntCounterVec,
+    pub(crate) shed: IntCounterVec,
     /// `quotad_store_in_flight`: permits held by requests whose Redis calls are in flight.
-    pub store_in_flight: IntGauge,
+    pub(crate) store_in_flight: IntGauge,
     /// `quotad_store_queued`: requests waiting for Redis permits.
-    pub store_queued: IntGauge,
+    pub(crate) store_queued: IntGauge,
     /// `quotad_store_pipelines_total`: pipelines the request path sent to Redis (one
     /// socket write each; `store::redis::coalesce`).
-    pub store_pipelines: IntCounter,
+    pub(crate) store_pipelines: IntCounter,
     /// `quotad_store_pipelined_commands_total`: commands sent in them; over
     /// `quotad_store_pipelines_total`, the commands per write.
-    pub store_pipelined_commands: IntCounter,
+    pub(crate) store_pipelined_commands: IntCounter,
     /// `quotad_store_breaker_opens_total`: times the circuit breaker opened (a lost
     /// connection, or timeouts confirmed by an unanswered PING).
-    pub breaker_opens: IntCounter,
+    pub(crate) breaker_opens: IntCounter,
     /// `quotad_connections_open{listener}`: connections open now, by listener (`http`,
     /// `grpc`), whatever carries them (TCP or a Unix socket); each listener holds at most
     /// its own bound (`server.max_connections`, `server.grpc_max_connections`).
-    pub connections_open: IntGaugeVec,
+    pub(crate) connections_open: IntGaugeVec,
     /// `quotad_connections_closed_total{listener,reason}`: connections the server closed
     /// (`header_timeout`: nothing, or no whole request or HTTP/2 preface, within
     /// `server.header_timeout`; `idle_timeout`, `evicted`, `rejected`, `drained`: HTTP);
     /// clients' own closes are not counted.
-    pub connections_closed: IntCounterVec,
+    pub(crate) connections_closed: IntCounterVec,
     /// `quotad_accept_errors_total{listener}`: failed accepts (a full file table, usually).
-    pub accept_errors: IntCounterVec,
+    pub(crate) accept_errors: IntCounterVec,
     /// `quotad_deny_cache_hits_total{policy}`: denials answered from memory, without a
     /// Redis call (a key hammered while over its limit).
-    pub deny_cache_hits: IntCounterVec,
+    pub(crate) deny_cache_hits: IntCounterVec,
     /// `quotad_deny_cache_keys`: denials remembered (at the last sweep).
-    pub deny_cache_keys: IntGauge,
+    pub(crate) deny_cache_keys: IntGauge,
     /// `quotad_invalidations_received_total`: invalidations (a reset or refund on any
     /// instance) this instance took off the channel and applied.
-    pub invalidations_received: IntCounter,
+    pub(crate) invalidations_received: IntCounter,
     /// `quotad_keys_without_ttl`: quotad keys the janitor's last sweep found without a
     /// TTL (each one would have stayed in Redis forever).
-    pub keys_without_ttl: IntGauge,
+    pub(crate) keys_without_ttl: IntGauge,
     /// `quotad_janitor_repaired_total`: TTLs the janitor gave back.
-    pub janitor_repaired: IntCounter,
+    pub(crate) janitor_repaired: IntCounter,
     /// `quotad_store_late_replies_total`: Redis replies taken after the call's timer
     /// fired, in the scheduler turns `store::redis::deadline` allows: quotad's runtime was behind
     /// in reading them (they are answers, not timeouts).
-    pub store_late_replies: IntCounter,
+    pub(crate) store_late_replies: IntCounter,
     /// `quotad_hot_key_admits_total{policy}`: checks admitted from a hot key's slice, in
     /// memory (also counted in `quotad_decisions_total` as `allowed`).
-    pub hot_admits: IntCounterVec,
+    pub(crate) hot_admits: IntCounterVec,
     /// `quotad_hot_key_slices_total{event}`: slices `taken` from Redis and `returned`;
     /// slices `ended` early because capacity was given back to the key (a reset or a
     /// refund, here or on another instance); and slices `not_returned`, whose give-back
     /// the store did not answer (their units lapse unspent).
-    pub hot_slices: IntCounterVec,
+    pub(crate) hot_slices: IntCounterVec,
     /// `quotad_hot_key_units_total{event}`: units in the slices `taken`, `admitted` from
     /// them (counted every 100 ms), and `returned` to their window; what is left of what
     /// was taken lapsed with its window unspent: the slices' under-admission.
-    pub hot_units: IntCounterVec,
+    pub(crate) hot_units: IntCounterVec,
     /// `quotad_hot_key_entries`: keys hot on this instance, with or without a slice (at
     /// the last tend; `quotad_hot_keys` is the coordinator's count of global keys).
-    pub hot_entries: IntGauge,
+    pub(crate) hot_entries: IntGauge,
     /// `quotad_hot_keys_refused_total`: keys that passed their rate while the table held
     /// its maximum of hot keys (decided in Redis instead).
-    pub hot_refused: IntCounter,
+    pub(crate) hot_refused: IntCounter,
     /// `quotad_janitor_last_scan_timestamp_seconds`: when this instance last finished a
     /// sweep (Unix time); stale when no instance of the region sweeps.
-    pub janitor_last_scan: IntGauge,
+    pub(crate) janitor_last_scan: IntGauge,
     /// `quotad_janitor_sweeps_total{result}`: this instance's janitor intervals by what
     /// came of them: `swept`, `skipped` (another instance claimed the interval) or
     /// `failed` (Redis refused or timed out; retried the next interval, and logged).
-    pub janitor_sweeps: IntCounterVec,
+    pub(crate) janitor_sweeps: IntCounterVec,
     /// `quotad_forward_auth_missing_key_total{policy,answer}`: forward-auth requests that
     /// carried no key (or one too long to be a key), by the `on_missing_key` answer they
     /// got: `deny` and `allow` decide nothing, so no other metric counts them; `key` is
     /// counted here too, so this is every keyless request of the policy.
-    pub forward_auth_missing_key: IntCounterVec,
+    pub(crate) forward_auth_missing_key: IntCounterVec,
     /// `quotad_grpc_invalid_descriptors_total{policy}`: gRPC request descriptors that
     /// matched a policy but carried no usable key (a value empty, not UTF-8, or over
     /// `server.max_key_bytes`) or a cost above the policy's capacity: each answered
     /// `OVER_LIMIT`, the request's other descriptors peeked, nothing charged.
-    pub grpc_invalid_descriptors: IntCounterVec,
+    pub(crate) grpc_invalid_descriptors: IntCounterVec,
     /// `quotad_settlements_total{policy,result}`: costs counted after the work: a
     /// reservation `settled`, one `already_settled` (nothing charged again), one
     /// `ended_by_reset` (a reset of its key ended it: nothing charged or given back), one
     /// `unknown` (never made, or kept no longer: its estimate stands), charges taken
     /// (`charged`: `POST /v1/charge`, a gRPC descriptor on the response path), and
     /// `failed` ones the store did not answer.
-    pub settlements: IntCounterVec,
+    pub(crate) settlements: IntCounterVec,
     /// `quotad_settled_units_total{policy,direction}`: units `charged` beyond the
     /// estimates (a charge is charged whole) and `refunded` below them.
-    pub settled_units: IntCounterVec,
+    pub(crate) settled_units: IntCounterVec,
     /// `quotad_lease_units_total{policy,event}`: units of concurrency limits' leases
     /// `acquired`, `released`, `extended`, and `expired` (found ended by an operation on
     /// their key: a holder that never released; counted once, by the instance whose
     /// operation dropped them).
-    pub lease_units: IntCounterVec,
+    pub(crate) lease_units: IntCounterVec,
     /// `quotad_leases_tracked`: leases acquired here whose key is read at their end
     /// (`limiter::reaper`), at most 100,000.
-    pub leases_tracked: IntGauge,
+    pub(crate) leases_tracked: IntGauge,
     /// `quotad_leases_untracked_total`: leases acquired while 100,000 were tracked: their
     /// end is counted only when their key is next touched.
-    pub leases_untracked: IntCounter,
+    pub(crate) leases_untracked: IntCounter,
     /// `quotad_config_reloads_total{result}`: reloads of the config file (SIGHUP or a
     /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
     /// that cannot apply without a restart). The running config stays on all but `ok`.
-    pub config_reloads: IntCounterVec,
+    pub(crate) config_reloads: IntCounterVec,
     /// `quotad_memory_store_keys{store}`: keys the embedded store holds (`primary` in
     /// memory mode, `local` for the fallback), at the last sweep; at `store.memory_max_keys`
     /// new keys are refused (`quotad_store_errors_total{kind="full"}`).
-    pub memory_store_keys: IntGaugeVec,
+    pub(crate) memory_store_keys: IntGaugeVec,
     /// Global budgets, from the instance that coordinates the region (the others export
     /// zeros and `quotad_coordinator_leader 0`). Rates are units per second summed over the
     /// keys the coordinator tracks (hot or leased keys; cold keys run on their escrow).
-    pub global: GlobalMetrics,
+    pub(crate) global: GlobalMetrics,
 }
 
-pub struct GlobalMetrics {
+pub(crate) struct GlobalMetrics {
     /// `quotad_share_rate{policy,region}`: the rate this region enforces.
-    pub share_rate: GaugeVec,
+    pub(crate) share_rate: GaugeVec,
     /// `quotad_lent_rate{policy}`, `quotad_borrowed_rate{policy}`: reserved for peers,
     /// borrowed from them.
-    pub lent_rate: GaugeVec,
-    pub borrowed_rate: GaugeVec,
+    pub(crate) lent_rate: GaugeVec,
+    pub(crate) borrowed_rate: GaugeVec,
     /// `quotad_demand_rate{policy}`: smoothed offered load here.
-    pub demand_rate: GaugeVec,
+    pub(crate) demand_rate: GaugeVec,
     /// `quotad_hot_keys{policy}`: keys the coordinator tracks.
-    pub hot_keys: IntGaugeVec,
+    pub(crate) hot_keys: IntGaugeVec,
     /// `quotad_peer_up{peer}`: 1 while the link is connected (heard within 3 rounds).
-    pub peer_up: IntGaugeVec,
+    pub(crate) peer_up: IntGaugeVec,
     /// `quotad_peer_rtt_seconds{peer}`: the last exchange round trip.
-    pub peer_rtt_seconds: GaugeVec,
+    pub(crate) peer_rtt_seconds: GaugeVec,
     /// `quotad_exchange_bytes_total{peer,direction}`: exchange bodies sent and received.
-    pub exchange_bytes: IntCounterVec,
+    pub(crate) exchange_bytes: IntCounterVec,
     /// `quotad_exchange_keys_total{peer}`: keys in the exchanges sent to the peer, each
     /// exchange once (not per attempt): bytes sent over keys sent, summed over the regions,
     /// is the exchange's cost per key and round (the simulator's measure).
-    pub exchange_keys: IntCounterVec,
+    pub(crate) exchange_keys: IntCounterVec,
     /// `quotad_exchange_keys_deferred_total`: keys left out of an exchange because more
     /// qualified than `coordinator.max_exchange_keys` (each runs on its escrow until there
     /// is room): above zero, the cap is smaller than the keys hot at once.
-    pub exchange_keys_deferred: IntCounter,
+    pub(crate) exchange_keys_deferred: IntCounter,
     /// `quotad_exchange_binary{peer}`: 1 while this instance sends the peer the binary
     /// form, 0 while JSON (pinned, or the peer refused the binary form: an older version).
-    pub exchange_binary: IntGaugeVec,
+    pub(crate) exchange_binary: IntGaugeVec,
     /// `quotad_exchange_dictionary_keys{peer,side}`: keys in the dictionary of our numbers
     /// for the peer (`side="ours"`) and of the peer's numbers (`side="theirs"`); each is at
     /// most 2 × `coordinator.max_exchange_keys`.
-    pub exchange_dictionary_keys: IntGaugeVec,
+    pub(crate) exchange_dictionary_keys: IntGaugeVec,
     /// `quotad_exchange_renumbered_total{peer}`: key dictionaries started over because
     /// the peer did not know our key numbers (it restarted, or another instance took over).
-    pub exchange_renumbered: IntCounterVec,
+    pub(crate) exchange_renumbered: IntCounterVec,
     /// `quotad_exchange_rejected_total{reason}`: peer requests refused before the
     /// coordinator saw them (unauthenticated, bad_signature, stale, replay, ...).
-    pub exchange_rejected: IntCounterVec,
+    pub(crate) exchange_rejected: IntCounterVec,
     /// `quotad_rounds_total`: coordinator rounds run by this instance.
-    pub rounds: IntCounter,
+    pub(crate) rounds: IntCounter,
     /// `quotad_round_duration_seconds`: how long a round took (reading demand, planning,
     /// writing every engaged book); it must stay well inside the lock period.
-    pub round_duration: Histogram,
+    pub(crate) round_duration: Histogram,
     /// `quotad_sense_duration_seconds`: how long a read of demand between rounds took
     /// (`coordinator.sense`: counters of the keys in the exchange, plans of the keys that
     /// moved, their early exchanges built).
-    pub sense_duration: Histogram,
+    pub(crate) sense_duration: Histogram,
     /// `quotad_coordinator_cpu_seconds_total`: CPU time of the coordinator thread (rounds,
     /// peers' exchanges and replies, takeovers; Linux only, 0 elsewhere): what global
     /// budgets cost this instance beside its checks.
-    pub coordinator_cpu: Counter,
+    pub(crate) coordinator_cpu: Counter,
     /// `quotad_coordinator_leader{region}`: 1 while this instance holds the region's lock
     /// (summed by region: exactly 1 when the region is coordinated).
-    pub leader: IntGaugeVec,
+    pub(crate) leader: IntGaugeVec,
     /// `quotad_incarnation_rebases_total`: takeovers by this instance that drew an
     /// incarnation below the region's last one, which a clock ahead of real time had made
     /// one its peers would refuse.
-    pub incarnation_rebases: IntCounter,
+    pub(crate) incarnation_rebases: IntCounter,
 }
 
 /// One decision-time histogram per entry point, resolved once (`quotad_check_duration_seconds`).
-pub struct ByEntry {
-    pub http: Histogram,
-    pub forward_auth: Histogram,
-    pub grpc: Histogram,
+pub(crate) struct ByEntry {
+    pub(crate) http: Histogram,
+    pub(crate) forward_auth: Histogram,
+    pub(crate) grpc: Histogram,
 }
 
 /// The entry points of `quotad_check_duration_seconds{entry}`.
-pub const ENTRIES: [&str; 3] = ["http", "forward_auth", "grpc"];
+pub(crate) const ENTRIES: [&str; 3] = ["http", "forward_auth", "grpc"];
 
 /// `quotad_store_call_duration_seconds` buckets (s): from a loopback round trip to past
 /// any sane `store.timeout`.
@@ -350,7 +350,7 @@ impl GlobalMetrics {
 }
 
 /// The decision outcomes, as exported in `quotad_decisions_total{outcome}` and the API.
-pub const OUTCOMES: [&str; 6] = [
+pub(crate) const OUTCOMES: [&str; 6] = [
     "allowed",
     "denied",
     "shadow",
@@ -370,7 +370,7 @@ impl Metrics {
     /// and every store error kind, so rates and alerts work before the first event of each
     /// kind. The kinds come from the store (`StoreError::KINDS`), which owns them: this
     /// module depends on nothing else in the daemon.
-    pub fn new<'a>(
+    pub(crate) fn new<'a>(
         policies: impl IntoIterator<Item = &'a str>,
         store_error_kinds: &[&str],
     ) -> Self {
@@ -598,7 +598,7 @@ impl Metrics {
     }
 
     /// The zero series of a concurrency limit.
-    pub fn preregister_concurrency(&self, policy: &str) {
+    pub(crate) fn preregister_concurrency(&self, policy: &str) {
         for o in OUTCOMES {
             self.decisions.with_label_values(&[policy, o]);
         }
@@ -608,7 +608,7 @@ impl Metrics {
     }
 
     /// The zero series of a policy that takes settlements.
-    pub fn preregister_settlements(&self, policy: &str) {
+    pub(crate) fn preregister_settlements(&self, policy: &str) {
         for r in SETTLE_RESULTS {
             self.settlements.with_label_values(&[policy, r]);
         }
@@ -618,12 +618,12 @@ impl Metrics {
     }
 
     /// Counts a store call that produced no decision; `kind` is `StoreError::kind`.
-    pub fn store_error(&self, kind: &str) {
+    pub(crate) fn store_error(&self, kind: &str) {
         self.store_errors.with_label_values(&[kind]).inc();
     }
 
     /// The Prometheus text exposition.
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut buf = Vec::new();
         // Encoding into a Vec cannot fail for well-formed metrics.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);

@@ -48,15 +48,15 @@ pub(crate) const SETTLE: Duration = Duration::from_secs(2);
 
 /// What a reload replaces: read by every request.
 pub(crate) struct Live {
-    pub policies: Policies,
-    pub forward_auth: ForwardAuths,
+    pub(crate) policies: Policies,
+    pub(crate) forward_auth: ForwardAuths,
     /// `[[descriptor]]`: what the gRPC service maps Envoy's descriptors to.
-    pub descriptors: Descriptors,
+    pub(crate) descriptors: Descriptors,
     /// SHA-256 of the config file (hex); "builtin" without one.
-    pub hash: String,
+    pub(crate) hash: String,
     /// The parts of that file a reload did not apply (they need a restart), each with
     /// its reason: `GET /v1/policies` shows them.
-    pub kept: Vec<String>,
+    pub(crate) kept: Vec<String>,
 }
 
 impl Live {
@@ -165,11 +165,11 @@ pub(crate) fn refusal(old: &Settings, new: &Settings) -> Option<String> {
 pub(crate) struct Review {
     /// The settings to put in force: the new file, with every part that cannot change
     /// live as it runs. `None`: nothing of the file applies.
-    pub apply: Option<Settings>,
+    pub(crate) apply: Option<Settings>,
     /// The parts of the file that did not apply, each with its reason.
-    pub kept: Vec<String>,
+    pub(crate) kept: Vec<String>,
     /// Why nothing applies, when nothing does.
-    pub refused: Option<String>,
+    pub(crate) refused: Option<String>,
 }
 
 /// What of `new` a daemon running `old` puts in force: everything that can change live

@@ -335,14 +335,15 @@ mod tests {
                     .global(Global::escrow(&[("eu", 1), ("us", 3)]).set("version", 2)),
             )
             .to_toml();
-        let s = quotad_daemon::config::Settings::parse("built.toml", &text)
+        let s = quotad_daemon::Settings::parse("built.toml", &text)
             .unwrap_or_else(|e| panic!("{e}\n{text}"));
-        assert_eq!(s.region, "eu");
-        assert_eq!(s.policies.len(), 2);
-        assert_eq!(s.policies[0].burst.get(), 5);
-        let g = s.global.expect("a global policy");
+        assert_eq!(quotad_daemon::testing::region(&s), "eu");
+        let policies = quotad_daemon::testing::policies(&s);
+        assert_eq!(policies.len(), 2);
+        assert_eq!(policies[0].burst.get(), 5);
+        let g = quotad_daemon::testing::global(&s).expect("a global policy");
         assert_eq!(g.regions, ["eu", "us"]);
-        assert_eq!(s.policies[1].global.as_ref().unwrap().version, 2);
+        assert_eq!(policies[1].global.as_ref().unwrap().version, 2);
     }
 
     #[test]
@@ -354,14 +355,15 @@ mod tests {
         let text = Config::cluster(&seeds)
             .policy(Policy::new("a", "gcra", 10, "1s"))
             .to_toml();
-        let s = quotad_daemon::config::Settings::parse("cluster.toml", &text)
+        let s = quotad_daemon::Settings::parse("cluster.toml", &text)
             .unwrap_or_else(|e| panic!("{e}\n{text}"));
-        let quotad_daemon::config::StoreBackend::Redis(r) = s.store else {
+        let quotad_daemon::testing::StoreBackend::Redis(r) = quotad_daemon::testing::store(&s)
+        else {
             panic!("not a Redis store: {text}");
         };
         assert_eq!(
             r.target.topology,
-            quotad_daemon::store::redis::connect::Topology::Cluster(seeds.to_vec())
+            quotad_daemon::testing::redis::Topology::Cluster(seeds.to_vec())
         );
     }
 }

@@ -31,7 +31,7 @@ pub fn even_escrow() -> Global {
 pub struct TwoRegions {
     pub redis: [RedisServer; 2],
     pub daemons: Vec<Quotad>,
-    /// proxies[a]: region a calling the other.
+    /// `proxies[a]`: region a calling the other.
     pub proxies: Vec<Proxy>,
 }
 

@@ -1,4 +1,4 @@
-//! A daemon served inside the test process: `quotad_daemon::app::serve` on a listener the
+//! A daemon served inside the test process: `quotad_daemon::serve` on a listener the
 //! kit bound, in a runtime thread of its own, stopped through its shutdown token.
 //!
 //! It runs the same composition root as `quotad serve`, against the same real
@@ -10,7 +10,7 @@ use std::sync::{Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use quotad_daemon::config::Settings;
+use quotad_daemon::Settings;
 use tokio_util::sync::CancellationToken;
 
 pub struct InProcess {
@@ -55,10 +55,10 @@ impl InProcess {
     /// part of the test) and serves it on `listener`.
     pub fn start(config: &str, listener: TcpListener) -> InProcess {
         record_panics();
-        let mut settings = Settings::parse("test.toml", config)
-            .unwrap_or_else(|e| panic!("invalid test config:\n{e}\n{config}"));
         // No load balancer to tell: a test's daemon stops at once.
-        settings.server.shutdown_delay = Duration::ZERO;
+        let settings = Settings::parse("test.toml", config)
+            .unwrap_or_else(|e| panic!("invalid test config:\n{e}\n{config}"))
+            .without_shutdown_delay();
         listener.set_nonblocking(true).expect("nonblocking");
         let stop = CancellationToken::new();
         let token = stop.clone();
@@ -69,7 +69,7 @@ impl InProcess {
                 rt.block_on(async move {
                     let listener =
                         tokio::net::TcpListener::from_std(listener).expect("tokio listener");
-                    if let Err(e) = quotad_daemon::app::serve(settings, listener, token).await {
+                    if let Err(e) = quotad_daemon::serve(settings, listener, token).await {
                         panic!("the in-process daemon failed: {e}");
                     }
                 });

@@ -2,7 +2,7 @@
 //! the load of the atomicity tests (on one Redis, and on a cluster).
 //!
 //! A test binary with its own harness (libtest-mimic) calls [`child_main`] first thing in
-//! `main`: when the binary was started by [`run_children`] it does one process's share of
+//! `main`: when the binary was started by `run_children` it does one process's share of
 //! the requests, prints a tally and exits instead of running tests. So the race is
 //! between OS processes end to end, each with its own connections and runtime.
 

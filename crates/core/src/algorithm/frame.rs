@@ -6,12 +6,12 @@
 //! *frame*: the [`Limits`] it was written under, with [`super::Since`] when those came into
 //! force (the scripts keep them in fields `f` and `v` of the key's hash, or in a GCRA
 //! key's value). A reader whose numbers are the frame's reads the state as it always did.
-//! Otherwise ([`Reading`]):
+//! Otherwise (`Reading`):
 //!
 //! - **A reader with newer numbers takes the state over.** What was used carries over as
 //!   usage as of the state's last write: a window's count (and debt) into the reader's
 //!   window that holds the end of the window it was counted in; a bucket's used tokens
-//!   against the reader's burst, at most all of it, a debt whole ([`carry_tokens`]). The
+//!   against the reader's burst, at most all of it, a debt whole (`carry_tokens`). The
 //!   time since that write refills at the reader's rate. Its first write puts the key in
 //!   its frame. So a lowered limit leaves what was spent spent (never forgiven by the
 //!   lower rate), a raised one keeps what was used (never lost to the higher one), and a

@@ -16,7 +16,7 @@
 //!   operations in the same order as the Lua code, so both give bit-identical results.
 //! - Expiry is garbage collection only. Every decision comes from stored timestamps, never
 //!   from whether a key still exists; each state's TTL is chosen so that "expired" and
-//!   "absent" mean the same thing ([`Outcome::ttl_us`]).
+//!   "absent" mean the same thing (`Write::Put`'s `ttl_us`).
 //! - `cost = 0` is a peek: the verdict says whether a cost-1 request would pass now, and
 //!   nothing is written.
 //! - A [`charge`] spends whether or not the key has the units (a cost known only after the
@@ -38,14 +38,20 @@ pub use token_bucket::{BucketRate, token_bucket_at};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Algorithm {
+    /// Counts per fixed window (`fixed_window.rs`).
     FixedWindow,
+    /// One entry per admitted unit over the last window (`sliding_log.rs`).
     SlidingLog,
+    /// Two windows' counts, the previous weighted (`sliding_window.rs`).
     SlidingWindow,
+    /// Tokens refilled at `limit` per window up to `burst` (`token_bucket.rs`).
     TokenBucket,
+    /// The generic cell rate algorithm: a theoretical arrival time (`gcra.rs`).
     Gcra,
 }
 
 impl Algorithm {
+    /// Every algorithm, in declaration order.
     pub const ALL: [Algorithm; 5] = [
         Algorithm::FixedWindow,
         Algorithm::SlidingLog,
@@ -104,6 +110,7 @@ impl Algorithm {
 pub struct Limits {
     /// Admissions per window (token bucket / GCRA: refill of `limit` per `window_us`).
     pub limit: u64,
+    /// The window, or the refill period, in µs.
     pub window_us: i64,
     /// Token bucket / GCRA capacity; equal to `limit` for the window algorithms.
     pub burst: u64,
@@ -118,11 +125,14 @@ pub struct Limits {
 /// numbers that never change live (a global policy's) and in tests of one config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Since {
+    /// The policy's `version`.
     pub version: u64,
+    /// When the numbers began to apply on the instance, ms since the Unix epoch.
     pub at_ms: u64,
 }
 
 impl Since {
+    /// Numbers that never change live.
     pub const ZERO: Since = Since {
         version: 0,
         at_ms: 0,
@@ -167,15 +177,25 @@ impl Limits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     /// Admit `cost` units if they fit (0 = peek).
-    Check { cost: u64 },
+    /// Admit `cost` units if they fit (0 = peek).
+    Check {
+        /// Units asked for.
+        cost: u64,
+    },
     /// Give back `cost` units admitted moments ago (a denied batch un-charges its siblings).
-    Refund { cost: u64 },
+    /// Give back `cost` units admitted moments ago.
+    Refund {
+        /// Units given back.
+        cost: u64,
+    },
 }
 
 /// The answer to one operation, as the scripts return it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Verdict {
+    /// Whether the operation was admitted.
     pub allowed: bool,
+    /// Units left after it.
     pub remaining: u64,
     /// Time until the key's state is back to "full" (RateLimit reset).
     pub reset_after_us: i64,
@@ -192,36 +212,54 @@ pub struct Verdict {
 /// book's.
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
+    /// A fixed window's count.
     Fixed {
+        /// The window's index (time / window).
         slot: i64,
+        /// Units admitted in it.
         count: u64,
         /// Units charged beyond the limit in `slot` ([`charge`]): the windows after it
         /// start with them counted, up to the limit each, until they are paid.
         owed: u64,
         /// When it was written: where a reader with newer numbers takes it over.
         ts: i64,
+        /// The numbers it was written under and its hold ([`Stamp`]).
         stamp: Option<Stamp>,
     },
+    /// A sliding log's entries.
     Log {
+        /// `(timestamp_us, member)`, one per admitted unit, by time.
         entries: Vec<(i64, String)>,
     },
+    /// A sliding window's two counts.
     Sliding {
+        /// The current window's index.
         slot: i64,
+        /// Units admitted in the current window.
         current: u64,
+        /// Units admitted in the window before it.
         previous: u64,
         /// When it was written: where a reader with newer numbers takes it over.
         ts: i64,
+        /// The numbers it was written under and its hold ([`Stamp`]).
         stamp: Option<Stamp>,
     },
+    /// A token bucket.
     Bucket {
+        /// Tokens in the bucket at `ts` (below zero: a debt).
         tokens: f64,
+        /// When `tokens` was computed, µs.
         ts: i64,
+        /// The numbers it was written under and its hold ([`Stamp`]).
         stamp: Option<Stamp>,
     },
+    /// A GCRA key.
     Gcra {
+        /// The theoretical arrival time, µs.
         tat: f64,
         /// When the TAT was written: where a reader with newer numbers takes it over.
         ts: i64,
+        /// The numbers it was written under and its hold ([`Stamp`]).
         stamp: Option<Stamp>,
     },
 }
@@ -231,6 +269,7 @@ pub enum State {
 pub struct Stamp {
     /// The numbers the state was written under.
     pub frame: Limits,
+    /// While two configs meet on the key: until when it is not at rest ([`Hold`]).
     pub hold: Option<Hold>,
 }
 
@@ -259,7 +298,12 @@ pub enum Write {
     /// Leave the stored state (and its TTL) as it was.
     Keep,
     /// Store this state; it may be dropped after `ttl_us` with no change to any decision.
-    Put { state: State, ttl_us: i64 },
+    Put {
+        /// The state.
+        state: State,
+        /// µs from now after which it may be dropped.
+        ttl_us: i64,
+    },
     /// Remove the key (it is equivalent to absent).
     Delete,
 }
@@ -275,9 +319,12 @@ impl Write {
     }
 }
 
+/// What one operation decided, and what to store.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
+    /// The answer.
     pub verdict: Verdict,
+    /// What to do with the stored state.
     pub write: Write,
 }
 
@@ -324,11 +371,15 @@ pub fn charge(
 /// One check of an all-or-nothing batch ([`apply_all`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Part<'a> {
+    /// The check's algorithm.
     pub algorithm: Algorithm,
+    /// Its policy's numbers.
     pub limits: Limits,
     /// The key's state before the batch (keys are distinct within a batch).
     pub state: Option<&'a State>,
+    /// Units it asks for.
     pub cost: u64,
+    /// The request's unique id (sliding log entries).
     pub member: &'a str,
     /// Whether a denial of this check stops the batch (false in shadow mode: observed, not
     /// enforced).

@@ -182,8 +182,11 @@ pub(super) fn charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> 
 /// second, `capacity` = B·R_i/ρ), which changes whenever a lease starts or ends.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BucketRate {
+    /// Units refilled per `per_us`.
     pub amount: f64,
+    /// The refill period, µs.
     pub per_us: f64,
+    /// The most the bucket holds.
     pub capacity: f64,
 }
 

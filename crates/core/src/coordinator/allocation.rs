@@ -20,18 +20,24 @@
 
 use serde::{Deserialize, Serialize};
 
+/// How a contended rate is split between regions (the policy's `mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
+    /// In proportion to demand, with a floor of a fraction of each escrow.
     Proportional,
+    /// Exact water-filling: small regions first.
     #[serde(rename = "maxmin")]
     MaxMin,
+    /// Each region up to its escrow first, then the spare by unmet demand.
     OwnerFirst,
 }
 
 impl Mode {
+    /// Every mode, in declaration order.
     pub const ALL: [Mode; 3] = [Mode::Proportional, Mode::MaxMin, Mode::OwnerFirst];
 
+    /// The config name.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Proportional => "proportional",
@@ -44,7 +50,9 @@ impl Mode {
 /// One region's view of a key, as the allocation needs it.
 #[derive(Debug, Clone, Copy)]
 pub struct Input<'a> {
+    /// The global rate ρ, units per second.
     pub rho: f64,
+    /// E_i per region.
     pub escrow: &'a [f64],
     /// Smoothed offered load per region, units per second.
     pub demand: &'a [f64],

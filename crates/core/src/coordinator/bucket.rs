@@ -46,12 +46,16 @@ impl Shape {
 /// the smallest default ever in force before `since` (never more than was in force).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct DefaultEscrow {
+    /// The escrow in force since `since`.
     pub escrow: f64,
+    /// The smallest default in force before `since`.
     pub before: f64,
+    /// When `escrow` came into force (store time).
     pub since: LocalUs,
 }
 
 impl DefaultEscrow {
+    /// A default of `escrow` since ever.
     pub fn new(escrow: f64) -> Self {
         DefaultEscrow {
             escrow,
@@ -84,15 +88,20 @@ impl DefaultEscrow {
 /// changed (its rate may have).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BookWritten {
+    /// The key's step epoch after the write.
     pub epoch: u64,
+    /// Whether the stored book changed.
     pub changed: bool,
 }
 
 /// What the store holds for one key.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct KeySlot {
+    /// The key's lease book, if it has one.
     pub book: Option<LeaseBook>,
+    /// The regional bucket's state.
     pub bucket: Option<State>,
+    /// Admissions and rejections counted in the region.
     pub counters: Counters,
 }
 

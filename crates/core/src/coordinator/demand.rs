@@ -18,16 +18,20 @@ use super::{LocalUs, Params};
 /// Cumulative counts the store keeps per key and region.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
+    /// Units admitted.
     pub admitted: u64,
+    /// Units refused.
     pub rejected: u64,
 }
 
 impl Counters {
+    /// Units asked for: admitted plus refused.
     pub fn offered(&self) -> u64 {
         self.admitted + self.rejected
     }
 }
 
+/// A key's offered load, smoothed over rounds (see [`super::Params`]'s weights).
 #[derive(Debug, Clone, Default)]
 pub struct DemandEstimator {
     last: Option<(LocalUs, u64)>,
@@ -100,6 +104,7 @@ impl DemandEstimator {
         self.estimate.unwrap_or(0.0)
     }
 
+    /// Whether two readings have been taken.
     pub fn is_known(&self) -> bool {
         self.estimate.is_some()
     }

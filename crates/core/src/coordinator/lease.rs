@@ -16,8 +16,11 @@ use super::{LocalUs, RegionId};
 /// A reservation the lender holds for a loan it granted (or was about to grant).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Reservation {
+    /// The region the loan went to.
     pub borrower: RegionId,
+    /// The loan's sequence number (per borrower and key).
     pub seq: u64,
+    /// Units per second lent.
     pub amount: f64,
     /// Lender's clock: grant time + D(1+ε) + m.
     pub until: LocalUs,
@@ -26,19 +29,27 @@ pub struct Reservation {
 /// A loan the borrower counts.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Loan {
+    /// The region that lent.
     pub lender: RegionId,
+    /// The lender's incarnation when it granted.
     pub lender_incarnation: u64,
+    /// The lender's sequence number of the loan.
     pub seq: u64,
+    /// Units per second borrowed.
     pub amount: f64,
     /// Borrower's clock: t_req + D(1−ε).
     pub until: LocalUs,
 }
 
+/// What a region holds for one key of a global policy: its escrow, what it reserved for
+/// loans to others and what it borrowed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LeaseBook {
     /// The region's effective escrow for this key's policy (see `node` on re-splits).
     pub escrow: f64,
+    /// Loans to other regions, held until they end.
     pub reserved: Vec<Reservation>,
+    /// Loans from other regions, counted until they end.
     pub borrowed: Vec<Loan>,
     /// Highest store time seen by a write or a decision: a reading well below it is a
     /// backward clock step, and loans stop counting (their validity would stretch).
@@ -77,6 +88,7 @@ impl LeaseBook {
         h.finish()
     }
 
+    /// A book with `escrow` and no loans.
     pub fn new(escrow: f64) -> Self {
         LeaseBook {
             escrow,
@@ -172,6 +184,8 @@ impl LeaseBook {
             .find(|l| l.lender == lender && now < l.until)
     }
 
+    /// Units per second borrowed and still valid at `now` (none after a backward clock
+    /// step beyond `step_tolerance`).
     pub fn borrowed_total(&self, now: LocalUs, step_tolerance: i64) -> f64 {
         if self.stepped_back(now, step_tolerance) {
             return 0.0;

@@ -10,8 +10,11 @@ use serde::{Deserialize, Serialize};
 
 use super::{LocalUs, RegionId};
 
+/// One region's round to one peer: its demand per key, the loans it wants, the releases it
+/// allows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Exchange {
+    /// The sending region.
     #[serde(rename = "f")]
     pub from: RegionId,
     /// The sender's incarnation: bumped on every restart.
@@ -24,23 +27,29 @@ pub struct Exchange {
     /// The sender's clock, read *before* sending: the grant's validity starts here.
     #[serde(rename = "t")]
     pub t_req: LocalUs,
+    /// Per global policy the sender runs.
     #[serde(rename = "p")]
     pub policies: Vec<PolicyReport>,
 }
 
+/// One policy's part of an [`Exchange`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyReport {
+    /// The policy's name.
     #[serde(rename = "n")]
     pub name: String,
     /// The newest policy version the sender has applied decrease-first.
     #[serde(rename = "a")]
     pub applied: u64,
+    /// The keys that matter to the receiver.
     #[serde(rename = "k")]
     pub keys: Vec<KeyReport>,
 }
 
+/// One key's part of a [`PolicyReport`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KeyReport {
+    /// The key, as clients send it.
     #[serde(rename = "k")]
     pub key: String,
     /// Smoothed offered load in the sender's region, units per second.
@@ -63,10 +72,13 @@ pub struct KeyReport {
     pub freed: bool,
 }
 
+/// The answer to an [`Exchange`]: the peer's own demand and its grants.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExchangeReply {
+    /// The replying region.
     #[serde(rename = "f")]
     pub from: RegionId,
+    /// The replier's incarnation: bumped on every restart.
     #[serde(rename = "i")]
     pub incarnation: u64,
     /// Echo of the requester's incarnation: a reply to a previous life is ignored.
@@ -78,26 +90,35 @@ pub struct ExchangeReply {
     /// Lease duration D of every grant in this reply.
     #[serde(rename = "D")]
     pub lease_us: i64,
+    /// Per policy of the exchange.
     #[serde(rename = "p")]
     pub policies: Vec<PolicyReply>,
 }
 
+/// One policy's part of an [`ExchangeReply`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyReply {
+    /// The policy's name.
     #[serde(rename = "n")]
     pub name: String,
+    /// The newest policy version the replier has applied decrease-first.
     #[serde(rename = "a")]
     pub applied: u64,
+    /// The keys of the exchange, answered.
     #[serde(rename = "k")]
     pub keys: Vec<KeyReply>,
 }
 
+/// One key's part of a [`PolicyReply`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KeyReply {
+    /// The key.
     #[serde(rename = "k")]
     pub key: String,
+    /// Smoothed offered load in the replier's region, units per second.
     #[serde(rename = "d")]
     pub demand: f32,
+    /// The loan granted (absent: none).
     #[serde(rename = "g", default, skip_serializing_if = "Option::is_none")]
     pub grant: Option<Grant>,
 }
@@ -105,8 +126,10 @@ pub struct KeyReply {
 /// A loan, already reserved (durably) at the lender.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Grant {
+    /// The lender's sequence number of the loan, per borrower and key.
     #[serde(rename = "s")]
     pub seq: u64,
+    /// Units per second lent.
     #[serde(rename = "a")]
     pub amount: f64,
 }
@@ -114,7 +137,9 @@ pub struct Grant {
 /// A message between two regions' coordinators.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Message {
+    /// A region's round to a peer.
     Exchange(Exchange),
+    /// The peer's answer.
     Reply(ExchangeReply),
 }
 
@@ -125,6 +150,7 @@ impl Message {
         serde_json::to_vec(self).expect("messages are plain data")
     }
 
+    /// Reads the JSON form.
     pub fn decode(bytes: &[u8]) -> Result<Message, serde_json::Error> {
         serde_json::from_slice(bytes)
     }

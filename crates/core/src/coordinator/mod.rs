@@ -18,7 +18,7 @@
 //!
 //! Time comes from a [`crate::clock::Clock`] that the node owns; the store and the transport
 //! are the caller's (the node returns messages and writes through [`node::LeaseStore`]). The
-//! simulator in [`crate::sim`] drives exactly this code with virtual clocks and a faulty
+//! simulator (the `quotad-sim` crate) drives exactly this code with virtual clocks and a faulty
 //! network, and checks the safety invariant after every event.
 
 pub mod allocation;
@@ -40,6 +40,7 @@ pub use allocation::Mode;
 pub struct RegionId(pub u16);
 
 impl RegionId {
+    /// The index into per-region vectors.
     pub fn index(self) -> usize {
         self.0 as usize
     }
@@ -70,6 +71,7 @@ pub struct Params {
     /// rounds, 0.9 / 0.95 settles in 2.7 s (0.8: 3.5 s; 0.9: 3.0 s; 0.99, with every
     /// reading between rounds taken: 2.4 s, but S8's worst seed at 20% loss took 8.4 s).
     pub ewma_up: f64,
+    /// The weight of a sample below the estimate (see `ewma_up`).
     pub ewma_down: f64,
     /// A sample moves the estimate by those weights in full only when its interval held
     /// at least this many arrivals, and in proportion below (0: always in full). Tuned
@@ -232,6 +234,7 @@ impl Params {
 /// A global policy as the coordinator sees it: rate, burst and the escrow split.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GlobalPolicy {
+    /// The policy's name.
     pub name: String,
     /// Bumped on every change of `rho`, `burst` or `escrow`; see [`node`] for how a re-split
     /// is applied decrease-first.
@@ -242,6 +245,7 @@ pub struct GlobalPolicy {
     pub burst: f64,
     /// E_i per region, units per second; sums to `rho`.
     pub escrow: Vec<f64>,
+    /// How a contended rate is split.
     pub mode: Mode,
 }
 

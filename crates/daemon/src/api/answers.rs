@@ -66,8 +66,8 @@ pub(super) fn route_of(path: &str) -> &'static str {
 /// What the layer needs.
 #[derive(Clone)]
 pub(super) struct Answers {
-    pub metrics: Arc<Metrics>,
-    pub live: Arc<LiveConfig>,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) live: Arc<LiveConfig>,
 }
 
 /// Counts the answer, and logs it when it is one of the sample.

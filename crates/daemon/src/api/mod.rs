@@ -41,19 +41,19 @@ use request::{Caps, CheckRequest};
 #[derive(Clone)]
 pub(crate) struct AppState {
     /// Policies, overrides and forward-auth settings: swapped whole by a reload.
-    pub live: Arc<crate::reload::LiveConfig>,
-    pub limiter: Arc<Limiter>,
-    pub store: Arc<Store>,
-    pub metrics: Arc<Metrics>,
-    pub caps: Caps,
-    pub drain: Drain,
+    pub(crate) live: Arc<crate::reload::LiveConfig>,
+    pub(crate) limiter: Arc<Limiter>,
+    pub(crate) store: Arc<Store>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) caps: Caps,
+    pub(crate) drain: Drain,
     /// `server.ready_requires_store`: readiness follows the store too.
-    pub ready_requires_store: bool,
+    pub(crate) ready_requires_store: bool,
     /// `server.max_body_memory`: what request bodies being read may hold together.
-    pub body_budget: body::BodyBudget,
-    pub region: Arc<str>,
+    pub(crate) body_budget: body::BodyBudget,
+    pub(crate) region: Arc<str>,
     /// Present when a policy is global (the coordinator and the peer endpoint).
-    pub federation: Option<Arc<Federation>>,
+    pub(crate) federation: Option<Arc<Federation>>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {

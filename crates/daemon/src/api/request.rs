@@ -15,10 +15,10 @@ use std::time::Duration;
 /// Caps from `[server]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Caps {
-    pub max_body_bytes: usize,
-    pub max_batch: usize,
-    pub max_key_bytes: usize,
-    pub body_timeout: std::time::Duration,
+    pub(crate) max_body_bytes: usize,
+    pub(crate) max_batch: usize,
+    pub(crate) max_key_bytes: usize,
+    pub(crate) body_timeout: std::time::Duration,
 }
 
 /// A parsed `POST /v1/check` body.

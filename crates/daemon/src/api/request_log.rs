@@ -29,11 +29,11 @@ pub(crate) struct Sampled;
 /// What a decision adds to its request's line.
 #[derive(Debug, Clone)]
 pub(crate) struct Summary {
-    pub policy: String,
-    pub outcome: &'static str,
-    pub key_hash: String,
+    pub(crate) policy: String,
+    pub(crate) outcome: &'static str,
+    pub(crate) key_hash: String,
     /// Checks in the request (a batch's size; 1 otherwise).
-    pub checks: usize,
+    pub(crate) checks: usize,
 }
 
 impl Summary {
@@ -75,14 +75,14 @@ pub(crate) fn trace_id(headers: &HeaderMap) -> Option<String> {
 
 /// One request's line.
 pub(crate) struct Line<'a> {
-    pub entry: &'static str,
+    pub(crate) entry: &'static str,
     /// The route's template (HTTP) or the method (gRPC).
-    pub route: &'a str,
+    pub(crate) route: &'a str,
     /// The HTTP status or the gRPC code's name.
-    pub status: &'a str,
-    pub took: Duration,
-    pub trace_id: Option<String>,
-    pub summary: Option<&'a Summary>,
+    pub(crate) status: &'a str,
+    pub(crate) took: Duration,
+    pub(crate) trace_id: Option<String>,
+    pub(crate) summary: Option<&'a Summary>,
 }
 
 impl Line<'_> {

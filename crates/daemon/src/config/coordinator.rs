@@ -13,7 +13,7 @@ use crate::policy;
 
 /// A shared secret; never printed.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Secret(pub Vec<u8>);
+pub(crate) struct Secret(pub Vec<u8>);
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -24,13 +24,13 @@ impl fmt::Debug for Secret {
 /// A peer region: where its quotad instances answer exchanges, and the secret both sides
 /// sign them with.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PeerSettings {
-    pub region: String,
-    pub id: RegionId,
+pub(crate) struct PeerSettings {
+    pub(crate) region: String,
+    pub(crate) id: RegionId,
     /// Tried in order until one answers as its region's coordinator (a region may run
     /// several instances; only the lock holder coordinates).
-    pub urls: Vec<String>,
-    pub secret: Secret,
+    pub(crate) urls: Vec<String>,
+    pub(crate) secret: Secret,
 }
 
 /// Global budgets: this region among the others, and the protocol's timings.
@@ -38,27 +38,27 @@ pub struct PeerSettings {
 pub struct GlobalSettings {
     /// Every region, sorted by name: a region's index here is its id in messages.
     pub regions: Vec<String>,
-    pub me: RegionId,
-    pub peers: Vec<PeerSettings>,
-    pub params: Params,
+    pub(crate) me: RegionId,
+    pub(crate) peers: Vec<PeerSettings>,
+    pub(crate) params: Params,
     /// The coordinator lock's period: a dead holder is replaced within it.
-    pub lock: Duration,
+    pub(crate) lock: Duration,
     /// Signed exchanges whose timestamp is further than this from our clock are refused
     /// (and nonces are remembered this long: the replay window).
-    pub max_skew: Duration,
+    pub(crate) max_skew: Duration,
     /// Largest exchange body accepted (and reply read): what `max_exchange_keys` keys of
     /// `server.max_key_bytes` take at worst (every byte escaped), with room for the
     /// envelope. Only a peer that holds the secret gets a body read at all.
-    pub max_exchange_bytes: usize,
+    pub(crate) max_exchange_bytes: usize,
     /// `server.max_key_bytes`: a peer's key longer than this is refused like a client's.
-    pub max_key_bytes: usize,
+    pub(crate) max_key_bytes: usize,
     /// The form exchanges travel in (`coordinator.exchange_encoding`).
-    pub encoding: Encoding,
+    pub(crate) encoding: Encoding,
 }
 
 /// How this region sends exchanges, and which forms it accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Encoding {
+pub(crate) enum Encoding {
     /// The binary form, falling back to JSON for a peer that refuses it (an older
     /// version); JSON is accepted too.
     Binary,
@@ -69,11 +69,11 @@ pub enum Encoding {
 
 /// Bytes an exchange may spend per key besides the key itself (fields, quoting, escapes
 /// of a few characters), and on its envelope.
-pub const EXCHANGE_BYTES_PER_KEY: usize = 128;
-pub const EXCHANGE_ENVELOPE_BYTES: usize = 64 * 1024;
-pub const DEFAULT_LOCK: Duration = Duration::from_secs(3);
-pub const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
-pub const MIN_SECRET_BYTES: usize = 16;
+pub(crate) const EXCHANGE_BYTES_PER_KEY: usize = 128;
+pub(crate) const EXCHANGE_ENVELOPE_BYTES: usize = 64 * 1024;
+pub(crate) const DEFAULT_LOCK: Duration = Duration::from_secs(3);
+pub(crate) const DEFAULT_MAX_SKEW: Duration = Duration::from_secs(30);
+pub(crate) const MIN_SECRET_BYTES: usize = 16;
 
 /// Every region (ours and the peers'), sorted by name: a region's index is its id.
 pub(super) fn regions(region: &str, peers: &[PeerSettings]) -> Vec<String> {

@@ -39,16 +39,16 @@ use super::{Validator, raw};
 
 /// One node of a descriptor tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DescriptorNode {
-    pub key: String,
+pub(crate) struct DescriptorNode {
+    pub(crate) key: String,
     /// `None`: any value (each value is its own quotad key). A value ending in `*`: any
     /// value with the prefix before it (likewise).
-    pub value: Option<String>,
+    pub(crate) value: Option<String>,
     /// The policy of a request descriptor that ends here; `None`: not limited.
-    pub policy: Option<String>,
+    pub(crate) policy: Option<String>,
     /// Its hits are charged, never denied (see the module docs).
-    pub charge: bool,
-    pub children: Vec<DescriptorNode>,
+    pub(crate) charge: bool,
+    pub(crate) children: Vec<DescriptorNode>,
 }
 
 /// The policies a descriptor may name, and those it may charge.
@@ -64,23 +64,20 @@ type Seen = (String, Option<String>);
 
 /// The descriptor trees by domain.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Descriptors {
+pub(crate) struct Descriptors {
     domains: HashMap<String, Vec<DescriptorNode>>,
 }
 
 impl Descriptors {
-    pub fn is_empty(&self) -> bool {
-        self.domains.is_empty()
-    }
-
     /// How many domains have descriptors.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.domains.len()
     }
 
     /// The policy a request descriptor (its entries as `(key, value)`) is limited by, if
     /// any. Unknown domains and unmatched entries are not limited.
-    pub fn policy_of<'a, 'e>(
+    #[cfg(test)]
+    fn policy_of<'a, 'e>(
         &'a self,
         domain: &str,
         entries: impl IntoIterator<Item = (&'e str, &'e str)>,
@@ -89,7 +86,7 @@ impl Descriptors {
     }
 
     /// What a request descriptor lands on: its policy, and whether it is charged.
-    pub fn matched<'a, 'e>(
+    pub(crate) fn matched<'a, 'e>(
         &'a self,
         domain: &str,
         entries: impl IntoIterator<Item = (&'e str, &'e str)>,
@@ -116,10 +113,10 @@ impl Descriptors {
 
 /// The node a request descriptor landed on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Matched<'a> {
-    pub policy: &'a str,
+pub(crate) struct Matched<'a> {
+    pub(crate) policy: &'a str,
     /// Charged on the response path, never denied.
-    pub charge: bool,
+    pub(crate) charge: bool,
 }
 
 /// How well a node matches a value, best highest: exact beats a longer wildcard prefix

@@ -10,7 +10,7 @@ use super::{Validator, raw};
 
 /// Where one part of the key comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySource {
+pub(crate) enum KeySource {
     /// A header of the original request (the proxy forwards it), by lower-case name.
     Header(String),
     /// The client's address: the `X-Forwarded-For` entry appended by the outermost of
@@ -21,7 +21,7 @@ pub enum KeySource {
 
 /// What a request without its key gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum MissingKey {
+pub(crate) enum MissingKey {
     /// The denied status, as if the limit were reached.
     Deny,
     /// Allowed, not counted against any key.
@@ -33,7 +33,7 @@ pub enum MissingKey {
 impl MissingKey {
     /// The `answer` label of `quotad_forward_auth_missing_key_total`: the config's word
     /// for it, without the fixed key (a label value from a bounded set, never a key).
-    pub fn answer(&self) -> &'static str {
+    pub(crate) fn answer(&self) -> &'static str {
         match self {
             MissingKey::Deny => "deny",
             MissingKey::Allow => "allow",
@@ -44,22 +44,22 @@ impl MissingKey {
 
 /// One policy's forward-auth settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ForwardAuth {
+pub(crate) struct ForwardAuth {
     /// The parts of the key, joined in this order by `api::key::join` (`|`, escaped).
-    pub key: Vec<KeySource>,
+    pub(crate) key: Vec<KeySource>,
     /// Proxies in front of quotad that append to `X-Forwarded-For` and are trusted.
-    pub trusted_hops: usize,
+    pub(crate) trusted_hops: usize,
     /// The status of a denial (429 by default; nginx's `auth_request` accepts only 2xx,
     /// 401 and 403 from the subrequest).
-    pub denied_status: u16,
-    pub on_missing_key: MissingKey,
+    pub(crate) denied_status: u16,
+    pub(crate) on_missing_key: MissingKey,
     /// What each request costs (default 1; 0 is a peek: admitted unless the key has
     /// nothing left, as for a budget whose real cost the service charges after the work).
-    pub cost: u64,
+    pub(crate) cost: u64,
 }
 
 /// Forward-auth settings by policy name.
-pub type ForwardAuths = HashMap<String, ForwardAuth>;
+pub(crate) type ForwardAuths = HashMap<String, ForwardAuth>;
 
 pub(super) const DEFAULT_TRUSTED_HOPS: i64 = 1;
 pub(super) const DEFAULT_DENIED_STATUS: i64 = 429;

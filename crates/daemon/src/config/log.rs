@@ -5,19 +5,21 @@ use super::{Validator, raw};
 /// One line per event: readable text, or one JSON object (for a log pipeline).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LogFormat {
+    /// Human-readable lines.
     #[default]
     Text,
+    /// One JSON object per line.
     Json,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct LogSettings {
+pub(crate) struct LogSettings {
     /// `log.format`; fixed for the life of the process (a reload that changes it is
     /// refused).
-    pub format: LogFormat,
+    pub(crate) format: LogFormat,
     /// `log.requests`: the share of requests written to the request log, 0 (off, the
     /// default) to 1 (every one); applies on reload.
-    pub requests: f64,
+    pub(crate) requests: f64,
 }
 
 impl Validator<'_> {
@@ -48,7 +50,7 @@ impl Validator<'_> {
 
 /// `requests` as "log every Nth request" (0: none): an even sample without a random
 /// source on the request path.
-pub fn sample_every(requests: f64) -> u64 {
+pub(crate) fn sample_every(requests: f64) -> u64 {
     if requests <= 0.0 {
         0
     } else {

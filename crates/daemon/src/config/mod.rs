@@ -29,27 +29,18 @@ use std::time::Duration;
 use toml::Spanned;
 
 use crate::policy::{ConcurrencyPolicy, FailMode, Policy, PolicySpec};
+use crate::server::Endpoint;
 use quotad_core::algorithm::Algorithm;
 
-pub use coordinator::{
-    DEFAULT_LOCK, DEFAULT_MAX_SKEW, EXCHANGE_BYTES_PER_KEY, EXCHANGE_ENVELOPE_BYTES, Encoding,
-    GlobalSettings, MIN_SECRET_BYTES, PeerSettings, Secret,
-};
-pub use descriptor::{DescriptorNode, Descriptors};
-pub use forward_auth::{ForwardAuth, ForwardAuths, KeySource, MissingKey};
-pub use log::{LogFormat, LogSettings, sample_every};
-pub use policy::{MAX_LEASE, MAX_OVERRIDES, MAX_SLIDING_LOG_LIMIT, Overrides};
-pub use server::{
-    DEFAULT_BODY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_IDLE_TIMEOUT,
-    DEFAULT_LISTEN, DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_MEMORY,
-    DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_KEY_BYTES, DEFAULT_SHUTDOWN_DELAY, ServerSettings,
-    default_shutdown_delay,
-};
-pub use store::{
-    DEFAULT_BREAKER_THRESHOLD, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DENY_CACHE_KEYS,
-    DEFAULT_KEY_PREFIX, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_QUEUED, DEFAULT_MEMORY_MAX_KEYS,
-    DEFAULT_PROBE_INTERVAL, DEFAULT_QUEUE_TIMEOUT, DEFAULT_TIMEOUT, StoreBackend,
-};
+pub(crate) use coordinator::{Encoding, GlobalSettings, Secret};
+pub(crate) use descriptor::Descriptors;
+pub(crate) use forward_auth::{ForwardAuth, ForwardAuths, KeySource, MissingKey};
+pub use log::LogFormat;
+pub(crate) use log::{LogSettings, sample_every};
+pub(crate) use policy::Overrides;
+pub(crate) use server::ServerSettings;
+pub use store::StoreBackend;
+pub(crate) use store::{DEFAULT_KEY_PREFIX, DEFAULT_MEMORY_MAX_KEYS};
 
 /// The rule for names and prefixes (region, peer, policy, key prefix), as errors state it.
 const NAME_RULE: &str = "must be 1-64 characters of A-Z a-z 0-9 _ - .";
@@ -57,10 +48,10 @@ const NAME_RULE: &str = "must be 1-64 characters of A-Z a-z 0-9 _ - .";
 /// One problem in a config file: `file:line: field: message`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
-    pub file: String,
-    pub line: usize,
-    pub field: String,
-    pub message: String,
+    pub(crate) file: String,
+    pub(crate) line: usize,
+    pub(crate) field: String,
+    pub(crate) message: String,
 }
 
 impl fmt::Display for ConfigError {
@@ -92,38 +83,71 @@ impl fmt::Display for ConfigErrors {
 /// Everything the daemon needs, validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
-    pub region: String,
-    pub server: ServerSettings,
-    pub store: StoreBackend,
-    pub key_prefix: String,
+    pub(crate) region: String,
+    pub(crate) server: ServerSettings,
+    pub(crate) store: StoreBackend,
+    pub(crate) key_prefix: String,
     /// Keys the embedded store (the primary in memory mode, and the `local` fallback)
     /// holds at most.
-    pub memory_max_keys: usize,
-    pub policies: Vec<Policy>,
+    pub(crate) memory_max_keys: usize,
+    pub(crate) policies: Vec<Policy>,
     /// `[[policy]]` with `algorithm = "concurrency"`: concurrency limits.
     pub concurrency: Vec<ConcurrencyPolicy>,
     /// Present when at least one policy is global.
-    pub global: Option<GlobalSettings>,
+    pub(crate) global: Option<GlobalSettings>,
     /// `[policy.forward_auth]` of the policies that have one, by policy name.
-    pub forward_auth: ForwardAuths,
+    pub(crate) forward_auth: ForwardAuths,
     /// `[[policy.override]]`: per-key limits, by policy name.
-    pub overrides: Overrides,
+    pub(crate) overrides: Overrides,
     /// `policy.version` of each local policy (1 when not set): raised by the operator to
     /// let a reload change what the stored state of the policy's keys means (its
     /// algorithm, a window). Global policies have `policy.global.version` instead.
-    pub versions: std::collections::BTreeMap<String, u64>,
+    pub(crate) versions: std::collections::BTreeMap<String, u64>,
     /// The file these settings were loaded from (hot reload watches it).
-    pub source: Option<std::path::PathBuf>,
+    pub(crate) source: Option<std::path::PathBuf>,
     /// The files secrets were read from (`store.password_file`, `secret_file`): hot
     /// reload watches them too, and reads them again with the config.
-    pub secret_files: Vec<std::path::PathBuf>,
+    pub(crate) secret_files: Vec<std::path::PathBuf>,
     /// `[[descriptor]]`: Envoy descriptors by domain (the gRPC rate-limit service).
-    pub descriptors: Descriptors,
+    pub(crate) descriptors: Descriptors,
     /// `[log]`: the log's format and the request log's sample.
-    pub log: LogSettings,
+    pub(crate) log: LogSettings,
 }
 
 impl Settings {
+    /// Where the HTTP API listens (`server.listen`).
+    pub fn listen(&self) -> &Endpoint {
+        &self.server.listen
+    }
+
+    /// Where the Envoy rate-limit service listens, when it does (`server.grpc_listen`).
+    pub fn grpc_listen(&self) -> Option<&Endpoint> {
+        self.server.grpc_listen.as_ref()
+    }
+
+    /// The longest a stop takes from the signal to the exit: the wait while load
+    /// balancers notice (`server.shutdown_delay`), then the drain (`server.drain_timeout`).
+    pub fn longest_stop(&self) -> Duration {
+        self.server.shutdown_delay + self.server.drain_timeout
+    }
+
+    /// Stops without the wait for load balancers (`server.shutdown_delay = 0`): for a
+    /// daemon no balancer sends to (in-process tests, demos).
+    pub fn without_shutdown_delay(mut self) -> Settings {
+        self.server.shutdown_delay = Duration::ZERO;
+        self
+    }
+
+    /// The log's format (`log.format`).
+    pub fn log_format(&self) -> LogFormat {
+        self.log.format
+    }
+
+    /// The policies and concurrency limits the file defines.
+    pub fn policy_count(&self) -> usize {
+        self.policies.len() + self.concurrency.len()
+    }
+
     /// `quotad serve` without `--config`: the embedded store on loopback, with one policy
     /// (`default`, token bucket, 100 per minute) so a first request works with zero setup.
     pub fn builtin() -> Settings {

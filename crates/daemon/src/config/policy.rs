@@ -16,22 +16,22 @@ use quotad_core::algorithm::Algorithm;
 use quotad_core::coordinator::Mode;
 
 /// Leases longer than this would outlive the keep time of global keys in Redis.
-pub const MAX_LEASE: Duration = Duration::from_secs(600);
+pub(crate) const MAX_LEASE: Duration = Duration::from_secs(600);
 // Every Redis key of a global policy lives `GLOBAL_KEEP_MS` after its last touch: a lease
 // must end well before, so a book never expires while it still counts.
 const _: () = assert!(MAX_LEASE.as_millis() * 2 < GLOBAL_KEEP_MS as u128);
 /// A sliding log stores one entry per admission (about 100 KB per key at limit 1,000, and a
 /// cost-N check writes N entries inside one script): above this, the sliding_window counter
 /// is the right tool.
-pub const MAX_SLIDING_LOG_LIMIT: i64 = policy::MAX_SLIDING_LOG_LIMIT as i64;
+pub(crate) const MAX_SLIDING_LOG_LIMIT: i64 = policy::MAX_SLIDING_LOG_LIMIT as i64;
 
 /// The lease and round every global policy shares (one coordinator per daemon), and the
 /// first policy that set them, for the message when another differs.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Timing {
-    pub lease: Duration,
-    pub round: Duration,
-    pub first: usize,
+    pub(super) lease: Duration,
+    pub(super) round: Duration,
+    pub(super) first: usize,
 }
 
 fn policy_field(i: usize, name: &str) -> String {
@@ -44,11 +44,11 @@ fn global_field(i: usize, name: &str) -> String {
 
 /// What `[[policy]]` compiles to.
 pub(super) struct Compiled {
-    pub policies: Vec<Policy>,
-    pub concurrency: Vec<ConcurrencyPolicy>,
+    pub(super) policies: Vec<Policy>,
+    pub(super) concurrency: Vec<ConcurrencyPolicy>,
     /// The lease and round of the global policies, if any.
-    pub timing: Option<Timing>,
-    pub overrides: Overrides,
+    pub(super) timing: Option<Timing>,
+    pub(super) overrides: Overrides,
 }
 
 /// Whether `[[policy]]` `p` is a concurrency limit (`config::concurrency`).
@@ -57,10 +57,10 @@ pub(super) fn is_concurrency(p: &raw::Policy) -> bool {
 }
 
 /// Per-key overrides by policy name.
-pub type Overrides = std::collections::BTreeMap<String, Vec<Override>>;
+pub(crate) type Overrides = std::collections::BTreeMap<String, Vec<Override>>;
 
 /// Overrides a policy may have: each is a policy of its own in memory, matched per check.
-pub const MAX_OVERRIDES: usize = 10_000;
+pub(crate) const MAX_OVERRIDES: usize = 10_000;
 
 impl Validator<'_> {
     /// `[[policy.override]]` of policy `i` (valid as `base`): each a copy of the policy

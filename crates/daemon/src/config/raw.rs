@@ -10,25 +10,25 @@ use toml::Spanned;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Config {
-    pub region: Option<Spanned<String>>,
-    pub server: Option<Server>,
-    pub store: Option<Store>,
-    pub coordinator: Option<Coordinator>,
+    pub(super) region: Option<Spanned<String>>,
+    pub(super) server: Option<Server>,
+    pub(super) store: Option<Store>,
+    pub(super) coordinator: Option<Coordinator>,
     #[serde(default)]
-    pub peer: Vec<Peer>,
+    pub(super) peer: Vec<Peer>,
     #[serde(default)]
-    pub policy: Vec<Policy>,
+    pub(super) policy: Vec<Policy>,
     /// `[[descriptor]]`: Envoy rate-limit descriptors mapped to policies (gRPC).
     #[serde(default)]
-    pub descriptor: Vec<Descriptor>,
-    pub log: Option<Log>,
+    pub(super) descriptor: Vec<Descriptor>,
+    pub(super) log: Option<Log>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Log {
-    pub format: Option<Spanned<String>>,
-    pub requests: Option<Spanned<f64>>,
+    pub(super) format: Option<Spanned<String>>,
+    pub(super) requests: Option<Spanned<f64>>,
 }
 
 /// `[[descriptor]]` and its nested `[[descriptor.descriptor]]`: one level of an Envoy
@@ -36,97 +36,97 @@ pub(super) struct Log {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Descriptor {
-    pub domain: Option<Spanned<String>>,
-    pub key: Spanned<String>,
-    pub value: Option<Spanned<String>>,
-    pub policy: Option<Spanned<String>>,
+    pub(super) domain: Option<Spanned<String>>,
+    pub(super) key: Spanned<String>,
+    pub(super) value: Option<Spanned<String>>,
+    pub(super) policy: Option<Spanned<String>>,
     /// A descriptor counted on Envoy's response path: charged, never denied.
-    pub charge: Option<Spanned<bool>>,
+    pub(super) charge: Option<Spanned<bool>>,
     #[serde(default)]
-    pub descriptor: Vec<Descriptor>,
+    pub(super) descriptor: Vec<Descriptor>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Coordinator {
-    pub secret: Option<Spanned<String>>,
-    pub secret_file: Option<Spanned<String>>,
-    pub secret_env: Option<Spanned<String>>,
-    pub lock: Option<Spanned<String>>,
-    pub margin: Option<Spanned<String>>,
-    pub epsilon: Option<Spanned<f64>>,
-    pub max_skew: Option<Spanned<String>>,
-    pub max_exchange_keys: Option<Spanned<i64>>,
-    pub exchange_encoding: Option<Spanned<String>>,
-    pub sense: Option<Spanned<String>>,
+    pub(super) secret: Option<Spanned<String>>,
+    pub(super) secret_file: Option<Spanned<String>>,
+    pub(super) secret_env: Option<Spanned<String>>,
+    pub(super) lock: Option<Spanned<String>>,
+    pub(super) margin: Option<Spanned<String>>,
+    pub(super) epsilon: Option<Spanned<f64>>,
+    pub(super) max_skew: Option<Spanned<String>>,
+    pub(super) max_exchange_keys: Option<Spanned<i64>>,
+    pub(super) exchange_encoding: Option<Spanned<String>>,
+    pub(super) sense: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Peer {
-    pub region: Spanned<String>,
-    pub url: Option<Spanned<String>>,
-    pub urls: Option<Spanned<Vec<String>>>,
-    pub secret: Option<Spanned<String>>,
-    pub secret_file: Option<Spanned<String>>,
-    pub secret_env: Option<Spanned<String>>,
+    pub(super) region: Spanned<String>,
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) urls: Option<Spanned<Vec<String>>>,
+    pub(super) secret: Option<Spanned<String>>,
+    pub(super) secret_file: Option<Spanned<String>>,
+    pub(super) secret_env: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Global {
-    pub escrow: Spanned<std::collections::BTreeMap<String, Spanned<f64>>>,
-    pub lease: Option<Spanned<String>>,
-    pub round: Option<Spanned<String>>,
-    pub allocation: Option<Spanned<String>>,
-    pub version: Option<Spanned<i64>>,
+    pub(super) escrow: Spanned<std::collections::BTreeMap<String, Spanned<f64>>>,
+    pub(super) lease: Option<Spanned<String>>,
+    pub(super) round: Option<Spanned<String>>,
+    pub(super) allocation: Option<Spanned<String>>,
+    pub(super) version: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Server {
-    pub listen: Option<Spanned<String>>,
-    pub grpc_listen: Option<Spanned<String>>,
-    pub grpc_max_connections: Option<Spanned<i64>>,
-    pub drain_timeout: Option<Spanned<String>>,
-    pub shutdown_delay: Option<Spanned<String>>,
-    pub max_body_bytes: Option<Spanned<i64>>,
-    pub max_batch: Option<Spanned<i64>>,
-    pub max_key_bytes: Option<Spanned<i64>>,
-    pub max_connections: Option<Spanned<i64>>,
-    pub max_header_bytes: Option<Spanned<i64>>,
-    pub header_timeout: Option<Spanned<String>>,
-    pub body_timeout: Option<Spanned<String>>,
-    pub idle_timeout: Option<Spanned<String>>,
-    pub ready_requires_store: Option<bool>,
-    pub max_body_memory: Option<Spanned<i64>>,
+    pub(super) listen: Option<Spanned<String>>,
+    pub(super) grpc_listen: Option<Spanned<String>>,
+    pub(super) grpc_max_connections: Option<Spanned<i64>>,
+    pub(super) drain_timeout: Option<Spanned<String>>,
+    pub(super) shutdown_delay: Option<Spanned<String>>,
+    pub(super) max_body_bytes: Option<Spanned<i64>>,
+    pub(super) max_batch: Option<Spanned<i64>>,
+    pub(super) max_key_bytes: Option<Spanned<i64>>,
+    pub(super) max_connections: Option<Spanned<i64>>,
+    pub(super) max_header_bytes: Option<Spanned<i64>>,
+    pub(super) header_timeout: Option<Spanned<String>>,
+    pub(super) body_timeout: Option<Spanned<String>>,
+    pub(super) idle_timeout: Option<Spanned<String>>,
+    pub(super) ready_requires_store: Option<bool>,
+    pub(super) max_body_memory: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Store {
-    pub redis: Option<Spanned<String>>,
-    pub redis_cluster: Option<Spanned<Vec<Spanned<String>>>>,
-    pub redis_sentinels: Option<Spanned<Vec<Spanned<String>>>>,
-    pub redis_sentinel_master: Option<Spanned<String>>,
-    pub tls_ca_file: Option<Spanned<String>>,
-    pub tls_cert_file: Option<Spanned<String>>,
-    pub tls_key_file: Option<Spanned<String>>,
-    pub username: Option<Spanned<String>>,
-    pub password: Option<Spanned<String>>,
-    pub password_file: Option<Spanned<String>>,
-    pub password_env: Option<Spanned<String>>,
-    pub timeout: Option<Spanned<String>>,
-    pub connect_timeout: Option<Spanned<String>>,
-    pub key_prefix: Option<Spanned<String>>,
-    pub breaker_threshold: Option<Spanned<i64>>,
-    pub probe_interval: Option<Spanned<String>>,
-    pub max_in_flight: Option<Spanned<i64>>,
-    pub max_queued: Option<Spanned<i64>>,
-    pub queue_timeout: Option<Spanned<String>>,
-    pub deny_cache_keys: Option<Spanned<i64>>,
-    pub memory_max_keys: Option<Spanned<i64>>,
-    pub janitor_interval: Option<Spanned<String>>,
+    pub(super) redis: Option<Spanned<String>>,
+    pub(super) redis_cluster: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) redis_sentinels: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) redis_sentinel_master: Option<Spanned<String>>,
+    pub(super) tls_ca_file: Option<Spanned<String>>,
+    pub(super) tls_cert_file: Option<Spanned<String>>,
+    pub(super) tls_key_file: Option<Spanned<String>>,
+    pub(super) username: Option<Spanned<String>>,
+    pub(super) password: Option<Spanned<String>>,
+    pub(super) password_file: Option<Spanned<String>>,
+    pub(super) password_env: Option<Spanned<String>>,
+    pub(super) timeout: Option<Spanned<String>>,
+    pub(super) connect_timeout: Option<Spanned<String>>,
+    pub(super) key_prefix: Option<Spanned<String>>,
+    pub(super) breaker_threshold: Option<Spanned<i64>>,
+    pub(super) probe_interval: Option<Spanned<String>>,
+    pub(super) max_in_flight: Option<Spanned<i64>>,
+    pub(super) max_queued: Option<Spanned<i64>>,
+    pub(super) queue_timeout: Option<Spanned<String>>,
+    pub(super) deny_cache_keys: Option<Spanned<i64>>,
+    pub(super) memory_max_keys: Option<Spanned<i64>>,
+    pub(super) janitor_interval: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -134,58 +134,58 @@ pub(super) struct Store {
 pub(super) struct Policy {
     pub name: Spanned<String>,
     pub algorithm: Spanned<String>,
-    pub limit: Spanned<i64>,
-    pub window: Spanned<String>,
+    pub(super) limit: Spanned<i64>,
+    pub(super) window: Spanned<String>,
     pub burst: Option<Spanned<i64>>,
-    pub on_store_error: Option<Spanned<String>>,
-    pub shadow: Option<Spanned<bool>>,
+    pub(super) on_store_error: Option<Spanned<String>>,
+    pub(super) shadow: Option<Spanned<bool>>,
     /// Checks per second of one key on one instance from which it takes slices
     /// (`store::redis::hot`); absent: never.
-    pub hot_key_rate: Option<Spanned<i64>>,
+    pub(super) hot_key_rate: Option<Spanned<i64>>,
     /// How long a reservation of this policy may wait for its settlement (`POST
     /// /v1/settle`); absent: checks cannot reserve.
-    pub settle_within: Option<Spanned<String>>,
+    pub(super) settle_within: Option<Spanned<String>>,
     /// A local policy's state version (see `reload::state_refusal`).
-    pub version: Option<Spanned<i64>>,
+    pub(super) version: Option<Spanned<i64>>,
     pub global: Option<Global>,
-    pub forward_auth: Option<ForwardAuth>,
+    pub(super) forward_auth: Option<ForwardAuth>,
     #[serde(rename = "override", default)]
-    pub overrides: Vec<Override>,
+    pub(super) overrides: Vec<Override>,
 }
 
 /// `[[policy.override]]`: one of `key`, `prefix`, `glob`, and the limits.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct Override {
-    pub key: Option<Spanned<String>>,
-    pub prefix: Option<Spanned<String>>,
-    pub glob: Option<Spanned<String>>,
-    pub limit: Spanned<i64>,
-    pub window: Option<Spanned<String>>,
-    pub burst: Option<Spanned<i64>>,
+    pub(super) key: Option<Spanned<String>>,
+    pub(super) prefix: Option<Spanned<String>>,
+    pub(super) glob: Option<Spanned<String>>,
+    pub(super) limit: Spanned<i64>,
+    pub(super) window: Option<Spanned<String>>,
+    pub(super) burst: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct ForwardAuth {
-    pub key: Spanned<Vec<Spanned<String>>>,
-    pub trusted_hops: Option<Spanned<i64>>,
-    pub denied_status: Option<Spanned<i64>>,
-    pub on_missing_key: Option<Spanned<String>>,
+    pub(super) key: Spanned<Vec<Spanned<String>>>,
+    pub(super) trusted_hops: Option<Spanned<i64>>,
+    pub(super) denied_status: Option<Spanned<i64>>,
+    pub(super) on_missing_key: Option<Spanned<String>>,
     /// The cost of each check (0: a peek).
-    pub cost: Option<Spanned<i64>>,
+    pub(super) cost: Option<Spanned<i64>>,
 }
 
 /// Where an offset falls in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Location {
     /// 1-based line.
-    pub line: usize,
+    pub(super) line: usize,
     /// The enclosing table as a path, e.g. `policy[1]` (`[[policy]]` headers are counted);
     /// empty at top level.
-    pub table: String,
+    pub(super) table: String,
     /// The key on that line (text before `=`), if any.
-    pub key: Option<String>,
+    pub(super) key: Option<String>,
 }
 
 impl Location {

@@ -28,9 +28,9 @@ pub(super) const MAX_SECRET_FILE_BYTES: u64 = 64 * 1024;
 
 /// The three places a secret field `X` may be given.
 pub(super) struct Sources<'a> {
-    pub inline: Option<&'a Spanned<String>>,
-    pub file: Option<&'a Spanned<String>>,
-    pub env: Option<&'a Spanned<String>>,
+    pub(super) inline: Option<&'a Spanned<String>>,
+    pub(super) file: Option<&'a Spanned<String>>,
+    pub(super) env: Option<&'a Spanned<String>>,
 }
 
 impl<'a> Sources<'a> {
@@ -55,9 +55,9 @@ impl<'a> Sources<'a> {
 /// A secret read from where the config said, with the key that said so (for errors the
 /// caller finds later, such as a secret too short).
 pub(super) struct Resolved<'a> {
-    pub bytes: Vec<u8>,
-    pub at: &'a Spanned<String>,
-    pub field: String,
+    pub(super) bytes: Vec<u8>,
+    pub(super) at: &'a Spanned<String>,
+    pub(super) field: String,
 }
 
 impl Validator<'_> {

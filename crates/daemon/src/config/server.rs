@@ -10,40 +10,40 @@ use super::{Validator, raw};
 use crate::server::Endpoint;
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct ServerSettings {
+pub(crate) struct ServerSettings {
     /// An address and port, or a Unix socket (`unix:/path`) for a sidecar on the host.
-    pub listen: Endpoint,
+    pub(crate) listen: Endpoint,
     /// The Envoy rate-limit service's gRPC listener (`api::grpc`), an address or a Unix
     /// socket; none when absent.
-    pub grpc_listen: Option<Endpoint>,
+    pub(crate) grpc_listen: Option<Endpoint>,
     /// Connections the gRPC listener keeps open at once, apart from `max_connections`
     /// (Envoy holds a few long-lived ones per proxy; an HTTP flood must not starve them).
-    pub grpc_max_connections: usize,
-    pub drain_timeout: Duration,
+    pub(crate) grpc_max_connections: usize,
+    pub(crate) drain_timeout: Duration,
     /// Time between readiness turning 503 and the listener closing.
-    pub shutdown_delay: Duration,
-    pub max_body_bytes: usize,
-    pub max_batch: usize,
-    pub max_key_bytes: usize,
+    pub(crate) shutdown_delay: Duration,
+    pub(crate) max_body_bytes: usize,
+    pub(crate) max_batch: usize,
+    pub(crate) max_key_bytes: usize,
     /// `None`: sized at start-up from the open-files limit
     /// ([`crate::server::default_max_connections`]).
-    pub max_connections: Option<usize>,
-    pub max_header_bytes: usize,
+    pub(crate) max_connections: Option<usize>,
+    pub(crate) max_header_bytes: usize,
     /// From accept (or a request's first byte) to the end of its headers.
-    pub header_timeout: Duration,
+    pub(crate) header_timeout: Duration,
     /// From the end of the headers to the end of the body.
-    pub body_timeout: Duration,
+    pub(crate) body_timeout: Duration,
     /// A keep-alive connection with no request in progress.
-    pub idle_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
     /// `/readyz` also fails while the store is unusable (default: only while draining).
-    pub ready_requires_store: bool,
+    pub(crate) ready_requires_store: bool,
     /// Bytes that request bodies being read may hold together (503 beyond).
-    pub max_body_memory: usize,
+    pub(crate) max_body_memory: usize,
 }
 
 impl ServerSettings {
     /// The defaults of `[server]`.
-    pub fn defaults() -> Self {
+    pub(crate) fn defaults() -> Self {
         ServerSettings {
             listen: Endpoint::Tcp(default_listen()),
             grpc_listen: None,
@@ -66,7 +66,7 @@ impl ServerSettings {
 
 /// `shutdown_delay` when the file does not set it: 5 s (time for load balancers and
 /// kube-proxy to drop the instance after readiness fails), at most half the drain timeout.
-pub fn default_shutdown_delay(drain_timeout: Duration) -> Duration {
+pub(crate) fn default_shutdown_delay(drain_timeout: Duration) -> Duration {
     DEFAULT_SHUTDOWN_DELAY.min(drain_timeout / 2)
 }
 
@@ -74,29 +74,29 @@ fn default_listen() -> SocketAddr {
     DEFAULT_LISTEN.parse().expect("valid default address")
 }
 
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:8686";
-pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
-pub const DEFAULT_MAX_BODY_BYTES: i64 = 64 * 1024;
-pub const DEFAULT_MAX_BATCH: i64 = 64;
+pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:8686";
+pub(crate) const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_MAX_BODY_BYTES: i64 = 64 * 1024;
+pub(crate) const DEFAULT_MAX_BATCH: i64 = 64;
 /// Envoy opens about one HTTP/2 connection per worker thread to its rate-limit cluster:
 /// 1,024 serve a hundred 8-worker proxies with room to spare.
 pub(super) const DEFAULT_GRPC_MAX_CONNECTIONS: i64 = 1024;
-pub const DEFAULT_MAX_KEY_BYTES: i64 = 512;
-pub const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_MAX_KEY_BYTES: i64 = 512;
+pub(crate) const DEFAULT_SHUTDOWN_DELAY: Duration = Duration::from_secs(5);
 /// Request headers (request line included): 431 beyond. nginx holds 8 KiB per line;
 /// quotad's requests carry a few hundred bytes, and a connection dribbling headers holds a
 /// read buffer of this size.
-pub const DEFAULT_MAX_HEADER_BYTES: i64 = 8 * 1024;
+pub(crate) const DEFAULT_MAX_HEADER_BYTES: i64 = 8 * 1024;
 /// Request bodies being read, together: 1,024 full 64 KiB bodies. Normal checks carry a few
 /// hundred bytes; this is what slow or hostile senders can pin.
-pub const DEFAULT_MAX_BODY_MEMORY: i64 = 64 << 20;
+pub(crate) const DEFAULT_MAX_BODY_MEMORY: i64 = 64 << 20;
 /// Long enough for any client on a slow link to send a few hundred bytes of headers; short
 /// enough that a slowloris holds a connection for seconds, not forever.
-pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Above the idle timeouts of common client pools and load balancers (AWS ALB 60 s), so
 /// that it is they who close an idle connection, never quotad under a request in flight.
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(75);
+pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(75);
 
 impl Validator<'_> {
     /// `[server]`, checked in the order of its fields (errors on one line keep that order);

@@ -12,31 +12,34 @@ use crate::store::redis::RedisSettings;
 use crate::store::redis::admission::AdmissionSettings;
 use crate::store::redis::connect::{Target, TlsFiles, Topology};
 
+/// Where limiter state lives (`[store]`).
 #[derive(Debug, Clone, PartialEq)]
 #[allow(clippy::large_enum_variant)] // built once, at start-up
 pub enum StoreBackend {
+    /// The embedded store (`backend = "memory"`).
     Memory,
+    /// A Redis server, Sentinel set or Cluster.
     Redis(RedisSettings),
 }
 
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-pub const DEFAULT_BREAKER_THRESHOLD: i64 = 3;
-pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(100);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
+pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const DEFAULT_BREAKER_THRESHOLD: i64 = 3;
+pub(crate) const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// Redis calls in flight: enough to keep Redis's pipeline full (its -P 32 ceiling with 50
 /// clients was reached at a few hundred), few enough that a call's wait inside Redis stays
 /// a few ms (256 scripts at ~20 us each).
-pub const DEFAULT_MAX_IN_FLIGHT: i64 = 256;
+pub(crate) const DEFAULT_MAX_IN_FLIGHT: i64 = 256;
 /// Requests waiting for Redis: about 100 ms of work at the ~40k decisions/s of a 2-core
 /// machine. Beyond it a request would wait longer than any client's timeout allows.
-pub const DEFAULT_MAX_QUEUED: i64 = 4096;
-pub const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(100);
+pub(crate) const DEFAULT_MAX_QUEUED: i64 = 4096;
+pub(crate) const DEFAULT_QUEUE_TIMEOUT: Duration = Duration::from_millis(100);
 /// Denials remembered (about 100 bytes each): enough for every key a flood can be hitting.
-pub const DEFAULT_DENY_CACHE_KEYS: i64 = 100_000;
+pub(crate) const DEFAULT_DENY_CACHE_KEYS: i64 = 100_000;
 /// A million keys: about 100 MB for counters and buckets, about 400 MB for sliding logs at a
 /// limit of 5 (measured: 394 MB for 1.1 M keys).
-pub const DEFAULT_MEMORY_MAX_KEYS: i64 = 1_000_000;
-pub const DEFAULT_KEY_PREFIX: &str = "rl";
+pub(crate) const DEFAULT_MEMORY_MAX_KEYS: i64 = 1_000_000;
+pub(crate) const DEFAULT_KEY_PREFIX: &str = "rl";
 /// A sweep of a million keys takes 10,000 paced SCAN steps: a few minutes between sweeps
 /// keeps the janitor's share of Redis negligible and a lost TTL short-lived.
 pub(super) const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(300);

@@ -20,15 +20,16 @@ use sha2::Sha256;
 
 type HmacSha256 = Hmac<Sha256>;
 
-pub const HEADER_REGION: &str = "x-quotad-region";
-pub const HEADER_TIMESTAMP: &str = "x-quotad-timestamp";
-pub const HEADER_NONCE: &str = "x-quotad-nonce";
+pub(crate) const HEADER_REGION: &str = "x-quotad-region";
+pub(crate) const HEADER_TIMESTAMP: &str = "x-quotad-timestamp";
+pub(crate) const HEADER_NONCE: &str = "x-quotad-nonce";
+/// The header carrying a request's or reply's MAC.
 pub const HEADER_SIGNATURE: &str = "x-quotad-signature";
-pub const HEADER_HEADERS_SIGNATURE: &str = "x-quotad-headers-signature";
+pub(crate) const HEADER_HEADERS_SIGNATURE: &str = "x-quotad-headers-signature";
 
 /// Why an exchange was refused: the `reason` label of `quotad_exchange_rejected_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Rejection {
+pub(crate) enum Rejection {
     #[error("missing or malformed authentication headers")]
     Unauthenticated,
     #[error("the sender is not a configured peer")]
@@ -60,7 +61,7 @@ pub enum Rejection {
 }
 
 impl Rejection {
-    pub const ALL: [Rejection; 12] = [
+    pub(crate) const ALL: [Rejection; 12] = [
         Rejection::Unauthenticated,
         Rejection::UnknownPeer,
         Rejection::BadSignature,
@@ -75,7 +76,7 @@ impl Rejection {
         Rejection::UnknownKeys,
     ];
 
-    pub fn reason(self) -> &'static str {
+    pub(crate) fn reason(self) -> &'static str {
         match self {
             Rejection::Unauthenticated => "unauthenticated",
             Rejection::UnknownPeer => "unknown_peer",
@@ -96,18 +97,23 @@ impl Rejection {
 /// The authentication headers of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Signed {
+    /// The region that signed.
     pub from: String,
-    pub timestamp_ms: i64,
+    pub(crate) timestamp_ms: i64,
+    /// A nonce the reply signs too, so a reply cannot be replayed to another request.
     pub nonce: String,
+    /// The MAC, hex-encoded.
     pub signature: String,
     /// The MAC over the headers and the body's length (see the module docs).
-    pub headers_signature: String,
+    pub(crate) headers_signature: String,
 }
 
 impl Signed {
     /// The signed form of a request, from its headers (`header` looks one up by name);
     /// `Unauthenticated` when any is missing or malformed.
-    pub fn from_headers<'a>(header: impl Fn(&str) -> Option<&'a str>) -> Result<Signed, Rejection> {
+    pub(crate) fn from_headers<'a>(
+        header: impl Fn(&str) -> Option<&'a str>,
+    ) -> Result<Signed, Rejection> {
         match (
             header(HEADER_REGION),
             header(HEADER_TIMESTAMP).and_then(|t| t.parse::<i64>().ok()),
@@ -215,10 +221,11 @@ pub fn sign_request(secret: &[u8], from: &str, to: &str, now_ms: i64, body: &[u8
     }
 }
 
-pub fn sign_reply(secret: &[u8], nonce: &str, body: &[u8]) -> String {
+pub(crate) fn sign_reply(secret: &[u8], nonce: &str, body: &[u8]) -> String {
     hex::encode(reply_mac(secret, nonce, body).finalize().into_bytes())
 }
 
+/// Whether `signature` is the peer's MAC of its reply `body` to the request of `nonce`.
 pub fn verify_reply(secret: &[u8], nonce: &str, body: &[u8], signature: &str) -> bool {
     match hex::decode(signature) {
         Ok(sig) => reply_mac(secret, nonce, body).verify_slice(&sig).is_ok(),
@@ -229,7 +236,7 @@ pub fn verify_reply(secret: &[u8], nonce: &str, body: &[u8], signature: &str) ->
 /// The receiving side: the peers' secrets and the nonces seen within the window. Shared by
 /// the request handlers: the signature is checked without a lock (a body of up to a
 /// megabyte is hashed), only the nonce bookkeeping takes it.
-pub struct Verifier {
+pub(crate) struct Verifier {
     me: String,
     secrets: HashMap<String, Vec<u8>>,
     max_skew_ms: i64,
@@ -244,7 +251,7 @@ pub struct Verifier {
 const SIGNATURE_HEX: usize = 64;
 
 impl Verifier {
-    pub fn new(me: &str, secrets: HashMap<String, Vec<u8>>, max_skew_ms: i64) -> Self {
+    pub(crate) fn new(me: &str, secrets: HashMap<String, Vec<u8>>, max_skew_ms: i64) -> Self {
         Verifier {
             me: me.to_owned(),
             secrets,
@@ -258,7 +265,7 @@ impl Verifier {
     /// is a configured peer, its MAC over the headers and the declared body length `len`
     /// holds (it needs the secret), the timestamp is fresh, and the nonce is new. A request
     /// that fails here costs no body read.
-    pub fn precheck(&self, signed: &Signed, len: u64, now_ms: i64) -> Result<(), Rejection> {
+    pub(crate) fn precheck(&self, signed: &Signed, len: u64, now_ms: i64) -> Result<(), Rejection> {
         let secret = self
             .secrets
             .get(&signed.from)
@@ -291,7 +298,12 @@ impl Verifier {
     }
 
     /// Checks a request; on success remembers its nonce.
-    pub fn verify(&self, signed: &Signed, body: &[u8], now_ms: i64) -> Result<(), Rejection> {
+    pub(crate) fn verify(
+        &self,
+        signed: &Signed,
+        body: &[u8],
+        now_ms: i64,
+    ) -> Result<(), Rejection> {
         let secret = self
             .secrets
             .get(&signed.from)

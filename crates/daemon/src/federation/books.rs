@@ -19,15 +19,18 @@ use quotad_core::coordinator::{LocalUs, RegionId};
 
 /// One book to write: the key's hash, the user key and the book.
 pub struct BookWrite<'a> {
+    /// The key's hash in Redis.
     pub storage_key: &'a str,
+    /// The key as clients send it.
     pub user_key: &'a str,
+    /// The book to write.
     pub book: &'a LeaseBook,
 }
 
 /// Books the book-write script takes per call: enough that the per-call work (the fence,
 /// the default, the time, the call itself) is spread thin, few enough that one call holds
 /// Redis for well under a millisecond.
-pub const BOOKS_PER_CALL: usize = 64;
+pub(crate) const BOOKS_PER_CALL: usize = 64;
 
 /// The book-write script's call for `books` (at most [`BOOKS_PER_CALL`] of one policy),
 /// fenced by `token` (checked against `keys.fence`). The reply is each book's epoch.
@@ -101,7 +104,7 @@ pub fn set_default_invocation<'a>(
     inv
 }
 
-pub fn reservations_arg(reserved: &[Reservation]) -> String {
+pub(crate) fn reservations_arg(reserved: &[Reservation]) -> String {
     words(
         reserved
             .iter()
@@ -109,7 +112,7 @@ pub fn reservations_arg(reserved: &[Reservation]) -> String {
     )
 }
 
-pub fn loans_arg(loans: &[Loan]) -> String {
+pub(crate) fn loans_arg(loans: &[Loan]) -> String {
     words(loans.iter().map(|l| {
         format!(
             "{} {} {} {} {}",

@@ -25,15 +25,15 @@
 
 /// What a takeover drew.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Drawn {
-    pub incarnation: u64,
+pub(crate) struct Drawn {
+    pub(crate) incarnation: u64,
     /// The last incarnation was from the future and this one is below it.
-    pub rebased: bool,
+    pub(crate) rebased: bool,
 }
 
 /// The incarnation a takeover draws after `last` (the region's last, if it has one) at
 /// wall-clock `wall_ms`, with peers allowing `max_skew_ms` of skew.
-pub fn next(last: Option<u64>, wall_ms: u64, max_skew_ms: u64) -> Drawn {
+pub(crate) fn next(last: Option<u64>, wall_ms: u64, max_skew_ms: u64) -> Drawn {
     let ceiling = ceiling(wall_ms, max_skew_ms);
     let above = last.map_or(0, |l| l.saturating_add(1));
     let incarnation = above.max(wall_ms).min(ceiling).max(1);
@@ -52,7 +52,7 @@ pub fn now_ms() -> u64 {
 /// Whether a coordinator with incarnation `incarnation` must take over again: at
 /// wall-clock `wall_ms` it is past what any takeover now could draw (its host's clock went
 /// back by more than the skew since it drew it), so peers would refuse it for as long.
-pub fn from_the_future(incarnation: u64, wall_ms: u64, max_skew_ms: u64) -> bool {
+pub(crate) fn from_the_future(incarnation: u64, wall_ms: u64, max_skew_ms: u64) -> bool {
     incarnation > ceiling(wall_ms, max_skew_ms)
 }
 

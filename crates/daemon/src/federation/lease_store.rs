@@ -41,7 +41,7 @@ use quotad_core::coordinator::node::{LeaseStore, Written};
 
 /// Commands per pipeline: large enough that round trips do not dominate, small enough
 /// that one pipeline's replies stay well inside the socket timeout.
-pub const BATCH: usize = 1000;
+pub(crate) const BATCH: usize = 1000;
 
 /// Redis's clock as the coordinator reads it: the offset from a monotonic clock, re-read
 /// (`TIME`) at the start of every event, so the node's readings between two syncs move
@@ -53,6 +53,7 @@ pub struct RedisClock {
 }
 
 impl RedisClock {
+    /// A clock synchronised with no Redis yet (offset 0).
     pub fn new() -> Self {
         RedisClock {
             base: Instant::now(),
@@ -80,7 +81,7 @@ impl Clock for RedisClock {
 /// One global policy as a coordinator store needs it: where its keys live, and its
 /// per-policy keys and script numbers (the layout's, without the Option).
 pub struct PolicyEntry {
-    pub layout: PolicyLayout,
+    pub(crate) layout: PolicyLayout,
     pub global: Arc<GlobalLayout>,
 }
 
@@ -105,13 +106,13 @@ pub fn global_policies(
 }
 
 /// Redis as the coordinator's backend: connects, takes the region's lock.
-pub struct RedisBackend {
-    pub target: SharedTarget,
-    pub lock: Arc<Lock>,
-    pub timeout: Duration,
-    pub conn: Option<SyncConn>,
+pub(crate) struct RedisBackend {
+    pub(crate) target: SharedTarget,
+    pub(crate) lock: Arc<Lock>,
+    pub(crate) timeout: Duration,
+    pub(crate) conn: Option<SyncConn>,
     /// An eviction-policy problem was logged (once).
-    pub warned: bool,
+    pub(crate) warned: bool,
 }
 
 impl RedisBackend {
@@ -207,6 +208,8 @@ impl Backend for RedisBackend {
     }
 }
 
+/// The coordinator's lease books in the region's Redis: read, written under the region's
+/// lock's fencing token, and made durable with `WAIT` where replicas are attached.
 pub struct RedisLeaseStore {
     conn: SyncConn,
     clock: RedisClock,
@@ -239,6 +242,7 @@ pub struct RedisLeaseStore {
 }
 
 impl RedisLeaseStore {
+    /// A lease store over `conn`, writing under `token` (the lock `lock` granted).
     pub fn new(
         conn: SyncConn,
         clock: RedisClock,

@@ -19,6 +19,8 @@ use redis::{ConnectionLike, RedisResult, Script};
 use super::incarnation;
 use crate::layout::Layout;
 
+/// The region's lock: one coordinator per region writes the books, and every write carries
+/// its fencing token.
 pub struct Lock {
     key: String,
     fence_key: String,
@@ -42,7 +44,7 @@ pub struct Takeover {
     /// The fencing token (every coordinator write checks it).
     pub token: u64,
     /// The region's incarnation for this life ([`super::incarnation::next`]).
-    pub drawn: incarnation::Drawn,
+    pub(crate) drawn: incarnation::Drawn,
 }
 
 impl Lock {
@@ -93,7 +95,7 @@ impl Lock {
     }
 
     /// How long the lock lives without a renewal.
-    pub fn ttl(&self) -> Duration {
+    pub(crate) fn ttl(&self) -> Duration {
         self.ttl
     }
 
@@ -162,7 +164,7 @@ impl Lock {
     }
 
     /// Extends the lock; false if another instance holds it now.
-    pub fn renew(&self, conn: &mut dyn ConnectionLike) -> RedisResult<bool> {
+    pub(crate) fn renew(&self, conn: &mut dyn ConnectionLike) -> RedisResult<bool> {
         let n: i64 = self
             .renew
             .key(&self.key)
@@ -175,7 +177,7 @@ impl Lock {
     /// Adds to a pipeline: remove `member` from the set `set` if `token` is still the
     /// token in `fence` (a deposed coordinator must not prune what the new one just
     /// added). Run it with [`Lock::fenced_srem_script`] loaded.
-    pub fn fenced_srem_to(
+    pub(crate) fn fenced_srem_to(
         &self,
         pipe: &mut redis::Pipeline,
         (fence, token): (&str, u64),
@@ -187,12 +189,12 @@ impl Lock {
         pipe.invoke_script(&inv).ignore();
     }
 
-    pub fn fenced_srem_script(&self) -> &Script {
+    pub(crate) fn fenced_srem_script(&self) -> &Script {
         &self.fenced_srem
     }
 
     /// Gives the lock up (a clean shutdown: the next instance need not wait the expiry).
-    pub fn release(&self, conn: &mut dyn ConnectionLike) -> RedisResult<()> {
+    pub(crate) fn release(&self, conn: &mut dyn ConnectionLike) -> RedisResult<()> {
         let _: i64 = self.release.key(&self.key).arg(&self.id).invoke(conn)?;
         Ok(())
     }

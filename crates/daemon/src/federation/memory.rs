@@ -23,11 +23,11 @@ use quotad_core::coordinator::demand::Counters;
 use quotad_core::coordinator::lease::LeaseBook;
 use quotad_core::coordinator::node::{LeaseStore, Written};
 
-pub struct MemoryBackend {
-    pub store: Arc<MemoryStore>,
+pub(crate) struct MemoryBackend {
+    pub(crate) store: Arc<MemoryStore>,
     /// The incarnation of this process's last takeover, if it took over yet (it takes
     /// over again only after stepping down: a panic, or a clock that went back).
-    pub last: Option<u64>,
+    pub(crate) last: Option<u64>,
 }
 
 impl Backend for MemoryBackend {
@@ -57,7 +57,7 @@ impl Backend for MemoryBackend {
     }
 }
 
-pub struct MemoryLeaseStore {
+pub(crate) struct MemoryLeaseStore {
     store: Arc<MemoryStore>,
     policies: HashMap<String, PolicyEntry>,
     active_since: HashMap<String, i64>,

@@ -14,14 +14,14 @@
 //! handler, signed. Rounds run on the thread; their exchanges go to [`peers`], whose
 //! verified replies come back through the same channel.
 
-pub mod auth;
-pub mod books;
-pub mod incarnation;
-pub mod lease_store;
-pub mod lock;
-pub mod memory;
-pub mod peers;
-pub mod runtime;
+pub(crate) mod auth;
+pub(crate) mod books;
+pub(crate) mod incarnation;
+pub(crate) mod lease_store;
+pub(crate) mod lock;
+pub(crate) mod memory;
+pub(crate) mod peers;
+pub(crate) mod runtime;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -44,39 +44,39 @@ use runtime::Event;
 
 /// What the coordinator thread last published (whether it leads is `Shared`'s token).
 #[derive(Debug, Clone, Default, Serialize)]
-pub struct Status {
-    pub stats: NodeStats,
-    pub peers: Vec<PeerStatus>,
+pub(crate) struct Status {
+    pub(crate) stats: NodeStats,
+    pub(crate) peers: Vec<PeerStatus>,
     /// The [`STATUS_KEYS`] keys with the most demand here (all, when there are fewer).
-    pub keys: Vec<KeyStatus>,
+    pub(crate) keys: Vec<KeyStatus>,
     /// Keys the coordinator tracks.
-    pub keys_total: usize,
+    pub(crate) keys_total: usize,
     /// Each global policy's version and escrow in force here (a re-split's progress).
-    pub policies: Vec<PolicyStatus>,
+    pub(crate) policies: Vec<PolicyStatus>,
     /// The region's Redis clock (µs since the epoch) at which the keys' figures hold;
     /// None until a coordinator here has published.
-    pub as_of_us: Option<i64>,
+    pub(crate) as_of_us: Option<i64>,
 }
 
 /// Keys listed in `/v1/status` at most.
-pub const STATUS_KEYS: usize = 1000;
+pub(crate) const STATUS_KEYS: usize = 1000;
 
 #[derive(Debug, Clone, Serialize)]
-pub struct PeerStatus {
-    pub region: String,
-    pub link: Link,
-    pub rtt_ms: Option<f64>,
+pub(crate) struct PeerStatus {
+    pub(crate) region: String,
+    pub(crate) link: Link,
+    pub(crate) rtt_ms: Option<f64>,
 }
 
 /// State shared by the HTTP handlers, the coordinator thread and the peer client.
-pub struct Shared {
-    pub settings: GlobalSettings,
+pub(crate) struct Shared {
+    pub(crate) settings: GlobalSettings,
     /// The policies as loaded now (a reload may install a new version of a global one).
     policies: RwLock<Vec<Arc<Policy>>>,
     /// Where the policies' keys live (the store's layout).
-    pub layouts: Arc<Layouts>,
-    pub metrics: Arc<Metrics>,
-    pub instance: String,
+    pub(crate) layouts: Arc<Layouts>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) instance: String,
     leader_token: AtomicU64,
     stopping: AtomicBool,
     status: RwLock<Status>,
@@ -109,18 +109,18 @@ impl Shared {
         }
     }
 
-    pub fn policies(&self) -> Vec<Arc<Policy>> {
+    pub(crate) fn policies(&self) -> Vec<Arc<Policy>> {
         self.policies
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
 
-    pub fn stopping(&self) -> bool {
+    pub(crate) fn stopping(&self) -> bool {
         self.stopping.load(Ordering::Acquire)
     }
 
-    pub fn is_leader(&self) -> bool {
+    pub(crate) fn is_leader(&self) -> bool {
         self.leader_token.load(Ordering::Acquire) != 0
     }
 
@@ -168,7 +168,7 @@ impl Shared {
         *self.status.write().unwrap_or_else(|p| p.into_inner()) = s;
     }
 
-    pub fn status(&self) -> Status {
+    pub(crate) fn status(&self) -> Status {
         self.status
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -201,7 +201,7 @@ impl Shared {
 }
 
 /// Where the region's coordinator keeps its state.
-pub enum BackendChoice {
+pub(crate) enum BackendChoice {
     /// The region's Redis: shared by its instances, one of which holds the lock.
     Redis {
         /// Shared with the request path: credentials rotated live reach the
@@ -214,8 +214,8 @@ pub enum BackendChoice {
 }
 
 /// The handle the app and the API hold.
-pub struct Federation {
-    pub shared: Arc<Shared>,
+pub(crate) struct Federation {
+    pub(crate) shared: Arc<Shared>,
     events: std::sync::mpsc::Sender<Event>,
     verifier: auth::Verifier,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -229,11 +229,11 @@ pub struct Federation {
 
 /// A peer request that passed every check its headers allow, holding its share of that
 /// peer's body budget until it is answered.
-pub struct Admitted {
+pub(crate) struct Admitted {
     signed: Signed,
     peer: usize,
     /// Bytes its body may have (its declared length).
-    pub max_bytes: usize,
+    pub(crate) max_bytes: usize,
     _budget: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -242,11 +242,11 @@ pub struct Admitted {
 const BUDGET_BODIES: usize = 2;
 
 /// The coordinator's answer to a peer's exchange, and its signature for the peer.
-pub struct SignedReply {
-    pub body: Vec<u8>,
+pub(crate) struct SignedReply {
+    pub(crate) body: Vec<u8>,
     /// In the binary form (the request was); JSON otherwise.
-    pub binary: bool,
-    pub signature: String,
+    pub(crate) binary: bool,
+    pub(crate) signature: String,
 }
 
 fn spawn_runtime<B: runtime::Backend>(
@@ -387,7 +387,7 @@ fn body_budgets(settings: &GlobalSettings) -> Vec<Arc<tokio::sync::Semaphore>> {
 
 impl Federation {
     /// Starts the coordinator thread and the peer client (on the current tokio runtime).
-    pub fn start(
+    pub(crate) fn start(
         settings: GlobalSettings,
         policies: Vec<Arc<Policy>>,
         layouts: Arc<Layouts>,
@@ -418,7 +418,7 @@ impl Federation {
     /// rate, burst, algorithm or mode, and a re-split only with a higher version: the
     /// coordinator installs each new version decrease-first (`Node::set_policy`), and a
     /// takeover starts from these.
-    pub fn reload(&self, policies: Vec<Arc<Policy>>) {
+    pub(crate) fn reload(&self, policies: Vec<Arc<Policy>>) {
         *self
             .shared
             .policies
@@ -428,7 +428,7 @@ impl Federation {
     }
 
     /// Stops the coordinator thread (releasing the lock) and waits for it, bounded.
-    pub async fn stop(&self) {
+    pub(crate) async fn stop(&self) {
         self.shared.stopping.store(true, Ordering::Release);
         let handle = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
@@ -437,7 +437,7 @@ impl Federation {
     }
 
     /// Counts a refused peer request (`quotad_exchange_rejected_total{reason}`).
-    pub fn count_rejection(&self, r: Rejection) {
+    pub(crate) fn count_rejection(&self, r: Rejection) {
         self.shared
             .metrics
             .global
@@ -450,7 +450,11 @@ impl Federation {
     /// (signed form, known peer, fresh, not replayed, this instance coordinates, a length
     /// within what a round can carry), then a share of that peer's body budget.
     /// `declared_len` is the request's Content-Length.
-    pub fn admit(&self, signed: Signed, declared_len: Option<u64>) -> Result<Admitted, Rejection> {
+    pub(crate) fn admit(
+        &self,
+        signed: Signed,
+        declared_len: Option<u64>,
+    ) -> Result<Admitted, Rejection> {
         let len = declared_len.ok_or(Rejection::LengthRequired)?;
         self.verifier.precheck(&signed, len, auth::wall_ms())?;
         let s = &self.shared.settings;
@@ -480,7 +484,7 @@ impl Federation {
 
     /// The rest of `POST /v1/peer/exchange`: verify the body's signature, check its
     /// values, hand it to the coordinator, sign its reply.
-    pub async fn exchange(
+    pub(crate) async fn exchange(
         &self,
         admitted: Admitted,
         body: &[u8],
@@ -570,7 +574,7 @@ impl Federation {
     }
 
     /// What `GET /v1/status` shows of global budgets, as of the last round.
-    pub fn report(&self) -> StatusReport {
+    pub(crate) fn report(&self) -> StatusReport {
         let s = &self.shared.settings;
         StatusReport {
             regions: s.regions.clone(),
@@ -589,14 +593,14 @@ impl Federation {
 }
 
 /// A snapshot of global budgets in this instance: what `/v1/status` shows.
-pub struct StatusReport {
-    pub regions: Vec<String>,
-    pub instance: String,
-    pub leader: bool,
+pub(crate) struct StatusReport {
+    pub(crate) regions: Vec<String>,
+    pub(crate) instance: String,
+    pub(crate) leader: bool,
     /// The fencing token while this instance coordinates; 0 otherwise.
-    pub token: u64,
-    pub status: Status,
-    pub policies: Vec<GlobalPolicy>,
+    pub(crate) token: u64,
+    pub(crate) status: Status,
+    pub(crate) policies: Vec<GlobalPolicy>,
 }
 
 /// The bounds a signed exchange must keep before its coordinator sees it: at most
@@ -605,7 +609,7 @@ pub struct StatusReport {
 /// are the sender's store clock in ms at its takeover), and ours as it names it no later
 /// than ours. A message past them is refused whole and changes nothing, so a bad value
 /// cannot wedge the "newer than" checks that every later message of that peer must pass.
-pub fn validate_exchange(
+pub(crate) fn validate_exchange(
     msg: &Exchange,
     signed_ms: i64,
     my_incarnation: u64,
@@ -642,7 +646,7 @@ pub fn validate_exchange(
 
 /// The same bounds for a reply to one of our exchanges (its incarnation judged by our own
 /// wall clock: a reply carries no timestamp of its own).
-pub fn validate_reply(
+pub(crate) fn validate_reply(
     reply: &ExchangeReply,
     now_ms: i64,
     s: &GlobalSettings,

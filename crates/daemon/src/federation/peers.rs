@@ -17,30 +17,30 @@ use quotad_core::coordinator::RegionId;
 use quotad_core::coordinator::message::{Exchange, ExchangeReply};
 use quotad_core::coordinator::wire::{self, KeyIds, Spelled};
 
-pub const EXCHANGE_PATH: &str = "/v1/peer/exchange";
+pub(crate) const EXCHANGE_PATH: &str = "/v1/peer/exchange";
 const MAX_ATTEMPTS: usize = 3;
 
 /// How long a peer that refused the binary form (a version before it) gets JSON before
 /// the binary form is tried again: an upgraded peer is back on it within this.
 const JSON_AFTER_REFUSAL: Duration = Duration::from_secs(300);
 
-pub struct PeerClient {
-    pub shared: Arc<Shared>,
-    pub http: reqwest::Client,
-    pub events: std::sync::mpsc::Sender<Event>,
+pub(crate) struct PeerClient {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) http: reqwest::Client,
+    pub(crate) events: std::sync::mpsc::Sender<Event>,
     /// Per peer (in `settings.peers` order): how its exchanges are encoded.
-    pub wires: Vec<Mutex<PeerWire>>,
+    pub(crate) wires: Vec<Mutex<PeerWire>>,
 }
 
 /// The sending side of the binary form for one peer.
-pub struct PeerWire {
+pub(crate) struct PeerWire {
     ids: KeyIds,
     /// The peer refused the binary form: JSON until then.
     json_until: Option<Instant>,
 }
 
 impl PeerWire {
-    pub fn new(cap: usize) -> Self {
+    pub(crate) fn new(cap: usize) -> Self {
         PeerWire {
             ids: KeyIds::new(cap),
             json_until: None,
@@ -68,7 +68,10 @@ enum Outcome {
 
 impl PeerClient {
     /// Sends every exchange the coordinator produces until the channel closes.
-    pub async fn run(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<(RegionId, Exchange)>) {
+    pub(crate) async fn run(
+        self: Arc<Self>,
+        mut rx: mpsc::UnboundedReceiver<(RegionId, Exchange)>,
+    ) {
         while let Some((to, msg)) = rx.recv().await {
             tokio::spawn(self.clone().deliver(to, msg));
         }

@@ -52,7 +52,7 @@ pub trait Coordinated: LeaseStore + Send {
 
 /// Where the coordinator's state lives: Redis (shared by the region's instances, one of
 /// which holds the lock) or the embedded store (one instance per region).
-pub trait Backend: Send + 'static {
+pub(crate) trait Backend: Send + 'static {
     type Clock: Clock + Clone;
     type Store: Coordinated;
     /// Tries to become the region's coordinator: a store fenced by the takeover's token,
@@ -75,7 +75,7 @@ fn thread_cpu() -> Option<Duration> {
     Some(Duration::from_nanos(ns))
 }
 
-pub enum Event {
+pub(crate) enum Event {
     /// A peer's exchange, authenticated; the reply goes back on `reply` (None: not now).
     Exchange {
         msg: Arc<Exchange>,
@@ -89,11 +89,11 @@ pub enum Event {
     Reloaded,
 }
 
-pub struct Runtime<B: Backend> {
-    pub shared: Arc<Shared>,
-    pub backend: B,
-    pub events: Receiver<Event>,
-    pub outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
+pub(crate) struct Runtime<B: Backend> {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) backend: B,
+    pub(crate) events: Receiver<Event>,
+    pub(crate) outbound: mpsc::UnboundedSender<(RegionId, Exchange)>,
 }
 
 /// What one step of the loop leaves.
@@ -125,7 +125,7 @@ struct Leading<B: Backend> {
 }
 
 impl<B: Backend> Runtime<B> {
-    pub fn run(mut self) {
+    pub(crate) fn run(mut self) {
         let mut leading: Option<Box<Leading<B>>> = None;
         let mut closed = false;
         // The thread's CPU, read at most every CPU_EVERY (a file read per event would be

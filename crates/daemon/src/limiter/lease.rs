@@ -71,38 +71,38 @@ impl std::fmt::Display for LeaseId {
 /// An acquire, validated by the API: 1 ..= limit units, a hold within the policy's lease.
 #[derive(Debug, Clone)]
 pub(crate) struct Acquire {
-    pub policy: Arc<ConcurrencyPolicy>,
-    pub key: String,
-    pub units: u64,
-    pub hold: Duration,
+    pub(crate) policy: Arc<ConcurrencyPolicy>,
+    pub(crate) key: String,
+    pub(crate) units: u64,
+    pub(crate) hold: Duration,
 }
 
 /// A release or an extend of a lease the client holds (`hold`: the extend's).
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
-    pub policy: Arc<ConcurrencyPolicy>,
-    pub key: String,
-    pub lease: LeaseId,
-    pub hold: Duration,
+    pub(crate) policy: Arc<ConcurrencyPolicy>,
+    pub(crate) key: String,
+    pub(crate) lease: LeaseId,
+    pub(crate) hold: Duration,
 }
 
 /// The answer to an acquire.
 #[derive(Debug, Clone)]
 pub(crate) struct Acquired {
-    pub policy: Arc<ConcurrencyPolicy>,
-    pub key: String,
-    pub allowed: bool,
-    pub outcome: Outcome,
+    pub(crate) policy: Arc<ConcurrencyPolicy>,
+    pub(crate) key: String,
+    pub(crate) allowed: bool,
+    pub(crate) outcome: Outcome,
     /// The lease to release (an admitted acquire a store holds).
-    pub lease: Option<LeaseId>,
+    pub(crate) lease: Option<LeaseId>,
     /// How long the lease lasts unless extended.
-    pub hold: Duration,
+    pub(crate) hold: Duration,
     /// Units held under the key after the acquire (0 when no store answered).
-    pub held: u64,
+    pub(crate) held: u64,
     /// Until the earliest lease ends by expiry (0: nothing held).
-    pub reset_after_us: i64,
+    pub(crate) reset_after_us: i64,
     /// A denied acquire: until enough leases end by expiry for it to fit.
-    pub retry_after_us: i64,
+    pub(crate) retry_after_us: i64,
 }
 
 impl Acquired {

@@ -62,42 +62,42 @@ impl Outcome {
 /// fits the policy's capacity.
 #[derive(Debug, Clone)]
 pub(crate) struct Check {
-    pub policy: Arc<Policy>,
-    pub key: String,
-    pub cost: u64,
+    pub(crate) policy: Arc<Policy>,
+    pub(crate) key: String,
+    pub(crate) cost: u64,
     /// The co-location group (a composite limit): the hash tag of the key's storage key,
     /// so a batch whose checks all name it is decided by one all-or-nothing script.
-    pub group: Option<String>,
+    pub(crate) group: Option<String>,
     /// Admitted, the cost is a reservation to settle at the real cost later
     /// ([`Limiter::settle`]); single checks of policies with `settle_within` only.
-    pub reserve: bool,
+    pub(crate) reserve: bool,
 }
 
 /// The answer to one check: a domain value. The API turns it into its JSON body and
 /// headers in one place (`api::decisions`, `api::headers`).
 #[derive(Debug, Clone)]
 pub(crate) struct Decision {
-    pub allowed: bool,
-    pub policy: String,
-    pub key: String,
-    pub outcome: Outcome,
-    pub limit: u64,
-    pub remaining: u64,
-    pub reset_after_ms: u64,
-    pub retry_after_ms: u64,
+    pub(crate) allowed: bool,
+    pub(crate) policy: String,
+    pub(crate) key: String,
+    pub(crate) outcome: Outcome,
+    pub(crate) limit: u64,
+    pub(crate) remaining: u64,
+    pub(crate) reset_after_ms: u64,
+    pub(crate) retry_after_ms: u64,
     /// In a denied batch: this check had been admitted and its units were given back.
-    pub refunded: bool,
+    pub(crate) refunded: bool,
     /// The quota `remaining` counts against: the policy's capacity (`burst` for
     /// token_bucket and gcra, else `limit`). The RateLimit-Policy `q`.
-    pub quota: u64,
+    pub(crate) quota: u64,
     /// The time `quota` is allocated over, in whole seconds, when it is a whole number of
     /// them ([`Policy::quota_window_secs`]). The RateLimit-Policy `w`.
-    pub quota_window_secs: Option<u64>,
+    pub(crate) quota_window_secs: Option<u64>,
     /// Which store charged this check (to refund it there).
     charged: Option<Charged>,
     /// The reservation a reserving check opened, to settle with `POST /v1/settle`: only
     /// when the store admitted it (a fail mode's answer opens none).
-    pub reservation: Option<ReservationId>,
+    pub(crate) reservation: Option<ReservationId>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,10 +29,10 @@ pub(super) const PER_PASS: usize = 512;
 #[derive(Debug, Clone)]
 pub(super) struct Due {
     /// The key's storage key.
-    pub key: String,
-    pub policy: Arc<ConcurrencyPolicy>,
+    pub(super) key: String,
+    pub(super) policy: Arc<ConcurrencyPolicy>,
     /// Held in the in-process store (a `local` lease).
-    pub local: bool,
+    pub(super) local: bool,
 }
 
 #[derive(Default)]

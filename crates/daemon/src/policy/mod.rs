@@ -18,7 +18,7 @@ use quotad_core::coordinator::{GlobalPolicy, Mode};
 /// What a policy does when its store cannot answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum FailMode {
+pub(crate) enum FailMode {
     /// Allow, unenforced (outcome `fail_open`): availability over strictness.
     Open,
     /// Deny (outcome `fail_closed`): for login attempts and expensive operations.
@@ -28,7 +28,7 @@ pub enum FailMode {
 }
 
 impl FailMode {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             FailMode::Open => "open",
             FailMode::Closed => "closed",
@@ -41,26 +41,26 @@ impl FailMode {
 pub struct Policy {
     pub name: String,
     pub algorithm: Algorithm,
-    pub limit: NonZeroU64,
-    pub window: Duration,
+    pub(crate) limit: NonZeroU64,
+    pub(crate) window: Duration,
     pub burst: NonZeroU64,
-    pub on_store_error: FailMode,
-    pub shadow: bool,
+    pub(crate) on_store_error: FailMode,
+    pub(crate) shadow: bool,
     /// A global budget: `limit` per `window` is the rate ρ for all regions together.
     pub global: Option<GlobalSpec>,
     /// Checks per second of one key on one instance from which the key takes slices of
     /// its quota and is admitted from them in memory (`store::redis::hot`); fixed windows, token
     /// buckets and GCRA only (`store::redis::hot::Taker`).
-    pub hot_key_rate: Option<NonZeroU64>,
+    pub(crate) hot_key_rate: Option<NonZeroU64>,
     /// Checks of this policy may reserve an estimated cost, settled at the real one
     /// within this long (`quotad_core::settlement`); `None`: no reservations. Token
     /// buckets, GCRA and fixed windows of local policies only (config validation).
-    pub settle_within: Option<Duration>,
+    pub(crate) settle_within: Option<Duration>,
     /// When its numbers came into force on this instance (`policy.version`, then the
     /// instant): how a key's state written under other numbers is read
     /// (`quotad_core::algorithm::frame`). Set by the daemon when a config is put in
     /// force (`reload::stamp_since`); `Since::ZERO` as parsed, and for global policies.
-    pub since: Since,
+    pub(crate) since: Since,
 }
 
 /// A concurrency limit (`algorithm = "concurrency"`): at most `limit` units of a key held
@@ -71,11 +71,11 @@ pub struct Policy {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConcurrencyPolicy {
     pub name: String,
-    pub limit: NonZeroU64,
+    pub(crate) limit: NonZeroU64,
     /// The longest a lease lasts without an extend (the policy's `window`), and the hold
     /// of an acquire or extend that names none.
-    pub lease: Duration,
-    pub on_store_error: FailMode,
+    pub(crate) lease: Duration,
+    pub(crate) on_store_error: FailMode,
 }
 
 /// Units a concurrency limit may hold at once: one sorted-set entry each.
@@ -90,8 +90,8 @@ pub struct GlobalSpec {
     /// Bumped by the operator on every re-split; see `coordinator::node`.
     pub version: u64,
     /// Escrow weights, by region index (regions sorted by name).
-    pub weights: Vec<f64>,
-    pub mode: Mode,
+    pub(crate) weights: Vec<f64>,
+    pub(crate) mode: Mode,
 }
 
 /// Smallest window: the scripts' clock resolution is 1 us, but windows below 1 ms make no
@@ -163,21 +163,21 @@ pub(crate) enum RateError {
 
 /// What a config entry asks for; [`Policy::new`] checks it.
 #[derive(Debug, Clone)]
-pub struct PolicySpec<'a> {
-    pub name: &'a str,
-    pub algorithm: Algorithm,
-    pub limit: u64,
-    pub window: Duration,
+pub(crate) struct PolicySpec<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) limit: u64,
+    pub(crate) window: Duration,
     /// Capacity for token_bucket / gcra; `None` means `limit`.
-    pub burst: Option<u64>,
-    pub on_store_error: FailMode,
-    pub shadow: bool,
-    pub global: Option<GlobalSpec>,
+    pub(crate) burst: Option<u64>,
+    pub(crate) on_store_error: FailMode,
+    pub(crate) shadow: bool,
+    pub(crate) global: Option<GlobalSpec>,
 }
 
 impl Policy {
     /// Builds a policy; `None` if an invariant fails (config validation reports why first).
-    pub fn new(spec: PolicySpec<'_>) -> Option<Policy> {
+    pub(crate) fn new(spec: PolicySpec<'_>) -> Option<Policy> {
         let PolicySpec {
             name,
             algorithm,
@@ -216,12 +216,12 @@ impl Policy {
     }
 
     /// The rate as units per second (a global policy's ρ).
-    pub fn rate_per_second(&self) -> f64 {
+    pub(crate) fn rate_per_second(&self) -> f64 {
         self.limit.get() as f64 / self.window.as_secs_f64()
     }
 
     /// The coordinator's view of a global policy.
-    pub fn global_policy(&self) -> Option<GlobalPolicy> {
+    pub(crate) fn global_policy(&self) -> Option<GlobalPolicy> {
         let g = self.global.as_ref()?;
         Some(GlobalPolicy::from_weights(
             &self.name,
@@ -243,7 +243,7 @@ impl Policy {
     }
 
     /// The largest cost a single request may ask for.
-    pub fn capacity(&self) -> u64 {
+    pub(crate) fn capacity(&self) -> u64 {
         self.limits().capacity(self.algorithm)
     }
 
@@ -251,7 +251,7 @@ impl Policy {
     /// refills in [`MAX_WINDOW`], so a debt is paid within a year and every time the
     /// scripts compute from it stays inside a double's exact range. Never below the
     /// capacity.
-    pub fn max_settle_cost(&self) -> u64 {
+    pub(crate) fn max_settle_cost(&self) -> u64 {
         let per_year =
             u128::from(self.limit.get()) * MAX_WINDOW.as_micros() / self.window.as_micros().max(1);
         u64::try_from(per_year)
@@ -265,7 +265,7 @@ impl Policy {
     /// burst, `burst * window / limit`, so that capacity / this is the sustained rate. `None`
     /// otherwise (a sub-second window, 2.5 s): the RateLimit-Policy `w` is an integer number
     /// of seconds, and a rounded one would advertise another rate than the one enforced.
-    pub fn quota_window_secs(&self) -> Option<u64> {
+    pub(crate) fn quota_window_secs(&self) -> Option<u64> {
         // For the window algorithms burst == limit, so one formula serves all five.
         let num = self.window.as_nanos() * u128::from(self.capacity());
         let den = u128::from(self.limit.get()) * 1_000_000_000;
@@ -290,7 +290,7 @@ pub(crate) fn valid_prefix(prefix: &str) -> bool {
 
 /// The loaded policies, by name. Shared read-only; a reload would swap the whole snapshot.
 #[derive(Debug, Clone, Default)]
-pub struct Policies {
+pub(crate) struct Policies {
     by_name: BTreeMap<String, Arc<Policy>>,
     /// Per-key overrides, by policy name, in config order.
     overrides: BTreeMap<String, Vec<Override>>,
@@ -305,7 +305,7 @@ pub struct Policies {
 
 /// Which keys an override applies to.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeyMatch {
+pub(crate) enum KeyMatch {
     Exact(String),
     Prefix(String),
     /// `*` any run of characters, `?` one character.
@@ -313,7 +313,7 @@ pub enum KeyMatch {
 }
 
 impl KeyMatch {
-    pub fn matches(&self, key: &str) -> bool {
+    pub(crate) fn matches(&self, key: &str) -> bool {
         match self {
             KeyMatch::Exact(k) => k == key,
             KeyMatch::Prefix(p) => key.starts_with(p.as_str()),
@@ -325,13 +325,13 @@ impl KeyMatch {
 /// A policy's own limits for some keys (a premium customer): the same policy (name,
 /// algorithm, fail mode, keys in the store) with another limit, window or burst.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Override {
-    pub keys: KeyMatch,
-    pub policy: Arc<Policy>,
+pub(crate) struct Override {
+    pub(crate) keys: KeyMatch,
+    pub(crate) policy: Arc<Policy>,
 }
 
 impl Policies {
-    pub fn new(policies: impl IntoIterator<Item = Policy>) -> Self {
+    pub(crate) fn new(policies: impl IntoIterator<Item = Policy>) -> Self {
         Policies {
             by_name: policies
                 .into_iter()
@@ -345,7 +345,10 @@ impl Policies {
     }
 
     /// With concurrency limits (names validated unique by the config).
-    pub fn with_concurrency(mut self, limits: impl IntoIterator<Item = ConcurrencyPolicy>) -> Self {
+    pub(crate) fn with_concurrency(
+        mut self,
+        limits: impl IntoIterator<Item = ConcurrencyPolicy>,
+    ) -> Self {
         self.concurrency = limits
             .into_iter()
             .map(|p| (p.name.clone(), Arc::new(p)))
@@ -354,16 +357,16 @@ impl Policies {
     }
 
     /// The concurrency limit named `name`.
-    pub fn concurrency(&self, name: &str) -> Option<&Arc<ConcurrencyPolicy>> {
+    pub(crate) fn concurrency(&self, name: &str) -> Option<&Arc<ConcurrencyPolicy>> {
         self.concurrency.get(name)
     }
 
-    pub fn concurrency_limits(&self) -> impl Iterator<Item = &Arc<ConcurrencyPolicy>> {
+    pub(crate) fn concurrency_limits(&self) -> impl Iterator<Item = &Arc<ConcurrencyPolicy>> {
         self.concurrency.values()
     }
 
     /// With per-key overrides, by policy name (validated by the config).
-    pub fn with_overrides(mut self, overrides: BTreeMap<String, Vec<Override>>) -> Self {
+    pub(crate) fn with_overrides(mut self, overrides: BTreeMap<String, Vec<Override>>) -> Self {
         for (name, list) in &overrides {
             for o in list {
                 match &o.keys {
@@ -387,22 +390,22 @@ impl Policies {
         self
     }
 
-    pub fn get(&self, name: &str) -> Option<&Arc<Policy>> {
+    pub(crate) fn get(&self, name: &str) -> Option<&Arc<Policy>> {
         self.by_name.get(name)
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Arc<Policy>> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Arc<Policy>> {
         self.by_name.values()
     }
 
     /// The overrides of the policy named `name`, in config order.
-    pub fn overrides(&self, name: &str) -> &[Override] {
+    pub(crate) fn overrides(&self, name: &str) -> &[Override] {
         self.overrides.get(name).map_or(&[], Vec::as_slice)
     }
 
     /// The policy as it applies to `key`: an exact override first, then the first prefix
     /// or glob that matches, else `policy` itself.
-    pub fn for_key(&self, policy: &Arc<Policy>, key: &str) -> Arc<Policy> {
+    pub(crate) fn for_key(&self, policy: &Arc<Policy>, key: &str) -> Arc<Policy> {
         if let Some(p) = self.exact.get(&policy.name).and_then(|m| m.get(key)) {
             return p.clone();
         }

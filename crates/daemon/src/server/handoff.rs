@@ -18,19 +18,19 @@ use super::{Closed, Listener, ListenerMetrics, Stream};
 
 /// What a handed-off connection is held to.
 #[derive(Debug, Clone, Copy)]
-pub struct Handoff {
+pub(crate) struct Handoff {
     /// Connections open at once: a slot is taken before `accept`.
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
     /// Bytes a connection must send (HTTP/2: its preface) within `first_bytes_timeout` of
     /// the accept, or be closed (counted as `header_timeout`): a silent or dribbling socket
     /// holds its slot for seconds, as on the HTTP listener.
-    pub first_bytes: usize,
-    pub first_bytes_timeout: Duration,
+    pub(crate) first_bytes: usize,
+    pub(crate) first_bytes_timeout: Duration,
 }
 
 /// Accepted connections as a stream for the protocol library, at most
 /// `handoff.max_connections` open at once.
-pub fn incoming(
+pub(crate) fn incoming(
     listener: Listener,
     handoff: Handoff,
     metrics: ListenerMetrics,
@@ -63,7 +63,7 @@ pub fn incoming(
 }
 
 /// A connection holding its slot until it closes.
-pub struct Handed {
+pub(crate) struct Handed {
     stream: Stream,
     _permit: OwnedSemaphorePermit,
     /// Until its first bytes are in: how many are still due, and the deadline.

@@ -18,11 +18,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
 /// The prefix of a Unix socket's path in `listen` and `grpc_listen`.
-pub const UNIX_PREFIX: &str = "unix:";
+pub(crate) const UNIX_PREFIX: &str = "unix:";
 
 /// Where a listener listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
+    /// A TCP address.
     Tcp(SocketAddr),
     /// An absolute path.
     Unix(PathBuf),
@@ -65,7 +66,9 @@ impl fmt::Display for Endpoint {
 
 /// A bound listener.
 pub enum Listener {
+    /// A TCP listener.
     Tcp(TcpListener),
+    /// A Unix socket listener and the file it removes when dropped.
     Unix(UnixListener, SocketFile),
 }
 
@@ -78,7 +81,7 @@ impl From<TcpListener> for Listener {
 impl Listener {
     /// Binds `endpoint` with a deep `backlog`: a TCP address with address reuse (a
     /// restart need not wait out TIME_WAIT); a Unix socket as the module doc says.
-    pub fn bind(endpoint: &Endpoint, backlog: u32) -> io::Result<Listener> {
+    pub(crate) fn bind(endpoint: &Endpoint, backlog: u32) -> io::Result<Listener> {
         match endpoint {
             Endpoint::Tcp(addr) => bind_tcp(*addr, backlog).map(Listener::Tcp),
             Endpoint::Unix(path) => {
@@ -91,7 +94,7 @@ impl Listener {
         }
     }
 
-    pub async fn accept(&self) -> io::Result<Stream> {
+    pub(crate) async fn accept(&self) -> io::Result<Stream> {
         match self {
             Listener::Tcp(l) => {
                 let (s, _) = l.accept().await?;
@@ -104,7 +107,7 @@ impl Listener {
     }
 
     /// Where it listens (a port 0 resolved).
-    pub fn endpoint(&self) -> io::Result<Endpoint> {
+    pub(crate) fn endpoint(&self) -> io::Result<Endpoint> {
         match self {
             Listener::Tcp(l) => l.local_addr().map(Endpoint::Tcp),
             Listener::Unix(_, f) => Ok(Endpoint::Unix(f.0.clone())),
@@ -156,7 +159,7 @@ impl Drop for SocketFile {
 }
 
 /// An accepted connection.
-pub enum Stream {
+pub(crate) enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
 }
@@ -166,7 +169,7 @@ impl Stream {
     /// with `n > 0` once there is something to read, `Ok(0)` at end of stream. On a Unix
     /// stream (tokio has no peek there) readiness stands for the byte, end of stream
     /// included, which the protocol then reads as such.
-    pub async fn first_byte(&self) -> io::Result<usize> {
+    pub(crate) async fn first_byte(&self) -> io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.peek(&mut [0u8; 1]).await,
             Stream::Unix(s) => s.readable().await.map(|()| 1),

@@ -51,33 +51,34 @@ use tokio_util::task::TaskTracker;
 
 use crate::metrics::Metrics;
 
-pub mod handoff;
-pub mod listener;
+pub(crate) mod handoff;
+pub(crate) mod listener;
 
-pub use handoff::{Handed, Handoff, incoming};
-pub use listener::{Endpoint, Listener, Stream};
+pub(crate) use handoff::{Handed, Handoff, incoming};
+pub(crate) use listener::Stream;
+pub use listener::{Endpoint, Listener};
 
 /// Bounds from `[server]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    pub max_connections: usize,
-    pub header_timeout: Duration,
-    pub idle_timeout: Duration,
-    pub max_header_bytes: usize,
+pub(crate) struct Limits {
+    pub(crate) max_connections: usize,
+    pub(crate) header_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) max_header_bytes: usize,
 }
 
 /// Connections looked at to choose one to evict (all of them, up to this many).
-pub const EVICTION_SAMPLE: usize = 64;
+pub(crate) const EVICTION_SAMPLE: usize = 64;
 
 /// How long a connection may stay idle once the listener has closed for shutdown: long
 /// enough for a client that sends continuously to use it once more (and be told
 /// `Connection: close`), short enough that the process exits promptly.
-pub const DRAIN_IDLE: Duration = Duration::from_secs(1);
+pub(crate) const DRAIN_IDLE: Duration = Duration::from_secs(1);
 
 /// Why the server closed a connection: the `reason` label of
 /// `quotad_connections_closed_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Closed {
+pub(crate) enum Closed {
     HeaderTimeout,
     IdleTimeout,
     Evicted,
@@ -86,7 +87,7 @@ pub enum Closed {
 }
 
 impl Closed {
-    pub fn reason(self) -> &'static str {
+    pub(crate) fn reason(self) -> &'static str {
         match self {
             Closed::HeaderTimeout => "header_timeout",
             Closed::IdleTimeout => "idle_timeout",
@@ -97,7 +98,7 @@ impl Closed {
     }
 
     /// Every reason, in declaration order: `ALL[why as usize] == why`.
-    pub const ALL: [Closed; 5] = [
+    pub(crate) const ALL: [Closed; 5] = [
         Closed::HeaderTimeout,
         Closed::IdleTimeout,
         Closed::Evicted,
@@ -110,9 +111,9 @@ impl Closed {
 /// connection): `quotad_connections_open{listener}`,
 /// `quotad_connections_closed_total{listener,reason}`, `quotad_accept_errors_total{listener}`.
 #[derive(Clone)]
-pub struct ListenerMetrics {
-    pub open: prometheus::IntGauge,
-    pub accept_errors: prometheus::IntCounter,
+pub(crate) struct ListenerMetrics {
+    pub(crate) open: prometheus::IntGauge,
+    pub(crate) accept_errors: prometheus::IntCounter,
     /// Indexed like [`Closed::ALL`].
     closed: [prometheus::IntCounter; 5],
 }
@@ -120,7 +121,7 @@ pub struct ListenerMetrics {
 impl ListenerMetrics {
     /// The series of the listener named `listener` (`http`, `grpc`), all created now so
     /// that each shows 0 from the start.
-    pub fn new(metrics: &Metrics, listener: &str) -> Self {
+    pub(crate) fn new(metrics: &Metrics, listener: &str) -> Self {
         ListenerMetrics {
             open: metrics.connections_open.with_label_values(&[listener]),
             accept_errors: metrics.accept_errors.with_label_values(&[listener]),
@@ -132,14 +133,14 @@ impl ListenerMetrics {
         }
     }
 
-    pub fn closed(&self, why: Closed) {
+    pub(crate) fn closed(&self, why: Closed) {
         self.closed[why as usize].inc();
     }
 }
 
 /// The shutdown sequence as the server sees it; the app drives it.
 #[derive(Clone, Default)]
-pub struct Drain {
+pub(crate) struct Drain {
     /// Readiness fails from here on.
     draining: Arc<AtomicBool>,
     /// The listener closes, responses carry `Connection: close`, idle connections get
@@ -149,11 +150,11 @@ pub struct Drain {
 
 impl Drain {
     /// Readiness fails.
-    pub fn begin(&self) {
+    pub(crate) fn begin(&self) {
         self.draining.store(true, Ordering::Release);
     }
 
-    pub fn is_draining(&self) -> bool {
+    pub(crate) fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
 
@@ -162,12 +163,12 @@ impl Drain {
     }
 
     /// Resolves once the listeners are to stop accepting (the gRPC listener's signal).
-    pub async fn closing(&self) {
+    pub(crate) async fn closing(&self) {
         self.stop.cancelled().await;
     }
 
     /// Stops accepting; connections finish as described in the module doc.
-    pub fn stop_accepting(&self) {
+    pub(crate) fn stop_accepting(&self) {
         self.begin();
         self.stop.cancel();
     }
@@ -264,7 +265,7 @@ impl Shared {
 /// Serves `router` on `listener` until `drain` stops accepting and every connection has
 /// closed. Accept errors (a full file table, a connection reset before accept) are
 /// logged, counted and retried after a short pause: they never stop the server.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: Listener,
     router: Router,
     limits: Limits,
@@ -509,7 +510,7 @@ listener::writes_through!(Tracked, inner);
 
 /// Raises the soft limit on open files to the hard limit (where allowed) and returns the
 /// limit in force, for sizing `max_connections`.
-pub fn raise_file_limit() -> Option<u64> {
+pub(crate) fn raise_file_limit() -> Option<u64> {
     match rlimit::increase_nofile_limit(u64::MAX) {
         Ok(n) => Some(n),
         Err(e) => {
@@ -520,10 +521,10 @@ pub fn raise_file_limit() -> Option<u64> {
 }
 
 /// File descriptors kept back from connections: Redis, the coordinator, peers, logs.
-pub const RESERVED_FILES: u64 = 256;
+pub(crate) const RESERVED_FILES: u64 = 256;
 
 /// The default connection bound under a file limit: 10,000, or what the limit leaves.
-pub fn default_max_connections(file_limit: Option<u64>) -> usize {
+pub(crate) fn default_max_connections(file_limit: Option<u64>) -> usize {
     let cap = 10_000u64;
     match file_limit {
         Some(n) => cap.min(n.saturating_sub(RESERVED_FILES).max(64)) as usize,

@@ -9,61 +9,61 @@ use crate::layout;
 
 /// One operation on one key.
 #[derive(Debug, Clone, Copy)]
-pub struct StoreCall<'a> {
-    pub algorithm: Algorithm,
-    pub limits: Limits,
+pub(crate) struct StoreCall<'a> {
+    pub(crate) algorithm: Algorithm,
+    pub(crate) limits: Limits,
     /// The storage key, built by [`layout::PolicyLayout::storage_key`] and nowhere else.
-    pub key: &'a str,
-    pub op: Op,
+    pub(crate) key: &'a str,
+    pub(crate) op: Op,
     /// Unique id of the request (sliding-log entries).
-    pub member: &'a str,
+    pub(crate) member: &'a str,
     /// A key of a global policy: the regional bucket script instead of `algorithm`'s.
-    pub global: Option<GlobalCall<'a>>,
+    pub(crate) global: Option<GlobalCall<'a>>,
 }
 
 /// A reservation of one key: the key it charges, and where it waits for its settlement
 /// (see `quotad_core::settlement`; local policies that can hold a debt only).
 #[derive(Debug, Clone, Copy)]
-pub struct SettleCall<'a> {
-    pub algorithm: Algorithm,
-    pub limits: Limits,
+pub(crate) struct SettleCall<'a> {
+    pub(crate) algorithm: Algorithm,
+    pub(crate) limits: Limits,
     /// The key's storage key ([`layout::PolicyLayout::storage_key`]).
-    pub key: &'a str,
+    pub(crate) key: &'a str,
     /// [`layout::PolicyLayout::reservation_key`] of it.
-    pub reservation: &'a str,
+    pub(crate) reservation: &'a str,
     /// [`layout::PolicyLayout::reset_mark_key`] of it: a reservation opened before the
     /// key's last reset is ended.
-    pub reset_mark: &'a str,
+    pub(crate) reset_mark: &'a str,
     /// How long the reservation is kept, open or settled (the policy's `settle_within`).
-    pub keep_ms: i64,
-    pub member: &'a str,
+    pub(crate) keep_ms: i64,
+    pub(crate) member: &'a str,
 }
 
 /// What a settlement did, and the key after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SettleReply {
-    pub settled: Settled,
-    pub remaining: u64,
-    pub reset_after_us: i64,
+pub(crate) struct SettleReply {
+    pub(crate) settled: Settled,
+    pub(crate) remaining: u64,
+    pub(crate) reset_after_us: i64,
 }
 
 /// One operation on a concurrency limit's key (`quotad_core::concurrency`).
 #[derive(Debug, Clone, Copy)]
-pub struct LeaseCall<'a> {
+pub(crate) struct LeaseCall<'a> {
     /// The key's storage key ([`layout::PolicyLayout::storage_key`]).
-    pub key: &'a str,
+    pub(crate) key: &'a str,
     /// Units that may be held at once.
-    pub limit: u64,
-    pub op: LeaseOp<'a>,
+    pub(crate) limit: u64,
+    pub(crate) op: LeaseOp<'a>,
 }
 
 /// What a decision on a global policy's key needs beyond [`StoreCall`].
 #[derive(Debug, Clone, Copy)]
-pub struct GlobalCall<'a> {
+pub(crate) struct GlobalCall<'a> {
     /// The key as the client sent it: the coordinator's name for it.
-    pub user_key: &'a str,
-    pub keys: &'a layout::PolicyKeys,
-    pub shape: layout::ScriptShape,
+    pub(crate) user_key: &'a str,
+    pub(crate) keys: &'a layout::PolicyKeys,
+    pub(crate) shape: layout::ScriptShape,
 }
 
 /// Why a store could not answer. Every variant means "no decision was made"; none is a
@@ -86,7 +86,7 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             StoreError::Timeout(_) => "timeout",
             StoreError::Connection(_) => "connection",
@@ -101,7 +101,7 @@ impl StoreError {
     /// came back (a timeout, a connection lost under it) or the answer was not one of
     /// the script's. Otherwise nothing was run: the call was never sent (the breaker was
     /// open, the embedded store was full) or the script refused it before any write.
-    pub fn outcome_unknown(&self) -> bool {
+    pub(crate) fn outcome_unknown(&self) -> bool {
         matches!(
             self,
             StoreError::Timeout(_) | StoreError::Connection(_) | StoreError::Reply(_)
@@ -109,7 +109,7 @@ impl StoreError {
     }
 
     /// The label values of `kind`, for pre-registering metric series.
-    pub const KINDS: [&'static str; 6] = [
+    pub(crate) const KINDS: [&'static str; 6] = [
         "timeout",
         "connection",
         "circuit_open",
@@ -122,15 +122,15 @@ impl StoreError {
 /// What a reset ends beside the key's state: the reservations open on a settling
 /// policy's key, through the key's reset mark, kept as long as a reservation may wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ends<'a> {
+pub(crate) struct Ends<'a> {
     /// [`layout::PolicyLayout::reset_mark_key`] of the key.
-    pub mark: &'a str,
-    pub keep_ms: i64,
+    pub(crate) mark: &'a str,
+    pub(crate) keep_ms: i64,
 }
 
 /// What a reset forgets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Forget {
+pub(crate) enum Forget {
     /// The key's whole state (a local policy's key).
     All,
     /// What the user spent: a global policy's bucket, never its lease book or counters,
@@ -140,7 +140,7 @@ pub enum Forget {
 
 impl Forget {
     /// The word `lua/reset.lua` takes.
-    pub fn word(self) -> &'static str {
+    pub(crate) fn word(self) -> &'static str {
         match self {
             Forget::All => "all",
             Forget::Spent => "spent",

@@ -39,9 +39,9 @@ struct Entry {
 /// The store holds its maximum number of keys: a new one is refused, nothing changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the embedded store holds its maximum of {0} keys")]
-pub struct Full(pub usize);
+pub(crate) struct Full(pub usize);
 
-pub struct MemoryStore {
+pub(crate) struct MemoryStore {
     shards: Vec<Mutex<HashMap<String, Entry>>>,
     /// Keys held (plain and global), and the bound on them.
     keys: AtomicUsize,
@@ -65,18 +65,18 @@ pub struct MemoryStore {
 /// key names, run through the same model ([`KeySlot`]). One mutex: global keys are the hot
 /// few the coordinator trades, not the long tail.
 #[derive(Default)]
-pub struct GlobalState {
-    pub slots: HashMap<String, KeySlot>,
+pub(crate) struct GlobalState {
+    pub(crate) slots: HashMap<String, KeySlot>,
     /// By meta key: the default escrow of keys without a book.
-    pub defaults: HashMap<String, DefaultEscrow>,
+    pub(crate) defaults: HashMap<String, DefaultEscrow>,
     /// By active key: user key → store time of its last check.
-    pub active: HashMap<String, HashMap<String, i64>>,
+    pub(crate) active: HashMap<String, HashMap<String, i64>>,
     /// By books key: keys with a book.
-    pub books: HashMap<String, BTreeSet<String>>,
+    pub(crate) books: HashMap<String, BTreeSet<String>>,
 }
 
 impl GlobalState {
-    pub fn default_for(&self, keys: &PolicyKeys, shape: &ScriptShape) -> DefaultEscrow {
+    pub(crate) fn default_for(&self, keys: &PolicyKeys, shape: &ScriptShape) -> DefaultEscrow {
         self.defaults
             .get(&keys.meta)
             .copied()
@@ -85,7 +85,7 @@ impl GlobalState {
 }
 
 /// The model's numbers from a policy's script shape.
-pub fn shape_of(s: &ScriptShape) -> Shape {
+pub(crate) fn shape_of(s: &ScriptShape) -> Shape {
     Shape {
         rho: s.rho,
         burst: s.burst,
@@ -107,7 +107,7 @@ fn peek(algorithm: Algorithm, limits: &Limits, state: Option<&State>, now: i64) 
 }
 
 impl MemoryStore {
-    pub fn new(clock: Arc<dyn Clock>, max_keys: usize) -> Self {
+    pub(crate) fn new(clock: Arc<dyn Clock>, max_keys: usize) -> Self {
         MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             keys: AtomicUsize::new(0),
@@ -120,18 +120,18 @@ impl MemoryStore {
         }
     }
 
-    pub fn now_us(&self) -> i64 {
+    pub(crate) fn now_us(&self) -> i64 {
         self.clock.now_us()
     }
 
     /// The global keys, for the coordinator's store ([`crate::federation`]).
-    pub fn global(&self) -> MutexGuard<'_, GlobalState> {
+    pub(crate) fn global(&self) -> MutexGuard<'_, GlobalState> {
         self.global.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Takes room for one more key, or refuses at the bound (the coordinator's book
     /// writes on the embedded store call it for a key without a slot).
-    pub fn reserve(&self) -> Result<(), Full> {
+    pub(crate) fn reserve(&self) -> Result<(), Full> {
         self.reserve_n(1)
     }
 
@@ -155,7 +155,11 @@ impl MemoryStore {
     }
 
     /// One decision on a key of a global policy (what `lua/global/check.lua` does).
-    pub fn apply_global(&self, call: &StoreCall<'_>, g: &GlobalCall<'_>) -> Result<Verdict, Full> {
+    pub(crate) fn apply_global(
+        &self,
+        call: &StoreCall<'_>,
+        g: &GlobalCall<'_>,
+    ) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut st = self.global();
         let d = st.default_for(g.keys, &g.shape);
@@ -187,7 +191,7 @@ impl MemoryStore {
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, Full> {
+    pub(crate) fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
         let out = algorithm::apply(
@@ -208,7 +212,7 @@ impl MemoryStore {
     /// Spends `cost` units whether or not the key has them ([`algorithm::charge`]): the
     /// key goes into debt where it lacks them. Never denied; `Ok` with a peek's verdict
     /// for an algorithm that cannot hold a debt (config validation keeps those out).
-    pub fn charge(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, Full> {
+    pub(crate) fn charge(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
         let state = live(&map, call.key, now);
@@ -223,7 +227,7 @@ impl MemoryStore {
     }
 
     /// One operation on a concurrency limit's key (what `lua/concurrency.lua` does).
-    pub fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, Full> {
+    pub(crate) fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, Full> {
         let now = self.clock.now_us();
         let mut leases = self.leases();
         let held = leases
@@ -259,7 +263,11 @@ impl MemoryStore {
 
     /// A check of `estimate` that, admitted, opens the reservation (what `lua/settle.lua`
     /// does on `reserve`); room for the key and the reservation, or neither.
-    pub fn reserve_units(&self, call: &SettleCall<'_>, estimate: u64) -> Result<Verdict, Full> {
+    pub(crate) fn reserve_units(
+        &self,
+        call: &SettleCall<'_>,
+        estimate: u64,
+    ) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
         let state = live(&map, call.key, now);
@@ -294,7 +302,7 @@ impl MemoryStore {
     /// Never refused for room: the reservation holds the room of the key it charges...
     /// unless that key had expired, when its debt needs a key again, taken past the
     /// bound rather than lost.
-    pub fn settle(&self, call: &SettleCall<'_>, cost: u64) -> SettleReply {
+    pub(crate) fn settle(&self, call: &SettleCall<'_>, cost: u64) -> SettleReply {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
         let mut reservations = self.reservations();
@@ -338,7 +346,7 @@ impl MemoryStore {
     /// An all-or-nothing batch (a co-location group; see [`algorithm::apply_all`]): the
     /// shards of every key are held together, in index order, so no other call sees a
     /// partial charge. The keys are distinct (the API refuses a key twice in a group).
-    pub fn apply_all(
+    pub(crate) fn apply_all(
         &self,
         calls: &[StoreCall<'_>],
         enforced: &[bool],
@@ -412,7 +420,12 @@ impl MemoryStore {
 
     /// Forgets what `key`'s user spent: the key (a local policy's), or a global key's
     /// bucket only (its book and counters are the coordinator's).
-    pub fn reset(&self, key: &str, forget: crate::store::call::Forget, ends: Option<Ends<'_>>) {
+    pub(crate) fn reset(
+        &self,
+        key: &str,
+        forget: crate::store::call::Forget,
+        ends: Option<Ends<'_>>,
+    ) {
         if ends.is_some() {
             // The reservations open on the key end with it (as the reset mark ends them in
             // Redis: `lua/settle.lua`).
@@ -437,14 +450,14 @@ impl MemoryStore {
         }
     }
 
-    pub fn delete(&self, key: &str) {
+    pub(crate) fn delete(&self, key: &str) {
         if self.shard(key).remove(key).is_some() {
             self.released(1);
         }
     }
 
     /// Drops every expired entry. O(keys); run it from a background task.
-    pub fn sweep(&self) -> usize {
+    pub(crate) fn sweep(&self) -> usize {
         let now = self.clock.now_us();
         let mut dropped = self.sweep_global(now);
         {
@@ -492,12 +505,8 @@ impl MemoryStore {
     }
 
     /// Keys held, plain and global (expired ones until the next sweep).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.keys.load(Ordering::Acquire)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

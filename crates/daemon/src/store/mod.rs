@@ -6,14 +6,14 @@
 //! error means for a request.
 
 mod call;
-pub mod memory;
-pub mod redis;
+pub(crate) mod memory;
+pub(crate) mod redis;
 
-pub use call::{
+pub(crate) use call::{
     Ends, Forget, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall, StoreError,
 };
-pub use redis::admission::Shed;
-pub use redis::hot::Mark as SliceMark;
+pub(crate) use redis::admission::Shed;
+pub(crate) use redis::hot::Mark as SliceMark;
 
 use std::time::Instant;
 
@@ -23,7 +23,7 @@ use redis::{admission, hot};
 
 /// Whether keys of `algorithm` can take hot-key slices (fixed windows, token buckets and
 /// GCRA; see [`hot`]).
-pub fn takes_slices(algorithm: Algorithm) -> bool {
+pub(crate) fn takes_slices(algorithm: Algorithm) -> bool {
     hot::Taker::of(algorithm).is_some()
 }
 
@@ -31,7 +31,7 @@ pub fn takes_slices(algorithm: Algorithm) -> bool {
 /// calls a request makes (none in memory, with the breaker open, or for no call). Every
 /// call on the [`Store`] takes one by reference, so a call cannot be made without
 /// admission; the permits go back when it is dropped.
-pub struct Permit<'a> {
+pub(crate) struct Permit<'a> {
     _held: Option<admission::Admitted<'a>>,
 }
 
@@ -45,7 +45,7 @@ impl Permit<'_> {
 
 /// A check's answer from the store.
 #[derive(Debug)]
-pub enum Checked {
+pub(crate) enum Checked {
     /// The store's verdict, and where it came from.
     Decided(Verdict, Source),
     /// No decision: the store failed (the policy's `on_store_error` answers).
@@ -54,7 +54,7 @@ pub enum Checked {
 
 /// Where a check's verdict came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
+pub(crate) enum Source {
     /// Spent from this instance's slice of a hot key, in memory: no store call.
     Slice(SliceMark),
     /// A denial the store gave the key that still holds: no store call.
@@ -74,7 +74,7 @@ fn checked_cost(call: &StoreCall<'_>) -> u64 {
 
 /// The configured backend. An enum rather than a trait object: there are exactly two, and
 /// static dispatch keeps the request path free of boxing.
-pub enum Store {
+pub(crate) enum Store {
     Redis(std::sync::Arc<redis::RedisStore>),
     Memory(std::sync::Arc<memory::MemoryStore>),
 }
@@ -84,7 +84,7 @@ impl Store {
     /// [`admission`]), or nothing to wait for in memory or for no call. Every call below
     /// takes the [`Permit`], so none can skip admission; hold it until the calls, refunds
     /// included, are done.
-    pub async fn admit(&self, calls: usize) -> Result<Permit<'_>, admission::Shed> {
+    pub(crate) async fn admit(&self, calls: usize) -> Result<Permit<'_>, admission::Shed> {
         let held = match self {
             Store::Redis(r) if calls > 0 => r.admit(calls).await?,
             _ => None,
@@ -96,7 +96,7 @@ impl Store {
     /// slice, then a remembered denial: no Redis call and no permit), else under a permit
     /// taken and given back here. `hot_rate` (the policy's `hot_key_rate`, for a check
     /// that may take part in hot-key slices) counts the check towards its key's heat.
-    pub async fn check(
+    pub(crate) async fn check(
         &self,
         call: &StoreCall<'_>,
         hot_rate: Option<u64>,
@@ -111,7 +111,7 @@ impl Store {
     /// Decides a batch of checks, each as [`Store::check`] would, concurrently; one
     /// permit per store call the batch makes. The permit comes back with the answers, for
     /// the refunds of a denied batch.
-    pub async fn check_each<'s>(
+    pub(crate) async fn check_each<'s>(
         &'s self,
         calls: &[(StoreCall<'_>, Option<u64>)],
     ) -> Result<(Vec<Checked>, Permit<'s>), admission::Shed> {
@@ -181,7 +181,7 @@ impl Store {
 
     /// Gives back `cost` units a hot key's slice `mark` spent (see
     /// [`redis::RedisStore::refund_spent`]); slices are Redis's only.
-    pub async fn refund_spent(
+    pub(crate) async fn refund_spent(
         &self,
         _permit: &Permit<'_>,
         call: &StoreCall<'_>,
@@ -209,7 +209,7 @@ impl Store {
         }
     }
 
-    pub async fn apply(
+    pub(crate) async fn apply(
         &self,
         _permit: &Permit<'_>,
         call: &StoreCall<'_>,
@@ -226,7 +226,7 @@ impl Store {
 
     /// Spends `cost` units whether or not the key has them (a cost counted after the
     /// work: debt where it lacks them). Never denied. Local policies that can hold a debt.
-    pub async fn charge(
+    pub(crate) async fn charge(
         &self,
         _permit: &Permit<'_>,
         call: &StoreCall<'_>,
@@ -239,7 +239,7 @@ impl Store {
     }
 
     /// A check of `estimate` units that, admitted, opens the reservation.
-    pub async fn reserve(
+    pub(crate) async fn reserve(
         &self,
         _permit: &Permit<'_>,
         call: &SettleCall<'_>,
@@ -255,7 +255,7 @@ impl Store {
 
     /// Settles a reservation at the real `cost`: the difference charged (as debt where
     /// the key lacks it) or given back; once.
-    pub async fn settle(
+    pub(crate) async fn settle(
         &self,
         _permit: &Permit<'_>,
         call: &SettleCall<'_>,
@@ -268,7 +268,7 @@ impl Store {
     }
 
     /// One operation on a concurrency limit's key: acquire, release, extend or peek.
-    pub async fn lease(
+    pub(crate) async fn lease(
         &self,
         _permit: &Permit<'_>,
         call: &LeaseCall<'_>,
@@ -283,7 +283,7 @@ impl Store {
     /// group): one script on Redis, the shards held together in memory. Nothing is charged
     /// unless every `enforced` check is allowed ([`quotad_core::algorithm::apply_all`]).
     /// Never for keys of global policies.
-    pub async fn apply_all(
+    pub(crate) async fn apply_all(
         &self,
         _permit: &Permit<'_>,
         calls: &[StoreCall<'_>],
@@ -300,7 +300,7 @@ impl Store {
     /// Forgets what a key's user spent, ends what `ends` names, and (Redis) tells every
     /// instance in the same script, so no remembered denial outlives a reset reported
     /// done.
-    pub async fn reset(
+    pub(crate) async fn reset(
         &self,
         _permit: &Permit<'_>,
         key: &str,
@@ -317,7 +317,7 @@ impl Store {
     }
 
     /// Whether the store can take decisions now (readiness).
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         match self {
             Store::Redis(r) => r.is_ready(),
             Store::Memory(_) => true,
@@ -325,14 +325,14 @@ impl Store {
     }
 
     /// The embedded store, when that is the backend.
-    pub fn memory(&self) -> Option<std::sync::Arc<memory::MemoryStore>> {
+    pub(crate) fn memory(&self) -> Option<std::sync::Arc<memory::MemoryStore>> {
         match self {
             Store::Memory(m) => Some(m.clone()),
             Store::Redis(_) => None,
         }
     }
 
-    pub fn describe(&self) -> &'static str {
+    pub(crate) fn describe(&self) -> &'static str {
         match self {
             Store::Redis(_) => "redis",
             Store::Memory(_) => "memory",

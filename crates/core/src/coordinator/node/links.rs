@@ -13,6 +13,7 @@ use super::Node;
 use crate::clock::Clock;
 use crate::coordinator::{LocalUs, Params, RegionId};
 
+/// How a peer is reached, as the node sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Link {
@@ -77,10 +78,12 @@ impl Peer {
 }
 
 impl<C: Clock> Node<C> {
+    /// How `peer` is reached now.
     pub fn link(&self, peer: RegionId) -> Link {
         self.link_at(peer.index(), self.clock.now_us())
     }
 
+    /// The last round trip to `peer`, when one completed.
     pub fn rtt_us(&self, peer: RegionId) -> Option<i64> {
         self.peers.get(peer.index()).and_then(|p| p.rtt_us)
     }

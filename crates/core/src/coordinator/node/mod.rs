@@ -55,15 +55,18 @@ pub trait LeaseStore {
     /// `epoch` is below the stored one loses its loans on the way in (they predate a
     /// backward step the store detected, see [`LeaseBook::observe_time`]).
     fn write_book(&mut self, policy: &str, key: &str, book: &LeaseBook) -> Written;
+    /// The key's book, if it has one.
     fn read_book(&mut self, policy: &str, key: &str) -> Option<LeaseBook>;
     /// Every key of the policy that has a book (recovery after a restart).
     fn books(&mut self, policy: &str) -> Vec<(String, LeaseBook)>;
     /// Keys of the policy with traffic since the previous call.
     fn take_active(&mut self, policy: &str) -> Vec<String>;
+    /// The key's cumulative counts.
     fn counters(&mut self, policy: &str, key: &str) -> Counters;
     /// The escrow the store applies to keys of the policy that have no book; `None` if
     /// never set (a first start).
     fn default_escrow(&mut self, policy: &str) -> Option<f64>;
+    /// Sets the escrow for keys without a book; false if the store refused (fenced).
     fn set_default_escrow(&mut self, policy: &str, escrow: f64) -> bool;
 
     /// Several books at once, in order. The node reads and writes through these, so that
@@ -112,13 +115,20 @@ pub struct Written {
 /// Counters for the report and for `/v1/status`.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct NodeStats {
+    /// Rounds run.
     pub rounds: u64,
+    /// Loans granted.
     pub grants: u64,
+    /// Loans that would have been granted, withheld because their reservation was not
+    /// durable.
     pub grants_withheld: u64,
+    /// Loans accepted as a borrower.
     pub loans_accepted: u64,
+    /// Grants refused as stale (older than one accepted, ended, or before a backward step).
     pub stale_grants: u64,
     /// Exchanges that arrived after a newer one of the same peer: nothing granted.
     pub stale_exchanges: u64,
+    /// Backward clock steps detected.
     pub backward_steps: u64,
     /// Σ over rounds of the keys exchanged with each peer (for bytes per key).
     pub key_reports: u64,
@@ -129,13 +139,21 @@ pub struct NodeStats {
 /// One key as the coordinator sees it, for status pages and tests.
 #[derive(Debug, Clone, Serialize)]
 pub struct KeyStatus {
+    /// The policy.
     pub policy: String,
+    /// The key.
     pub key: String,
+    /// This region's escrow, units per second.
     pub escrow: f64,
+    /// The rate enforced here: escrow − lent + borrowed.
     pub enforced: f64,
+    /// Units per second lent to others.
     pub lent: f64,
+    /// Units per second borrowed.
     pub borrowed: f64,
+    /// Smoothed offered load here.
     pub demand: f64,
+    /// What the allocation would have this region enforce.
     pub target: f64,
 }
 
@@ -153,11 +171,17 @@ struct KeyNumbers {
 /// Per policy, the sums over its tracked keys (for the metrics).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct PolicyTotals {
+    /// The policy.
     pub policy: String,
+    /// Σ enforced rate.
     pub enforced: f64,
+    /// Σ lent.
     pub lent: f64,
+    /// Σ borrowed.
     pub borrowed: f64,
+    /// Σ demand.
     pub demand: f64,
+    /// Keys tracked.
     pub keys: usize,
 }
 
@@ -189,6 +213,7 @@ pub struct KeySummary {
 /// to it has come (for status pages: an operator rolling out a new split watches this).
 #[derive(Debug, Clone, Serialize)]
 pub struct PolicyStatus {
+    /// The policy.
     pub policy: String,
     /// The version installed here.
     pub version: u64,
@@ -202,6 +227,8 @@ pub struct PolicyStatus {
     pub peers_applied: Vec<u64>,
 }
 
+/// One region's coordinator: its books, its peers and the rounds between them (driven by
+/// the daemon or the simulator).
 pub struct Node<C: Clock> {
     me: RegionId,
     params: Params,
@@ -318,14 +345,17 @@ impl<C: Clock> Node<C> {
         ps.escrow_in_force(self.me.index())
     }
 
+    /// This region.
     pub fn region(&self) -> RegionId {
         self.me
     }
 
+    /// This life of the node (bumped on every restart).
     pub fn incarnation(&self) -> u64 {
         self.incarnation
     }
 
+    /// The counters.
     pub fn stats(&self) -> NodeStats {
         self.stats
     }
@@ -409,6 +439,7 @@ impl<C: Clock> Node<C> {
         self.policies.get(policy).map(|ps| ps.policy.version)
     }
 
+    /// Every global policy the node runs, with its re-split's progress.
     pub fn policy_status(&self) -> Vec<PolicyStatus> {
         let me = self.me.index();
         self.policies

@@ -32,6 +32,7 @@ pub struct Spelled {
 }
 
 impl Spelled {
+    /// The epoch the keys were spelled in.
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
@@ -48,6 +49,7 @@ impl KeyIds {
         }
     }
 
+    /// The dictionary's epoch.
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
@@ -57,6 +59,7 @@ impl KeyIds {
         self.ids.len()
     }
 
+    /// Whether no key is numbered in this epoch.
     pub fn is_empty(&self) -> bool {
         self.ids.is_empty()
     }
@@ -134,6 +137,7 @@ pub struct KeyTable {
 }
 
 impl KeyTable {
+    /// An empty table of at most `cap` keys (at least one).
     pub fn new(cap: usize) -> Self {
         KeyTable {
             epoch: None,
@@ -148,6 +152,7 @@ impl KeyTable {
         self.known
     }
 
+    /// Whether no key is known.
     pub fn is_empty(&self) -> bool {
         self.known == 0
     }

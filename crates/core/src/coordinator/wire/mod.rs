@@ -9,7 +9,7 @@
 //! What makes it small, per key and round:
 //! - **Numbers for keys.** An exchange names a key by its number in the sender's
 //!   dictionary for that peer ([`KeyIds`]); the key is spelled out only until a reply
-//!   shows the peer has it ([`keys`] has the rules, also for a receiver that lost it).
+//!   shows the peer has it (`wire/keys.rs` has the rules, also for a receiver that lost it).
 //! - **Replies name nothing.** A reply's keys are its request's, in order: it says which
 //!   of them it answers by position.
 //! - **Varints and flags.** Amounts are whole thousandths (asks and grants are floored to
@@ -17,7 +17,7 @@
 //!   message (a lender grants in sequence); what is absent costs a bit of one flags byte.
 //!
 //! Demand travels as the f32 the JSON form carries, so a message decodes to exactly the
-//! value that was encoded ([`tests`] checks the round trip), and the simulator, which
+//! value that was encoded (its tests check the round trip), and the simulator, which
 //! sends every message through this codec, runs the same protocol the daemons run.
 
 mod bytes;
@@ -60,13 +60,19 @@ const REPLY_FLAGS: u8 = (1 << 2) - 1;
 /// Why a binary body could not be read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WireError {
+    /// The body ended inside a field.
     Truncated,
+    /// A number's encoding is longer than any u64's.
     BadVarint,
+    /// A key that is not UTF-8.
     NotUtf8,
+    /// Bytes after the message.
     TrailingBytes,
     /// Not a binary body (or not an exchange where one was expected).
     NotBinary,
+    /// A format version this build does not read.
     UnknownVersion(u8),
+    /// Flag bits this build does not know.
     BadFlags,
     /// A value past what its field may hold (a region id, a dictionary number).
     OutOfRange,
@@ -127,7 +133,9 @@ pub fn is_binary(body: &[u8]) -> bool {
 /// Which message a binary body holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
+    /// An [`super::message::Exchange`].
     Exchange,
+    /// An [`super::message::ExchangeReply`].
     Reply,
 }
 

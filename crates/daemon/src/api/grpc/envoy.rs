@@ -16,6 +16,7 @@ pub const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitServic
 /// `google.protobuf.UInt64Value`.
 #[derive(Clone, Copy, PartialEq, Eq, Message)]
 pub struct UInt64Value {
+    /// The value.
     #[prost(uint64, tag = "1")]
     pub value: u64,
 }
@@ -23,8 +24,10 @@ pub struct UInt64Value {
 /// `google.protobuf.Duration`.
 #[derive(Clone, Copy, PartialEq, Eq, Message)]
 pub struct PbDuration {
+    /// Whole seconds.
     #[prost(int64, tag = "1")]
     pub seconds: i64,
+    /// Nanoseconds beyond `seconds`.
     #[prost(int32, tag = "2")]
     pub nanos: i32,
 }
@@ -32,8 +35,10 @@ pub struct PbDuration {
 /// `envoy.config.core.v3.HeaderValue` (without `raw_value`).
 #[derive(Clone, PartialEq, Eq, Message)]
 pub struct HeaderValue {
+    /// The header's name.
     #[prost(string, tag = "1")]
     pub key: String,
+    /// The header's value.
     #[prost(string, tag = "2")]
     pub value: String,
 }
@@ -42,8 +47,10 @@ pub struct HeaderValue {
 /// override, which quotad ignores).
 #[derive(Clone, PartialEq, Eq, Message)]
 pub struct RateLimitDescriptor {
+    /// The descriptor's entries, in order: what `[[descriptor]]` config matches.
     #[prost(message, repeated, tag = "1")]
     pub entries: Vec<Entry>,
+    /// Units this descriptor spends (`hits_addend` of the request when absent).
     #[prost(message, optional, tag = "3")]
     pub hits_addend: Option<UInt64Value>,
 }
@@ -51,8 +58,10 @@ pub struct RateLimitDescriptor {
 /// `RateLimitDescriptor.Entry`.
 #[derive(Clone, PartialEq, Eq, Message)]
 pub struct Entry {
+    /// The entry's key.
     #[prost(string, tag = "1")]
     pub key: String,
+    /// The entry's value.
     #[prost(string, tag = "2")]
     pub value: String,
 }
@@ -60,10 +69,13 @@ pub struct Entry {
 /// `envoy.service.ratelimit.v3.RateLimitRequest`.
 #[derive(Clone, PartialEq, Eq, Message)]
 pub struct RateLimitRequest {
+    /// The domain, a `[[descriptor]]` config's `domain`.
     #[prost(string, tag = "1")]
     pub domain: String,
+    /// The descriptors to decide, each on its own.
     #[prost(message, repeated, tag = "2")]
     pub descriptors: Vec<RateLimitDescriptor>,
+    /// Units each descriptor spends unless it says (0 means 1).
     #[prost(uint32, tag = "3")]
     pub hits_addend: u32,
 }
@@ -72,10 +84,13 @@ pub struct RateLimitRequest {
 /// body, dynamic metadata and quota, which quotad does not send).
 #[derive(Clone, PartialEq, Eq, Message)]
 pub struct RateLimitResponse {
+    /// `OVER_LIMIT` if any descriptor is over its limit, else `OK` (a [`Code`]).
     #[prost(enumeration = "Code", tag = "1")]
     pub overall_code: i32,
+    /// One status per descriptor, in the request's order.
     #[prost(message, repeated, tag = "2")]
     pub statuses: Vec<DescriptorStatus>,
+    /// The RateLimit headers for the client's response.
     #[prost(message, repeated, tag = "3")]
     pub response_headers_to_add: Vec<HeaderValue>,
 }
@@ -84,20 +99,27 @@ pub struct RateLimitResponse {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Enumeration)]
 #[repr(i32)]
 pub enum Code {
+    /// Not decided.
     Unknown = 0,
+    /// Within the limit.
     Ok = 1,
+    /// Over the limit.
     OverLimit = 2,
 }
 
 /// `RateLimitResponse.DescriptorStatus` (without the quota).
 #[derive(Clone, PartialEq, Eq, Message)]
 pub struct DescriptorStatus {
+    /// The descriptor's answer (a [`Code`]).
     #[prost(enumeration = "Code", tag = "1")]
     pub code: i32,
+    /// The limit the descriptor matched.
     #[prost(message, optional, tag = "2")]
     pub current_limit: Option<RateLimit>,
+    /// Units left in the window.
     #[prost(uint32, tag = "3")]
     pub limit_remaining: u32,
+    /// When the window resets.
     #[prost(message, optional, tag = "4")]
     pub duration_until_reset: Option<PbDuration>,
 }
@@ -105,10 +127,13 @@ pub struct DescriptorStatus {
 /// `RateLimitResponse.RateLimit`.
 #[derive(Clone, PartialEq, Eq, Message)]
 pub struct RateLimit {
+    /// Units per `unit`.
     #[prost(uint32, tag = "1")]
     pub requests_per_unit: u32,
+    /// The unit of time (a [`Unit`]).
     #[prost(enumeration = "Unit", tag = "2")]
     pub unit: i32,
+    /// The policy's name.
     #[prost(string, tag = "3")]
     pub name: String,
 }
@@ -117,13 +142,21 @@ pub struct RateLimit {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Enumeration)]
 #[repr(i32)]
 pub enum Unit {
+    /// Not set.
     Unknown = 0,
+    /// Per second.
     Second = 1,
+    /// Per minute.
     Minute = 2,
+    /// Per hour.
     Hour = 3,
+    /// Per day.
     Day = 4,
+    /// Per month.
     Month = 5,
+    /// Per year.
     Year = 6,
+    /// Per week.
     Week = 7,
 }
 

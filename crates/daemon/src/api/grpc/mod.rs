@@ -79,10 +79,10 @@ impl Connected for Handed {
 /// The service: what it needs to turn descriptors into checks.
 pub(crate) struct RateLimiter {
     /// Policies, overrides and descriptors: swapped whole by a reload.
-    pub live: Arc<LiveConfig>,
-    pub limiter: Arc<Limiter>,
-    pub metrics: Arc<Metrics>,
-    pub caps: Caps,
+    pub(crate) live: Arc<LiveConfig>,
+    pub(crate) limiter: Arc<Limiter>,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) caps: Caps,
 }
 
 /// The gRPC listener's bounds, from `[server]`.
@@ -90,16 +90,16 @@ pub(crate) struct RateLimiter {
 pub(crate) struct Bounds {
     /// Connections open at once (`server.grpc_max_connections`): beyond it, connects wait
     /// in the kernel's backlog until one closes.
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
     /// From accept to the whole HTTP/2 preface (`server.header_timeout`).
-    pub handshake_timeout: Duration,
+    pub(crate) handshake_timeout: Duration,
     /// A request message's size (`server.max_body_bytes`): `RESOURCE_EXHAUSTED` beyond.
-    pub max_message_bytes: usize,
+    pub(crate) max_message_bytes: usize,
     /// Request headers (`server.max_header_bytes`): HTTP/2's header list size.
-    pub max_header_bytes: usize,
+    pub(crate) max_header_bytes: usize,
     /// A call answered or cancelled (`DEADLINE_EXCEEDED`) within this
     /// (`server.body_timeout`); a shorter `grpc-timeout` from the client wins.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
 }
 
 /// What one request descriptor asks.

@@ -28,11 +28,11 @@ use crate::api::request_log::{self, Line};
 #[derive(Clone, PartialEq, Message)]
 pub(crate) struct WireRequest {
     #[prost(bytes = "vec", tag = "1")]
-    pub domain: Vec<u8>,
+    pub(crate) domain: Vec<u8>,
     #[prost(message, repeated, tag = "2")]
-    pub descriptors: Vec<WireDescriptor>,
+    pub(crate) descriptors: Vec<WireDescriptor>,
     #[prost(uint32, tag = "3")]
-    pub hits_addend: u32,
+    pub(crate) hits_addend: u32,
 }
 
 /// `envoy.extensions.common.ratelimit.v3.RateLimitDescriptor`, without the `limit`
@@ -40,18 +40,18 @@ pub(crate) struct WireRequest {
 #[derive(Clone, PartialEq, Message)]
 pub(crate) struct WireDescriptor {
     #[prost(message, repeated, tag = "1")]
-    pub entries: Vec<WireEntry>,
+    pub(crate) entries: Vec<WireEntry>,
     #[prost(message, optional, tag = "3")]
-    pub hits_addend: Option<UInt64Value>,
+    pub(crate) hits_addend: Option<UInt64Value>,
 }
 
 /// One descriptor entry: `key` and `value` as sent.
 #[derive(Clone, PartialEq, Message)]
 pub(crate) struct WireEntry {
     #[prost(bytes = "vec", tag = "1")]
-    pub key: Vec<u8>,
+    pub(crate) key: Vec<u8>,
     #[prost(bytes = "vec", tag = "2")]
-    pub value: Vec<u8>,
+    pub(crate) value: Vec<u8>,
 }
 
 /// Decodes [`WireRequest`] (a decode error is the client's: `INVALID_ARGUMENT`), encodes

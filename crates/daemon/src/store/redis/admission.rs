@@ -24,18 +24,18 @@ use crate::metrics::Metrics;
 
 /// Settings from `[store]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AdmissionSettings {
+pub(crate) struct AdmissionSettings {
     /// Calls sent to Redis and not yet answered, at most.
-    pub max_in_flight: usize,
+    pub(crate) max_in_flight: usize,
     /// Requests waiting for a permit, at most; beyond, shed at once.
-    pub max_queued: usize,
+    pub(crate) max_queued: usize,
     /// Longest wait for a permit; beyond, shed.
-    pub queue_timeout: Duration,
+    pub(crate) queue_timeout: Duration,
 }
 
 /// Why a request was shed: the `reason` label of `quotad_shed_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Shed {
+pub(crate) enum Shed {
     #[error("the queue for Redis is full")]
     QueueFull,
     #[error("no Redis capacity freed up within the queue timeout")]
@@ -46,7 +46,7 @@ pub enum Shed {
 }
 
 impl Shed {
-    pub fn reason(self) -> &'static str {
+    pub(crate) fn reason(self) -> &'static str {
         match self {
             Shed::QueueFull => "queue_full",
             Shed::QueueTimeout => "queue_timeout",
@@ -55,10 +55,10 @@ impl Shed {
     }
 
     /// The reasons of Redis admission (`body_memory` is registered by the API).
-    pub const REASONS: [&'static str; 2] = ["queue_full", "queue_timeout"];
+    pub(crate) const REASONS: [&'static str; 2] = ["queue_full", "queue_timeout"];
 }
 
-pub struct Admission {
+pub(crate) struct Admission {
     settings: AdmissionSettings,
     permits: Semaphore,
     queued: AtomicUsize,
@@ -68,7 +68,7 @@ pub struct Admission {
 }
 
 /// Held while a request's calls are in flight; the permits return when it drops.
-pub struct Admitted<'a> {
+pub(crate) struct Admitted<'a> {
     _permit: SemaphorePermit<'a>,
     admission: &'a Admission,
     n: usize,
@@ -83,7 +83,7 @@ impl Drop for Admitted<'_> {
 }
 
 impl Admission {
-    pub fn new(settings: AdmissionSettings, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(settings: AdmissionSettings, metrics: Arc<Metrics>) -> Self {
         let settings = AdmissionSettings {
             max_in_flight: settings.max_in_flight.max(1),
             ..settings
@@ -101,7 +101,7 @@ impl Admission {
     }
 
     /// Waits (FIFO, bounded) for `calls` permits; more than `max_in_flight` counts as all.
-    pub async fn admit(&self, calls: usize) -> Result<Admitted<'_>, Shed> {
+    pub(crate) async fn admit(&self, calls: usize) -> Result<Admitted<'_>, Shed> {
         let n = calls.clamp(1, self.settings.max_in_flight) as u32;
         let permit = match self.permits.try_acquire_many(n) {
             Ok(p) => p,

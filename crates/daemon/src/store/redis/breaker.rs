@@ -21,7 +21,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 #[derive(Debug)]
-pub struct Breaker {
+pub(crate) struct Breaker {
     threshold: u32,
     failures: AtomicU32,
     open: AtomicBool,
@@ -30,7 +30,7 @@ pub struct Breaker {
 }
 
 impl Breaker {
-    pub fn new(threshold: u32) -> Self {
+    pub(crate) fn new(threshold: u32) -> Self {
         Breaker {
             threshold: threshold.max(1),
             failures: AtomicU32::new(0),
@@ -39,41 +39,41 @@ impl Breaker {
         }
     }
 
-    pub fn is_open(&self) -> bool {
+    pub(crate) fn is_open(&self) -> bool {
         self.open.load(Ordering::Acquire)
     }
 
     /// Timeouts in a row await the supervisor's verification.
-    pub fn is_suspect(&self) -> bool {
+    pub(crate) fn is_suspect(&self) -> bool {
         self.suspect.load(Ordering::Acquire)
     }
 
-    pub fn record_success(&self) {
+    pub(crate) fn record_success(&self) {
         self.failures.store(0, Ordering::Release);
     }
 
     /// Counts a failed call; returns true when this failure makes Redis suspect (the
     /// caller starts the one verification).
-    pub fn record_failure(&self) -> bool {
+    pub(crate) fn record_failure(&self) -> bool {
         let n = self.failures.fetch_add(1, Ordering::AcqRel) + 1;
         n >= self.threshold && !self.is_open() && !self.suspect.swap(true, Ordering::AcqRel)
     }
 
     /// The verification got an answer: Redis is alive, the failures were not its doing.
-    pub fn cleared(&self) {
+    pub(crate) fn cleared(&self) {
         self.failures.store(0, Ordering::Release);
         self.suspect.store(false, Ordering::Release);
     }
 
     /// Opens at once (the connection is gone, or a verification went unanswered); true
     /// when this call opened it.
-    pub fn trip(&self) -> bool {
+    pub(crate) fn trip(&self) -> bool {
         self.suspect.store(false, Ordering::Release);
         !self.open.swap(true, Ordering::AcqRel)
     }
 
     /// Closes after a successful probe.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.failures.store(0, Ordering::Release);
         self.suspect.store(false, Ordering::Release);
         self.open.store(false, Ordering::Release);

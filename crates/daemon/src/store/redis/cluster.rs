@@ -15,7 +15,7 @@ const REDIRECTS: u32 = 5;
 /// its slot map), ASK (ASKING and the command in one pipeline, so nothing can come between
 /// them on the node's shared connection) and TRYAGAIN (a multi-key script mid-migration,
 /// after a short pause). Each command is bounded by the store's per-call timeout.
-pub async fn command(
+pub(crate) async fn command(
     c: &mut redis::cluster_async::ClusterConnection,
     cmd: &Cmd,
 ) -> RedisResult<Value> {
@@ -74,16 +74,4 @@ fn not_a(what: &str) -> RedisError {
         "unexpected reply",
         what.to_owned(),
     ))
-}
-
-/// Whether `e` asks for the command to be sent again elsewhere or later.
-pub fn is_redirect(e: &RedisError) -> bool {
-    matches!(
-        e.kind(),
-        redis::ErrorKind::Server(
-            redis::ServerErrorKind::Ask
-                | redis::ServerErrorKind::Moved
-                | redis::ServerErrorKind::TryAgain
-        )
-    )
 }

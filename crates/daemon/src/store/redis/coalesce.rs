@@ -30,15 +30,15 @@ use crate::store::redis::cluster;
 type Reply = oneshot::Sender<RedisResult<Value>>;
 
 /// Yields a flusher waits at most for the queue to stop growing before it sends.
-pub const MAX_YIELDS: usize = 4;
+pub(crate) const MAX_YIELDS: usize = 4;
 
 /// What the flusher counts.
 #[derive(Clone)]
-pub struct Counters {
+pub(crate) struct Counters {
     /// Pipelines sent (one socket write each, as the driver writes a message whole).
-    pub pipelines: prometheus::IntCounter,
+    pub(crate) pipelines: prometheus::IntCounter,
     /// Commands sent in them.
-    pub commands: prometheus::IntCounter,
+    pub(crate) commands: prometheus::IntCounter,
 }
 
 /// A multiplexed connection whose single commands are coalesced. Clones share the queue.
@@ -71,12 +71,12 @@ impl Drop for Shared {
 impl Coalescing {
     /// Wraps one server's `conn`; spawns its flusher on the current runtime (it ends
     /// with the last clone).
-    pub fn new(conn: MultiplexedConnection, counters: Counters) -> Self {
+    pub(crate) fn new(conn: MultiplexedConnection, counters: Counters) -> Self {
         Self::over(Link::Server(conn), counters)
     }
 
     /// Wraps a cluster's `conn`: each turn's commands grouped by hash slot.
-    pub fn cluster(conn: ClusterConnection, counters: Counters) -> Self {
+    pub(crate) fn cluster(conn: ClusterConnection, counters: Counters) -> Self {
         Self::over(Link::Cluster(conn), counters)
     }
 

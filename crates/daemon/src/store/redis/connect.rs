@@ -42,7 +42,9 @@ pub enum Topology {
     Cluster(Vec<String>),
     /// The master these sentinels name `master`.
     Sentinel {
+        /// The sentinels' URLs.
         sentinels: Vec<String>,
+        /// The master's name.
         master: String,
     },
 }
@@ -51,9 +53,9 @@ pub enum Topology {
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct TlsFiles {
     /// Trusted CA certificates; `None`: the system's roots.
-    pub ca: Option<Vec<u8>>,
+    pub(crate) ca: Option<Vec<u8>>,
     /// Client certificate and key (mutual TLS).
-    pub client: Option<(Vec<u8>, Vec<u8>)>,
+    pub(crate) client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl std::fmt::Debug for TlsFiles {
@@ -83,11 +85,13 @@ impl TlsFiles {
 /// The region's Redis as the config describes it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Target {
+    /// One server, a Cluster or a Sentinel set.
     pub topology: Topology,
     /// CA and client certificate for `rediss://` URLs (unused with `redis://`).
     pub tls: TlsFiles,
     /// ACL user and password; when set they replace any in the URLs.
     pub username: Option<String>,
+    /// The ACL password (a secret: never logged).
     pub password: Option<String>,
 }
 
@@ -103,19 +107,19 @@ impl std::fmt::Debug for Target {
 /// opened after, while those open already keep serving. A std RwLock: held only to
 /// clone the `Arc` out, never across an await.
 #[derive(Clone)]
-pub struct SharedTarget(Arc<std::sync::RwLock<Arc<Target>>>);
+pub(crate) struct SharedTarget(Arc<std::sync::RwLock<Arc<Target>>>);
 
 impl SharedTarget {
-    pub fn new(target: Target) -> Self {
+    pub(crate) fn new(target: Target) -> Self {
         SharedTarget(Arc::new(std::sync::RwLock::new(Arc::new(target))))
     }
 
     /// The target in force.
-    pub fn get(&self) -> Arc<Target> {
+    pub(crate) fn get(&self) -> Arc<Target> {
         self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    pub fn set(&self, target: Target) {
+    pub(crate) fn set(&self, target: Target) {
         *self.0.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(target);
     }
 }
@@ -138,6 +142,7 @@ fn install_crypto() {
 
 impl Target {
     /// A standalone server at `url`, no TLS files, no credentials beyond the URL's.
+    #[cfg(any(test, feature = "testing"))]
     pub fn standalone(url: &str) -> Self {
         Target {
             topology: Topology::Standalone(url.to_owned()),
@@ -148,7 +153,7 @@ impl Target {
     }
 
     /// For logs: the topology and its addresses, passwords removed.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let list = |urls: &[String]| {
             urls.iter()
                 .map(|u| redacted(u))
@@ -165,7 +170,7 @@ impl Target {
     }
 
     /// Whether the URLs ask for TLS.
-    pub fn uses_tls(&self) -> bool {
+    pub(crate) fn uses_tls(&self) -> bool {
         let tls = |u: &String| u.starts_with("rediss://");
         match &self.topology {
             Topology::Standalone(url) => tls(url),
@@ -192,7 +197,7 @@ impl Target {
     }
 
     /// A client for one server at `url`, with the TLS files when the URL is `rediss://`.
-    pub fn client(&self, url: &str) -> RedisResult<redis::Client> {
+    pub(crate) fn client(&self, url: &str) -> RedisResult<redis::Client> {
         let info = self.info(url)?;
         if matches!(info.addr(), ConnectionAddr::TcpTls { .. }) {
             redis::Client::build_with_tls(info, self.tls.certificates())
@@ -203,7 +208,7 @@ impl Target {
 
     /// Checks what can be checked without a network: URLs parse, TLS files load, the
     /// client can be built.
-    pub fn check(&self) -> RedisResult<()> {
+    pub(crate) fn check(&self) -> RedisResult<()> {
         match &self.topology {
             Topology::Standalone(url) => self.client(url).map(drop),
             Topology::Cluster(_) => self
@@ -280,7 +285,7 @@ impl Target {
 
     /// [`Target::connect`], with the address of the master the sentinels named (`None`
     /// for other topologies), to compare with [`Target::sentinel_master`] later.
-    pub async fn connect_tracked(
+    pub(crate) async fn connect_tracked(
         &self,
         connect_timeout: Duration,
         response_timeout: Duration,
@@ -318,7 +323,7 @@ impl Target {
 
     /// Through Sentinel, the address of the master the sentinels name now (the crate
     /// checks that it says it is a master); `None` for other topologies.
-    pub async fn sentinel_master(&self) -> RedisResult<Option<String>> {
+    pub(crate) async fn sentinel_master(&self) -> RedisResult<Option<String>> {
         match &self.topology {
             Topology::Sentinel { .. } => {
                 let client = self.sentinel()?.async_get_client().await?;
@@ -352,7 +357,7 @@ impl Target {
 
     /// One client per master (see the module docs). A cluster's masters are read from
     /// `CLUSTER SLOTS` on the first seed that answers.
-    pub async fn masters(&self, timeout: Duration) -> RedisResult<Vec<redis::Client>> {
+    pub(crate) async fn masters(&self, timeout: Duration) -> RedisResult<Vec<redis::Client>> {
         match &self.topology {
             Topology::Standalone(url) => Ok(vec![self.client(url)?]),
             Topology::Sentinel { .. } => Ok(vec![self.sentinel()?.async_get_client().await?]),
@@ -409,7 +414,7 @@ impl Target {
     }
 
     /// Where to subscribe to the invalidation channel, in order of preference.
-    pub async fn pubsub_clients(&self) -> RedisResult<Vec<redis::Client>> {
+    pub(crate) async fn pubsub_clients(&self) -> RedisResult<Vec<redis::Client>> {
         match &self.topology {
             Topology::Standalone(url) => Ok(vec![self.client(url)?]),
             Topology::Cluster(seeds) => seeds.iter().map(|s| self.client(s)).collect(),
@@ -427,7 +432,7 @@ fn not_a(what: &str) -> RedisError {
 }
 
 /// The URL without its password, for logs.
-pub fn redacted(url: &str) -> String {
+pub(crate) fn redacted(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
         _ => url.to_owned(),
@@ -477,7 +482,7 @@ pub enum AsyncConn {
 impl AsyncConn {
     /// This connection with its single commands coalesced (on a cluster: submitted
     /// together, each on its own).
-    pub fn coalesced(self, counters: crate::store::redis::coalesce::Counters) -> AsyncConn {
+    pub(crate) fn coalesced(self, counters: crate::store::redis::coalesce::Counters) -> AsyncConn {
         match self {
             AsyncConn::Single(c) => {
                 AsyncConn::Coalesced(crate::store::redis::coalesce::Coalescing::new(c, counters))
@@ -525,14 +530,16 @@ impl redis::aio::ConnectionLike for AsyncConn {
 /// coordinator's always do: a global policy's keys share one): on a cluster a pipeline
 /// goes whole to the node of its first command.
 pub enum SyncConn {
+    /// A standalone server's (or a Sentinel master's) connection.
     Single(redis::Connection),
+    /// A Cluster connection.
     Cluster(Box<redis::cluster::ClusterConnection>),
 }
 
 impl SyncConn {
     /// Sends `cmd` to the master of `key`'s slot (commands without keys, such as `INFO`
     /// or `WAIT`, would otherwise go to a random node or to all of them).
-    pub fn query_at<T: FromRedisValue>(&mut self, cmd: &Cmd, key: &str) -> RedisResult<T> {
+    pub(crate) fn query_at<T: FromRedisValue>(&mut self, cmd: &Cmd, key: &str) -> RedisResult<T> {
         match self {
             SyncConn::Single(c) => cmd.query(c),
             SyncConn::Cluster(c) => {

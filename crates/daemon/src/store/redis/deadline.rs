@@ -15,11 +15,11 @@ use std::time::Duration;
 use futures_util::FutureExt;
 
 /// Scheduler turns a call gets after its timer fires.
-pub const LATE_POLLS: usize = 3;
+pub(crate) const LATE_POLLS: usize = 3;
 
 /// How a call under a deadline ended.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Within<T> {
+pub(crate) enum Within<T> {
     /// Answered before the timer fired.
     InTime(T),
     /// Answered in the turns after the timer fired: the reply was there, the runtime was
@@ -30,7 +30,7 @@ pub enum Within<T> {
 }
 
 /// Runs `call` with `timeout`, then [`LATE_POLLS`] turns of grace.
-pub async fn within<F: Future>(timeout: Duration, call: F) -> Within<F::Output> {
+pub(crate) async fn within<F: Future>(timeout: Duration, call: F) -> Within<F::Output> {
     let mut call = std::pin::pin!(call);
     if let Ok(v) = tokio::time::timeout(timeout, call.as_mut()).await {
         return Within::InTime(v);

@@ -45,18 +45,18 @@ use quotad_core::algorithm::{Algorithm, Limits, Verdict};
 
 /// Bound on the rate error between quotad's monotonic clock and Redis's (the same bound
 /// ε the coordinator assumes): an entry lives `r (1 - RATE_MARGIN)`.
-pub const RATE_MARGIN: f64 = 1e-3;
+pub(crate) const RATE_MARGIN: f64 = 1e-3;
 
 const SHARDS: usize = 16;
 
 /// What a check asks the store: its storage key, the rules it is decided under, and its
 /// cost (a peek counts as 1).
 #[derive(Debug, Clone, Copy)]
-pub struct Question<'a> {
-    pub key: &'a str,
-    pub algorithm: Algorithm,
-    pub limits: Limits,
-    pub cost: u64,
+pub(crate) struct Question<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) limits: Limits,
+    pub(crate) cost: u64,
 }
 
 impl Question<'_> {
@@ -76,7 +76,7 @@ struct Entry {
     reset_at: Instant,
 }
 
-pub struct DenyCache {
+pub(crate) struct DenyCache {
     shards: Vec<Mutex<HashMap<String, Entry>>>,
     hasher: RandomState,
     max_per_shard: usize,
@@ -88,7 +88,7 @@ pub struct DenyCache {
 }
 
 impl DenyCache {
-    pub fn new(max_keys: usize) -> Self {
+    pub(crate) fn new(max_keys: usize) -> Self {
         DenyCache {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
@@ -99,7 +99,7 @@ impl DenyCache {
     }
 
     /// Read before a call is sent; hand it to [`DenyCache::remember`].
-    pub fn epoch(&self) -> u64 {
+    pub(crate) fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
     }
 
@@ -109,7 +109,7 @@ impl DenyCache {
     }
 
     /// The store's denial of `q`, if one is remembered and still in force at `now`.
-    pub fn lookup(&self, q: &Question<'_>, now: Instant) -> Option<Verdict> {
+    pub(crate) fn lookup(&self, q: &Question<'_>, now: Instant) -> Option<Verdict> {
         if self.max_per_shard == 0 || !self.live.load(Ordering::Acquire) {
             return None;
         }
@@ -129,7 +129,7 @@ impl DenyCache {
 
     /// Remembers the store's denial `v` of `q`, for a call sent at `sent`, when the
     /// cache's epoch then was `epoch`.
-    pub fn remember(&self, q: &Question<'_>, v: &Verdict, sent: Instant, epoch: u64) {
+    pub(crate) fn remember(&self, q: &Question<'_>, v: &Verdict, sent: Instant, epoch: u64) {
         if self.max_per_shard == 0 || v.allowed || !self.live.load(Ordering::Acquire) {
             return;
         }
@@ -165,7 +165,7 @@ impl DenyCache {
     }
 
     /// Someone gave capacity back to `key` (a refund, a reset).
-    pub fn invalidate(&self, key: &str) {
+    pub(crate) fn invalidate(&self, key: &str) {
         let mut shard = self.shard(key);
         self.epoch.fetch_add(1, Ordering::AcqRel);
         shard.remove(key);
@@ -173,7 +173,7 @@ impl DenyCache {
 
     /// Whether entries may be used: only while invalidations from other instances arrive.
     /// Both turning on and off start from an empty cache.
-    pub fn set_live(&self, live: bool) {
+    pub(crate) fn set_live(&self, live: bool) {
         self.epoch.fetch_add(1, Ordering::AcqRel);
         self.live.store(live, Ordering::Release);
         for s in &self.shards {
@@ -182,7 +182,7 @@ impl DenyCache {
     }
 
     /// Drops expired entries; returns how many remain.
-    pub fn sweep(&self, now: Instant) -> usize {
+    pub(crate) fn sweep(&self, now: Instant) -> usize {
         self.shards
             .iter()
             .map(|s| {

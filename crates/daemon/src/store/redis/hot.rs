@@ -57,19 +57,19 @@ use quotad_core::algorithm::{Algorithm, Limits, Verdict};
 use crate::store::redis::deny_cache::RATE_MARGIN;
 
 /// Keys hot at once on one instance, at most.
-pub const MAX_HOT_KEYS: usize = 10_000;
+pub(crate) const MAX_HOT_KEYS: usize = 10_000;
 /// A hot key's prefetch: this long of the instance's rate of it.
-pub const HORIZON: Duration = Duration::from_millis(50);
+pub(crate) const HORIZON: Duration = Duration::from_millis(50);
 /// A hot key without a check for this long cools: its slice is given back.
-pub const COOL: Duration = Duration::from_millis(200);
+pub(crate) const COOL: Duration = Duration::from_millis(200);
 /// The rate counters' period: a key is hot once it is checked `hot_key_rate` times
 /// within one.
-pub const EPOCH: Duration = Duration::from_secs(1);
+pub(crate) const EPOCH: Duration = Duration::from_secs(1);
 
 /// The script that takes and returns an algorithm's slices, if the algorithm can take
 /// part (see the module's notes for why sliding windows and logs cannot).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Taker {
+pub(crate) enum Taker {
     /// `lua/slice.lua`.
     Window,
     /// `lua/bucket_slice.lua`; `gcra` tells which bucket.
@@ -77,7 +77,7 @@ pub enum Taker {
 }
 
 impl Taker {
-    pub fn of(algorithm: Algorithm) -> Option<Taker> {
+    pub(crate) fn of(algorithm: Algorithm) -> Option<Taker> {
         match algorithm {
             Algorithm::FixedWindow => Some(Taker::Window),
             Algorithm::TokenBucket => Some(Taker::Bucket { gcra: false }),
@@ -89,7 +89,7 @@ impl Taker {
 
 /// What [`HotKeys::note`] found a key to be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Heat {
+pub(crate) enum Heat {
     /// Decided in Redis as any key.
     Cold,
     /// Answered from slices.
@@ -100,22 +100,22 @@ pub enum Heat {
 
 /// What a take asks Redis for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Want {
+pub(crate) struct Want {
     /// The taker's own check: nothing is granted unless this much is left.
-    pub need: u64,
+    pub(crate) need: u64,
     /// Units of every check of the key waiting on this instance (the taker's included).
-    pub demand: u64,
+    pub(crate) demand: u64,
     /// Units beyond the demand, granted only while the key is far from its limit.
-    pub prefetch: u64,
+    pub(crate) prefetch: u64,
     /// A bucket's slice of this instance that the take ends, with its unspent units: one
     /// call ends the spent slice and takes the next, so a hot bucket has at most one
     /// live slice per instance and no spent one keeps lowering its capacity.
-    pub ends: Option<(i64, u64)>,
+    pub(crate) ends: Option<(i64, u64)>,
 }
 
 /// Where a slice's units came from: what giving them back names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mark {
+pub(crate) enum Mark {
     /// A fixed window's slot and the slices' ledger in it (`lua/slice.lua`); the slice
     /// ends with the window.
     Window { slot: i64, ledger: i64 },
@@ -127,28 +127,28 @@ pub enum Mark {
 
 /// What Redis granted (`lua/slice.lua`, `lua/bucket_slice.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Grant {
-    pub granted: u64,
+pub(crate) struct Grant {
+    pub(crate) granted: u64,
     /// Units left (in the window, or tokens in the bucket) after the grant.
-    pub left: u64,
+    pub(crate) left: u64,
     /// The verdict's reset time: the window's end, or until the bucket is full.
-    pub reset_after_us: i64,
+    pub(crate) reset_after_us: i64,
     /// When nothing was granted: until the taker's check could pass.
-    pub retry_after_us: i64,
+    pub(crate) retry_after_us: i64,
     /// Until the slice ends (Redis's clock).
-    pub ends_after_us: i64,
+    pub(crate) ends_after_us: i64,
     /// Where the units came from; None: no slice (nothing beyond the taker's check).
-    pub mark: Option<Mark>,
+    pub(crate) mark: Option<Mark>,
 }
 
 /// Unspent units to give back.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Return {
-    pub key: String,
-    pub mark: Mark,
+pub(crate) struct Return {
+    pub(crate) key: String,
+    pub(crate) mark: Mark,
     /// The limits the slice was taken under (a bucket's return refills under them).
-    pub limits: Limits,
-    pub units: u64,
+    pub(crate) limits: Limits,
+    pub(crate) units: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -261,14 +261,14 @@ impl Rates {
 
 /// What the table saw, for the metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Tally {
+pub(crate) struct Tally {
     /// Keys hot now.
-    pub keys: usize,
+    pub(crate) keys: usize,
     /// Units admitted from takes' grants since the last tend.
-    pub admitted: u64,
+    pub(crate) admitted: u64,
 }
 
-pub struct HotKeys {
+pub(crate) struct HotKeys {
     shards: Vec<Mutex<HashMap<String, Arc<Entry>>>>,
     hasher: RandomState,
     /// Allocated at the first check of a policy with `hot_key_rate` (256 KiB): a daemon
@@ -296,7 +296,7 @@ impl Default for HotKeys {
 }
 
 impl HotKeys {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         HotKeys {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
@@ -330,7 +330,7 @@ impl HotKeys {
     /// Counts a check of `key` and says whether the key is hot: it has a slice entry
     /// already, or it was checked at least `rate` times lately (it then gets one, unless
     /// [`MAX_HOT_KEYS`] are hot).
-    pub fn note(&self, key: &str, rate: u64, now: Instant) -> Heat {
+    pub(crate) fn note(&self, key: &str, rate: u64, now: Instant) -> Heat {
         if !self.live.load(Ordering::Acquire) {
             return Heat::Cold;
         }
@@ -354,13 +354,20 @@ impl HotKeys {
     /// Admits `cost` units of `key` under `limits` from its slice, if it holds them and
     /// its window has not ended: the verdict, with `remaining` what was left in the window
     /// at the last take less what this slice has spent since.
-    pub fn spend(&self, key: &str, limits: Limits, cost: u64, now: Instant) -> Option<Verdict> {
+    #[cfg(test)]
+    pub(crate) fn spend(
+        &self,
+        key: &str,
+        limits: Limits,
+        cost: u64,
+        now: Instant,
+    ) -> Option<Verdict> {
         self.spend_from(key, limits, cost, now).map(|(v, _)| v)
     }
 
     /// [`HotKeys::spend`], with the slice the units came from (what
     /// [`HotKeys::unspend`] names).
-    pub fn spend_from(
+    pub(crate) fn spend_from(
         &self,
         key: &str,
         limits: Limits,
@@ -385,7 +392,7 @@ impl HotKeys {
     /// refunds its other checks), if that slice is still the key's and live. False: the
     /// slice is gone (its unspent units went back to Redis, or lapsed; another may have
     /// taken its place, which holds none of these), and the refund is Redis's to make.
-    pub fn unspend(&self, key: &str, mark: Mark, cost: u64, now: Instant) -> bool {
+    pub(crate) fn unspend(&self, key: &str, mark: Mark, cost: u64, now: Instant) -> bool {
         {
             let shard = self.shard(key);
             if let Some(entry) = shard.get(key) {
@@ -419,7 +426,7 @@ impl HotKeys {
     /// A denial is Redis's: fewer than `cost` units were left in the window. With the
     /// verdict, the slice its units were spent from (None: from what the take was granted
     /// for this check, which Redis holds as spent): what a refund of them names.
-    pub async fn decide<F, Fut, E>(
+    pub(crate) async fn decide<F, Fut, E>(
         &self,
         key: &str,
         limits: Limits,
@@ -562,7 +569,7 @@ impl HotKeys {
     /// another ledger (or none) and gives nothing back. Returns whether it ended a slice
     /// (one spent to its last unit too; a take in flight gives its units back when it
     /// lands instead).
-    pub fn forget(&self, key: &str) -> bool {
+    pub(crate) fn forget(&self, key: &str) -> bool {
         self.invalidations.fetch_add(1, Ordering::AcqRel);
         let Some(e) = self.entry(key) else {
             return false;
@@ -579,7 +586,7 @@ impl HotKeys {
     /// Whether slices may be used: only while invalidations from other instances arrive
     /// (a reset elsewhere must reach this instance's slices). Going quiet gives every
     /// slice back at the next [`HotKeys::tend`].
-    pub fn set_live(&self, live: bool) {
+    pub(crate) fn set_live(&self, live: bool) {
         self.invalidations.fetch_add(1, Ordering::AcqRel);
         self.live.store(live, Ordering::Release);
     }
@@ -588,7 +595,7 @@ impl HotKeys {
     /// is not live, or `all`: shutdown) leave the table, and the unspent units of their
     /// slices, with those of replaced slices and of buckets' slices near their end, are
     /// returned to be given back; slices whose window has ended simply lapse.
-    pub fn tend(&self, now: Instant, all: bool) -> (Vec<Return>, Tally) {
+    pub(crate) fn tend(&self, now: Instant, all: bool) -> (Vec<Return>, Tally) {
         let mut back = std::mem::take(&mut *self.returns.lock().unwrap_or_else(|p| p.into_inner()));
         let every = all || !self.live.load(Ordering::Acquire);
         let (mut keys, mut admitted) = (0, 0);
@@ -617,7 +624,7 @@ impl HotKeys {
     }
 
     /// Starts a new rate epoch (every [`EPOCH`]).
-    pub fn new_epoch(&self) {
+    pub(crate) fn new_epoch(&self) {
         if let Some(rates) = self.rates.get() {
             rates.decay();
         }

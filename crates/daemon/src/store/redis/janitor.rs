@@ -19,7 +19,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Pause between SCAN steps: at most 10,000 keys a second, so a sweep never competes
 /// with decisions for Redis.
-pub const STEP_PAUSE: Duration = Duration::from_millis(10);
+pub(crate) const STEP_PAUSE: Duration = Duration::from_millis(10);
 
 /// Keys per SCAN step: small enough that no step shows in SLOWLOG.
 pub const SCAN_COUNT: usize = 100;
@@ -30,7 +30,7 @@ pub const ORPHAN_TTL_MS: i64 = 60_000;
 
 /// The TTL (ms) to give `key`, found without one; None to leave it as it is: keys that are
 /// not quotad's, and the coordinator's, whose fencing counter must never expire.
-pub fn repair_ttl_ms(layouts: &Layouts, key: &str) -> Option<i64> {
+pub(crate) fn repair_ttl_ms(layouts: &Layouts, key: &str) -> Option<i64> {
     match layouts.layout().owner_of(key) {
         KeyOwner::Foreign | KeyOwner::Coordinator => None,
         KeyOwner::Policy(name) => Some(
@@ -138,7 +138,7 @@ async fn repair<C: ConnectionLike + Send>(
 /// may add a policy or lengthen a window since the start, and a key repaired with the
 /// start-up layouts would get the orphan's minute or the old, shorter window's TTL, and
 /// expire while its policy still counts on it.
-pub async fn run(
+pub(crate) async fn run(
     target: SharedTarget,
     layouts: impl Fn() -> Layouts + Send + 'static,
     interval: Duration,

@@ -24,18 +24,18 @@
 //! - NOSCRIPT (after `SCRIPT FLUSH` or a restart that the connection survived) is answered
 //!   with `SCRIPT LOAD` and one retry inside the same call: clients never see it.
 
-pub mod admission;
-pub mod breaker;
-pub mod cluster;
-pub mod coalesce;
-pub mod connect;
-pub mod deadline;
-pub mod deny_cache;
-pub mod global;
-pub mod hot;
-pub mod janitor;
-pub mod scripts;
-pub mod wire;
+pub(crate) mod admission;
+pub(crate) mod breaker;
+pub(crate) mod cluster;
+pub(crate) mod coalesce;
+pub(crate) mod connect;
+pub(crate) mod deadline;
+pub(crate) mod deny_cache;
+pub(crate) mod global;
+pub(crate) mod hot;
+pub(crate) mod janitor;
+pub(crate) mod scripts;
+pub(crate) mod wire;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
@@ -64,18 +64,18 @@ pub struct RedisSettings {
     /// Where Redis is (standalone, cluster, Sentinel) and how to reach it (TLS, ACL).
     pub target: Target,
     /// Bound on every call (script or probe), connection set-up excluded.
-    pub timeout: Duration,
-    pub connect_timeout: Duration,
-    pub breaker_threshold: u32,
-    pub probe_interval: Duration,
-    pub admission: AdmissionSettings,
+    pub(crate) timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) breaker_threshold: u32,
+    pub(crate) probe_interval: Duration,
+    pub(crate) admission: AdmissionSettings,
     /// Denials remembered at most (0: none; see [`DenyCache`]).
-    pub deny_cache_keys: usize,
+    pub(crate) deny_cache_keys: usize,
     /// How often the region's TTL janitor sweeps (see [`crate::store::redis::janitor`]).
-    pub janitor_interval: Duration,
+    pub(crate) janitor_interval: Duration,
 }
 
-pub struct RedisStore {
+pub(crate) struct RedisStore {
     /// The live connection with its generation; `None` until the supervisor connects, and
     /// after it is lost. The generation lets a late error from a request on an old
     /// connection leave a newer one alone. A std RwLock: held only to clone the handle out,
@@ -136,7 +136,7 @@ const HEARTBEAT_PAYLOAD: &str = "";
 impl RedisStore {
     /// Checks the target offline; does not connect (the supervisor does). `layout` names
     /// the invalidation channel.
-    pub fn new(
+    pub(crate) fn new(
         settings: RedisSettings,
         layout: &Layout,
         metrics: Arc<Metrics>,
@@ -173,7 +173,7 @@ impl RedisStore {
     }
 
     /// A denial of this call's check remembered and still in force (see [`DenyCache`]).
-    pub fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
+    pub(crate) fn cached_denial(&self, call: &StoreCall<'_>) -> Option<Verdict> {
         match (call.op, &call.global) {
             (Op::Check { cost }, None) => self.deny.lookup(&question(call, cost), Instant::now()),
             _ => None,
@@ -181,7 +181,7 @@ impl RedisStore {
     }
 
     /// Drops expired remembered denials (the app's sweep).
-    pub fn sweep(&self) {
+    pub(crate) fn sweep(&self) {
         let n = self.deny.sweep(Instant::now());
         self.metrics.deny_cache_keys.set(n as i64);
     }
@@ -219,7 +219,7 @@ impl RedisStore {
     /// Follows the invalidation channel until `shutdown`: remembered denials are used only
     /// while subscribed (from an empty cache at each subscription), so no instance answers
     /// a denial that another's refund or reset has made stale.
-    pub async fn follow_invalidations(self: Arc<Self>, shutdown: CancellationToken) {
+    pub(crate) async fn follow_invalidations(self: Arc<Self>, shutdown: CancellationToken) {
         use futures_util::StreamExt;
         loop {
             let subscribed = async {
@@ -296,14 +296,14 @@ impl RedisStore {
 
     /// Permits for `calls` calls of one request; none needed while the breaker is open
     /// (those calls fail in microseconds without reaching Redis).
-    pub async fn admit(&self, calls: usize) -> Result<Option<Admitted<'_>>, Shed> {
+    pub(crate) async fn admit(&self, calls: usize) -> Result<Option<Admitted<'_>>, Shed> {
         if self.breaker.is_open() {
             return Ok(None);
         }
         self.admission.admit(calls).await.map(Some)
     }
 
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         !self.breaker.is_open() && self.loaded.load(Ordering::Acquire)
     }
 
@@ -316,7 +316,7 @@ impl RedisStore {
         *self.conn.write().unwrap_or_else(|p| p.into_inner()) = Some((generation, conn));
     }
 
-    pub async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
+    pub(crate) async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
         if let Some(g) = &call.global {
             let inv = global::check_invocation(
                 &self.global_check,
@@ -393,12 +393,16 @@ impl RedisStore {
 
     /// Spends `cost` units of `call`'s key whether or not it has them (a charge counted
     /// after the work; see `quotad_core::algorithm::charge`). Never denied.
-    pub async fn charge(&self, call: &StoreCall<'_>, cost: u64) -> Result<Verdict, StoreError> {
+    pub(crate) async fn charge(
+        &self,
+        call: &StoreCall<'_>,
+        cost: u64,
+    ) -> Result<Verdict, StoreError> {
         parse_verdict(&self.run_algorithm(call, "charge", cost).await?)
     }
 
     /// A check of `estimate` that, admitted, opens the reservation (`lua/settle.lua`).
-    pub async fn reserve(
+    pub(crate) async fn reserve(
         &self,
         call: &SettleCall<'_>,
         estimate: u64,
@@ -420,7 +424,7 @@ impl RedisStore {
 
     /// Settles the reservation at the real `cost` (`lua/settle.lua`); what it gave back
     /// is announced like a refund's.
-    pub async fn settle(
+    pub(crate) async fn settle(
         &self,
         call: &SettleCall<'_>,
         cost: u64,
@@ -436,7 +440,7 @@ impl RedisStore {
     }
 
     /// One operation on a concurrency limit's key (`lua/concurrency.lua`).
-    pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, StoreError> {
+    pub(crate) async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseAnswer, StoreError> {
         let (mode, id, units, hold_us) = call.args();
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(self.concurrency.get_hash())
@@ -480,7 +484,7 @@ impl RedisStore {
     }
 
     /// A co-location group's checks in one script (see [`crate::store::Store::apply_all`]).
-    pub async fn apply_all(
+    pub(crate) async fn apply_all(
         &self,
         calls: &[StoreCall<'_>],
         enforced: &[bool],
@@ -517,13 +521,13 @@ impl RedisStore {
     }
 
     /// Hot-key slices (see [`HotKeys`]).
-    pub fn hot(&self) -> &HotKeys {
+    pub(crate) fn hot(&self) -> &HotKeys {
         &self.hot
     }
 
     /// Counts a check of `key` towards its heat (`rate`: the policy's `hot_key_rate`):
     /// whether the key is hot now. A key the table had no room for is counted refused.
-    pub fn heat(&self, key: &str, rate: u64) -> bool {
+    pub(crate) fn heat(&self, key: &str, rate: u64) -> bool {
         match self.hot.note(key, rate, Instant::now()) {
             hot::Heat::Hot => true,
             hot::Heat::Cold => false,
@@ -537,7 +541,7 @@ impl RedisStore {
     /// A check of a hot key that its slice could not answer: decided through a take of
     /// a slice (see [`HotKeys::decide`]), with the slice its units came from; a denial is
     /// remembered as any other.
-    pub async fn apply_hot(
+    pub(crate) async fn apply_hot(
         &self,
         call: &StoreCall<'_>,
         taker: Taker,
@@ -562,7 +566,7 @@ impl RedisStore {
     /// so no round trip and nothing for other instances to hear; once it has left the
     /// table, to the key in Redis, where a bucket's slice still live there stops holding
     /// them (`lua/bucket_slice.lua`, refund) rather than capping the bucket below them.
-    pub async fn refund_spent(
+    pub(crate) async fn refund_spent(
         &self,
         call: &StoreCall<'_>,
         mark: Mark,
@@ -709,7 +713,7 @@ impl RedisStore {
 
     /// Tends the hot keys until `shutdown`: cools idle ones and gives back what they hold,
     /// starts a new rate epoch every [`hot::EPOCH`]; on shutdown gives every slice back.
-    pub async fn tend_hot_keys(self: Arc<Self>, shutdown: CancellationToken) {
+    pub(crate) async fn tend_hot_keys(self: Arc<Self>, shutdown: CancellationToken) {
         let mut tick = tokio::time::interval(hot::COOL / 2);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut epoch = Instant::now();
@@ -739,7 +743,7 @@ impl RedisStore {
     /// Forgets what `key`'s user spent (see [`crate::store::call::Forget`]) and publishes the
     /// invalidation in the same script: if Redis refuses the PUBLISH, nothing changed and
     /// the error says so.
-    pub async fn reset(
+    pub(crate) async fn reset(
         &self,
         key: &str,
         forget: crate::store::call::Forget,
@@ -882,7 +886,7 @@ impl RedisStore {
 
     /// What every connection to this Redis is opened with (the janitor and the
     /// coordinator share it, so a rotation reaches their next connections too).
-    pub fn shared_target(&self) -> SharedTarget {
+    pub(crate) fn shared_target(&self) -> SharedTarget {
         self.target.clone()
     }
 
@@ -891,7 +895,7 @@ impl RedisStore {
     /// what every connection is opened with, and the request path moves to a connection
     /// of its own, while calls in flight finish on the old one. Refused (`new` does not
     /// authenticate, or is malformed): nothing changes.
-    pub async fn rotate(&self, new: Target) -> Result<(), StoreError> {
+    pub(crate) async fn rotate(&self, new: Target) -> Result<(), StoreError> {
         new.check()
             .map_err(|e| StoreError::Connection(e.to_string()))?;
         let t = self.settings.timeout;
@@ -921,7 +925,7 @@ impl RedisStore {
 
     /// One probe: connect, PING, load every script. On success installs the connection and
     /// closes the breaker.
-    pub async fn probe(&self) -> Result<(), StoreError> {
+    pub(crate) async fn probe(&self) -> Result<(), StoreError> {
         let t = self.settings.timeout;
         let attempt = async {
             let (mut conn, master) = self
@@ -990,7 +994,7 @@ impl RedisStore {
 
     /// Keeps the connection alive until `shutdown`: probes while the breaker is open, checks
     /// health once a second while it is closed.
-    pub async fn supervise(self: Arc<Self>, shutdown: CancellationToken) {
+    pub(crate) async fn supervise(self: Arc<Self>, shutdown: CancellationToken) {
         let mut logged_down = false;
         loop {
             let wait = if self.breaker.is_open() {

@@ -81,7 +81,7 @@ pub const SETTLE: &str = concat!(
 
 /// A reset: the key's state forgotten and the invalidation published, atomically (see
 /// `lua/reset.lua`).
-pub const RESET: &str = lua!("reset.lua");
+pub(crate) const RESET: &str = lua!("reset.lua");
 
 /// Hot-key slices of a fixed window: takes and returns (see `lua/slice.lua`).
 pub const SLICE: &str = concat!(
@@ -124,13 +124,19 @@ macro_rules! global_script {
 /// decision, and the coordinator's writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Global {
+    /// A decision on a global policy's key.
     Check,
+    /// The coordinator's write of lease books.
     WriteBook,
+    /// The coordinator's drop of a region's loans.
     DropLoans,
+    /// The coordinator's write of the default escrow.
     SetDefault,
 }
 
 impl Global {
+    /// Every script, for the tests that load them all.
+    #[cfg(any(test, feature = "testing"))]
     pub const ALL: [Global; 4] = [
         Global::Check,
         Global::WriteBook,
@@ -138,6 +144,7 @@ impl Global {
         Global::SetDefault,
     ];
 
+    /// The full source sent to Redis.
     pub fn source(self) -> &'static str {
         match self {
             Global::Check => global_script!("check.lua"),
@@ -147,6 +154,7 @@ impl Global {
         }
     }
 
+    /// The script, to load or invoke.
     pub fn script(self) -> redis::Script {
         redis::Script::new(self.source())
     }
@@ -154,7 +162,7 @@ impl Global {
 
 /// Every script with its SHA1, built once at start-up.
 #[derive(Debug)]
-pub struct Scripts {
+pub(crate) struct Scripts {
     /// Indexed like [`Algorithm::ALL`].
     scripts: [redis::Script; 5],
 }
@@ -168,7 +176,7 @@ impl Default for Scripts {
 }
 
 impl Scripts {
-    pub fn sha(&self, algorithm: Algorithm) -> &str {
+    pub(crate) fn sha(&self, algorithm: Algorithm) -> &str {
         self.scripts[algorithm.index()].get_hash()
     }
 }

@@ -11,7 +11,7 @@ use crate::store::redis::hot::{Grant, Mark, Taker};
 impl SettleReply {
     /// `lua/settle.lua`'s reply to a settlement: `{code, remaining, reset_after_us,
     /// charged, refunded}`.
-    pub fn parse(reply: &[i64]) -> Result<SettleReply, StoreError> {
+    pub(crate) fn parse(reply: &[i64]) -> Result<SettleReply, StoreError> {
         let settled = match reply {
             [1, _, _, charged, refunded] if *charged >= 0 && *refunded >= 0 => Settled::Now {
                 charged: *charged as u64,
@@ -48,7 +48,7 @@ impl LeaseCall<'_> {
 
 /// `lua/concurrency.lua`'s reply: `{ok (0, 1, or 2: a lease a reset ended), held,
 /// reset_after_us, retry_after_us, expired, released}`.
-pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
+pub(crate) fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
     match reply {
         [ok @ (0..=2), held, reset, retry, expired, released]
             if [*held, *reset, *retry, *expired, *released]
@@ -70,7 +70,7 @@ pub fn parse_lease(reply: &[i64]) -> Result<LeaseAnswer, StoreError> {
 }
 
 /// A script's reply past 2^53 microseconds means "never" (a global key at a zero rate).
-pub const NEVER_US: i64 = 1 << 53;
+pub(crate) const NEVER_US: i64 = 1 << 53;
 
 /// Every limiter script replies `{allowed, remaining, reset_after_us, retry_after_us}`.
 pub fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
