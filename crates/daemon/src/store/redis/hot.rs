@@ -805,37 +805,12 @@ mod tests {
                 match rng.random_range(0..100) {
                     0..=84 => {
                         let cost = rng.random_range(1..=3);
-                        if h.note("k", 5, Instant::now()) != Heat::Hot {
+                        let Some((allowed, slot, in_memory)) = check_on(h, &model, cost).await
+                        else {
                             continue;
-                        }
-                        // The window an admission falls in: the clock when it was
-                        // asked (a slice is spent only before its window ends), or the
-                        // take's window when it took.
-                        let t = Instant::now();
-                        let mut slot = model.borrow().slot_at(t);
-                        let v = match h.spend("k", LIMITS, cost, t) {
-                            Some(v) => {
-                                local += 1;
-                                v
-                            }
-                            None => {
-                                let took = std::cell::Cell::new(None);
-                                let (v, _) = h
-                                    .decide("k", LIMITS, cost, |want| {
-                                        let grant = model.borrow_mut().take(want);
-                                        took.set(match grant.mark {
-                                            Some(Mark::Window { slot, .. }) => Some(slot),
-                                            _ => None,
-                                        });
-                                        async move { Ok::<_, ()>(grant) }
-                                    })
-                                    .await
-                                    .unwrap();
-                                slot = took.get().unwrap_or(slot);
-                                v
-                            }
                         };
-                        if v.allowed {
+                        local += u64::from(in_memory);
+                        if allowed {
                             *admitted.entry((resets, slot)).or_default() += cost;
                         }
                     }
@@ -873,6 +848,34 @@ mod tests {
                 admitted.len()
             );
         }
+    }
+
+    /// One check of `cost` units of `k` on `h`, its takes from `model`: whether it was
+    /// allowed, the window its units fall in, and whether the slice answered it in memory
+    /// (`None`: the key is not hot on `h`). The window is the clock's when it was asked (a
+    /// slice is spent only before its window ends), or the take's window when it took.
+    async fn check_on(h: &HotKeys, model: &RefCell<Model>, cost: u64) -> Option<(bool, i64, bool)> {
+        if h.note("k", 5, Instant::now()) != Heat::Hot {
+            return None;
+        }
+        let t = Instant::now();
+        let slot = model.borrow().slot_at(t);
+        if let Some(v) = h.spend("k", LIMITS, cost, t) {
+            return Some((v.allowed, slot, true));
+        }
+        let took = std::cell::Cell::new(None);
+        let (v, _) = h
+            .decide("k", LIMITS, cost, |want| {
+                let grant = model.borrow_mut().take(want);
+                took.set(match grant.mark {
+                    Some(Mark::Window { slot, .. }) => Some(slot),
+                    _ => None,
+                });
+                async move { Ok::<_, ()>(grant) }
+            })
+            .await
+            .unwrap();
+        Some((v.allowed, took.get().unwrap_or(slot), false))
     }
 
     /// A live table in which key `k` of 100 a minute is hot, and prefetches at once.
