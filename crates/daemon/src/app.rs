@@ -23,9 +23,7 @@ use crate::policy::Policies;
 use crate::reload::{self, Live, LiveConfig};
 use crate::server::{self, Drain, Endpoint, Listener};
 use crate::store::memory::MemoryStore;
-use crate::store::redis::RedisStore;
-use crate::store::redis::janitor;
-use crate::store::{Store, StoreError};
+use crate::store::{RedisStore, Store, StoreError, janitor};
 use quotad_core::clock::SystemClock;
 
 /// Why the daemon could not start or stopped serving.

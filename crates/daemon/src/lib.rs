@@ -66,4 +66,4 @@ pub use config::{ConfigError, ConfigErrors, LogFormat, Settings};
 pub use metrics::REVISION;
 pub use server::{Endpoint, Listener};
 /// The Lua source quotad sends to Redis for an algorithm (`quotad script`).
-pub use store::redis::scripts::source as script_source;
+pub use store::script_source;

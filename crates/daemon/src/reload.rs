@@ -34,7 +34,7 @@ use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::policy::{KeyMatch, Policy};
 use crate::store::StoreError;
-use crate::store::redis::connect::Target;
+use crate::store::Target;
 use quotad_core::algorithm::{Algorithm, Since};
 
 /// How often the file's modification time and length are looked at.

@@ -16,7 +16,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::error::ApiError;
 use crate::metrics::Metrics;
-use crate::store::redis::admission::Shed;
+use crate::store::Shed;
 
 /// The budget, in KiB, that bodies being read share.
 #[derive(Clone)]

@@ -8,9 +8,7 @@ use toml::Spanned;
 use super::secret::Sources;
 use super::{NAME_RULE, Validator, raw};
 use crate::policy;
-use crate::store::redis::RedisSettings;
-use crate::store::redis::admission::AdmissionSettings;
-use crate::store::redis::connect::{Target, TlsFiles, Topology};
+use crate::store::{AdmissionSettings, RedisSettings, Target, TlsFiles, Topology};
 
 /// Where limiter state lives (`[store]`).
 #[derive(Debug, Clone, PartialEq)]

@@ -9,7 +9,7 @@
 use redis::{Script, ScriptInvocation};
 
 use crate::layout::{PolicyKeys, ScriptShape};
-use crate::store::redis::global::push_now;
+use crate::store::push_now;
 
 use quotad_core::algorithm::State;
 use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot};

@@ -206,7 +206,7 @@ pub(crate) enum BackendChoice {
     Redis {
         /// Shared with the request path: credentials rotated live reach the
         /// coordinator's next connection.
-        target: crate::store::redis::connect::SharedTarget,
+        target: crate::store::SharedTarget,
         timeout: Duration,
     },
     /// The embedded store of this process (one instance per region).

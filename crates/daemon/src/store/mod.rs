@@ -7,6 +7,11 @@
 
 mod call;
 pub(crate) mod memory;
+// The Redis backend is the store's own: the rest of the daemon gets what it needs of it
+// from the re-exports below. Only the tests' doors (src/testing.rs) see into it.
+#[cfg(not(feature = "testing"))]
+mod redis;
+#[cfg(feature = "testing")]
 pub(crate) mod redis;
 
 pub(crate) use call::{
@@ -14,6 +19,14 @@ pub(crate) use call::{
 };
 pub(crate) use redis::admission::Shed;
 pub(crate) use redis::hot::Mark as SliceMark;
+// The backend's settings (config), the client and its janitor (app), the coordinator's
+// connection and scripts (federation), and the script a `quotad script` prints.
+pub(crate) use redis::admission::AdmissionSettings;
+pub(crate) use redis::connect::{SharedTarget, SyncConn, Target, TlsFiles, Topology};
+pub(crate) use redis::global::push_now;
+pub(crate) use redis::scripts::Global as GlobalScript;
+pub use redis::scripts::source as script_source;
+pub(crate) use redis::{RedisSettings, RedisStore, janitor};
 
 use std::time::Instant;
 

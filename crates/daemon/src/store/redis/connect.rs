@@ -142,7 +142,7 @@ fn install_crypto() {
 
 impl Target {
     /// A standalone server at `url`, no TLS files, no credentials beyond the URL's.
-    #[cfg(any(test, feature = "testing"))]
+    #[cfg(feature = "testing")]
     pub fn standalone(url: &str) -> Self {
         Target {
             topology: Topology::Standalone(url.to_owned()),

@@ -136,7 +136,7 @@ pub enum Global {
 
 impl Global {
     /// Every script, for the tests that load them all.
-    #[cfg(any(test, feature = "testing"))]
+    #[cfg(feature = "testing")]
     pub const ALL: [Global; 4] = [
         Global::Check,
         Global::WriteBook,
