@@ -577,11 +577,17 @@ fn store_call<'a>(check: &'a Check, key: &'a Target, op: Op, member: &'a str) ->
 }
 
 fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charged>) -> Decision {
-    let (allowed, outcome) = match (v.allowed, check.policy.shadow) {
+    let policy = &check.policy;
+    let (allowed, outcome) = match (v.allowed, policy.shadow) {
         (false, true) => (true, Outcome::Shadow),
         (a, _) => (a, outcome),
     };
     Decision {
+        allowed,
+        policy: policy.name.clone(),
+        key: check.key.clone(),
+        outcome,
+        limit: policy.limit.get(),
         remaining: v.remaining,
         reset_after_ms: ms_ceil(v.reset_after_us),
         retry_after_ms: if v.allowed {
@@ -589,42 +595,36 @@ fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charge
         } else {
             ms_ceil(v.retry_after_us)
         },
+        refunded: false,
+        quota: policy.capacity(),
+        quota_window_secs: policy.quota_window_secs(),
         charged,
-        ..answer(check, allowed, outcome)
+        reservation: None,
     }
 }
 
 /// A decision the store did not make: allowed unenforced (`fail_open`) or denied
-/// (`fail_closed`). `remaining` is 0: nothing is known about the key.
+/// (`fail_closed`). `remaining` is 0: nothing is known about the key. Not the store's
+/// denial, so a shadow policy's `fail_closed` stays one.
 fn unenforced(check: &Check, open: bool) -> Decision {
     let outcome = if open {
         Outcome::FailOpen
     } else {
         Outcome::FailClosed
     };
-    Decision {
-        retry_after_ms: if open { 0 } else { FAIL_CLOSED_RETRY_MS },
-        ..answer(check, open, outcome)
-    }
-}
-
-/// What every answer to `check` says of its policy; nothing known of the key, nothing
-/// charged.
-fn answer(check: &Check, allowed: bool, outcome: Outcome) -> Decision {
-    let policy = &check.policy;
-    Decision {
-        allowed,
-        policy: policy.name.clone(),
-        key: check.key.clone(),
-        outcome,
-        limit: policy.limit.get(),
+    let nothing_known = Verdict {
+        allowed: open,
         remaining: 0,
-        reset_after_ms: 0,
-        retry_after_ms: 0,
-        refunded: false,
-        quota: policy.capacity(),
-        quota_window_secs: policy.quota_window_secs(),
-        charged: None,
-        reservation: None,
+        reset_after_us: 0,
+        retry_after_us: if open {
+            0
+        } else {
+            FAIL_CLOSED_RETRY_MS as i64 * 1000
+        },
+    };
+    Decision {
+        allowed: open,
+        outcome,
+        ..decision(check, &nothing_known, outcome, None)
     }
 }
