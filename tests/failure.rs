@@ -311,3 +311,38 @@ fn a_slice_redis_cannot_take_back_is_counted_as_not_returned() {
     redis.signal("-CONT");
     assert!(lost >= 1.0);
 }
+
+/// A shadow policy never denies (`policy.shadow`, docs/api.md), not even when its store
+/// is gone and its fail mode is `closed`: the denial it would have made is reported and
+/// counted as `shadow`, as the store's own denials are. A policy on trial must not take
+/// traffic down with Redis.
+#[test]
+fn a_shadow_policy_stays_open_when_its_store_fails_closed() {
+    let mut redis = RedisServer::start();
+    let q = Quotad::start(
+        &Config::redis(&redis.url())
+            .store("timeout", format!("{TIMEOUT_MS}ms"))
+            .policy(
+                Policy::new("trial", "fixed_window", 10, "1m")
+                    .on_store_error("closed")
+                    .shadow(),
+            )
+            .policy(Policy::new("enforced", "fixed_window", 10, "1m").on_store_error("closed"))
+            .to_toml(),
+    );
+    assert_eq!(q.check1("trial", "a")["outcome"], "allowed");
+    redis.kill();
+    let v = q.check1("trial", "a");
+    assert_eq!(
+        (v["allowed"].as_bool(), v["outcome"].as_str()),
+        (Some(true), Some("shadow")),
+        "{v}"
+    );
+    // An enforced policy's fail mode is unchanged.
+    let v = q.check1("enforced", "a");
+    assert_eq!(
+        (v["allowed"].as_bool(), v["outcome"].as_str()),
+        (Some(false), Some("fail_closed")),
+        "{v}"
+    );
+}

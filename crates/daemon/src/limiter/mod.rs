@@ -604,8 +604,8 @@ fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charge
 }
 
 /// A decision the store did not make: allowed unenforced (`fail_open`) or denied
-/// (`fail_closed`). `remaining` is 0: nothing is known about the key. Not the store's
-/// denial, so a shadow policy's `fail_closed` stays one.
+/// (`fail_closed`). `remaining` is 0: nothing is known about the key. A shadow policy
+/// never denies: its `fail_closed` is reported as the `shadow` denial it would have made.
 fn unenforced(check: &Check, open: bool) -> Decision {
     let outcome = if open {
         Outcome::FailOpen
@@ -622,9 +622,5 @@ fn unenforced(check: &Check, open: bool) -> Decision {
             FAIL_CLOSED_RETRY_MS as i64 * 1000
         },
     };
-    Decision {
-        allowed: open,
-        outcome,
-        ..decision(check, &nothing_known, outcome, None)
-    }
+    decision(check, &nothing_known, outcome, None)
 }
