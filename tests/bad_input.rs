@@ -6,7 +6,7 @@
 
 use quotad_testkit as common;
 
-use common::{Config, Policy, Quotad, RedisServer, http};
+use common::{ADMIN_PATHS, ADMIN_TOKEN, Config, Policy, Quotad, RedisServer, http, request};
 use serde_json::Value;
 
 fn config(redis: &RedisServer) -> String {
@@ -237,9 +237,18 @@ fn every_bad_request_is_a_named_4xx_and_writes_nothing() {
     q.check1("login", "alice");
     let before = redis.dbsize();
     assert_eq!(before, 1);
+    // An admin endpoint's bad body is read only with its token: without one it is a 401.
+    let bearer = format!("Bearer {ADMIN_TOKEN}");
     for c in cases.drain(..) {
-        let (status, _, text) =
-            http(q.port, "POST", c.path, c.content_type, &c.body).expect("http");
+        let mut headers: Vec<(&str, &str)> = c
+            .content_type
+            .map(|t| ("content-type", t))
+            .into_iter()
+            .collect();
+        if ADMIN_PATHS.contains(&c.path) {
+            headers.push(("authorization", &bearer));
+        }
+        let (status, _, text) = request(q.port, "POST", c.path, &headers, &c.body).expect("http");
         let v: Value = serde_json::from_str(&text)
             .unwrap_or_else(|_| panic!("{}: body is not JSON: {text}", c.name));
         assert_eq!(status, c.status, "{}: {text}", c.name);
@@ -286,4 +295,127 @@ fn hostile_keys_stay_inside_their_hash_tag() {
         );
     }
     redis.assert_every_key_has_ttl();
+}
+
+/// `POST /v1/reset` changes limits, so it takes a token of `[admin]`: without one, with a
+/// wrong one, with another scheme, or with what a check caller sends (its API key as a
+/// bearer token) it is a 401 that names the header, and the key keeps what it spent
+/// (DUMP unchanged). With the token the reset is done, counted and in the audit log, which
+/// names the token and not the key.
+#[test]
+fn an_admin_request_without_its_token_is_401_and_changes_nothing() {
+    let redis = RedisServer::start();
+    let q = Quotad::start(&config(&redis));
+    assert_eq!(q.check1("login", "alice")["outcome"], "allowed");
+    let key = "rl:login:sl:{alice}";
+    let dump = || -> Vec<u8> {
+        redis::cmd("DUMP")
+            .arg(key)
+            .query(&mut redis.conn())
+            .unwrap()
+    };
+    let before = (dump(), redis.dbsize());
+    let body = r#"{"policy": "login", "key": "alice"}"#;
+    let json = ("content-type", "application/json");
+    let wrong = format!("Bearer {ADMIN_TOKEN}x");
+    let basic = "Basic dGVzdHM6dGVzdHMtYWRtaW4tdG9rZW4tMDEyMzQ1Njc4OQ==";
+    for (name, headers) in [
+        ("no token", vec![json]),
+        (
+            "a wrong token",
+            vec![json, ("authorization", wrong.as_str())],
+        ),
+        ("another scheme", vec![json, ("authorization", basic)]),
+        (
+            "a check caller's key",
+            vec![json, ("authorization", "Bearer alice")],
+        ),
+    ] {
+        let (status, h, text) = request(q.port, "POST", "/v1/reset", &headers, body).unwrap();
+        assert_eq!(status, 401, "{name}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], "unauthenticated", "{name}: {text}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Authorization: Bearer")
+        );
+        assert!(
+            h.iter().any(|(k, v)| k.eq_ignore_ascii_case("www-authenticate") && v.starts_with("Bearer")),
+            "{name}: {h:?}"
+        );
+        assert_eq!((dump(), redis.dbsize()), before, "{name} changed the store");
+    }
+    assert_eq!(
+        q.metric(r#"quotad_admin_requests_total{action="reset",result="unauthenticated"}"#),
+        4.0
+    );
+    assert!(
+        !q.log().contains("admin request"),
+        "an unauthorized request was audited as a change"
+    );
+
+    let (status, _, _) = q.post(
+        "/v1/reset",
+        &serde_json::json!({"policy": "login", "key": "alice"}),
+    );
+    assert_eq!(status, 204);
+    assert!(redis.dbsize() < before.1, "the reset forgot nothing");
+    assert_eq!(
+        q.metric(r#"quotad_admin_requests_total{action="reset",result="done"}"#),
+        1.0
+    );
+    let log = q.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("admin request"))
+        .unwrap_or_else(|| panic!("no audit line:\n{log}"));
+    assert!(
+        line.contains("token=tests") && line.contains("policy=\"login\"")
+            || line.contains("policy=login"),
+        "{line}"
+    );
+    assert!(
+        line.contains("key_sha256=") && !line.contains("alice"),
+        "{line}"
+    );
+}
+
+/// `[admin]` in a file: a token too short, one with no value, two of a name, and
+/// `allow_without_token` on a listener anyone can reach are each a config error that
+/// names its field.
+#[test]
+fn admin_tokens_are_checked_when_the_config_is_read() {
+    let cases = [
+        (
+            "[[admin.token]]\nname = \"a\"\ntoken = \"short\"\n",
+            "admin.token[0].token",
+            "at least 16 bytes",
+        ),
+        (
+            "[[admin.token]]\nname = \"a\"\n",
+            "admin.token[0].token",
+            "set one of token",
+        ),
+        (
+            "[[admin.token]]\nname = \"a\"\ntoken = \"0123456789abcdef\"\n[[admin.token]]\nname = \"a\"\ntoken = \"fedcba9876543210\"\n",
+            "admin.token[1].name",
+            "defined already",
+        ),
+        (
+            "[server]\nlisten = \"0.0.0.0:8686\"\n[admin]\nallow_without_token = true\n",
+            "admin.allow_without_token",
+            "loopback",
+        ),
+    ];
+    for (text, field, why) in cases {
+        let err = quotad_daemon::Settings::parse("admin.toml", text)
+            .expect_err(text)
+            .to_string();
+        assert!(err.contains(field) && err.contains(why), "{text}\n{err}");
+    }
+    let open = "[server]\nlisten = \"127.0.0.1:8686\"\n[admin]\nallow_without_token = true\n\
+                [[policy]]\nname = \"p\"\nalgorithm = \"fixed_window\"\nlimit = 1\nwindow = \"1s\"\n";
+    assert!(quotad_daemon::Settings::parse("admin.toml", open).is_ok());
 }

@@ -361,6 +361,8 @@ fn shipped_configs_validate() {
         let out = Command::new(quotad_binary())
             .arg("validate")
             .arg(fixture(f))
+            // login.toml's admin token, as its comment says to start it.
+            .env("QUOTAD_ADMIN_TOKEN", "a-token-of-at-least-16-bytes")
             .output()
             .unwrap();
         assert!(

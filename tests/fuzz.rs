@@ -47,6 +47,9 @@ struct Raw {
     body: Vec<u8>,
 }
 
+/// The header that lets a request through to an admin endpoint's body (the kit's token).
+const ADMIN: &str = "authorization: Bearer tests-admin-token-0123456789\r\n";
+
 fn post(path: &str, content_type: &str, extra: &str, body: Vec<u8>, what: String) -> Raw {
     Raw {
         what,
@@ -244,7 +247,7 @@ fn bad_client_request() -> impl Strategy<Value = Raw> {
                 2 => json!({"policy": p, "key": 7}),
                 _ => json!({"policy": "no-such-policy", "key": k}),
             };
-            post("/v1/reset", "application/json", "", body.to_string().into_bytes(), "bad reset".into())
+            post("/v1/reset", "application/json", ADMIN, body.to_string().into_bytes(), "bad reset".into())
         }),
         // Other routes and methods.
         ("[A-Z]{3,7}", prop_oneof![
@@ -419,6 +422,10 @@ fn limiter_keys(redis: &RedisServer) -> Vec<String> {
 
 #[test]
 fn generated_hostile_requests_get_4xx_write_nothing_and_never_5xx() {
+    assert!(
+        ADMIN.contains(common::ADMIN_TOKEN),
+        "the kit's admin token changed"
+    );
     let redis = RedisServer::start();
     let q = Quotad::serve(&config(&redis));
     wait_for("eu to coordinate", Duration::from_secs(10), || {
@@ -472,7 +479,7 @@ fn generated_hostile_requests_get_4xx_write_nothing_and_never_5xx() {
             json!({"checks": cs.iter().map(|(p, k, c)| json!({"policy": p, "key": k, "cost": c})).collect::<Vec<_>>()})
                 .to_string().into_bytes(), "batch".into())),
         1 => valid_check().prop_map(|(p, k, _)| post(
-            "/v1/reset", "application/json", "",
+            "/v1/reset", "application/json", ADMIN,
             json!({"policy": p, "key": k}).to_string().into_bytes(), "reset".into())),
     ];
     let mut runner = TestRunner::new(Config {

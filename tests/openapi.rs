@@ -120,12 +120,18 @@ struct Case {
     body: Value,
 }
 
+/// `Bearer` and the kit's admin token, for the admin endpoints.
+const ADMIN_BEARER: &str = "Bearer tests-admin-token-0123456789";
+
 fn case(method: &'static str, path: &'static str, route: &'static str, body: Value) -> Case {
-    let headers = if body.is_null() {
+    let mut headers = if body.is_null() {
         vec![]
     } else {
         vec![("content-type", "application/json")]
     };
+    if common::ADMIN_PATHS.contains(&path) {
+        headers.push(("authorization", ADMIN_BEARER));
+    }
     Case {
         method,
         path,
@@ -203,6 +209,10 @@ const ELSEWHERE: &[(&str, &str, &str, &str)] = &[
 
 #[test]
 fn the_spec_is_the_contract() {
+    assert!(
+        ADMIN_BEARER.ends_with(common::ADMIN_TOKEN),
+        "the kit's admin token changed"
+    );
     let spec = spec();
     assert_eq!(spec["openapi"], "3.1.0");
     all_refs_resolve(&spec, &spec);
@@ -344,7 +354,19 @@ fn the_spec_is_the_contract() {
     c.headers = vec![("content-type", "text/plain")];
     cases.push(c);
     let mut c = case("POST", "/v1/reset", "/v1/reset", json!("x"));
-    c.headers = vec![("content-type", "text/plain")];
+    c.headers = vec![
+        ("content-type", "text/plain"),
+        ("authorization", ADMIN_BEARER),
+    ];
+    cases.push(c);
+    // 401: an admin endpoint without its token.
+    let mut c = case(
+        "POST",
+        "/v1/reset",
+        "/v1/reset",
+        json!({"policy": "api", "key": "a"}),
+    );
+    c.headers = vec![("content-type", "application/json")];
     cases.push(c);
     for path in [
         "/v1/settle",
@@ -427,7 +449,10 @@ fn the_spec_is_the_contract() {
     // Redis gone: a reset cannot be done, and says so.
     redis.kill();
     let reset = json!({"policy": "api", "key": "a"}).to_string();
-    let json_ct = [("content-type", "application/json")];
+    let json_ct = [
+        ("content-type", "application/json"),
+        ("authorization", ADMIN_BEARER),
+    ];
     let text = common::wait_for(
         "the store to be down",
         std::time::Duration::from_secs(10),

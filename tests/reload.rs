@@ -273,3 +273,42 @@ fn a_file_being_written_is_applied_only_once_whole() {
     });
     assert_eq!(reloads(&q, "ok"), 1.0, "applied once, whole");
 }
+
+/// An admin token read from a file is read again at a reload: after the file is rotated,
+/// the old token is refused and the new one accepted, with no restart (the tokens are
+/// derived state of the file: docs/architecture.md, "Derived state").
+#[test]
+fn a_rotated_admin_token_file_applies_at_the_reload() {
+    let redis = RedisServer::start();
+    let secrets = tempfile::tempdir().unwrap();
+    let file = secrets.path().join("billing.token");
+    std::fs::write(&file, "billing-token-aaaaaaaaaaaa\n").unwrap();
+    let config = Config::redis(&redis.url())
+        .policy(Policy::new("api", "fixed_window", 2, "1h"))
+        .to_toml()
+        + &format!(
+            "\n[[admin.token]]\nname = \"billing\"\ntoken_file = \"{}\"\n",
+            file.display()
+        );
+    let q = Quotad::start(&config);
+    let reset = |token: &str| {
+        let bearer = format!("Bearer {token}");
+        let headers = [
+            ("content-type", "application/json"),
+            ("authorization", bearer.as_str()),
+        ];
+        let body = r#"{"policy": "api", "key": "k"}"#;
+        common::request(q.port, "POST", "/v1/reset", &headers, body)
+            .unwrap()
+            .0
+    };
+    assert_eq!(reset("billing-token-aaaaaaaaaaaa"), 204);
+    std::fs::write(&file, "billing-token-bbbbbbbbbbbb\n").unwrap();
+    assert_eq!(reload_with(&q, |t| t.to_owned()), "ok");
+    assert_eq!(
+        reset("billing-token-aaaaaaaaaaaa"),
+        401,
+        "the rotated-out token still works"
+    );
+    assert_eq!(reset("billing-token-bbbbbbbbbbbb"), 204);
+}

@@ -33,6 +33,12 @@ pub(crate) const LEASE_EVENTS: [&str; 4] = ["acquired", "released", "extended", 
 /// did not.
 pub(crate) const RELOAD_RESULTS: [&str; 4] = ["ok", "partial", "invalid", "refused"];
 
+/// The admin endpoints' actions (`quotad_admin_requests_total{action}`).
+pub(crate) const ADMIN_ACTIONS: [&str; 1] = ["reset"];
+/// What became of an admin request (`quotad_admin_requests_total{result}`): done, refused
+/// for its credentials (401), or not done (a bad request, the store failing).
+pub(crate) const ADMIN_RESULTS: [&str; 3] = ["done", "unauthenticated", "failed"];
+
 pub(crate) struct Metrics {
     registry: Registry,
     /// `quotad_decisions_total{policy,outcome}`: every decision, by outcome
@@ -169,6 +175,8 @@ pub(crate) struct Metrics {
     /// change seen on disk): `ok`, `invalid` (the file has errors), `refused` (a change
     /// that cannot apply without a restart). The running config stays on all but `ok`.
     pub(crate) config_reloads: IntCounterVec,
+    /// `quotad_admin_requests_total{action,result}`: requests to the admin endpoints.
+    pub(crate) admin_requests: IntCounterVec,
     /// `quotad_memory_store_keys{store}`: keys the embedded store holds (`primary` in
     /// memory mode, `local` for the fallback), at the last sweep; at `store.memory_max_keys`
     /// new keys are refused (`quotad_store_errors_total{kind="full"}`).
@@ -555,6 +563,10 @@ impl Metrics {
                 "quotad_leases_untracked_total",
                 "Leases acquired while the tracked ones were at their bound.",
             )),
+            admin_requests: c.labels(&["action", "result"]).counter(Opts::new(
+                "quotad_admin_requests_total",
+                "Requests to the admin endpoints, by action and result.",
+            )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",
                 "Config reloads by result (ok, invalid, refused).",
@@ -588,6 +600,11 @@ impl Metrics {
         }
         for r in RELOAD_RESULTS {
             self.config_reloads.with_label_values(&[r]);
+        }
+        for a in ADMIN_ACTIONS {
+            for r in ADMIN_RESULTS {
+                self.admin_requests.with_label_values(&[a, r]);
+            }
         }
         self.build_info
             .with_label_values(&[

@@ -27,8 +27,8 @@ use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{
-    Descriptors, ForwardAuths, GlobalSettings, LogSettings, Secret, Settings, StoreBackend,
-    sample_every,
+    AdminSettings, Descriptors, ForwardAuths, GlobalSettings, LogSettings, Secret, Settings,
+    StoreBackend, sample_every,
 };
 use crate::metrics::Metrics;
 use crate::policy::Policies;
@@ -52,6 +52,8 @@ pub(crate) struct Live {
     pub(crate) forward_auth: ForwardAuths,
     /// `[[descriptor]]`: what the gRPC service maps Envoy's descriptors to.
     pub(crate) descriptors: Descriptors,
+    /// `[admin]`: who may change limits (a token file read again at every reload).
+    pub(crate) admin: AdminSettings,
     /// SHA-256 of the config file (hex); "builtin" without one.
     pub(crate) hash: String,
     /// The parts of that file a reload did not apply (they need a restart), each with
@@ -65,6 +67,7 @@ impl Live {
             policies: policies(settings),
             forward_auth: settings.forward_auth.clone(),
             descriptors: settings.descriptors.clone(),
+            admin: settings.admin.clone(),
             hash,
             kept: Vec::new(),
         }

@@ -31,6 +31,26 @@ pub struct Config {
     descriptors: Vec<Descriptor>,
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     log: BTreeMap<String, toml::Value>,
+    /// `[admin]`: the tests' token ([`ADMIN_TOKEN`]), which [`crate::Quotad::post`] sends
+    /// to the admin endpoints.
+    admin: Admin,
+}
+
+/// The bearer token every config built here accepts on the admin endpoints.
+pub const ADMIN_TOKEN: &str = "tests-admin-token-0123456789";
+
+/// `[admin]` with one token, named `tests`.
+#[derive(Debug, Clone, Serialize)]
+struct Admin {
+    token: Vec<BTreeMap<&'static str, &'static str>>,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Admin {
+            token: vec![BTreeMap::from([("name", "tests"), ("token", ADMIN_TOKEN)])],
+        }
+    }
 }
 
 impl Config {

@@ -23,7 +23,7 @@ pub mod race;
 pub mod sentinel;
 pub mod tls;
 
-pub use config::{Config, Descriptor, Global, Peer, Policy};
+pub use config::{ADMIN_TOKEN, Config, Descriptor, Global, Peer, Policy};
 /// The TOML crate the configs are built with, for tests that edit a written config.
 pub use toml;
 
@@ -579,15 +579,15 @@ impl Quotad {
         body
     }
 
+    /// POSTs JSON; to an admin endpoint ([`ADMIN_PATHS`]) with the kit's configs' token.
     pub fn post(&self, path: &str, body: &Value) -> (u16, Vec<(String, String)>, Value) {
-        let (status, headers, text) = http(
-            self.port,
-            "POST",
-            path,
-            Some("application/json"),
-            &body.to_string(),
-        )
-        .expect("http");
+        let bearer = format!("Bearer {ADMIN_TOKEN}");
+        let mut headers = vec![("content-type", "application/json")];
+        if ADMIN_PATHS.contains(&path) {
+            headers.push(("authorization", bearer.as_str()));
+        }
+        let (status, headers, text) =
+            request(self.port, "POST", path, &headers, &body.to_string()).expect("http");
         let json = serde_json::from_str(&text).unwrap_or(Value::Null);
         (status, headers, json)
     }
@@ -660,6 +660,9 @@ impl Drop for Quotad {
         }
     }
 }
+
+/// The endpoints that change limits, which take a bearer token of `[admin]`.
+pub const ADMIN_PATHS: [&str; 1] = ["/v1/reset"];
 
 /// A minimal blocking HTTP/1.1 exchange (one request per connection): enough for the tests,
 /// and it lets a test send exactly the bytes it wants (bad content types, huge bodies).

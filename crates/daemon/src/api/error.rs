@@ -30,6 +30,11 @@ pub(crate) enum ApiError {
     BodyTimeout(std::time::Duration),
     #[error("content type must be application/json{0}")]
     UnsupportedMediaType(String),
+    /// An admin endpoint without a token of `[admin]` (none, a wrong one, another scheme).
+    #[error(
+        "this endpoint changes limits: send Authorization: Bearer with a token of [admin] (docs/operations.md); nothing was changed"
+    )]
+    Unauthenticated,
     #[error("no such endpoint")]
     NotFound,
     #[error("method not allowed for this endpoint")]
@@ -105,6 +110,7 @@ impl ApiError {
             | ApiError::InvalidBody(_)
             | ApiError::BatchTooLarge { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Unauthenticated => StatusCode::UNAUTHORIZED,
             ApiError::UnknownPolicy { .. }
             | ApiError::UnknownReservation
             | ApiError::UnknownLease
@@ -134,6 +140,7 @@ impl ApiError {
             ApiError::InvalidBody(_) => "invalid_body",
             ApiError::BodyTimeout(_) => "request_timeout",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::Unauthenticated => "unauthenticated",
             ApiError::NotFound => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::StoreUnavailable => "store_unavailable",
@@ -170,6 +177,10 @@ impl IntoResponse for ApiError {
             // 100 ms, which is the point: a shed client should back off, not hammer.
             ApiError::Overloaded(_) => {
                 h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            ApiError::Unauthenticated => {
+                let challenge = HeaderValue::from_static("Bearer realm=\"quotad admin\"");
+                h.insert(header::WWW_AUTHENTICATE, challenge);
             }
             // What is left of the body on the connection is unknown: do not reuse it.
             ApiError::PayloadTooLarge { .. }

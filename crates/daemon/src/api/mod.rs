@@ -2,6 +2,7 @@
 //! Handlers parse and validate, hand a [`Check`] to the [`Limiter`], and turn its decision
 //! into JSON and RateLimit headers. No business logic lives here.
 
+mod admin;
 mod answers;
 pub(crate) mod body;
 mod decisions;
@@ -165,20 +166,59 @@ pub(crate) fn ratelimit_headers(ds: &[Decision]) -> Vec<(String, String)> {
         .collect()
 }
 
+/// `POST /v1/reset`: an admin endpoint (a token of `[admin]` first, then the body); every
+/// request is counted, and every one that was authorized is in the audit log.
 async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
-    let body = json_body(&state, req).await?;
-    let (policy, key, group) =
-        match request::parse_reset(&body, &state.live.get().policies, &state.caps)? {
-            request::Reset::Spent(policy, key, group) => (policy, key, group),
-            request::Reset::Leases(limit, key) => {
-                return match state.limiter.clear_leases(&limit, &key).await {
-                    Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
-                    Err(LeaseError::Shed(s)) => Err(s.into()),
-                    Err(LeaseError::Store(e)) => Err(ApiError::unavailable(&e)),
-                };
-            }
-        };
-    match state.limiter.reset(&policy, &key, group.as_deref()).await {
+    let live = state.live.get();
+    let caller = admin::authorize(&live.admin, req.headers(), &state.metrics, "reset")?;
+    let (name, key, result) = match reset_authorized(&state, &live, req).await {
+        Ok((name, key, r)) => (name, key, r),
+        Err(e) => {
+            admin::audit(&state.metrics, &caller, "reset", "-", "", false);
+            return Err(e);
+        }
+    };
+    admin::audit(
+        &state.metrics,
+        &caller,
+        "reset",
+        &name,
+        &key,
+        result.is_ok(),
+    );
+    result
+}
+
+/// A reset its caller may make: the policy's name and the key, with the answer.
+async fn reset_authorized(
+    state: &AppState,
+    live: &crate::reload::Live,
+    req: Request,
+) -> Result<(String, String, Result<Response, ApiError>), ApiError> {
+    let body = json_body(state, req).await?;
+    let (policy, key, group) = match request::parse_reset(&body, &live.policies, &state.caps)? {
+        request::Reset::Spent(policy, key, group) => (policy, key, group),
+        request::Reset::Leases(limit, key) => {
+            let answer = match state.limiter.clear_leases(&limit, &key).await {
+                Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+                Err(LeaseError::Shed(s)) => Err(s.into()),
+                Err(LeaseError::Store(e)) => Err(ApiError::unavailable(&e)),
+            };
+            return Ok((limit.name.clone(), key, answer));
+        }
+    };
+    let answer = reset_spent(state, &policy, &key, group.as_deref()).await;
+    Ok((policy.name.clone(), key, answer))
+}
+
+/// Forgets what a key spent (the limiter's reset), as an answer.
+async fn reset_spent(
+    state: &AppState,
+    policy: &crate::policy::Policy,
+    key: &str,
+    group: Option<&str>,
+) -> Result<Response, ApiError> {
+    match state.limiter.reset(policy, key, group).await {
         Ok(()) => Ok(StatusCode::NO_CONTENT.into_response()),
         Err(ResetError::Shed(s)) => Err(s.into()),
         Err(ResetError::Store(e)) => {

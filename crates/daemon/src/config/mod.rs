@@ -11,6 +11,7 @@
 //! `server` (`[server]`), `store` (`[store]`), `coordinator` (`[coordinator]`, `[[peer]]`)
 //! and `policy` (`[[policy]]`, `[policy.global]`).
 
+mod admin;
 mod concurrency;
 mod coordinator;
 mod descriptor;
@@ -32,6 +33,7 @@ use crate::policy::{ConcurrencyPolicy, FailMode, Policy, PolicySpec};
 use crate::server::Endpoint;
 use quotad_core::algorithm::Algorithm;
 
+pub(crate) use admin::{AdminSettings, Caller};
 pub(crate) use coordinator::{Encoding, GlobalSettings, Secret};
 pub(crate) use descriptor::Descriptors;
 pub(crate) use forward_auth::{ForwardAuth, ForwardAuths, KeySource, MissingKey};
@@ -112,6 +114,8 @@ pub struct Settings {
     pub(crate) descriptors: Descriptors,
     /// `[log]`: the log's format and the request log's sample.
     pub(crate) log: LogSettings,
+    /// `[admin]`: the tokens the admin endpoints accept.
+    pub(crate) admin: AdminSettings,
 }
 
 impl Settings {
@@ -178,6 +182,8 @@ impl Settings {
             secret_files: Vec::new(),
             descriptors: Descriptors::default(),
             log: LogSettings::default(),
+            // No token: the admin endpoints refuse every request.
+            admin: AdminSettings::default(),
         }
     }
 
@@ -347,6 +353,7 @@ impl Validator<'_> {
         };
         let server = self.server(raw.server.unwrap_or_default());
         let log = self.log(&raw.log.unwrap_or_default());
+        let admin = self.admin(&raw.admin.unwrap_or_default(), &server.listen);
         let raw_store = raw.store.unwrap_or_default();
         let memory_max_keys = self.integer(
             raw_store.memory_max_keys.as_ref(),
@@ -411,6 +418,7 @@ impl Validator<'_> {
             secret_files: Vec::new(),
             descriptors,
             log,
+            admin,
         }
     }
 

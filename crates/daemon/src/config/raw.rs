@@ -22,6 +22,26 @@ pub(super) struct Config {
     #[serde(default)]
     pub(super) descriptor: Vec<Descriptor>,
     pub(super) log: Option<Log>,
+    /// `[admin]`: who may change limits.
+    pub(super) admin: Option<Admin>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Admin {
+    #[serde(default)]
+    pub(super) token: Vec<AdminToken>,
+    pub(super) allow_without_token: Option<Spanned<bool>>,
+}
+
+/// `[[admin.token]]`: a named bearer token, from one of three places (`config::secret`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct AdminToken {
+    pub(super) name: Spanned<String>,
+    pub(super) token: Option<Spanned<String>>,
+    pub(super) token_file: Option<Spanned<String>>,
+    pub(super) token_env: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
