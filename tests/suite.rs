@@ -55,6 +55,7 @@ mod overload;
 mod overrides;
 mod peer_auth;
 mod prometheus;
+mod python_client;
 mod redis_store;
 mod reload;
 mod sentinel;
