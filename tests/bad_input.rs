@@ -382,9 +382,9 @@ fn an_admin_request_without_its_token_is_401_and_changes_nothing() {
     );
 }
 
-/// `[admin]` in a file: a token too short, one with no value, two of a name, and
-/// `allow_without_token` on a listener anyone can reach are each a config error that
-/// names its field.
+/// `[admin]` in a file: a token too short, one with no value, two of a name, one that is a
+/// peer region's secret, and `allow_without_token` on a listener anyone can reach are each
+/// a config error that names its field.
 #[test]
 fn admin_tokens_are_checked_when_the_config_is_read() {
     let cases = [
@@ -407,6 +407,13 @@ fn admin_tokens_are_checked_when_the_config_is_read() {
             "[server]\nlisten = \"0.0.0.0:8686\"\n[admin]\nallow_without_token = true\n",
             "admin.allow_without_token",
             "loopback",
+        ),
+        (
+            "region = \"eu\"\n[coordinator]\nsecret = \"shared-secret-of-the-regions\"\n\
+             [[peer]]\nregion = \"us\"\nurl = \"http://127.0.0.1:1\"\n\
+             [[admin.token]]\nname = \"a\"\ntoken = \"shared-secret-of-the-regions\"\n",
+            "admin.token[0].token",
+            "must differ from every peer's secret",
         ),
     ];
     for (text, field, why) in cases {

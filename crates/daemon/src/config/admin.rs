@@ -12,6 +12,7 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use super::coordinator::PeerSettings;
 use super::secret::Sources;
 use super::{NAME_RULE, Validator, raw};
 use crate::server::Endpoint;
@@ -81,8 +82,14 @@ impl AdminSettings {
 }
 
 impl Validator<'_> {
-    /// `[admin]`; `listen` is the HTTP listener the endpoints are served on.
-    pub(super) fn admin(&mut self, raw: &raw::Admin, listen: &Endpoint) -> AdminSettings {
+    /// `[admin]`; `listen` is the HTTP listener the endpoints are served on, `peers` the
+    /// regions whose secrets a token must not be.
+    pub(super) fn admin(
+        &mut self,
+        raw: &raw::Admin,
+        listen: &Endpoint,
+        peers: &[PeerSettings],
+    ) -> AdminSettings {
         let mut tokens: Vec<AdminToken> = Vec::new();
         for (i, t) in raw.token.iter().enumerate() {
             let field = format!("admin.token[{i}]");
@@ -111,6 +118,12 @@ impl Validator<'_> {
             };
             if secret.bytes.len() < MIN_TOKEN_BYTES {
                 let why = format!("a token must be at least {MIN_TOKEN_BYTES} bytes");
+                self.error(secret.at, &secret.field, why);
+                continue;
+            }
+            // A credential of its own: a peer region holds its exchange secret.
+            if peers.iter().any(|p| p.secret.0 == secret.bytes) {
+                let why = "must differ from every peer's secret: the regions that exchange with this one hold those";
                 self.error(secret.at, &secret.field, why);
                 continue;
             }

@@ -353,7 +353,6 @@ impl Validator<'_> {
         };
         let server = self.server(raw.server.unwrap_or_default());
         let log = self.log(&raw.log.unwrap_or_default());
-        let admin = self.admin(&raw.admin.unwrap_or_default(), &server.listen);
         let raw_store = raw.store.unwrap_or_default();
         let memory_max_keys = self.integer(
             raw_store.memory_max_keys.as_ref(),
@@ -365,6 +364,7 @@ impl Validator<'_> {
         let (store, key_prefix) = self.store(raw_store);
         let coordinator = raw.coordinator.unwrap_or_default();
         let peers = self.peers(&region, &raw.peer, &coordinator);
+        let admin = self.admin(&raw.admin.unwrap_or_default(), &server.listen, &peers);
         let regions = coordinator::regions(&region, &peers);
         let policy::Compiled {
             policies,
