@@ -40,9 +40,14 @@ fn overridden_keys_get_their_own_limits() {
     assert_eq!(allowed_in_a_row(&q, "plain"), 3);
     let d = q.check1("api", "gold-b");
     assert_eq!(
-        d["limit"], 5,
-        "the decision reports the override's limit: {d}"
+        (&d["limit"], &d["limit_source"]),
+        (&json!(5), &json!("override")),
+        "the decision reports the override's limit and says so: {d}"
     );
+    for key in ["premium-1", "gold-vip", "acme-trial"] {
+        assert_eq!(q.check1("api", key)["limit_source"], "override", "{key}");
+    }
+    assert_eq!(q.check1("api", "plain")["limit_source"], "config");
 
     // A batch, and forward-auth, see the same limits.
     let (status, _, body) = q.post(
@@ -55,7 +60,7 @@ fn overridden_keys_get_their_own_limits() {
             .as_array()
             .unwrap()
             .iter()
-            .all(|d| d["limit"] == 5)
+            .all(|d| d["limit"] == 5 && d["limit_source"] == "override")
     );
     let authz = |key: &str| {
         request(q.port, "GET", "/v1/authz/api", &[("x-api-key", key)], "")

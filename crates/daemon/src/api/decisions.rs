@@ -7,8 +7,8 @@ use serde::Serialize;
 
 use crate::limiter::Decision;
 
-/// `{"allowed", "policy", "key", "outcome", "limit", "remaining", "reset_after_ms",
-/// "retry_after_ms"}`, with `"refunded": true` for a check a denied batch gave back and
+/// `{"allowed", "policy", "key", "outcome", "limit", "limit_source", "remaining",
+/// "reset_after_ms", "retry_after_ms"}`, with `"refunded": true` for a check a denied batch gave back and
 /// `"reservation"` for one that opened a reservation (docs/api.md). Borrowed from the
 /// decision and serialized straight into the response: nothing is built in between on
 /// the check's path.
@@ -19,6 +19,7 @@ pub(super) struct Body<'a> {
     key: &'a str,
     outcome: &'static str,
     limit: u64,
+    limit_source: &'static str,
     remaining: u64,
     reset_after_ms: u64,
     retry_after_ms: u64,
@@ -35,6 +36,7 @@ pub(super) fn body(d: &Decision) -> Body<'_> {
         key: &d.key,
         outcome: d.outcome.name(),
         limit: d.limit,
+        limit_source: d.limit_source.name(),
         remaining: d.remaining,
         reset_after_ms: d.reset_after_ms,
         retry_after_ms: d.retry_after_ms,
@@ -83,6 +85,7 @@ mod tests {
                 "allowed",
                 "key",
                 "limit",
+                "limit_source",
                 "outcome",
                 "policy",
                 "remaining",
@@ -91,6 +94,7 @@ mod tests {
             ]
         );
         assert_eq!(v["outcome"], "fail_open");
+        assert_eq!(v["limit_source"], "config");
         assert_eq!(serde_json::to_value(batch(&[d])).unwrap()["allowed"], true);
     }
 }

@@ -10,7 +10,8 @@ use toml::Spanned;
 use super::{ConfigError, NAME_RULE, Validator, raw};
 use crate::layout::GLOBAL_KEEP_MS;
 use crate::policy::{
-    self, ConcurrencyPolicy, FailMode, GlobalSpec, KeyMatch, Override, Policy, PolicySpec,
+    self, ConcurrencyPolicy, FailMode, GlobalSpec, KeyMatch, LimitSource, Override, Policy,
+    PolicySpec,
 };
 use quotad_core::algorithm::Algorithm;
 use quotad_core::coordinator::Mode;
@@ -142,6 +143,7 @@ impl Validator<'_> {
         // An overridden key is as hot as any other of the policy.
         policy.hot_key_rate = base.hot_key_rate;
         policy.settle_within = base.settle_within;
+        policy.limit_from = LimitSource::Override;
         Some(Override {
             keys,
             policy: std::sync::Arc::new(policy),

@@ -124,6 +124,7 @@ impl Acquired {
             refunded: false,
             quota: limit,
             quota_window_secs: None,
+            limit_source: crate::policy::LimitSource::Config,
             charged: None,
             reservation: None,
         }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::layout::{GlobalLayout, Layouts, PolicyLayout, ReservationId, ScriptShape};
 use crate::metrics::Metrics;
-use crate::policy::{FailMode, Policy};
+use crate::policy::{FailMode, LimitSource, Policy};
 use crate::store::memory::MemoryStore;
 use crate::store::{
     Checked, Forget, GlobalCall, Permit, Shed, SliceMark, Source, Store, StoreCall, StoreError,
@@ -93,6 +93,8 @@ pub(crate) struct Decision {
     /// The time `quota` is allocated over, in whole seconds, when it is a whole number of
     /// them ([`Policy::quota_window_secs`]). The RateLimit-Policy `w`.
     pub(crate) quota_window_secs: Option<u64>,
+    /// Where `limit` comes from (the config's policy, or an override of it).
+    pub limit_source: LimitSource,
     /// Which store charged this check (to refund it there).
     charged: Option<Charged>,
     /// The reservation a reserving check opened, to settle with `POST /v1/settle`: only
@@ -135,6 +137,7 @@ impl Decision {
             refunded: false,
             quota,
             quota_window_secs,
+            limit_source: LimitSource::Config,
             charged: None,
             reservation: None,
         }
@@ -598,6 +601,7 @@ fn decision(check: &Check, v: &Verdict, outcome: Outcome, charged: Option<Charge
         refunded: false,
         quota: policy.capacity(),
         quota_window_secs: policy.quota_window_secs(),
+        limit_source: policy.limit_from,
         charged,
         reservation: None,
     }

@@ -61,6 +61,27 @@ pub struct Policy {
     /// (`quotad_core::algorithm::frame`). Set by the daemon when a config is put in
     /// force (`reload::stamp_since`); `Since::ZERO` as parsed, and for global policies.
     pub(crate) since: Since,
+    /// Where these numbers come from: the policy's own, or a `[[policy.override]]`.
+    pub(crate) limit_from: LimitSource,
+}
+
+/// Where a key's limit comes from, as every decision reports it (`limit_source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LimitSource {
+    /// The policy's own numbers in the config.
+    Config,
+    /// A `[[policy.override]]` of the config that names the key (exactly, by prefix or glob).
+    Override,
+}
+
+impl LimitSource {
+    /// The API's name of it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            LimitSource::Config => "config",
+            LimitSource::Override => "override",
+        }
+    }
 }
 
 /// A concurrency limit (`algorithm = "concurrency"`): at most `limit` units of a key held
@@ -212,6 +233,7 @@ impl Policy {
             hot_key_rate: None,
             settle_within: None,
             since: Since::ZERO,
+            limit_from: LimitSource::Config,
         })
     }
 
