@@ -17,12 +17,17 @@ pub(super) fn authorize<'a>(
     action: &str,
 ) -> Result<Caller<'a>, ApiError> {
     admin.caller(bearer(headers)).ok_or_else(|| {
-        metrics
-            .admin_requests
-            .with_label_values(&[action, "unauthenticated"])
-            .inc();
+        count(metrics, action, "unauthenticated");
         ApiError::Unauthenticated
     })
+}
+
+/// Counts an admin request's end (`quotad_admin_requests_total{action,result}`).
+pub(super) fn count(metrics: &Metrics, action: &str, result: &str) {
+    metrics
+        .admin_requests
+        .with_label_values(&[action, result])
+        .inc();
 }
 
 /// The token of an `Authorization: Bearer <token>` header (the scheme in any case).
@@ -34,8 +39,9 @@ fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
         .then_some(token.trim_ascii())
 }
 
-/// Logs and counts an admin request's end: who, what, on which policy and key (the key as
-/// the first 16 hex digits of its SHA-256: keys are often customers' API keys).
+/// Logs and counts the end of an admin request that named its target: who, what, on which
+/// policy and key (the key as the first 16 hex digits of its SHA-256: keys are often
+/// customers' API keys).
 pub(super) fn audit(
     metrics: &Metrics,
     caller: &Caller<'_>,
@@ -45,10 +51,7 @@ pub(super) fn audit(
     done: bool,
 ) {
     let result = if done { "done" } else { "failed" };
-    metrics
-        .admin_requests
-        .with_label_values(&[action, result])
-        .inc();
+    count(metrics, action, result);
     let key_sha256 = &hex::encode(Sha256::digest(key.as_bytes()))[..16];
     tracing::info!(
         target: "quotad::audit",

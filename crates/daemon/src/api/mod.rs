@@ -171,11 +171,22 @@ pub(crate) fn ratelimit_headers(ds: &[Decision]) -> Vec<(String, String)> {
 async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, ApiError> {
     let live = state.live.get();
     let caller = admin::authorize(&live.admin, req.headers(), &state.metrics, "reset")?;
-    let (name, key, result) = match reset_authorized(&state, &live, req).await {
-        Ok((name, key, r)) => (name, key, r),
-        Err(e) => {
-            admin::audit(&state.metrics, &caller, "reset", "-", "", false);
-            return Err(e);
+    // A request that names nothing to reset changes nothing: counted, not audited.
+    let body = json_body(&state, req).await;
+    let target = body.and_then(|b| request::parse_reset(&b, &live.policies, &state.caps));
+    let target = target.inspect_err(|_| admin::count(&state.metrics, "reset", "failed"))?;
+    let (name, key, answer) = match target {
+        request::Reset::Spent(policy, key, group) => {
+            let answer = reset_spent(&state, &policy, &key, group.as_deref()).await;
+            (policy.name.clone(), key, answer)
+        }
+        request::Reset::Leases(limit, key) => {
+            let answer = match state.limiter.clear_leases(&limit, &key).await {
+                Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+                Err(LeaseError::Shed(s)) => Err(s.into()),
+                Err(LeaseError::Store(e)) => Err(ApiError::unavailable(&e)),
+            };
+            (limit.name.clone(), key, answer)
         }
     };
     admin::audit(
@@ -184,31 +195,9 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
         "reset",
         &name,
         &key,
-        result.is_ok(),
+        answer.is_ok(),
     );
-    result
-}
-
-/// A reset its caller may make: the policy's name and the key, with the answer.
-async fn reset_authorized(
-    state: &AppState,
-    live: &crate::reload::Live,
-    req: Request,
-) -> Result<(String, String, Result<Response, ApiError>), ApiError> {
-    let body = json_body(state, req).await?;
-    let (policy, key, group) = match request::parse_reset(&body, &live.policies, &state.caps)? {
-        request::Reset::Spent(policy, key, group) => (policy, key, group),
-        request::Reset::Leases(limit, key) => {
-            let answer = match state.limiter.clear_leases(&limit, &key).await {
-                Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
-                Err(LeaseError::Shed(s)) => Err(s.into()),
-                Err(LeaseError::Store(e)) => Err(ApiError::unavailable(&e)),
-            };
-            return Ok((limit.name.clone(), key, answer));
-        }
-    };
-    let answer = reset_spent(state, &policy, &key, group.as_deref()).await;
-    Ok((policy.name.clone(), key, answer))
+    answer
 }
 
 /// Forgets what a key spent (the limiter's reset), as an answer.
