@@ -6,7 +6,7 @@
 -- quotad_core::algorithm::apply_all.
 --
 -- KEYS[i]  check i's storage key (distinct; all in one slot)
--- ARGV     per check, 9 values: algorithm tag (fw sl sw tb gc), limit, window_us, burst,
+-- ARGV     per check, 9 values: algorithm tag (fw sl sw tb gc), limit, window (prelude.lua), burst,
 --          cost (0 = peek), member, enforced (1, or 0 in shadow mode: its denial does not
 --          stop the batch), frame, since (prelude.lua); then [now_us: TESTS ONLY]
 -- Returns  {allowed, remaining, reset_after_us, retry_after_us} per check, flattened: what
@@ -31,8 +31,9 @@ local function run(i, charge)
   local cost = tonumber(ARGV[b + 5])
   local eval_cost = cost
   if cost == 0 then eval_cost = 1 end
-  return algorithm(KEYS[i], false, tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]),
-    tonumber(ARGV[b + 4]), cost, ARGV[b + 6], now, charge and cost > 0, eval_cost, nil,
+  local window, t = window_enter(ARGV[b + 3], now)
+  return algorithm(KEYS[i], false, tonumber(ARGV[b + 2]), window,
+    tonumber(ARGV[b + 4]), cost, ARGV[b + 6], t, charge and cost > 0, eval_cost, nil,
     ARGV[b + 8], ARGV[b + 9])
 end
 

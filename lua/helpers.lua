@@ -1,12 +1,61 @@
 -- quotad limiter helpers: prepended to every algorithm script and to the composite script
 -- (see src/store/redis/scripts.rs), so TTLs and replies are built in one place.
 
+-- A fixed window of calendar periods (quotad_core::calendar::Periods). quotad passes the
+-- periods around its clock as the window argument, "c<first>:<nominal>:<b0>:...:<b4>"
+-- (period first+k is [b_k, b_k+1), real us); the algorithm runs in period time, where
+-- every period lasts `nominal` us and period i is [i*nominal, (i+1)*nominal), so a fixed
+-- window of `nominal` counts per period and Redis's clock picks the period. Its reset,
+-- retry and TTL come back to real time here (real_after: verdict, ttl_ms). Outside the
+-- table, a us for a us. The arithmetic is the model's, operation for operation.
+-- CAL: the table of the operation being run, with its now in both times; nil for any
+-- other window.
+local CAL = nil
+local function cal_to_period_time(c, t)
+  local b, n = c.b, c.n
+  if t < b[1] then return c.first * n + (t - b[1]) end
+  for k = 1, 4 do
+    if t < b[k + 1] then
+      return (c.first + k - 1) * n + math.floor((t - b[k]) / (b[k + 1] - b[k]) * n)
+    end
+  end
+  return (c.first + 4) * n + (t - b[5])
+end
+local function cal_to_real(c, v)
+  local b, n = c.b, c.n
+  local q = math.floor(v / n)
+  if q * n > v then q = q - 1 elseif (q + 1) * n <= v then q = q + 1 end
+  local k = q - c.first
+  if k < 0 then return b[1] + (v - c.first * n) end
+  if k >= 4 then return b[5] + (v - (c.first + 4) * n) end
+  return b[k + 1] + math.floor((v - q * n) / n * (b[k + 2] - b[k + 1]))
+end
+-- Real us from now until `us` of the operation's time has passed, never negative.
+local function real_after(us)
+  if not CAL then return us end
+  return math.max(0, cal_to_real(CAL, CAL.pnow + us) - CAL.now)
+end
+-- The window length and now an algorithm runs with, for window argument `arg` at `now`
+-- (a number: a fixed window, in real time).
+local function window_enter(arg, now)
+  if string.sub(arg, 1, 1) ~= 'c' then
+    CAL = nil
+    return tonumber(arg), now
+  end
+  local f = {}
+  for x in string.gmatch(string.sub(arg, 2), '[^:]+') do f[#f + 1] = tonumber(x) end
+  local c = {first = f[1], n = f[2], b = {f[3], f[4], f[5], f[6], f[7]}, now = now}
+  c.pnow = cal_to_period_time(c, now)
+  CAL = c
+  return c.n, c.pnow
+end
+
 -- Key TTL in ms for a state that becomes equivalent to "absent" after us microseconds:
 -- rounded up, plus a 1 s grace. The grace is measured, not decorative: under load, Redis
 -- 7.0 was seen to apply a PEXPIRE from inside a script against a time base tens of ms
 -- old, and a key that expires early turns a partly spent state into a full one.
 local function ttl_ms(us)
-  return math.ceil(us / 1000) + 1000
+  return math.ceil(real_after(us) / 1000) + 1000
 end
 -- The store's clock in microseconds (Redis TIME), or `injected` when given: the
 -- differential tests pass virtual time that way; quotad never does.
@@ -58,7 +107,10 @@ local function floor_u(x)
   return math.floor(x)
 end
 local function verdict(allowed, remaining, reset_after, retry_after)
+  reset_after = real_after(reset_after)
   if allowed then return {1, remaining, reset_after, 0} end
+  if retry_after < 1 then retry_after = 1 end
+  retry_after = real_after(retry_after)
   if retry_after < 1 then retry_after = 1 end
   return {0, remaining, reset_after, retry_after}
 end

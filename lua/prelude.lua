@@ -7,7 +7,8 @@
 -- ARGV[1]  'check' | 'refund' | 'charge' (token_bucket and gcra only: spend cost whether
 --          or not the key has it, the rest becoming debt; never denied)
 -- ARGV[2]  limit        admissions per window (token_bucket / gcra: refill of limit per window)
--- ARGV[3]  window_us    window length in microseconds
+-- ARGV[3]  window_us    window length in microseconds, or a fixed window's calendar
+--                       periods (helpers.lua, window_enter): then `now` is period time
 -- ARGV[4]  burst        token_bucket / gcra capacity (= limit for the window algorithms)
 -- ARGV[5]  cost         units to take (check, charge) or give back (refund); check with 0
 --                       = peek
@@ -30,12 +31,11 @@ local key = KEYS[1]
 local refund = ARGV[1] == 'refund'
 local charge = ARGV[1] == 'charge'
 local limit = tonumber(ARGV[2])
-local window = tonumber(ARGV[3])
+local window, now = window_enter(ARGV[3], clock_us(ARGV[9]))
 local burst = tonumber(ARGV[4])
 local cost = tonumber(ARGV[5])
 local member = ARGV[6]
 local F, V = ARGV[7], ARGV[8]
-local now = clock_us(ARGV[9])
 -- A peek (check with cost 0) evaluates a cost-1 request and writes nothing.
 local write = refund or charge or cost > 0
 local eval_cost = cost

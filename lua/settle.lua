@@ -7,7 +7,7 @@
 -- KEYS[2]  the reservation: "o:<estimate>:<opened_us>" while open, "s:<cost>" once
 --          settled, "e:" once a settlement found it ended by a reset; in the key's slot
 -- KEYS[3]  the key's reset mark (reset.lua): when it was last reset, us
--- ARGV     'reserve' | 'settle', algorithm tag (fw tb gc), limit, window_us, burst,
+-- ARGV     'reserve' | 'settle', algorithm tag (fw tb gc), limit, window (prelude.lua), burst,
 --          cost (reserve: the estimate, at least 1; settle: the real cost), member,
 --          keep_ms (how long the reservation is kept, open or settled), the invalidation
 --          channel, frame, since (prelude.lua), [now_us: TESTS ONLY]
@@ -33,7 +33,7 @@ if not algorithm then
   return redis.error_reply('ERR quotad settle: ' .. tostring(ARGV[2]) .. ' cannot hold a debt')
 end
 local key, reservation = KEYS[1], KEYS[2]
-local limit, window, burst = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local limit, burst = tonumber(ARGV[3]), tonumber(ARGV[5])
 local cost, member, keep_ms = tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
 local channel = ARGV[9]
 local F, V = ARGV[10], ARGV[11]
@@ -43,7 +43,9 @@ local now = clock_us(ARGV[12])
 local function run(refund, units, write, charge)
   local eval_cost = units
   if units == 0 then eval_cost = 1 end
-  return algorithm(key, refund, limit, window, burst, units, member, now, write, eval_cost, charge,
+  -- (The reservation's times stay real: a reset mark is compared with them.)
+  local window, t = window_enter(ARGV[4], now)
+  return algorithm(key, refund, limit, window, burst, units, member, t, write, eval_cost, charge,
     F, V)
 end
 

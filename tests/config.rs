@@ -279,6 +279,18 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "calendar_problems.toml",
+        &[
+            "5: policy[0].window: window = \"month\" needs time_zone, where its periods start at midnight",
+            "12: policy[1].time_zone: unknown time zone \"Mars/Olympus_Mons\"",
+            "18: policy[2].window: a calendar period needs fixed_window, not token_bucket: a bucket refills continuously",
+            "25: policy[3].window: a calendar period needs fixed_window, not sliding_window",
+            "33: policy[4].time_zone: a time zone places calendar periods",
+            "41: policy[5].hot_key_rate: hot-key slices are not taken from calendar periods",
+            "52: policy[6].override[0].window: an override of a calendar period keeps the policy's period",
+        ],
+    ),
+    (
         "sliding_log_too_big.toml",
         &["4: policy[0].limit: sliding_log keeps one entry per admission"],
     ),
@@ -357,6 +369,7 @@ fn shipped_configs_validate() {
         ("config/examples/api.toml", "1 policy"),
         ("config/examples/envoy.toml", "3 policies"),
         ("config/examples/llm.toml", "3 policies"),
+        ("config/examples/plans.toml", "3 policies"),
     ] {
         let out = Command::new(quotad_binary())
             .arg("validate")

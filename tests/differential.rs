@@ -16,6 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::RedisServer;
 use quotad_core::algorithm::{self, Algorithm, Limits, Op, Since, State, Verdict, Write};
+use quotad_core::calendar::{Calendar, Period, Periods};
 use quotad_daemon::testing::redis as scripts;
 use quotad_daemon::testing::ttl_ms;
 use rand::rngs::StdRng;
@@ -92,6 +93,7 @@ fn assert_model_ttl(pttl: i64, ttl_us: i64, step: usize) {
 }
 
 /// One operation of an algorithm's script (see [`eval_then_persist`]).
+#[allow(clippy::too_many_arguments)]
 fn lua(
     conn: &mut redis::Connection,
     sha: &str,
@@ -100,12 +102,13 @@ fn lua(
     l: &Limits,
     member: &str,
     now: i64,
+    periods: Option<&Periods>,
 ) -> (Verdict, i64) {
     let (mode, cost) = match op {
         Op::Check { cost } => ("check", cost),
         Op::Refund { cost } => ("refund", cost),
     };
-    lua_mode(conn, sha, key, mode, cost, l, member, now)
+    lua_mode(conn, sha, key, mode, cost, l, member, now, periods)
 }
 
 /// One operation of an algorithm's script by its name (`check`, `refund`, `charge`).
@@ -119,12 +122,13 @@ fn lua_mode(
     l: &Limits,
     member: &str,
     now: i64,
+    periods: Option<&Periods>,
 ) -> (Verdict, i64) {
     let (frame, since) = scripts::frame_args(l);
     let args = [
         mode.to_owned(),
         l.limit.to_string(),
-        l.window_us.to_string(),
+        scripts::window_arg(l, periods).to_string(),
         l.burst.to_string(),
         cost.to_string(),
         member.to_owned(),
@@ -204,13 +208,22 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
             .then(|| rng.random_range(1..=3 * cap));
         let (got, pttl, out) = match charged {
             Some(c) => {
-                let (got, pttl) =
-                    lua_mode(&mut conn, &sha, &storage_key, "charge", c, &l, &member, now);
+                let (got, pttl) = lua_mode(
+                    &mut conn,
+                    &sha,
+                    &storage_key,
+                    "charge",
+                    c,
+                    &l,
+                    &member,
+                    now,
+                    None,
+                );
                 let out = algorithm::charge(run.alg, &l, model.get(key), now, c);
                 (got, pttl, out.expect("a key of this algorithm holds debt"))
             }
             None => {
-                let (got, pttl) = lua(&mut conn, &sha, &storage_key, op, &l, &member, now);
+                let (got, pttl) = lua(&mut conn, &sha, &storage_key, op, &l, &member, now, None);
                 (
                     got,
                     pttl,
@@ -321,6 +334,253 @@ fn differential(alg: Algorithm) {
 #[test]
 fn fixed_window_lua_matches_rust() {
     differential(Algorithm::FixedWindow);
+}
+
+/// µs since the epoch of the civil instant `y-m-d h:00` in `zone`.
+fn civil_us(zone: &str, (y, m, d, h): (i16, i8, i8, i8)) -> i64 {
+    jiff::civil::date(y, m, d)
+        .at(h, 0, 0, 0)
+        .in_tz(zone)
+        .unwrap()
+        .timestamp()
+        .as_microsecond()
+}
+
+/// One calendar scenario: two configs of a fixed window taking turns as a rollout's
+/// instances do (`None`: a calendar period's reader; `Some(w)`: a fixed window of `w` µs
+/// reading the same keys), around a boundary of `period` in `zone`.
+struct CalendarRun {
+    zone: &'static str,
+    period: Period,
+    boundary: (i16, i8, i8, i8),
+    limits: [(u64, Option<i64>); 2],
+    seed: u64,
+}
+
+/// A fixed window of calendar periods, through the script and the model: episodes that
+/// start shortly before `run.boundary` and step across it (small steps, same-µs steps,
+/// jumps of periods, clock steps back), with checks, peeks, refunds and charges into
+/// debt. quotad builds the periods table from its own clock, here a few seconds off
+/// Redis's (the injected time), so the script, not quotad, picks the period.
+fn drive_calendar(redis: &RedisServer, run: &CalendarRun, episodes: usize, steps: usize) {
+    let mut conn = redis.conn();
+    let sha = load(&mut conn, scripts::source(Algorithm::FixedWindow));
+    let mut rng = StdRng::seed_from_u64(run.seed);
+    let calendar = Calendar::new(run.period, run.zone).unwrap();
+    let n = run.period.nominal_us();
+    let boundary = civil_us(run.zone, run.boundary);
+    // The second config is the newer.
+    let limits = [0, 1].map(|v| {
+        let (limit, fixed) = run.limits[v];
+        Limits {
+            limit,
+            window_us: fixed.unwrap_or(n),
+            burst: limit,
+            since: Since {
+                version: 1,
+                at_ms: 1 + v as u64,
+            },
+        }
+    });
+    let all_calendar = run.limits.iter().all(|(_, fixed)| fixed.is_none());
+    let mut trace: Vec<String> = Vec::new();
+    for episode in 0..episodes {
+        let mut now = boundary - rng.random_range(0..n / 3);
+        let mut model: HashMap<String, State> = HashMap::new();
+        let mut admitted: Vec<(String, String, u64)> = Vec::new();
+        let mut reader = 0;
+        for step in 0..steps {
+            if rng.random_range(0..100) < 15 {
+                reader = 1 - reader;
+            }
+            let (l, calendar_reader) = (limits[reader], run.limits[reader].1.is_none());
+            let w = l.window_us;
+            now += match rng.random_range(0..100) {
+                0..=14 => 0,
+                15..=69 => rng.random_range(1..=w / 50 + 1),
+                70..=91 => rng.random_range(1..=w / 4),
+                92..=94 => -rng.random_range(1..=w / 10),
+                _ => rng.random_range(w / 2..=2 * w),
+            };
+            // quotad's clock, up to 5 s off Redis's.
+            let skew = rng.random_range(-5_000_000..=5_000_000);
+            let table = calendar.periods(now + skew);
+            let periods = calendar_reader.then_some(&table);
+            let key = ["a", "b", "c"][rng.random_range(0..3)].to_string();
+            let member = format!("m{episode}.{step}");
+            let cap = l.limit;
+            let op = match rng.random_range(0..100) {
+                0..=9 if !admitted.is_empty() => {
+                    let (k, m, c) = admitted.swap_remove(rng.random_range(0..admitted.len()));
+                    if k == key {
+                        (Op::Refund { cost: c }, m)
+                    } else {
+                        (Op::Check { cost: 0 }, member.clone())
+                    }
+                }
+                10..=17 => (Op::Check { cost: 0 }, member.clone()),
+                _ => (
+                    Op::Check {
+                        cost: rng.random_range(1..=cap.min(3)),
+                    },
+                    member.clone(),
+                ),
+            };
+            let (op, member) = op;
+            let charged = (rng.random_range(0..100) < 8).then(|| rng.random_range(1..=3 * cap));
+            let storage_key = format!("cal:{}:{episode}:{key}", run.seed);
+            let state = model.get(&key);
+            let (got, pttl, out) = match charged {
+                Some(c) => {
+                    let (got, pttl) = lua_mode(
+                        &mut conn,
+                        &sha,
+                        &storage_key,
+                        "charge",
+                        c,
+                        &l,
+                        &member,
+                        now,
+                        periods,
+                    );
+                    let out =
+                        algorithm::charge_on(periods, Algorithm::FixedWindow, &l, state, now, c);
+                    (got, pttl, out.unwrap())
+                }
+                None => {
+                    let (got, pttl) =
+                        lua(&mut conn, &sha, &storage_key, op, &l, &member, now, periods);
+                    let out = algorithm::on_periods(periods, now, |t| {
+                        algorithm::apply(Algorithm::FixedWindow, &l, state, t, op, &member)
+                    });
+                    (got, pttl, out)
+                }
+            };
+            trace.push(format!(
+                "episode {episode} step {step}: t={now} skew={skew} reader={reader} key={key} {op:?} charge={charged:?} -> lua {got:?}"
+            ));
+            if got != out.verdict {
+                let tail = trace[trace.len().saturating_sub(12)..].join("\n");
+                panic!(
+                    "{} {:?} seed {}: Lua and Rust disagree\n lua  {got:?}\n rust {:?}\n state {:?}\n{tail}",
+                    run.zone, run.period, run.seed, out.verdict, state
+                );
+            }
+            let spent = charged.is_some() || (matches!(op, Op::Check { cost: 1.. }) && got.allowed);
+            if let (true, Write::Put { ttl_us, .. }) = (spent, &out.write) {
+                assert_model_ttl(pttl, *ttl_us, step);
+            }
+            // A count of calendar periods resets no sooner than its period's real end.
+            if all_calendar
+                && got.allowed
+                && charged.is_none()
+                && matches!(op, Op::Check { cost: 1.. })
+            {
+                if let Some(span) = calendar.containing(now).end_us.checked_sub(now) {
+                    assert!(
+                        got.reset_after_us >= span,
+                        "{} {:?}: reset in {} us, the period ends in {span}",
+                        run.zone,
+                        run.period,
+                        got.reset_after_us
+                    );
+                }
+            }
+            match out.write {
+                Write::Keep => {}
+                Write::Put { state, .. } => {
+                    model.insert(key.clone(), state);
+                }
+                Write::Delete => {
+                    model.remove(&key);
+                }
+            }
+            if let (Op::Check { cost }, None) = (op, charged) {
+                if got.allowed && cost > 0 {
+                    admitted.push((key, member, cost));
+                }
+            }
+            if admitted.len() > 32 {
+                admitted.remove(0);
+            }
+        }
+    }
+}
+
+/// Calendar periods in the script and the model, across the boundaries the calendar
+/// makes hard: a spring and an autumn day in two zones with DST (23 and 25 hours), a
+/// February 29, December 31 to January 1, a month of 31 days after one of 30 (with the
+/// autumn hour in it), a week from Sunday to Monday; two limits of one period taking
+/// turns, and a fixed window of 30 days taking turns with the calendar month it becomes.
+#[test]
+fn fixed_window_on_the_calendar_lua_matches_rust() {
+    let redis = RedisServer::start();
+    let runs = [
+        (
+            "Europe/Berlin",
+            Period::Day,
+            (2027, 3, 28, 3),
+            [(5, None), (3, None)],
+        ),
+        (
+            "Europe/Berlin",
+            Period::Day,
+            (2026, 10, 26, 0),
+            [(5, None), (8, None)],
+        ),
+        (
+            "America/New_York",
+            Period::Day,
+            (2027, 3, 15, 0),
+            [(4, None), (6, None)],
+        ),
+        (
+            "America/New_York",
+            Period::Day,
+            (2026, 11, 2, 0),
+            [(6, None), (4, None)],
+        ),
+        (
+            "UTC",
+            Period::Month,
+            (2028, 3, 1, 0),
+            [(10, None), (7, None)],
+        ),
+        (
+            "America/New_York",
+            Period::Month,
+            (2026, 12, 1, 0),
+            [(5, None), (9, None)],
+        ),
+        (
+            "Asia/Tokyo",
+            Period::Year,
+            (2027, 1, 1, 0),
+            [(6, None), (4, None)],
+        ),
+        (
+            "Europe/Berlin",
+            Period::Week,
+            (2026, 12, 14, 0),
+            [(5, None), (5, None)],
+        ),
+        (
+            "Europe/Berlin",
+            Period::Month,
+            (2027, 4, 1, 0),
+            [(6, None), (6, Some(30 * 86_400_000_000))],
+        ),
+    ];
+    for (i, (zone, period, boundary, limits)) in runs.into_iter().enumerate() {
+        let run = CalendarRun {
+            zone,
+            period,
+            boundary,
+            limits,
+            seed: 0xca1e_0000 + i as u64,
+        };
+        drive_calendar(&redis, &run, 6, 120);
+    }
 }
 
 #[test]
@@ -482,6 +742,7 @@ fn composite_lua_matches_rust() {
                 cost,
                 member: &member,
                 enforced,
+                periods: None,
             })
             .collect();
         let (want, writes) = algorithm::apply_all(&parts, now);
@@ -695,13 +956,23 @@ fn settlement_lua_matches_rust() {
         ("diff:st:{fw}", Algorithm::FixedWindow, 5u64, 200 * ms, 5u64),
         ("diff:st:{tb}", Algorithm::TokenBucket, 4, 300 * ms, 6),
         ("diff:st:{gc}", Algorithm::Gcra, 10, 1000 * ms, 3),
+        // A fixed window of Berlin days: the run crosses a midnight.
+        (
+            "diff:st:{cal}",
+            Algorithm::FixedWindow,
+            40,
+            86_400_000 * ms,
+            40,
+        ),
     ];
+    let days = Calendar::new(Period::Day, "Europe/Berlin").unwrap();
     let mut rng = StdRng::seed_from_u64(0x5e_771e);
     let mut model: HashMap<usize, State> = HashMap::new();
     let mut booked: HashMap<String, Reservation> = HashMap::new();
     // Reservations made: (key index, reservation key).
     let mut made: Vec<(usize, String)> = Vec::new();
-    let mut now = real_now_us();
+    // A minute before the next midnight in Berlin.
+    let mut now = days.containing(real_now_us()).end_us - 60_000_000;
     let (mut settled, mut again, mut unknown, mut into_debt) = (0, 0, 0, 0);
     let (mut ended, mut resets) = (0, 0);
     // When each key was last reset (the mark's value).
@@ -722,6 +993,8 @@ fn settlement_lua_matches_rust() {
         };
         let cap = l.capacity(alg);
         let (frame, since) = scripts::frame_args(&l);
+        let table = (key == "diff:st:{cal}").then(|| days.periods(now));
+        let periods = table.as_ref();
         let member = format!("m{step}");
         let mark = format!("{key}:z");
         // Now and then a reset of the key (lua/reset.lua's writes, at the virtual time):
@@ -772,7 +1045,7 @@ fn settlement_lua_matches_rust() {
             .arg(mode)
             .arg(alg.key_tag())
             .arg(limit)
-            .arg(window_us)
+            .arg(scripts::window_arg(&l, periods))
             .arg(burst)
             .arg(cost)
             .arg(&member)
@@ -791,7 +1064,8 @@ fn settlement_lua_matches_rust() {
             .unwrap_or_else(|e| panic!("EVALSHA failed: {e}"));
         let state = model.get(&k);
         let write = if mode == "reserve" {
-            let (out, opened) = settlement::reserve(alg, &l, state, now, cost, &member).unwrap();
+            let (out, opened) =
+                settlement::reserve(alg, &l, state, now, cost, &member, periods).unwrap();
             let got = Verdict {
                 allowed: r[0] == 1,
                 remaining: r[1] as u64,
@@ -806,8 +1080,18 @@ fn settlement_lua_matches_rust() {
             out.write
         } else {
             let reset = reset_at.get(&k).copied();
-            let out =
-                settlement::settle(alg, &l, state, booked.get(&rkey), reset, now, cost, &member);
+            let reservation = booked.get(&rkey);
+            let out = settlement::settle(
+                alg,
+                &l,
+                state,
+                reservation,
+                reset,
+                now,
+                cost,
+                &member,
+                periods,
+            );
             let out = out.unwrap();
             let (code, charged, refunded) = match out.settled {
                 Settled::Now { charged, refunded } => (1, charged, refunded),

@@ -22,6 +22,7 @@ mod article;
 mod bad_input;
 mod bench_short;
 mod bucket_slices;
+mod calendar;
 mod clock_jump;
 mod cluster_faults;
 mod cluster_scripts;

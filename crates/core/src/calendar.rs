@@ -176,6 +176,164 @@ impl Calendar {
     }
 }
 
+impl Period {
+    /// The period's nominal length, µs: a fixed window of this length is what a calendar
+    /// period is to the scripts ([`Periods`]) and to a key's frame. A day of 24 hours, a
+    /// week of 7 days, the Gregorian calendar's mean month (30.436875 days) and year
+    /// (365.2425 days).
+    pub fn nominal_us(self) -> i64 {
+        const DAY: i64 = 86_400_000_000;
+        match self {
+            Period::Day => DAY,
+            Period::Week => 7 * DAY,
+            Period::Month => 2_629_746_000_000,
+            Period::Year => 31_556_952_000_000,
+        }
+    }
+
+    /// The longest a period of this kind lasts (an hour more than its longest civil
+    /// length, for the clock change it may contain), µs.
+    pub fn longest_us(self) -> i64 {
+        const DAY: i64 = 86_400_000_000;
+        const HOUR: i64 = 3_600_000_000;
+        HOUR + match self {
+            Period::Day => DAY,
+            Period::Week => 7 * DAY,
+            Period::Month => 31 * DAY,
+            Period::Year => 366 * DAY,
+        }
+    }
+}
+
+/// How many periods a [`Periods`] table holds: the one before the current one, the
+/// current one and the two after it.
+pub const PERIODS_AROUND: usize = 4;
+
+/// A calendar's periods around an instant, as a fixed window sees them: the window's
+/// time is *period time*, where every period lasts its kind's nominal length `N` and
+/// period `i` is `[i·N, (i+1)·N)`, mapped onto the real period linearly. A fixed window of
+/// length `N` in period time counts per calendar period exactly: its slot is the
+/// period's index and its window ends are the periods' real bounds. The scripts get this
+/// table from quotad (`lua/helpers.lua`, `window_enter`) and map Redis's clock through it,
+/// so Redis's clock picks the period; quotad computes the bounds.
+///
+/// Instants outside the table (a clock more than a period off, a debt owed beyond the
+/// period after next) are mapped at the nominal length, one µs for one µs.
+/// [`Periods::to_period_time`] and [`Periods::to_real`] use the same double arithmetic as
+/// the scripts, so the two agree to the µs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Periods {
+    /// The index of the table's first period.
+    first: i64,
+    /// The nominal length, µs.
+    nominal_us: i64,
+    /// The periods' bounds: period `first + k` is `[bounds[k], bounds[k + 1])`.
+    bounds: [i64; PERIODS_AROUND + 1],
+}
+
+impl Calendar {
+    /// The periods around `now_us`: the one before the period containing it, that period
+    /// and the two after it.
+    pub fn periods(&self, now_us: i64) -> Periods {
+        let current = self.containing(now_us);
+        let first = current.index - 1;
+        let mut bounds = [0; PERIODS_AROUND + 1];
+        bounds[0] = self.start_of(first);
+        bounds[1] = current.start_us;
+        bounds[2] = current.end_us;
+        for (k, b) in bounds.iter_mut().enumerate().skip(3) {
+            *b = self.start_of(first + k as i64);
+        }
+        Periods {
+            first,
+            nominal_us: self.period.nominal_us(),
+            bounds,
+        }
+    }
+}
+
+impl Periods {
+    /// Whether `now_us` is in the table's current period (the one it was built for).
+    pub fn current_at(&self, now_us: i64) -> bool {
+        self.bounds[1] <= now_us && now_us < self.bounds[2]
+    }
+
+    /// The real period containing `now_us` as the table knows it (`None`: outside it).
+    pub fn span_at(&self, now_us: i64) -> Option<PeriodSpan> {
+        (0..PERIODS_AROUND)
+            .find(|&k| self.bounds[k] <= now_us && now_us < self.bounds[k + 1])
+            .map(|k| PeriodSpan {
+                index: self.first + k as i64,
+                start_us: self.bounds[k],
+                end_us: self.bounds[k + 1],
+            })
+    }
+
+    /// The same periods moved by `by_us` (each starts `by_us` later): a boundary placed
+    /// where a test wants one, seconds away, on a real clock.
+    pub fn shifted(self, by_us: i64) -> Periods {
+        Periods {
+            bounds: self.bounds.map(|b| b + by_us),
+            ..self
+        }
+    }
+
+    /// The nominal length: the fixed window a calendar period is in period time.
+    pub fn nominal_us(&self) -> i64 {
+        self.nominal_us
+    }
+
+    /// The real instant `t` (µs since the epoch) in period time.
+    pub fn to_period_time(&self, t: i64) -> i64 {
+        let (n, b) = (self.nominal_us, &self.bounds);
+        if t < b[0] {
+            return (self.first * n).saturating_add(t - b[0]);
+        }
+        for k in 0..PERIODS_AROUND {
+            if t < b[k + 1] {
+                let into = ((t - b[k]) as f64 / (b[k + 1] - b[k]) as f64 * n as f64).floor();
+                return (self.first + k as i64) * n + into as i64;
+            }
+        }
+        ((self.first + PERIODS_AROUND as i64) * n).saturating_add(t - b[PERIODS_AROUND])
+    }
+
+    /// The real instant of period time `v`: a period's start in period time is the
+    /// period's real start.
+    pub fn to_real(&self, v: i64) -> i64 {
+        let (n, b) = (self.nominal_us, &self.bounds);
+        let k = v.div_euclid(n) - self.first;
+        if k < 0 {
+            return b[0].saturating_add(v - self.first * n);
+        }
+        if k >= PERIODS_AROUND as i64 {
+            let last = (self.first + PERIODS_AROUND as i64) * n;
+            return b[PERIODS_AROUND].saturating_add(v.saturating_sub(last));
+        }
+        let k = k as usize;
+        let into = (v - (self.first + k as i64) * n) as f64 / n as f64 * (b[k + 1] - b[k]) as f64;
+        b[k] + into.floor() as i64
+    }
+
+    /// The real time from `now_us` (real; `now_pt` in period time) until `after_us` of
+    /// period time from `now_pt` has passed: a reset, retry or TTL in real µs, never
+    /// negative.
+    pub fn real_after(&self, now_us: i64, now_pt: i64, after_us: i64) -> i64 {
+        (self.to_real(now_pt.saturating_add(after_us)) - now_us).max(0)
+    }
+
+    /// The table as a script's window argument (`lua/helpers.lua`, `window_enter`):
+    /// `c<first>:<nominal>:<bound 0>:...:<bound 4>`.
+    pub fn script_arg(&self) -> String {
+        use std::fmt::Write;
+        let mut s = format!("c{}:{}", self.first, self.nominal_us);
+        for b in self.bounds {
+            let _ = write!(s, ":{b}");
+        }
+        s
+    }
+}
+
 /// Civil days from 1970-01-01 to `date`.
 fn days_since_epoch(date: Date) -> i64 {
     EPOCH
@@ -302,6 +460,45 @@ mod tests {
                     assert_eq!(c.containing(s.end_us - 1).index, s.index);
                     assert_eq!(c.span(s.index + 1).start_us, s.end_us);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn period_time_maps_each_period_onto_its_real_bounds_and_keeps_order() {
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        for zone in ["Europe/Berlin", "America/New_York", "Asia/Kathmandu"] {
+            for period in Period::ALL {
+                let c = Calendar::new(period, zone).unwrap();
+                for _ in 0..200 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let now = 1_600_000_000_000_000 + (x % 600_000_000_000_000) as i64;
+                    let p = c.periods(now);
+                    let n = period.nominal_us();
+                    let s = c.containing(now);
+                    assert!(p.current_at(now));
+                    assert_eq!(p.span_at(now), Some(s));
+                    // Every bound in the table is a period's start in period time.
+                    for k in -1..=3 {
+                        let b = c.span(s.index + k).start_us;
+                        assert_eq!(p.to_period_time(b), (s.index + k) * n, "{zone} {period:?}");
+                        assert_eq!(p.to_real((s.index + k) * n), b, "{zone} {period:?}");
+                    }
+                    // Inside a period: in order, and back to within a µs of itself.
+                    let (a, b) = (now, now + (x % 1000) as i64);
+                    assert!(p.to_period_time(a) <= p.to_period_time(b));
+                    let back = p.to_real(p.to_period_time(now));
+                    assert!((now - 2..=now).contains(&back), "{now} -> {back}");
+                    assert_eq!(p.to_period_time(now).div_euclid(n), s.index);
+                }
+                // Outside the table: a µs for a µs.
+                let (p, n) = (c.periods(0), period.nominal_us());
+                let first = c.containing(0).index - 1;
+                let before = c.span(first).start_us;
+                assert_eq!(p.to_period_time(before - 5), first * n - 5);
+                assert_eq!(p.to_real(first * n - 5), before - 5);
             }
         }
     }

@@ -18,6 +18,7 @@
 //! others answer `None`.
 
 use crate::algorithm::{self, Algorithm, Limits, Op, Outcome, State, Verdict, Write};
+use crate::calendar::Periods;
 
 /// A reservation as stored beside its key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,12 +80,15 @@ pub fn reserve(
     now_us: i64,
     estimate: u64,
     member: &str,
+    periods: Option<&Periods>,
 ) -> Option<(Outcome, Option<Reservation>)> {
     if !algorithm.holds_debt() {
         return None;
     }
     let op = Op::Check { cost: estimate };
-    let out = algorithm::apply(algorithm, limits, state, now_us, op, member);
+    let out = algorithm::on_periods(periods, now_us, |t| {
+        algorithm::apply(algorithm, limits, state, t, op, member)
+    });
     let opened = out.verdict.allowed.then_some(Reservation::Open {
         estimate,
         opened_us: now_us,
@@ -105,20 +109,16 @@ pub fn settle(
     now_us: i64,
     cost: u64,
     member: &str,
+    periods: Option<&Periods>,
 ) -> Option<SettleOutcome> {
     if !algorithm.holds_debt() {
         return None;
     }
     // What a peek reports: the outcome when nothing is charged or given back.
     let unchanged = || Outcome {
-        verdict: algorithm::apply(
-            algorithm,
-            limits,
-            state,
-            now_us,
-            Op::Check { cost: 0 },
-            member,
-        )
+        verdict: algorithm::on_periods(periods, now_us, |t| {
+            algorithm::apply(algorithm, limits, state, t, Op::Check { cost: 0 }, member)
+        })
         .verdict,
         write: Write::Keep,
     };
@@ -142,7 +142,7 @@ pub fn settle(
     };
     let (out, settled) = if cost > estimate {
         let more = cost - estimate;
-        let out = algorithm::charge(algorithm, limits, state, now_us, more)?;
+        let out = algorithm::charge_on(periods, algorithm, limits, state, now_us, more)?;
         (
             out,
             Settled::Now {
@@ -153,7 +153,9 @@ pub fn settle(
     } else if cost < estimate {
         let back = estimate - cost;
         let op = Op::Refund { cost: back };
-        let out = algorithm::apply(algorithm, limits, state, now_us, op, member);
+        let out = algorithm::on_periods(periods, now_us, |t| {
+            algorithm::apply(algorithm, limits, state, t, op, member)
+        });
         (
             out,
             Settled::Now {
@@ -201,19 +203,19 @@ mod tests {
             Algorithm::Gcra,
         ] {
             let mut state = None;
-            let (out, r1) = reserve(alg, &l, state.as_ref(), t0, 3, "a").unwrap();
+            let (out, r1) = reserve(alg, &l, state.as_ref(), t0, 3, "a", None).unwrap();
             out.write.apply_to(&mut state);
-            let (out, r2) = reserve(alg, &l, state.as_ref(), t0, 6, "b").unwrap();
+            let (out, r2) = reserve(alg, &l, state.as_ref(), t0, 6, "b", None).unwrap();
             out.write.apply_to(&mut state);
             // (charged, refunded) of a settlement made now.
             let now = |s: &SettleOutcome| match s.settled {
                 Settled::Now { charged, refunded } => Some((charged, refunded)),
                 _ => None,
             };
-            let s1 = settle(alg, &l, state.as_ref(), r1.as_ref(), None, t0, 7, "a").unwrap();
+            let s1 = settle(alg, &l, state.as_ref(), r1.as_ref(), None, t0, 7, "a", None).unwrap();
             assert_eq!(now(&s1), Some((4, 0)));
             s1.write.apply_to(&mut state);
-            let s2 = settle(alg, &l, state.as_ref(), r2.as_ref(), None, t0, 1, "b").unwrap();
+            let s2 = settle(alg, &l, state.as_ref(), r2.as_ref(), None, t0, 1, "b", None).unwrap();
             assert_eq!(now(&s2), Some((0, 5)));
             s2.write.apply_to(&mut state);
             // 8 spent of 10: exactly 2 left.
@@ -228,6 +230,7 @@ mod tests {
                 t0,
                 7,
                 "a",
+                None,
             );
             let again = again.unwrap();
             assert_eq!(
@@ -235,7 +238,7 @@ mod tests {
                 (Settled::Already, &Write::Keep)
             );
             assert_eq!(again.verdict.remaining, 2);
-            let unknown = settle(alg, &l, state.as_ref(), None, None, t0, 7, "c").unwrap();
+            let unknown = settle(alg, &l, state.as_ref(), None, None, t0, 7, "c", None).unwrap();
             assert_eq!(unknown.settled, Settled::Unknown);
         }
     }
@@ -252,10 +255,10 @@ mod tests {
             Algorithm::TokenBucket,
             Algorithm::Gcra,
         ] {
-            let (_, before) = reserve(alg, &l, None, t0, 10, "a").unwrap();
+            let (_, before) = reserve(alg, &l, None, t0, 10, "a", None).unwrap();
             // The reset: the key is gone, at t0 + 1.
             let reset = Some(t0 + 1);
-            let s = settle(alg, &l, None, before.as_ref(), reset, t0 + 2, 1, "a").unwrap();
+            let s = settle(alg, &l, None, before.as_ref(), reset, t0 + 2, 1, "a", None).unwrap();
             assert_eq!(
                 (s.settled, &s.write),
                 (Settled::Ended, &Write::Keep),
@@ -263,9 +266,19 @@ mod tests {
             );
             assert_eq!(s.reservation, Some(Reservation::Ended));
             assert_eq!(s.verdict.remaining, 10, "{alg:?}: the fresh start, once");
-            let again = settle(alg, &l, None, s.reservation.as_ref(), reset, t0 + 3, 1, "a");
+            let again = settle(
+                alg,
+                &l,
+                None,
+                s.reservation.as_ref(),
+                reset,
+                t0 + 3,
+                1,
+                "a",
+                None,
+            );
             assert_eq!(again.unwrap().settled, Settled::Ended);
-            let (out, after) = reserve(alg, &l, None, t0 + 4, 3, "b").unwrap();
+            let (out, after) = reserve(alg, &l, None, t0 + 4, 3, "b", None).unwrap();
             let state = match out.write {
                 Write::Put { state, .. } => Some(state),
                 _ => None,
@@ -279,6 +292,7 @@ mod tests {
                 t0 + 5,
                 1,
                 "b",
+                None,
             );
             let s = s.unwrap();
             assert_eq!(
@@ -296,8 +310,8 @@ mod tests {
     fn only_the_algorithms_that_hold_a_debt_settle() {
         let l = TEN;
         for alg in [Algorithm::SlidingLog, Algorithm::SlidingWindow] {
-            assert!(reserve(alg, &l, None, 0, 1, "a").is_none());
-            assert!(settle(alg, &l, None, None, None, 0, 1, "a").is_none());
+            assert!(reserve(alg, &l, None, 0, 1, "a", None).is_none());
+            assert!(settle(alg, &l, None, None, None, 0, 1, "a", None).is_none());
         }
     }
 }

@@ -155,7 +155,12 @@ impl Layout {
         let repair_ttl_ms = match policy.global {
             Some(_) => GLOBAL_KEEP_MS,
             None => {
-                let mut longest = policy.limits().longest_ttl_us(policy.algorithm);
+                let mut longest = match &policy.calendar {
+                    // A key of a calendar period lives to its period's end: never longer
+                    // than the longest period of its kind.
+                    Some(c) => c.calendar().period().longest_us(),
+                    None => policy.limits().longest_ttl_us(policy.algorithm),
+                };
                 // A bucket's hot-key slices keep its key past a full refill by their life.
                 if policy.hot_key_rate.is_some() && policy.algorithm.has_burst() {
                     longest += BUCKET_SLICE_LIFE.as_micros() as i64;

@@ -248,12 +248,19 @@ fn without_secrets(s: &Settings) -> Option<GlobalSettings> {
     Some(g)
 }
 
-/// What the stored state of a local policy's keys means: its algorithm and window, and
-/// the keys an override gives another window. A reload that changes it would move or
+/// What the stored state of a local policy's keys means: its algorithm and window (a
+/// calendar period's kind and time zone), and the keys an override gives another window. A reload that changes it would move or
 /// reset state (another algorithm's keys start empty; a shorter sliding log drops its
 /// history for good; a fixed window's count is read against another window), so it
 /// applies only with a higher `policy.version`: the operator's word that this is meant.
-fn state_meaning(s: &Settings, p: &Policy) -> (Algorithm, Duration, Vec<(KeyMatch, Duration)>) {
+type StateMeaning = (
+    Algorithm,
+    Duration,
+    Option<(&'static str, String)>,
+    Vec<(KeyMatch, Duration)>,
+);
+
+fn state_meaning(s: &Settings, p: &Policy) -> StateMeaning {
     let windowed = s
         .overrides
         .get(&p.name)
@@ -262,7 +269,12 @@ fn state_meaning(s: &Settings, p: &Policy) -> (Algorithm, Duration, Vec<(KeyMatc
         .filter(|o| o.policy.window != p.window)
         .map(|o| (o.keys.clone(), o.policy.window))
         .collect();
-    (p.algorithm, p.window, windowed)
+    // A calendar period's kind and zone: another zone moves every period's bounds.
+    let calendar = p.calendar.as_ref().map(|c| {
+        let c = c.calendar();
+        (c.period().name(), c.zone().to_owned())
+    });
+    (p.algorithm, p.window, calendar, windowed)
 }
 
 /// Why a local policy of `new` cannot replace its namesake in `old` (see
@@ -286,7 +298,7 @@ fn state_refusal(old: &Settings, new: &Settings) -> Option<String> {
         }
         if nv == ov && state_meaning(old, o) != state_meaning(new, n) {
             return Some(format!(
-                "policy `{name}`: a new algorithm or window (its own or an override's) changes what its keys' stored counts mean (another algorithm starts every key empty; a shorter window drops or misreads history); raise policy.version above {ov} to apply it anyway"
+                "policy `{name}`: a new algorithm, window or time zone (its own or an override's) changes what its keys' stored counts mean (another algorithm starts every key empty; a shorter window drops or misreads history); raise policy.version above {ov} to apply it anyway"
             ));
         }
     }
@@ -786,5 +798,20 @@ version = 1
         assert!(refusal(&p("sliding_log", "1h", windowed), &old).is_some());
         let same_window = "[[policy.override]]\nkey = \"vip\"\nlimit = 50";
         assert_eq!(refusal(&old, &p("sliding_log", "1h", same_window)), None);
+        // A calendar period: another zone moves every period's bounds, another period or
+        // a fixed window reads its counts in another window.
+        let berlin = p("fixed_window", "month", "time_zone = \"Europe/Berlin\"");
+        let tokyo = p("fixed_window", "month", "time_zone = \"Asia/Tokyo\"");
+        assert_eq!(refusal(&berlin, &berlin), None);
+        for new in [&tokyo, &p("fixed_window", "30d", "")] {
+            let why = refusal(&berlin, new).expect("refused");
+            assert!(why.contains("time zone"), "{why}");
+        }
+        let v2 = p(
+            "fixed_window",
+            "month",
+            "time_zone = \"Asia/Tokyo\"\nversion = 2",
+        );
+        assert_eq!(refusal(&berlin, &v2), None);
     }
 }

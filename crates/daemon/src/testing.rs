@@ -57,7 +57,7 @@ pub mod redis {
         CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep,
     };
     pub use crate::store::redis::scripts::{
-        BUCKET_SLICE, COMPOSITE, CONCURRENCY, Global, SETTLE, SLICE, frame_args, source,
+        BUCKET_SLICE, COMPOSITE, CONCURRENCY, Global, SETTLE, SLICE, frame_args, source, window_arg,
     };
     pub use crate::store::redis::wire::parse_verdict;
 }

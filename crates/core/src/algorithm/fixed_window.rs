@@ -248,4 +248,100 @@ mod tests {
         );
         assert_eq!(v[3].retry_after_us, SEC - 3);
     }
+
+    /// A fixed window of calendar periods counts per period and resets at the period's
+    /// real end: a day of 23 hours in spring, one of 25 in autumn, February 29, and a
+    /// debt owed into the months after it, each of its own length.
+    #[test]
+    fn a_calendar_window_resets_at_each_periods_real_end() {
+        use crate::algorithm::{charge_on, on_periods};
+        use crate::calendar::{Calendar, Period};
+        let berlin = |y, m, d, h| {
+            jiff::civil::date(y, m, d)
+                .at(h, 0, 0, 0)
+                .in_tz("Europe/Berlin")
+                .unwrap()
+                .timestamp()
+                .as_microsecond()
+        };
+        for (period, now, start, end) in [
+            // Spring: 2027-03-28 has 23 hours; autumn: 2026-10-25 has 25.
+            (
+                Period::Day,
+                berlin(2027, 3, 28, 12),
+                berlin(2027, 3, 28, 0),
+                berlin(2027, 3, 29, 0),
+            ),
+            (
+                Period::Day,
+                berlin(2026, 10, 25, 1),
+                berlin(2026, 10, 25, 0),
+                berlin(2026, 10, 26, 0),
+            ),
+            (
+                Period::Month,
+                berlin(2028, 2, 29, 23),
+                berlin(2028, 2, 1, 0),
+                berlin(2028, 3, 1, 0),
+            ),
+            (
+                Period::Year,
+                berlin(2026, 12, 31, 23),
+                berlin(2026, 1, 1, 0),
+                berlin(2027, 1, 1, 0),
+            ),
+        ] {
+            let c = Calendar::new(period, "Europe/Berlin").unwrap();
+            let l = limits(2, period.nominal_us(), 2);
+            let mut state = None;
+            let at = |state: &mut Option<_>, t: i64, op| {
+                // The table around each call's instant, as quotad builds it.
+                let out = on_periods(Some(&c.periods(t)), t, |pt| {
+                    apply(Algorithm::FixedWindow, &l, state.as_ref(), pt, op, "")
+                });
+                if let Write::Put { state: s, ttl_us } = out.write.clone() {
+                    assert!(ttl_us >= end - t, "{period:?}: the key outlives its period");
+                    *state = Some(s);
+                }
+                out.verdict
+            };
+            let first = at(&mut state, start, check(1));
+            assert_eq!(
+                first.reset_after_us,
+                end - start,
+                "{period:?} from its start"
+            );
+            assert_eq!(
+                at(&mut state, now, check(1)).reset_after_us,
+                end - now,
+                "{period:?}"
+            );
+            let denied = at(&mut state, end - 1, check(1));
+            assert!(!denied.allowed, "{period:?}: two per period");
+            assert_eq!(denied.retry_after_us, 1, "{period:?}: a µs before its end");
+            let next = at(&mut state, end, check(1));
+            assert!(next.allowed, "{period:?}: the next period starts empty");
+            assert_eq!(next.remaining, 1);
+            let after = c.containing(end);
+            assert_eq!(next.reset_after_us, after.end_us - after.start_us);
+            // A charge of 5 on a period with 1 counted fills it and owes 4: the next two
+            // periods are full of debt, and a check waits for the real start of the third.
+            let owed = charge_on(
+                Some(&c.periods(end)),
+                Algorithm::FixedWindow,
+                &l,
+                state.as_ref(),
+                end,
+                5,
+            )
+            .unwrap();
+            state = match owed.write {
+                Write::Put { state, .. } => Some(state),
+                _ => unreachable!("a charge writes"),
+            };
+            let v = at(&mut state, end + 1, check(1));
+            let paid_from = c.span(after.index + 3).start_us;
+            assert_eq!(v.retry_after_us, paid_from - end - 1, "{period:?} debt");
+        }
+    }
 }

@@ -25,6 +25,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::calendar::Periods;
+
 mod fixed_window;
 pub mod frame;
 mod gcra;
@@ -347,6 +349,32 @@ pub fn apply(
     }
 }
 
+/// Runs `run` on a fixed window of calendar periods (`periods`; `None`: any other
+/// window, run at `now_us` as it is): at `now_us` in period time ([`Periods`]), with the
+/// outcome's reset, retry and TTL brought back to real time. The scripts do the same
+/// (`lua/helpers.lua`, `window_enter`).
+pub fn on_periods(
+    periods: Option<&Periods>,
+    now_us: i64,
+    run: impl FnOnce(i64) -> Outcome,
+) -> Outcome {
+    let Some(p) = periods else {
+        return run(now_us);
+    };
+    let now_pt = p.to_period_time(now_us);
+    let mut out = run(now_pt);
+    let real = |us: i64| p.real_after(now_us, now_pt, us);
+    let v = &mut out.verdict;
+    v.reset_after_us = real(v.reset_after_us);
+    if !v.allowed {
+        v.retry_after_us = real(v.retry_after_us).max(1);
+    }
+    if let Write::Put { ttl_us, .. } = &mut out.write {
+        *ttl_us = real(*ttl_us);
+    }
+    out
+}
+
 /// Spends `cost` units of a key whether or not it has them: the settlement of a cost known
 /// only once the work was done. Never denied. What the key lacked becomes debt, which
 /// later checks wait out: a token bucket's tokens go below zero, a GCRA key's TAT runs
@@ -368,6 +396,28 @@ pub fn charge(
     }
 }
 
+/// [`charge`] on a fixed window of calendar periods ([`on_periods`]).
+pub fn charge_on(
+    periods: Option<&Periods>,
+    algorithm: Algorithm,
+    limits: &Limits,
+    state: Option<&State>,
+    now_us: i64,
+    cost: u64,
+) -> Option<Outcome> {
+    if !algorithm.holds_debt() {
+        return None;
+    }
+    // (An algorithm that holds a debt always charges: the fallback is never taken.)
+    let keep = Outcome {
+        verdict: allowed(0, 0),
+        write: Write::Keep,
+    };
+    Some(on_periods(periods, now_us, |t| {
+        charge(algorithm, limits, state, t, cost).unwrap_or(keep)
+    }))
+}
+
 /// One check of an all-or-nothing batch ([`apply_all`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Part<'a> {
@@ -384,6 +434,8 @@ pub struct Part<'a> {
     /// Whether a denial of this check stops the batch (false in shadow mode: observed, not
     /// enforced).
     pub enforced: bool,
+    /// A fixed window of calendar periods: the periods around now ([`on_periods`]).
+    pub periods: Option<&'a Periods>,
 }
 
 /// An all-or-nothing batch (a composite limit, the article's "check every limit, charge
@@ -397,7 +449,9 @@ pub fn apply_all(parts: &[Part<'_>], now_us: i64) -> (Vec<Verdict>, Option<Vec<W
         .iter()
         .map(|p| {
             let op = Op::Check { cost: p.cost };
-            apply(p.algorithm, &p.limits, p.state, now_us, op, p.member)
+            on_periods(p.periods, now_us, |t| {
+                apply(p.algorithm, &p.limits, p.state, t, op, p.member)
+            })
         })
         .collect();
     let pass = parts
@@ -418,7 +472,10 @@ pub fn apply_all(parts: &[Part<'_>], now_us: i64) -> (Vec<Verdict>, Option<Vec<W
             false => o.verdict,
             true => {
                 let peek = Op::Check { cost: 0 };
-                apply(p.algorithm, &p.limits, p.state, now_us, peek, p.member).verdict
+                on_periods(p.periods, now_us, |t| {
+                    apply(p.algorithm, &p.limits, p.state, t, peek, p.member)
+                })
+                .verdict
             }
         })
         .collect();

@@ -281,6 +281,8 @@ async fn policies(State(state): State<AppState>) -> Response {
                 "algorithm": p.algorithm.name(),
                 "limit": p.limit.get(),
                 "window_ms": p.window.as_millis() as u64,
+                "period": p.calendar.as_ref().map(|c| c.calendar().period().name()),
+                "time_zone": p.calendar.as_ref().map(|c| c.calendar().zone()),
                 "burst": p.burst.get(),
                 "on_store_error": p.on_store_error.name(),
                 "shadow": p.shadow,

@@ -10,10 +10,11 @@ use toml::Spanned;
 use super::{ConfigError, NAME_RULE, Validator, raw};
 use crate::layout::GLOBAL_KEEP_MS;
 use crate::policy::{
-    self, ConcurrencyPolicy, FailMode, GlobalSpec, KeyMatch, LimitSource, Override, Policy,
-    PolicySpec,
+    self, CalendarWindow, ConcurrencyPolicy, FailMode, GlobalSpec, KeyMatch, LimitSource, Override,
+    Policy, PolicySpec,
 };
 use quotad_core::algorithm::Algorithm;
+use quotad_core::calendar::{Calendar, Period};
 use quotad_core::coordinator::Mode;
 
 /// Leases longer than this would outlive the keep time of global keys in Redis.
@@ -110,13 +111,23 @@ impl Validator<'_> {
             1,
             policy::MAX_LIMIT as i64,
         );
-        let window = self.duration(
-            o.window.as_ref(),
-            &field("window"),
-            base.window,
-            policy::MIN_WINDOW,
-            policy::MAX_WINDOW,
-        );
+        let window = match (&o.window, &base.calendar) {
+            (Some(w), Some(_)) => {
+                self.error(
+                    w,
+                    &field("window"),
+                    "an override of a calendar period keeps the policy's period: set its limit only",
+                );
+                base.window
+            }
+            _ => self.duration(
+                o.window.as_ref(),
+                &field("window"),
+                base.window,
+                policy::MIN_WINDOW,
+                policy::MAX_WINDOW,
+            ),
+        };
         let burst = self.override_burst(i, j, o, p, base);
         if self.errors.len() > errors_before {
             return None;
@@ -143,6 +154,7 @@ impl Validator<'_> {
         // An overridden key is as hot as any other of the policy.
         policy.hot_key_rate = base.hot_key_rate;
         policy.settle_within = base.settle_within;
+        policy.calendar = base.calendar.clone();
         policy.limit_from = LimitSource::Override;
         Some(Override {
             keys,
@@ -284,16 +296,17 @@ impl Validator<'_> {
         }
         let algorithm = self.algorithm(i, &p.algorithm);
         let limit = self.limit(i, &p.limit, algorithm);
-        let window = self.duration(
-            Some(&p.window),
-            &policy_field(i, "window"),
-            Duration::from_secs(1),
-            policy::MIN_WINDOW,
-            policy::MAX_WINDOW,
-        );
+        let (window, calendar) = self.window(i, p, algorithm);
         let burst = self.burst(i, p.burst.as_ref(), algorithm);
         let on_store_error = self.on_store_error(i, p.on_store_error.as_ref());
         let hot_key_rate = self.hot_key_rate(i, p.hot_key_rate.as_ref(), algorithm);
+        if let (Some(rate), Some(_)) = (&p.hot_key_rate, &calendar) {
+            self.error(
+                rate,
+                &policy_field(i, "hot_key_rate"),
+                "hot-key slices are not taken from calendar periods: an instance spends a slice until its window's end by its own clock, which counts fixed windows of real time, not a calendar's",
+            );
+        }
         let settle_within = self.settle_within(i, p, algorithm);
         if self.errors.len() == errors_before {
             if let Some(a) = algorithm {
@@ -323,8 +336,80 @@ impl Validator<'_> {
         policy.map(|mut p| {
             p.hot_key_rate = hot_key_rate.and_then(NonZeroU64::new);
             p.settle_within = settle_within;
+            p.calendar = calendar.map(|c| std::sync::Arc::new(CalendarWindow::new(c)));
             p
         })
+    }
+
+    /// A policy's `window`: a duration, or a calendar period (`"day"`, `"week"`,
+    /// `"month"`, `"year"`) in its `time_zone`, which only a fixed window counts in. A
+    /// calendar period's window is its nominal length: the fixed window it is in period
+    /// time (`quotad_core::calendar::Periods`).
+    fn window(
+        &mut self,
+        i: usize,
+        p: &raw::Policy,
+        algorithm: Option<Algorithm>,
+    ) -> (Duration, Option<Calendar>) {
+        let field = policy_field(i, "window");
+        let fallback = (Duration::from_secs(1), None);
+        let Some(period) = Period::named(p.window.get_ref()) else {
+            if let Some(zone) = &p.time_zone {
+                self.error(
+                    zone,
+                    &policy_field(i, "time_zone"),
+                    "a time zone places calendar periods: set window to \"day\", \"week\", \"month\" or \"year\", or remove time_zone",
+                );
+            }
+            let window = self.duration(
+                Some(&p.window),
+                &field,
+                Duration::from_secs(1),
+                policy::MIN_WINDOW,
+                policy::MAX_WINDOW,
+            );
+            return (window, None);
+        };
+        if let Some(a) = algorithm.filter(|a| *a != Algorithm::FixedWindow) {
+            let why = match a {
+                Algorithm::SlidingWindow => {
+                    "a sliding window weighs the window before by how much of it still overlaps one window's length back from now, and a calendar period has no one length"
+                }
+                Algorithm::SlidingLog => {
+                    "a sliding log counts the admissions of one window's length back from now, which is never a calendar period"
+                }
+                _ => {
+                    "a bucket refills continuously, at limit per window; a count that starts over when the period does is a fixed window"
+                }
+            };
+            self.error(
+                &p.window,
+                &field,
+                format!(
+                    "a calendar period needs fixed_window, not {}: {why}",
+                    a.name()
+                ),
+            );
+            return fallback;
+        }
+        let Some(zone) = &p.time_zone else {
+            self.error(
+                &p.window,
+                &field,
+                format!(
+                    "window = \"{}\" needs time_zone, where its periods start at midnight: an IANA name such as \"UTC\" or \"Europe/Berlin\"",
+                    period.name()
+                ),
+            );
+            return fallback;
+        };
+        match Calendar::new(period, zone.get_ref()) {
+            Ok(c) => (Duration::from_micros(period.nominal_us() as u64), Some(c)),
+            Err(e) => {
+                self.error(zone, &policy_field(i, "time_zone"), e);
+                fallback
+            }
+        }
     }
 
     /// `settle_within`: how long a reservation waits for its settlement. Only where a

@@ -156,6 +156,8 @@ pub(super) struct Policy {
     pub algorithm: Spanned<String>,
     pub(super) limit: Spanned<i64>,
     pub(super) window: Spanned<String>,
+    /// The IANA time zone of a calendar period's `window` ("day", "week", "month", "year").
+    pub(super) time_zone: Option<Spanned<String>>,
     pub burst: Option<Spanned<i64>>,
     pub(super) on_store_error: Option<Spanned<String>>,
     pub(super) shadow: Option<Spanned<bool>>,

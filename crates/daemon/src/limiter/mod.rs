@@ -576,6 +576,7 @@ fn store_call<'a>(check: &'a Check, key: &'a Target, op: Op, member: &'a str) ->
             keys: &g.keys,
             shape: *shape,
         }),
+        periods: check.policy.periods(),
     }
 }
 

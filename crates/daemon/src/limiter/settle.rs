@@ -42,6 +42,7 @@ fn settle_call<'a>(
         reset_mark,
         keep_ms: keep_ms(&check.policy),
         member: "",
+        periods: check.policy.periods(),
     }
 }
 

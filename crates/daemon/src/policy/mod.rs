@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use quotad_core::algorithm::{Algorithm, Limits, Since};
+use quotad_core::calendar::{Calendar, Periods};
 use quotad_core::coordinator::{GlobalPolicy, Mode};
 
 /// What a policy does when its store cannot answer.
@@ -63,6 +64,50 @@ pub struct Policy {
     pub(crate) since: Since,
     /// Where these numbers come from: the policy's own, or a `[[policy.override]]`.
     pub(crate) limit_from: LimitSource,
+    /// A fixed window of calendar periods (`window = "month"`, `time_zone`): `window` is
+    /// then the period's nominal length, the fixed window it is in period time
+    /// (`quotad_core::calendar::Periods`).
+    pub(crate) calendar: Option<Arc<CalendarWindow>>,
+}
+
+/// A policy's calendar, with the periods around now that its calls carry (derived from
+/// the calendar and the clock: rebuilt when the clock leaves the current period).
+#[derive(Debug)]
+pub(crate) struct CalendarWindow {
+    calendar: Calendar,
+    around: std::sync::Mutex<Option<Periods>>,
+}
+
+impl PartialEq for CalendarWindow {
+    fn eq(&self, other: &Self) -> bool {
+        self.calendar == other.calendar
+    }
+}
+
+impl CalendarWindow {
+    pub(crate) fn new(calendar: Calendar) -> CalendarWindow {
+        CalendarWindow {
+            calendar,
+            around: std::sync::Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn calendar(&self) -> &Calendar {
+        &self.calendar
+    }
+
+    /// The periods around `now_us` (this instance's clock).
+    pub(crate) fn periods(&self, now_us: i64) -> Periods {
+        let mut around = self.around.lock().unwrap_or_else(|p| p.into_inner());
+        match *around {
+            Some(p) if p.current_at(now_us) => p,
+            _ => {
+                let p = self.calendar.periods(now_us);
+                *around = Some(p);
+                p
+            }
+        }
+    }
 }
 
 /// Where a key's limit comes from, as every decision reports it (`limit_source`).
@@ -234,6 +279,7 @@ impl Policy {
             settle_within: None,
             since: Since::ZERO,
             limit_from: LimitSource::Config,
+            calendar: None,
         })
     }
 
@@ -264,6 +310,16 @@ impl Policy {
         }
     }
 
+    /// The periods around now of a calendar window, which its calls carry (`None`: any
+    /// other window).
+    pub(crate) fn periods(&self) -> Option<Periods> {
+        let c = self.calendar.as_ref()?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as i64);
+        Some(c.periods(now))
+    }
+
     /// The largest cost a single request may ask for.
     pub(crate) fn capacity(&self) -> u64 {
         self.limits().capacity(self.algorithm)
@@ -288,6 +344,10 @@ impl Policy {
     /// otherwise (a sub-second window, 2.5 s): the RateLimit-Policy `w` is an integer number
     /// of seconds, and a rounded one would advertise another rate than the one enforced.
     pub(crate) fn quota_window_secs(&self) -> Option<u64> {
+        if self.calendar.is_some() {
+            // A month is not a number of seconds.
+            return None;
+        }
         // For the window algorithms burst == limit, so one formula serves all five.
         let num = self.window.as_nanos() * u128::from(self.capacity());
         let den = u128::from(self.limit.get()) * 1_000_000_000;
@@ -469,6 +529,32 @@ fn glob(pattern: &[u8], text: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The periods a calendar policy's calls carry are the ones around the clock: kept
+    /// while it stays in the period they were built in, built again once it leaves.
+    #[test]
+    fn a_calendar_windows_periods_follow_the_clock_across_its_boundaries() {
+        use quotad_core::calendar::Period;
+        let days = Calendar::new(Period::Day, "Europe/Berlin").unwrap();
+        let w = CalendarWindow::new(days.clone());
+        let now = 1_800_000_000_000_000;
+        let today = days.containing(now);
+        let first = w.periods(now);
+        assert_eq!(first, days.periods(now));
+        assert_eq!(w.periods(today.end_us - 1), first, "the same day");
+        let tomorrow = w.periods(today.end_us);
+        assert_eq!(
+            tomorrow,
+            days.periods(today.end_us),
+            "built again at midnight"
+        );
+        assert_ne!(tomorrow, first);
+        // A clock that steps back builds them again too.
+        assert_eq!(
+            w.periods(today.start_us - 1),
+            days.periods(today.start_us - 1)
+        );
+    }
 
     #[test]
     fn globs_match_star_and_question_mark() {

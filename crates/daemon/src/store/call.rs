@@ -2,6 +2,7 @@
 //! what a settlement answers, and the error enum every backend returns.
 
 use quotad_core::algorithm::{Algorithm, Limits, Op};
+use quotad_core::calendar::Periods;
 use quotad_core::concurrency::LeaseOp;
 use quotad_core::settlement::Settled;
 
@@ -19,6 +20,9 @@ pub(crate) struct StoreCall<'a> {
     pub(crate) member: &'a str,
     /// A key of a global policy: the regional bucket script instead of `algorithm`'s.
     pub(crate) global: Option<GlobalCall<'a>>,
+    /// A fixed window of calendar periods: the periods around now (the window the script
+    /// and the model run in; `quotad_core::calendar::Periods`).
+    pub(crate) periods: Option<Periods>,
 }
 
 /// A reservation of one key: the key it charges, and where it waits for its settlement
@@ -37,6 +41,8 @@ pub(crate) struct SettleCall<'a> {
     /// How long the reservation is kept, open or settled (the policy's `settle_within`).
     pub(crate) keep_ms: i64,
     pub(crate) member: &'a str,
+    /// As [`StoreCall::periods`].
+    pub(crate) periods: Option<Periods>,
 }
 
 /// What a settlement did, and the key after it.

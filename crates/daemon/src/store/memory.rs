@@ -194,14 +194,10 @@ impl MemoryStore {
     pub(crate) fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, Full> {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
-        let out = algorithm::apply(
-            call.algorithm,
-            &call.limits,
-            live(&map, call.key, now),
-            now,
-            call.op,
-            call.member,
-        );
+        let state = live(&map, call.key, now);
+        let out = algorithm::on_periods(call.periods.as_ref(), now, |t| {
+            algorithm::apply(call.algorithm, &call.limits, state, t, call.op, call.member)
+        });
         if matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key) {
             self.reserve_n(1)?;
         }
@@ -216,7 +212,10 @@ impl MemoryStore {
         let now = self.clock.now_us();
         let mut map = self.shard(call.key);
         let state = live(&map, call.key, now);
-        let Some(out) = algorithm::charge(call.algorithm, &call.limits, state, now, cost) else {
+        let periods = call.periods.as_ref();
+        let Some(out) =
+            algorithm::charge_on(periods, call.algorithm, &call.limits, state, now, cost)
+        else {
             return Ok(peek(call.algorithm, &call.limits, state, now));
         };
         if matches!(out.write, Write::Put { .. }) && !map.contains_key(call.key) {
@@ -278,6 +277,7 @@ impl MemoryStore {
             now,
             estimate,
             call.member,
+            call.periods.as_ref(),
         ) else {
             return Ok(peek(
                 call.algorithm,
@@ -320,6 +320,7 @@ impl MemoryStore {
             now,
             cost,
             call.member,
+            call.periods.as_ref(),
         ) else {
             let v = peek(call.algorithm, &call.limits, live(&map, call.key, now), now);
             return SettleReply {
@@ -373,6 +374,7 @@ impl MemoryStore {
                     },
                     member: c.member,
                     enforced,
+                    periods: c.periods.as_ref(),
                 })
                 .collect();
             algorithm::apply_all(&parts, now)
@@ -536,6 +538,7 @@ mod tests {
             reset_mark: "",
             keep_ms: 1_000,
             member: "",
+            periods: None,
         };
         assert!(store.reserve_units(&call("k", "k:r:1"), 2).unwrap().allowed);
         assert_eq!(store.len(), 2, "the key and its reservation");
@@ -579,6 +582,7 @@ mod tests {
             op: Op::Check { cost: 1 },
             member: "m",
             global: None,
+            periods: None,
         };
         assert!(store.apply(&call).unwrap().allowed);
         assert!(!store.apply(&call).unwrap().allowed);
@@ -605,6 +609,7 @@ mod tests {
             op,
             member: "m",
             global: None,
+            periods: None,
         };
         for k in ["a", "b", "c"] {
             assert!(
@@ -679,6 +684,7 @@ mod tests {
             op: Op::Check { cost: 5 },
             member: "",
             global: Some(global),
+            periods: None,
         }
     }
 

@@ -45,6 +45,7 @@ use crate::policy::Policy;
 use crate::reload::{Live, LiveConfig};
 use crate::server::{self, Drain, Handed, Handoff, Listener, ListenerMetrics};
 use envoy::{Code, DescriptorStatus, HeaderValue, PbDuration, RateLimit, RateLimitResponse, Unit};
+use quotad_core::calendar::Period;
 use wire::{WireDescriptor, WireRequest};
 
 /// Streams one HTTP/2 connection may carry at once. Envoy multiplexes every request of a
@@ -321,11 +322,26 @@ const UNITS: [(u64, Unit); 5] = [
     (604_800, Unit::Week),
 ];
 
-/// The policy's limit in Envoy's terms: its window when that is a unit; else the same
-/// rate per the next longer unit when the window divides it (10 per 30s = 20 per MINUTE); else
-/// the limit per `UNKNOWN` (the window is in `/v1/policies`). `name` is the policy's.
+/// The policy's limit in Envoy's terms: its calendar period or its window when that is a
+/// unit; else the same rate per the next longer unit when the window divides it (10 per
+/// 30s = 20 per MINUTE); else the limit per `UNKNOWN` (the window is in `/v1/policies`).
+/// `name` is the policy's.
 pub(crate) fn current_limit(policy: &Policy) -> RateLimit {
     let limit = policy.limit.get();
+    if let Some(c) = &policy.calendar {
+        // A calendar period is Envoy's unit of the same name.
+        let unit = match c.calendar().period() {
+            Period::Day => Unit::Day,
+            Period::Week => Unit::Week,
+            Period::Month => Unit::Month,
+            Period::Year => Unit::Year,
+        };
+        return RateLimit {
+            name: policy.name.clone(),
+            requests_per_unit: u32::try_from(limit).unwrap_or(u32::MAX),
+            unit: unit as i32,
+        };
+    }
     let window = policy.window.as_nanos();
     let (per_unit, unit) = UNITS
         .iter()

@@ -287,6 +287,25 @@ mod tests {
         );
     }
 
+    /// A key of a calendar period lives until its period's end: a repair never gives it
+    /// less than the longest period of its kind (a 31-day month with a clock change).
+    #[test]
+    fn a_calendar_periods_key_is_repaired_to_outlive_its_longest_period() {
+        use quotad_core::calendar::{Calendar, Period};
+        let mut p = policy("plan", Algorithm::FixedWindow, 1000, 1, None, false);
+        p.window = Duration::from_micros(Period::Month.nominal_us() as u64);
+        let month = Calendar::new(Period::Month, "Europe/Berlin").unwrap();
+        p.calendar = Some(std::sync::Arc::new(crate::policy::CalendarWindow::new(
+            month,
+        )));
+        let l = Layouts::new(Layout::new("rl"), [&p], None);
+        let longest_ms = (31 * 24 + 1) * 3_600_000;
+        assert_eq!(
+            repair_ttl_ms(&l, "rl:plan:fw:{acme}"),
+            Some(longest_ms + 1000)
+        );
+    }
+
     /// A policy that takes settlements: its keys may be in debt for up to a year of
     /// refill, and its reservations wait `settle_within`; a repaired TTL forgives neither.
     #[test]

@@ -7,7 +7,10 @@
 //! The SHA1 of each script is computed here, so quotad can `EVALSHA` straight away and
 //! `SCRIPT LOAD` only when Redis says NOSCRIPT (first use, `SCRIPT FLUSH`, a restart).
 
+use std::fmt;
+
 use quotad_core::algorithm::{Algorithm, Limits};
+use quotad_core::calendar::Periods;
 
 /// A reader's numbers as the scripts take them for the transition rule
 /// (`lua/helpers.lua`, `quotad_core::algorithm::frame`): the frame, `limit:window_us:burst`,
@@ -20,6 +23,45 @@ pub fn frame_args(l: &Limits) -> (String, String) {
         format!("{}:{}:{}", l.limit, l.window_us, l.burst),
         format!("{}{}", ordered(l.since.version), ordered(l.since.at_ms)),
     )
+}
+
+/// A script's window argument (`lua/prelude.lua`, ARGV[3]): the window in µs, or a fixed
+/// window's calendar periods around now (`lua/helpers.lua`, `window_enter`).
+#[derive(Debug, Clone)]
+pub enum WindowArg {
+    /// A window or refill period of fixed length, µs.
+    Fixed(i64),
+    /// A fixed window of calendar periods: [`Periods::script_arg`].
+    Calendar(String),
+}
+
+/// The window argument of a call with `l` and `periods`.
+pub fn window_arg(l: &Limits, periods: Option<&Periods>) -> WindowArg {
+    match periods {
+        Some(p) => WindowArg::Calendar(p.script_arg()),
+        None => WindowArg::Fixed(l.window_us),
+    }
+}
+
+impl fmt::Display for WindowArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WindowArg::Fixed(us) => write!(f, "{us}"),
+            WindowArg::Calendar(table) => f.write_str(table),
+        }
+    }
+}
+
+impl redis::ToRedisArgs for WindowArg {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        match self {
+            WindowArg::Fixed(us) => us.write_redis_args(out),
+            WindowArg::Calendar(table) => table.write_redis_args(out),
+        }
+    }
 }
 
 /// `n`'s digits after a letter for how many there are (`b` for one, up to `u` for twenty):
