@@ -17,7 +17,7 @@ fn reset(q: &Quotad, policy: &str, key: &str) -> (u16, Value) {
 }
 
 /// Denies `key` of `policy` until its denial is remembered (a deny-cache hit counted).
-fn remembered_denial(q: &Quotad, policy: &str, key: &str) {
+pub(super) fn remembered_denial(q: &Quotad, policy: &str, key: &str) {
     let hits = format!("quotad_deny_cache_hits_total{{policy=\"{policy}\"}}");
     let before = q.metric(&hits);
     wait_for("a remembered denial", Duration::from_secs(10), || {
@@ -179,7 +179,7 @@ fn drive(q: &Quotad, key: &str, how_long: Duration) -> u64 {
 /// finds nothing held: the last check may have spent a slice's last unit, and the next
 /// one takes a slice with a prefetch. Returns the units admitted and `held`'s last
 /// figure (at most 100 checks more: a daemon that never holds a slice still fails).
-fn drive_until_held(
+pub(super) fn drive_until_held(
     q: &Quotad,
     key: &str,
     how_long: Duration,

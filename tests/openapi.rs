@@ -211,6 +211,7 @@ fn the_spec_is_the_contract() {
         .policy(Policy::new("g", "token_bucket", 100, "1s").global(even_escrow()))
         .policy(Policy::new("metered", "token_bucket", 100, "1s").set("settle_within", "1m"))
         .policy(Policy::new("streams", "concurrency", 5, "1m"))
+        .policy(Policy::new("plan", "fixed_window", 10, "1h").runtime_limits(1))
         .to_toml();
     let q = Quotad::serve(&config);
     let (_, _, acquired) = q.post("/v1/acquire", &json!({"policy": "streams", "key": "s"}));
@@ -362,6 +363,37 @@ fn the_spec_is_the_contract() {
         c.headers = vec![("content-type", "text/plain")];
         cases.push(c);
     }
+    // The runtime limits: set, refused, full, read, listed, deleted (in this order).
+    const LIMIT: &str = "/v1/limits/{policy}/{key}";
+    const LIMITS: &str = "/v1/limits/{policy}";
+    let admin = |method, path, route, body: Value| {
+        let mut c = case(method, path, route, body);
+        c.headers.push(("authorization", ADMIN_BEARER));
+        c
+    };
+    let no_token = |method, path, route, body: Value| case(method, path, route, body);
+    let mut plain_text = admin("PUT", "/v1/limits/plan/a", LIMIT, json!("x"));
+    plain_text.headers[0] = ("content-type", "text/plain");
+    cases.extend([
+        admin("PUT", "/v1/limits/plan/a", LIMIT, json!({"limit": 50})),
+        admin("PUT", "/v1/limits/plan/a", LIMIT, json!({"limit": 0})),
+        admin("PUT", "/v1/limits/plan/b", LIMIT, json!({"limit": 50})),
+        admin("PUT", "/v1/limits/nope/a", LIMIT, json!({"limit": 50})),
+        no_token("PUT", "/v1/limits/plan/a", LIMIT, json!({"limit": 50})),
+        plain_text,
+        admin("GET", "/v1/limits/plan/a", LIMIT, Value::Null),
+        admin("GET", "/v1/limits/plan/zz", LIMIT, Value::Null),
+        admin("GET", "/v1/limits/api/a", LIMIT, Value::Null),
+        no_token("GET", "/v1/limits/plan/a", LIMIT, Value::Null),
+        admin("GET", "/v1/limits/plan", LIMITS, Value::Null),
+        admin("GET", "/v1/limits/plan?count=0", LIMITS, Value::Null),
+        admin("GET", "/v1/limits/nope", LIMITS, Value::Null),
+        no_token("GET", "/v1/limits/plan", LIMITS, Value::Null),
+        admin("DELETE", "/v1/limits/plan/a", LIMIT, Value::Null),
+        admin("DELETE", "/v1/limits/plan/a", LIMIT, Value::Null),
+        admin("DELETE", "/v1/limits/api/a", LIMIT, Value::Null),
+        no_token("DELETE", "/v1/limits/plan/a", LIMIT, Value::Null),
+    ]);
     for m in ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"] {
         let route = "/v1/authz/{policy}";
         let key: &'static str = Box::leak(format!("k-{m}").into_boxed_str());
@@ -480,6 +512,27 @@ fn the_spec_is_the_contract() {
         let schema = err.pointer("/content/application~1json/schema").unwrap();
         conforms(&spec, schema, &serde_json::from_str(&text).unwrap()).unwrap();
         covered.insert((path.into(), "post".into(), "503".into()));
+    }
+
+    // Nor a runtime limit set, read, listed or deleted.
+    let limits_on = Quotad::serve(
+        &common::Config::redis(&redis.url())
+            .policy(Policy::new("plan", "fixed_window", 10, "1h").runtime_limits(10))
+            .to_toml(),
+    );
+    for (method, path, route, body) in [
+        ("PUT", "/v1/limits/plan/a", LIMIT, r#"{"limit": 5}"#),
+        ("GET", "/v1/limits/plan/a", LIMIT, ""),
+        ("DELETE", "/v1/limits/plan/a", LIMIT, ""),
+        ("GET", "/v1/limits/plan", LIMITS, ""),
+    ] {
+        let (status, _, text) = request(limits_on.port, method, path, &json_ct, body).unwrap();
+        assert_eq!(status, 503, "{method} {path}: {text}");
+        let m = method.to_ascii_lowercase();
+        let err = resolve(&spec, &spec["paths"][route][&m]["responses"]["503"]);
+        let schema = err.pointer("/content/application~1json/schema").unwrap();
+        conforms(&spec, schema, &serde_json::from_str(&text).unwrap()).unwrap();
+        covered.insert((route.into(), m, "503".into()));
     }
 
     let elsewhere = |route: &str, method: &str, status: &str| {

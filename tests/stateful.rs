@@ -292,6 +292,14 @@ enum Op {
         on: usize,
         key: usize,
     },
+    /// A core policy's key given its own limit at runtime through `on` (`None`: deleted);
+    /// through B, which may not PUBLISH, refused with nothing changed.
+    Limit {
+        on: usize,
+        pol: Pol,
+        key: usize,
+        limit: Option<u64>,
+    },
 }
 
 const ALL: [Pol; 6] = [
@@ -346,6 +354,7 @@ fn rules() -> impl Strategy<Value = Rules> {
 /// reservations, settlements and charges when `bucket` is among them.
 fn op(pols: Vec<Pol>, keys: Vec<usize>) -> BoxedStrategy<Op> {
     let settling = pols.contains(&Pol::Bucket);
+    let pols_all = pols.clone();
     let pol = move || pol(pols.clone());
     let key = move || prop::sample::select(keys.clone());
     let mut arms: Vec<(u32, BoxedStrategy<Op>)> = vec![
@@ -409,6 +418,29 @@ fn op(pols: Vec<Pol>, keys: Vec<usize>) -> BoxedStrategy<Op> {
                 .boxed(),
         ),
     ];
+    let core: Vec<Pol> = CORE
+        .iter()
+        .copied()
+        .filter(|p| pols_all.contains(p))
+        .collect();
+    if !core.is_empty() {
+        arms.push((
+            3,
+            (
+                0usize..2,
+                prop::sample::select(core),
+                key(),
+                prop::option::weighted(0.75, 2u64..=8),
+            )
+                .prop_map(|(on, pol, key, limit)| Op::Limit {
+                    on,
+                    pol,
+                    key,
+                    limit,
+                })
+                .boxed(),
+        ));
+    }
     if settling {
         arms.extend([
             (
@@ -638,6 +670,11 @@ struct Pair {
     tick: u64,
     /// Checks of core policies answered while the two ran different numbers of them.
     split_checks: u64,
+    /// The case's runtime limits, as both instances have them once a change has reached
+    /// them: a key's own limit, or the tick its entry went; with the tick it was set.
+    runtime: HashMap<(Pol, usize), (Option<u64>, u64)>,
+    /// Runtime-limit changes made (through A).
+    limit_changes: u64,
 }
 
 impl Pair {
@@ -662,7 +699,9 @@ impl Pair {
             let n = rules.numbers(pol);
             let alg = pol.core().expect("core");
             let days = format!("{}d", pol.days(n.windows));
-            let mut p = Policy::new(pol.name(), alg.name(), n.limit, &days).set("version", v);
+            let mut p = Policy::new(pol.name(), alg.name(), n.limit, &days)
+                .set("version", v)
+                .runtime_limits(100_000);
             if alg.has_burst() {
                 p = p.burst(n.burst);
             }
@@ -699,6 +738,8 @@ impl Pair {
             sinces,
             tick: 2,
             split_checks: 0,
+            runtime: HashMap::new(),
+            limit_changes: 0,
         }
     }
 
@@ -708,10 +749,26 @@ impl Pair {
         a.core != b.core || a.gcra_vip != b.gcra_vip
     }
 
-    /// The limits instance `on` decides core policy `pol`'s key `k` under.
+    /// The limits instance `on` decides core policy `pol`'s key `k` under: its config's,
+    /// under the key's runtime limit (the limit and burst its own, in force since its
+    /// write; gone, the config's back since then).
     fn limits(&self, on: usize, pol: Pol, k: usize) -> Limits {
         let vip = KEYS[k] == "vip" && pol == Pol::Gcra && self.rules[on].gcra_vip.is_some();
-        self.rules[on].limits(pol, vip, self.sinces[on].get(pol, vip))
+        let mut l = self.rules[on].limits(pol, vip, self.sinces[on].get(pol, vip));
+        let Some(&(limit, tick)) = self.runtime.get(&(pol, k)) else {
+            return l;
+        };
+        let at = Since {
+            version: l.since.version,
+            at_ms: tick,
+        };
+        match limit {
+            Some(n) => {
+                (l.limit, l.burst, l.since) = (n, n, at);
+            }
+            None => l.since = l.since.max(at),
+        }
+        l
     }
 
     /// Daemon `on` reloads `rules` at `version`: the result it counted (the same file:
@@ -771,6 +828,7 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
     }
     let key = |k: usize| format!("c{tag}-{}", KEYS[k]);
     let mut model = Model::default();
+    pair.runtime.clear();
     for (step, op) in ops.iter().enumerate() {
         let at = format!("step {step}: {op:?}");
         match op {
@@ -1004,6 +1062,50 @@ fn run_case(pair: &mut Pair, tag: u64, ops: &[Op]) -> Result<(), TestCaseError> 
                     prop_assert_eq!(status, 404, "{}: {}", at, v);
                 }
             }
+            Op::Limit {
+                on,
+                pol,
+                key: k,
+                limit,
+            } => {
+                let path = format!("/v1/limits/{}/{}", pol.name(), key(*k));
+                let q = &pair.daemons[*on];
+                let had = matches!(pair.runtime.get(&(*pol, *k)), Some((Some(_), _)));
+                let (status, v) = match limit {
+                    Some(n) => q.admin("PUT", &path, Some(&json!({"limit": n}))),
+                    None => q.admin("DELETE", &path, None),
+                };
+                match (*on, limit) {
+                    // B may not PUBLISH: refused whole, nothing changed.
+                    (1, Some(_)) => {
+                        prop_assert_eq!(status, 503, "{}: {}", at, v);
+                    }
+                    (1, None) if had => prop_assert_eq!(status, 503, "{}: {}", at, v),
+                    (_, None) if !had => {
+                        prop_assert_eq!(status, 404, "{}: {}", at, v);
+                    }
+                    _ => {
+                        prop_assert_eq!(status, 200, "{}: {}", at, v);
+                        // Ordered among the reloads' instants as the clocks order them.
+                        pair.tick += 1;
+                        pair.runtime.insert((*pol, *k), (*limit, pair.tick));
+                        pair.limit_changes += 1;
+                        // The other instance applies it as the message arrives.
+                        let other = &pair.daemons[1 - *on];
+                        let want = pair.limits(1 - *on, *pol, *k).limit;
+                        let runtime = limit.is_some();
+                        wait_for(
+                            "the change on the other instance",
+                            Duration::from_secs(5),
+                            || {
+                                let (_, d) = other.check(&check_body(*pol, &key(*k), 0));
+                                let from_runtime = d["limit_source"] == "runtime";
+                                (d["limit"] == json!(want) && from_runtime == runtime).then_some(())
+                            },
+                        );
+                    }
+                }
+            }
             Op::ResetSlots { on, key: k } => {
                 let body = json!({"policy": "slots", "key": key(*k)});
                 let (status, _, v) = pair.daemons[*on].post("/v1/reset", &body);
@@ -1062,6 +1164,8 @@ fn two_instances_answer_every_step_as_the_model_does() {
         split > 100,
         "only {split} checks under two configs: rollouts barely exercised"
     );
+    let changes = pair.borrow().limit_changes;
+    assert!(changes > 50, "only {changes} runtime-limit changes made");
 }
 
 // ------------------------------------------------------------------ two regions

@@ -59,6 +59,7 @@ mod prometheus;
 mod python_client;
 mod redis_store;
 mod reload;
+mod runtime_limits;
 mod sentinel;
 mod settlement;
 mod shutdown;

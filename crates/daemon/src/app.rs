@@ -16,11 +16,13 @@ use tokio_util::task::TaskTracker;
 use crate::api::{self, AppState, request::Caps};
 use crate::config::{Settings, StoreBackend};
 use crate::federation::{BackendChoice, Federation};
+use crate::layout::RuntimeLimitKeys;
 use crate::layout::{Layout, Layouts, RegionPlace};
 use crate::limiter::Limiter;
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::reload::{self, Live, LiveConfig};
+use crate::runtime_limits::RuntimeLimits;
 use crate::server::{self, Drain, Endpoint, Listener};
 use crate::store::memory::MemoryStore;
 use crate::store::{RedisStore, Store, StoreError, janitor};
@@ -92,6 +94,20 @@ pub(crate) fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layo
     .with_concurrency(policies.concurrency_limits().map(|c| &**c))
 }
 
+/// Where the policies of `policies` that take runtime limits keep them, with how long the
+/// marks of entries that went are kept (the longest a state of the policy lives).
+fn runtime_limit_keys(settings: &Settings, policies: &Policies) -> Vec<RuntimeLimitKeys> {
+    let layouts = layouts_in_force(settings, policies);
+    policies
+        .iter()
+        .filter(|p| p.runtime.is_some())
+        .map(|p| {
+            let keep_ms = layouts.by_name(&p.name).map_or(0, |l| l.repair_ttl_ms);
+            layouts.layout().runtime_limit_keys(&p.name, keep_ms)
+        })
+        .collect()
+}
+
 /// Binds the configured endpoint and serves until `shutdown` is cancelled.
 pub async fn run(settings: Settings, shutdown: CancellationToken) -> Result<(), AppError> {
     let listener = bind(&settings.server.listen)?;
@@ -136,9 +152,16 @@ pub(crate) async fn serve_both(
         Arc::new(SystemClock),
         settings.memory_max_keys,
     ));
+    // Runtime limits: on the embedded store this copy is the store; over Redis it is read
+    // from there before the first answers that need it (`runtime_limits::sync`).
+    let runtime = Arc::new(match settings.store {
+        StoreBackend::Memory => RuntimeLimits::in_sync(),
+        StoreBackend::Redis(_) => RuntimeLimits::default(),
+    });
     let live = Arc::new(LiveConfig::new(
         Live::from_settings(&settings, config_hash(&settings)),
         &settings.log,
+        runtime,
     ));
     let opened = open_store(&settings, &layouts, &live, &metrics, &background, &shutdown);
     let Some(store) = opened.await? else {
@@ -361,8 +384,13 @@ async fn open_store(
         StoreBackend::Redis(rs) => rs,
     };
     let redis = Arc::new(
-        RedisStore::new(rs.clone(), layouts.layout(), metrics.clone())
-            .map_err(AppError::RedisUrl)?,
+        RedisStore::new(
+            rs.clone(),
+            layouts.layout(),
+            metrics.clone(),
+            live.runtime().clone(),
+        )
+        .map_err(AppError::RedisUrl)?,
     );
     // One bounded attempt before serving, so the first requests are enforced when Redis
     // is up; if it is not, the supervisor keeps trying while we serve.
@@ -388,6 +416,11 @@ async fn open_store(
         .spawn(redis.clone().tend_hot_keys(stop.clone()));
     let swept = redis.clone();
     background.every(SWEEP_INTERVAL, move || swept.sweep());
+    let (started, in_force) = (settings.clone(), live.clone());
+    background.tasks.spawn(redis.clone().keep_runtime_limits(
+        move || runtime_limit_keys(&started, &in_force.get().policies),
+        stop.clone(),
+    ));
     let (started, live) = (settings.clone(), live.clone());
     background.tasks.spawn(janitor::run(
         redis.shared_target(),

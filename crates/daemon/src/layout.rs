@@ -94,6 +94,9 @@ pub(crate) enum KeyOwner<'k> {
     Policy(&'k str),
     /// The coordinator's lock, fencing counter or replication ID.
     Coordinator,
+    /// A policy's runtime limits (`lua/runtime_limit.lua`): the operator's data, never
+    /// expired.
+    RuntimeLimits,
     /// Not under this layout's prefix.
     Foreign,
 }
@@ -210,6 +213,7 @@ impl Layout {
             // A global policy's fencing token: like the region's counter, it must never
             // expire (a token must not be accepted again once a newer one was raised).
             Some((_, tail)) if tail.ends_with(&format!("}}:{FENCE}")) => KeyOwner::Coordinator,
+            Some((_, tail)) if tail.starts_with(RUNTIME_LIMITS) => KeyOwner::RuntimeLimits,
             Some((policy, _)) => KeyOwner::Policy(policy),
             None => KeyOwner::Foreign,
         }
@@ -244,6 +248,37 @@ impl Layout {
     pub(crate) fn invalidate_channel(&self) -> String {
         format!("{}:invalidate", self.prefix)
     }
+
+    /// Where `policy`'s runtime limits live: `<prefix>:<policy>:limits:{<policy>}:` and
+    /// `h` (the entries), `v` (the version), `x` (the expiries), `d` (the marks of the
+    /// entries that went, kept `keep_ms`). One hash tag: one slot in a cluster.
+    pub(crate) fn runtime_limit_keys(&self, policy: &str, keep_ms: i64) -> RuntimeLimitKeys {
+        let stem = format!("{}:{policy}:{RUNTIME_LIMITS}{{{policy}}}:", self.prefix);
+        RuntimeLimitKeys {
+            policy: policy.to_owned(),
+            entries: format!("{stem}h"),
+            version: format!("{stem}v"),
+            expiries: format!("{stem}x"),
+            gone: format!("{stem}d"),
+            keep_ms,
+        }
+    }
+}
+
+/// The tail that marks a policy's runtime limits (no algorithm's key tag is `limits`).
+const RUNTIME_LIMITS: &str = "limits:";
+
+/// A policy's runtime-limit keys ([`Layout::runtime_limit_keys`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RuntimeLimitKeys {
+    pub(crate) policy: String,
+    pub(crate) entries: String,
+    pub(crate) version: String,
+    pub(crate) expiries: String,
+    pub(crate) gone: String,
+    /// How long the mark of an entry that went is kept: the longest a state of the policy
+    /// lives, after which no key can still hold a state written under the entry.
+    pub(crate) keep_ms: i64,
 }
 
 /// This region among its peers, as far as the global scripts need it.

@@ -49,6 +49,7 @@ mod limiter;
 mod metrics;
 mod policy;
 mod reload;
+mod runtime_limits;
 mod server;
 mod store;
 #[cfg(feature = "testing")]

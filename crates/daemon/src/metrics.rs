@@ -34,7 +34,7 @@ pub(crate) const LEASE_EVENTS: [&str; 4] = ["acquired", "released", "extended", 
 pub(crate) const RELOAD_RESULTS: [&str; 4] = ["ok", "partial", "invalid", "refused"];
 
 /// The admin endpoints' actions (`quotad_admin_requests_total{action}`).
-pub(crate) const ADMIN_ACTIONS: [&str; 1] = ["reset"];
+pub(crate) const ADMIN_ACTIONS: [&str; 4] = ["reset", "limit_set", "limit_delete", "limit_read"];
 /// What became of an admin request (`quotad_admin_requests_total{result}`): done, refused
 /// for its credentials (401), or not done (a bad request, the store failing).
 pub(crate) const ADMIN_RESULTS: [&str; 3] = ["done", "unauthenticated", "failed"];
@@ -177,6 +177,15 @@ pub(crate) struct Metrics {
     pub(crate) config_reloads: IntCounterVec,
     /// `quotad_admin_requests_total{action,result}`: requests to the admin endpoints.
     pub(crate) admin_requests: IntCounterVec,
+    /// `quotad_runtime_limits{policy}`: keys with their own runtime limit in this
+    /// instance's copy (expired ones until they are purged).
+    pub(crate) runtime_limits: IntGaugeVec,
+    /// `quotad_runtime_limit_propagation_seconds`: from a runtime limit's write (Redis's
+    /// clock) to this instance applying it from the channel.
+    pub(crate) runtime_limit_propagation: Histogram,
+    /// `quotad_runtime_limit_resyncs_total`: whole reads of a policy's runtime limits, for
+    /// a copy behind Redis's version (a message missed, a restart, a failover).
+    pub(crate) runtime_limit_resyncs: IntCounter,
     /// `quotad_memory_store_keys{store}`: keys the embedded store holds (`primary` in
     /// memory mode, `local` for the fallback), at the last sweep; at `store.memory_max_keys`
     /// new keys are refused (`quotad_store_errors_total{kind="full"}`).
@@ -262,6 +271,12 @@ pub(crate) const ENTRIES: [&str; 3] = ["http", "forward_auth", "grpc"];
 const STORE_CALL_BUCKETS: [f64; 12] = [
     0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 ];
+
+/// `quotad_runtime_limit_propagation_seconds` buckets (s): a message's way (a
+/// millisecond) to the resync's round (a second) and beyond. Redis's clock against this
+/// instance's: a skew shows here too.
+const PROPAGATION_BUCKETS: [f64; 10] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0];
 
 /// `quotad_round_duration_seconds` buckets (s), a named constant to keep the catalogue
 /// entry short. The runtime warns past a quarter of the lock period (0.75 s by default).
@@ -566,6 +581,21 @@ impl Metrics {
             admin_requests: c.labels(&["action", "result"]).counter(Opts::new(
                 "quotad_admin_requests_total",
                 "Requests to the admin endpoints, by action and result.",
+            )),
+            runtime_limits: c.labels(&["policy"]).int_gauge(Opts::new(
+                "quotad_runtime_limits",
+                "Keys with their own runtime limit in this instance's copy, by policy.",
+            )),
+            runtime_limit_propagation: c.histogram(
+                HistogramOpts::new(
+                    "quotad_runtime_limit_propagation_seconds",
+                    "From a runtime limit's write to this instance applying it.",
+                )
+                .buckets(PROPAGATION_BUCKETS.to_vec()),
+            ),
+            runtime_limit_resyncs: c.counter(Opts::new(
+                "quotad_runtime_limit_resyncs_total",
+                "Whole reads of a policy's runtime limits for a copy behind Redis.",
             )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",

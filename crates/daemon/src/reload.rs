@@ -33,6 +33,7 @@ use crate::config::{
 use crate::metrics::Metrics;
 use crate::policy::Policies;
 use crate::policy::{KeyMatch, Policy};
+use crate::runtime_limits::RuntimeLimits;
 use crate::store::StoreError;
 use crate::store::Target;
 use quotad_core::algorithm::{Algorithm, Since};
@@ -87,14 +88,23 @@ pub(crate) struct LiveConfig {
     /// `[log] requests` as "every Nth request" (`config::sample_every`): read by every
     /// answer, so kept apart from the lock.
     request_every: AtomicU64,
+    /// The instance's copy of the runtime limits, which every config's policies read.
+    runtime: Arc<RuntimeLimits>,
 }
 
 impl LiveConfig {
-    pub(crate) fn new(live: Live, log: &LogSettings) -> Self {
+    pub(crate) fn new(mut live: Live, log: &LogSettings, runtime: Arc<RuntimeLimits>) -> Self {
+        live.policies = live.policies.with_runtime(runtime.clone());
         LiveConfig {
             live: RwLock::new(Arc::new(live)),
             request_every: AtomicU64::new(sample_every(log.requests)),
+            runtime,
         }
+    }
+
+    /// The instance's copy of the runtime limits.
+    pub(crate) fn runtime(&self) -> &Arc<RuntimeLimits> {
+        &self.runtime
     }
 
     pub(crate) fn get(&self) -> Arc<Live> {
@@ -106,7 +116,8 @@ impl LiveConfig {
         self.request_every.load(Ordering::Relaxed)
     }
 
-    fn set(&self, live: Live, log: &LogSettings) {
+    fn set(&self, mut live: Live, log: &LogSettings) {
+        live.policies = live.policies.with_runtime(self.runtime.clone());
         *self.live.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(live);
         self.request_every
             .store(sample_every(log.requests), Ordering::Relaxed);

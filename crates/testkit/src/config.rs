@@ -248,6 +248,13 @@ impl Policy {
         }
     }
 
+    /// `[policy.runtime_limits]`: up to `max_keys` keys with their own limit.
+    pub fn runtime_limits(self, max_keys: u64) -> Self {
+        let mut t = toml::map::Map::new();
+        t.insert("max_keys".into(), (max_keys as i64).into());
+        self.set("runtime_limits", toml::Value::Table(t))
+    }
+
     pub fn burst(self, burst: u64) -> Self {
         self.set("burst", burst as i64)
     }

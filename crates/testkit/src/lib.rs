@@ -592,6 +592,19 @@ impl Quotad {
         (status, headers, json)
     }
 
+    /// An admin request (`method` on `path`, with a JSON body or none) with the kit's
+    /// configs' token: the runtime-limit endpoints.
+    pub fn admin(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        let bearer = format!("Bearer {ADMIN_TOKEN}");
+        let mut headers = vec![("authorization", bearer.as_str())];
+        let text = body.map(|b| b.to_string()).unwrap_or_default();
+        if body.is_some() {
+            headers.push(("content-type", "application/json"));
+        }
+        let (status, _, text) = request(self.port, method, path, &headers, &text).expect("http");
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
     pub fn get(&self, path: &str) -> (u16, String) {
         let (status, _, text) = http(self.port, "GET", path, None, "").expect("http");
         (status, text)

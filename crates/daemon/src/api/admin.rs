@@ -1,4 +1,4 @@
-//! The admin endpoints' door (`POST /v1/reset`): a bearer token of `[admin]`
+//! The admin endpoints' door (`POST /v1/reset`, `/v1/limits/...`): a bearer token of `[admin]`
 //! (`config::admin`), an audit line naming who changed what, and a count of every request.
 
 use axum::http::{HeaderMap, header};
@@ -41,7 +41,7 @@ fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
 
 /// Logs and counts the end of an admin request that named its target: who, what, on which
 /// policy and key (the key as the first 16 hex digits of its SHA-256: keys are often
-/// customers' API keys).
+/// customers' API keys), and for a change done the numbers before and after it.
 pub(super) fn audit(
     metrics: &Metrics,
     caller: &Caller<'_>,
@@ -49,16 +49,20 @@ pub(super) fn audit(
     policy: &str,
     key: &str,
     done: bool,
+    change: Option<(&str, &str)>,
 ) {
     let result = if done { "done" } else { "failed" };
     count(metrics, action, result);
     let key_sha256 = &hex::encode(Sha256::digest(key.as_bytes()))[..16];
+    let (old, new) = change.unwrap_or_default();
     tracing::info!(
         target: "quotad::audit",
         token = %caller,
         action,
         policy,
         key_sha256,
+        old,
+        new,
         result,
         "admin request"
     );

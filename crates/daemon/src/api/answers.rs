@@ -26,6 +26,8 @@ pub(super) const ACQUIRE: &str = "/v1/acquire";
 pub(super) const RELEASE: &str = "/v1/release";
 pub(super) const EXTEND: &str = "/v1/extend";
 pub(super) const AUTHZ: &str = "/v1/authz/{policy}";
+pub(super) const LIMITS: &str = "/v1/limits/{policy}";
+pub(super) const LIMIT: &str = "/v1/limits/{policy}/{key}";
 pub(super) const POLICIES: &str = "/v1/policies";
 pub(super) const STATUS: &str = "/v1/status";
 pub(super) const HEALTHZ: &str = "/healthz";
@@ -57,6 +59,16 @@ pub(super) const NO_ROUTE: &str = "other";
 /// extensions map on the request and one on the response.
 pub(super) fn route_of(path: &str) -> &'static str {
     let authz = AUTHZ.trim_end_matches("{policy}");
+    let limits = LIMITS.trim_end_matches("{policy}");
+    if let Some(rest) = path.strip_prefix(limits) {
+        return match rest.split_once('/') {
+            None if !rest.is_empty() => LIMITS,
+            Some((policy, key)) if !policy.is_empty() && !key.is_empty() && !key.contains('/') => {
+                LIMIT
+            }
+            _ => NO_ROUTE,
+        };
+    }
     match path.strip_prefix(authz) {
         Some(name) if !name.is_empty() && !name.contains('/') => AUTHZ,
         _ => FIXED.into_iter().find(|r| *r == path).unwrap_or(NO_ROUTE),
@@ -112,6 +124,10 @@ mod tests {
         assert_eq!(route_of("/v1/authz/login"), AUTHZ);
         assert_eq!(route_of("/v1/authz/"), NO_ROUTE);
         assert_eq!(route_of("/v1/authz/a/b"), NO_ROUTE);
+        assert_eq!(route_of("/v1/limits/plan"), LIMITS);
+        assert_eq!(route_of("/v1/limits/plan/customer%2F42"), LIMIT);
+        assert_eq!(route_of("/v1/limits/plan/a/b"), NO_ROUTE);
+        assert_eq!(route_of("/v1/limits/"), NO_ROUTE);
         assert_eq!(route_of("/v1/peer/exchange"), EXCHANGE_PATH);
         assert_eq!(route_of("/v1/check/"), NO_ROUTE);
         assert_eq!(route_of("/wp-admin.php"), NO_ROUTE);

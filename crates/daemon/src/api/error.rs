@@ -79,6 +79,14 @@ pub(crate) enum ApiError {
         "lease: a reset of the key gave this lease back before its end; nothing to extend, nothing changed"
     )]
     LeaseEndedByReset,
+    /// A runtime limit for a new key of a policy that holds its `max_keys` of them.
+    #[error(
+        "key: policy \"{policy}\" holds its maximum of {max} runtime limits (runtime_limits.max_keys); nothing was changed"
+    )]
+    RuntimeLimitsFull { policy: String, max: u64 },
+    /// A read or delete of a key that has no runtime limit.
+    #[error("key: has no runtime limit in this policy; nothing was changed")]
+    NoRuntimeLimit,
     /// Shed by admission control (see `store::redis::admission`): quotad is at its Redis
     /// concurrency limit. Not a decision; nothing was charged. 503 with `Retry-After`.
     #[error("overloaded ({0}): nothing was charged; retry after the Retry-After delay")]
@@ -115,7 +123,9 @@ impl ApiError {
             | ApiError::UnknownReservation
             | ApiError::UnknownLease
             | ApiError::LeaseEndedByReset
+            | ApiError::NoRuntimeLimit
             | ApiError::NotFound => StatusCode::NOT_FOUND,
+            ApiError::RuntimeLimitsFull { .. } => StatusCode::CONFLICT,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -148,6 +158,8 @@ impl ApiError {
             ApiError::ResetRefused => "reset_refused",
             ApiError::SettleRefused => "settle_refused",
             ApiError::Overloaded(_) => "overloaded",
+            ApiError::RuntimeLimitsFull { .. } => "runtime_limits_full",
+            ApiError::NoRuntimeLimit => "no_runtime_limit",
         }
     }
 
@@ -159,6 +171,7 @@ impl ApiError {
             ApiError::BatchTooLarge { .. } => Some("checks"),
             ApiError::UnknownReservation => Some("reservation"),
             ApiError::UnknownLease | ApiError::LeaseEndedByReset => Some("lease"),
+            ApiError::RuntimeLimitsFull { .. } | ApiError::NoRuntimeLimit => Some("key"),
             _ => None,
         }
     }

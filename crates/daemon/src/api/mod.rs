@@ -12,6 +12,7 @@ pub(crate) mod grpc;
 pub(crate) mod headers;
 pub(crate) mod key;
 mod leases;
+mod limits;
 pub(crate) mod request;
 pub(crate) mod request_log;
 
@@ -63,8 +64,8 @@ pub(crate) fn router(state: AppState) -> Router {
         live: state.live.clone(),
     };
     use answers::{
-        ACQUIRE, AUTHZ, CHARGE, CHECK, EXTEND, HEALTHZ, METRICS, POLICIES, READYZ, RELEASE, RESET,
-        SETTLE, STATUS,
+        ACQUIRE, AUTHZ, CHARGE, CHECK, EXTEND, HEALTHZ, LIMIT, LIMITS, METRICS, POLICIES, READYZ,
+        RELEASE, RESET, SETTLE, STATUS,
     };
     Router::new()
         .route(CHECK, post(check))
@@ -75,6 +76,11 @@ pub(crate) fn router(state: AppState) -> Router {
         .route(RELEASE, post(leases::release))
         .route(EXTEND, post(leases::extend))
         .route(AUTHZ, any(forward_auth::authz))
+        .route(LIMITS, get(limits::list))
+        .route(
+            LIMIT,
+            get(limits::get).put(limits::put).delete(limits::delete),
+        )
         .route(POLICIES, get(policies))
         .route(STATUS, get(status))
         .route(crate::federation::peers::EXCHANGE_PATH, post(peer_exchange))
@@ -196,6 +202,7 @@ async fn reset(State(state): State<AppState>, req: Request) -> Result<Response, 
         &name,
         &key,
         answer.is_ok(),
+        None,
     );
     answer
 }
@@ -500,7 +507,11 @@ async fn healthz() -> Response {
 async fn readyz(State(state): State<AppState>) -> Response {
     let draining = state.drain.is_draining();
     let store_ready = state.store.is_ready();
-    let ready = !draining && (store_ready || !state.ready_requires_store);
+    // A new instance answers with keys' runtime limits only once it has read them: while
+    // the store is up, not before (while it is down, the fail modes answer anyway).
+    let synced = state.live.runtime().is_synced();
+    let ready =
+        !draining && (store_ready || !state.ready_requires_store) && (synced || !store_ready);
     let status = if ready {
         StatusCode::OK
     } else {
@@ -508,7 +519,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
     };
     (
         status,
-        Json(json!({"ready": ready, "draining": draining, "store": state.store.describe(), "store_ready": store_ready})),
+        Json(json!({"ready": ready, "draining": draining, "store": state.store.describe(), "store_ready": store_ready, "runtime_limits_synced": synced})),
     )
         .into_response()
 }

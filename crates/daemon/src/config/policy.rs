@@ -11,7 +11,7 @@ use super::{ConfigError, NAME_RULE, Validator, raw};
 use crate::layout::GLOBAL_KEEP_MS;
 use crate::policy::{
     self, CalendarWindow, ConcurrencyPolicy, FailMode, GlobalSpec, KeyMatch, LimitSource, Override,
-    Policy, PolicySpec,
+    Policy, PolicySpec, RuntimeSpec,
 };
 use quotad_core::algorithm::Algorithm;
 use quotad_core::calendar::{Calendar, Period};
@@ -155,6 +155,8 @@ impl Validator<'_> {
         policy.hot_key_rate = base.hot_key_rate;
         policy.settle_within = base.settle_within;
         policy.calendar = base.calendar.clone();
+        // A key an override names may have a runtime limit as well (over the override's).
+        policy.runtime = base.runtime;
         policy.limit_from = LimitSource::Override;
         Some(Override {
             keys,
@@ -308,6 +310,7 @@ impl Validator<'_> {
             );
         }
         let settle_within = self.settle_within(i, p, algorithm);
+        let runtime = self.runtime_limits(i, p);
         if self.errors.len() == errors_before {
             if let Some(a) = algorithm {
                 if let Err(why) =
@@ -337,7 +340,41 @@ impl Validator<'_> {
             p.hot_key_rate = hot_key_rate.and_then(NonZeroU64::new);
             p.settle_within = settle_within;
             p.calendar = calendar.map(|c| std::sync::Arc::new(CalendarWindow::new(c)));
+            p.runtime = runtime;
             p
+        })
+    }
+
+    /// `[policy.runtime_limits]`: how many keys may have their own limit, and the largest
+    /// one may be given. Local policies only, for now.
+    fn runtime_limits(&mut self, i: usize, p: &raw::Policy) -> Option<RuntimeSpec> {
+        let r = p.runtime_limits.as_ref()?;
+        let field = |k: &str| policy_field(i, &format!("runtime_limits.{k}"));
+        if p.global.is_some() {
+            self.error(
+                &r.max_keys,
+                &field("max_keys"),
+                "runtime limits of a global policy are not supported yet: a key's limit set in one region would not reach the others",
+            );
+            return None;
+        }
+        let max_keys = self.integer(
+            Some(&r.max_keys),
+            &field("max_keys"),
+            1,
+            1,
+            policy::MAX_RUNTIME_KEYS as i64,
+        );
+        let max_limit = self.integer(
+            r.max_limit.as_ref(),
+            &field("max_limit"),
+            policy::MAX_LIMIT as i64,
+            1,
+            policy::MAX_LIMIT as i64,
+        );
+        Some(RuntimeSpec {
+            max_keys: max_keys as u64,
+            max_limit: max_limit as u64,
         })
     }
 

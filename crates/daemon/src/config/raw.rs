@@ -173,6 +173,16 @@ pub(super) struct Policy {
     pub(super) forward_auth: Option<ForwardAuth>,
     #[serde(rename = "override", default)]
     pub(super) overrides: Vec<Override>,
+    /// `[policy.runtime_limits]`: keys may have their own limit, set at runtime.
+    pub(super) runtime_limits: Option<RuntimeLimits>,
+}
+
+/// `[policy.runtime_limits]`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RuntimeLimits {
+    pub(super) max_keys: Spanned<i64>,
+    pub(super) max_limit: Option<Spanned<i64>>,
 }
 
 /// `[[policy.override]]`: one of `key`, `prefix`, `glob`, and the limits.

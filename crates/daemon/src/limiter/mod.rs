@@ -22,8 +22,10 @@ use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
 mod lease;
 mod reaper;
+mod runtime;
 mod settle;
 pub(crate) use lease::{Acquire, Held, LeaseError, LeaseId};
+pub(crate) use runtime::NewLimit;
 pub(crate) use settle::SettleError;
 
 /// How a decision was reached: the API's `outcome` and the metrics' label.

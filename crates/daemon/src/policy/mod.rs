@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use quotad_core::algorithm::{Algorithm, Limits, Since};
 use quotad_core::calendar::{Calendar, Periods};
+
+use crate::runtime_limits::{RuntimeLimits, Slot};
 use quotad_core::coordinator::{GlobalPolicy, Mode};
 
 /// What a policy does when its store cannot answer.
@@ -68,7 +70,22 @@ pub struct Policy {
     /// then the period's nominal length, the fixed window it is in period time
     /// (`quotad_core::calendar::Periods`).
     pub(crate) calendar: Option<Arc<CalendarWindow>>,
+    /// Keys may have their own limit, set at runtime (`[policy.runtime_limits]`,
+    /// `crate::runtime_limits`); `None`: refused.
+    pub(crate) runtime: Option<RuntimeSpec>,
 }
+
+/// What a policy allows of runtime limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RuntimeSpec {
+    /// How many keys may have their own limit at once.
+    pub(crate) max_keys: u64,
+    /// The largest limit (and burst) one may be given.
+    pub(crate) max_limit: u64,
+}
+
+/// The most keys a policy's runtime limits may hold, and the default of `max_limit`.
+pub(crate) const MAX_RUNTIME_KEYS: u64 = 10_000_000;
 
 /// A policy's calendar, with the periods around now that its calls carry (derived from
 /// the calendar and the clock: rebuilt when the clock leaves the current period).
@@ -117,6 +134,8 @@ pub(crate) enum LimitSource {
     Config,
     /// A `[[policy.override]]` of the config that names the key (exactly, by prefix or glob).
     Override,
+    /// The key's own limit, set at runtime (`crate::runtime_limits`).
+    Runtime,
 }
 
 impl LimitSource {
@@ -125,6 +144,7 @@ impl LimitSource {
         match self {
             LimitSource::Config => "config",
             LimitSource::Override => "override",
+            LimitSource::Runtime => "runtime",
         }
     }
 }
@@ -280,6 +300,7 @@ impl Policy {
             since: Since::ZERO,
             limit_from: LimitSource::Config,
             calendar: None,
+            runtime: None,
         })
     }
 
@@ -308,6 +329,28 @@ impl Policy {
             burst: self.burst.get(),
             since: self.since,
         }
+    }
+
+    /// The policy with `limit` and `burst` instead of its own (burst 0, or an algorithm
+    /// without one: the limit), when its window allows them (`check_rates`); `false`, and
+    /// unchanged, otherwise.
+    pub(crate) fn set_numbers(&mut self, limit: u64, burst: u64) -> bool {
+        let burst = if burst == 0 || !self.algorithm.has_burst() {
+            limit
+        } else {
+            burst
+        };
+        let (Some(l), Some(b)) = (NonZeroU64::new(limit), NonZeroU64::new(burst)) else {
+            return false;
+        };
+        if l.get() > MAX_LIMIT
+            || b.get() > MAX_LIMIT
+            || check_rates(self.algorithm, l.get(), self.window, b.get()).is_err()
+        {
+            return false;
+        }
+        (self.limit, self.burst) = (l, b);
+        true
     }
 
     /// The periods around now of a calendar window, which its calls carry (`None`: any
@@ -383,6 +426,8 @@ pub(crate) struct Policies {
     patterns: BTreeMap<String, Vec<Override>>,
     /// Concurrency limits, by name (no rate policy has the same name).
     concurrency: BTreeMap<String, Arc<ConcurrencyPolicy>>,
+    /// Keys' own limits set at runtime: the instance's copy, the same across reloads.
+    runtime: Option<Arc<RuntimeLimits>>,
 }
 
 /// Which keys an override applies to.
@@ -423,6 +468,7 @@ impl Policies {
             exact: BTreeMap::new(),
             patterns: BTreeMap::new(),
             concurrency: BTreeMap::new(),
+            runtime: None,
         }
     }
 
@@ -485,9 +531,27 @@ impl Policies {
         self.overrides.get(name).map_or(&[], Vec::as_slice)
     }
 
-    /// The policy as it applies to `key`: an exact override first, then the first prefix
-    /// or glob that matches, else `policy` itself.
+    /// With the instance's copy of the runtime limits.
+    pub(crate) fn with_runtime(mut self, runtime: Arc<RuntimeLimits>) -> Self {
+        self.runtime = Some(runtime);
+        self
+    }
+
+    /// The policy as it applies to `key`: its runtime limit over what the config gives
+    /// it, which is an exact override first, then the first prefix or glob that matches,
+    /// else `policy` itself.
     pub(crate) fn for_key(&self, policy: &Arc<Policy>, key: &str) -> Arc<Policy> {
+        let configured = self.configured_for_key(policy, key);
+        match &self.runtime {
+            Some(runtime) if configured.runtime.is_some() => {
+                with_runtime_limit(configured, runtime.slot(&policy.name, key))
+            }
+            _ => configured,
+        }
+    }
+
+    /// What the config alone gives `key` of `policy`.
+    pub(crate) fn configured_for_key(&self, policy: &Arc<Policy>, key: &str) -> Arc<Policy> {
         if let Some(p) = self.exact.get(&policy.name).and_then(|m| m.get(key)) {
             return p.clone();
         }
@@ -496,6 +560,35 @@ impl Policies {
             .and_then(|list| list.iter().find(|o| o.keys.matches(key)))
             .map_or_else(|| policy.clone(), |o| o.policy.clone())
     }
+}
+
+/// `configured` (what the config gives a key) under the key's runtime limit `slot`: its
+/// own limit and burst while it lasts, with the instant it came into force; after it went
+/// (deleted or expired), the config's numbers again, in force since then for this key
+/// (the transition rule reads the key's state by these instants).
+fn with_runtime_limit(configured: Arc<Policy>, slot: Option<Slot>) -> Arc<Policy> {
+    let Some(slot) = slot else {
+        return configured;
+    };
+    let now = crate::runtime_limits::now_ms();
+    let since_ms = |ms: i64| Since {
+        version: configured.since.version,
+        at_ms: ms.max(0) as u64,
+    };
+    let mut p = (*configured).clone();
+    match slot {
+        // (Numbers the config's window no longer allows, after a reload: the config's.)
+        Slot::Set(e) if e.live_at(now) => {
+            if !p.set_numbers(e.limit, e.burst) {
+                return configured;
+            }
+            p.since = since_ms(e.since_ms);
+            p.limit_from = LimitSource::Runtime;
+        }
+        Slot::Set(e) => p.since = p.since.max(since_ms(e.expires_ms)),
+        Slot::Gone { since_ms: at } => p.since = p.since.max(since_ms(at)),
+    }
+    Arc::new(p)
 }
 
 /// `*` and `?` over bytes, iteratively (no recursion, linear in practice: the last `*`

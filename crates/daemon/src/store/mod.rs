@@ -30,6 +30,9 @@ pub(crate) use redis::{RedisSettings, RedisStore, janitor};
 
 use std::time::Instant;
 
+use crate::layout::RuntimeLimitKeys;
+use crate::runtime_limits::{Entry, RuntimeLimits, RuntimeWrite, RuntimeWritten, Slot};
+
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 use quotad_core::concurrency::LeaseAnswer;
 use redis::{admission, hot};
@@ -327,6 +330,61 @@ impl Store {
                 Ok(())
             }
         }
+    }
+
+    /// A change of a policy's runtime limits: in Redis (and from there to every
+    /// instance), or on the embedded store in `runtime`, this instance's copy, which is
+    /// then the store.
+    pub(crate) async fn runtime_write(
+        &self,
+        _permit: &Permit<'_>,
+        runtime: &RuntimeLimits,
+        keys: &RuntimeLimitKeys,
+        write: &RuntimeWrite<'_>,
+    ) -> Result<RuntimeWritten, StoreError> {
+        match self {
+            Store::Redis(r) => r.runtime_write(keys, write).await,
+            Store::Memory(_) => Ok(runtime.write_local(&keys.policy, write)),
+        }
+    }
+
+    /// `key`'s runtime limit in `keys`' policy as the store has it now (an expired one
+    /// reads as none).
+    pub(crate) async fn runtime_get(
+        &self,
+        _permit: &Permit<'_>,
+        runtime: &RuntimeLimits,
+        keys: &RuntimeLimitKeys,
+        key: &str,
+    ) -> Result<Option<Entry>, StoreError> {
+        let entry = match self {
+            Store::Redis(r) => r.runtime_get(keys, key).await?,
+            Store::Memory(_) => match runtime.of(&keys.policy).get(key) {
+                Some(Slot::Set(e)) => Some(e),
+                _ => None,
+            },
+        };
+        Ok(entry.filter(|e| e.live_at(crate::runtime_limits::now_ms())))
+    }
+
+    /// A page of `keys`' policy's runtime limits from `cursor` (0: the first): the next
+    /// cursor (0: the last page) and up to about `count` entries (expired ones left out).
+    /// Redis's cursor is HSCAN's: a key set while paging may be listed twice or not at all.
+    pub(crate) async fn runtime_page(
+        &self,
+        _permit: &Permit<'_>,
+        runtime: &RuntimeLimits,
+        keys: &RuntimeLimitKeys,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<(String, Entry)>), StoreError> {
+        let now = crate::runtime_limits::now_ms();
+        let (next, mut page) = match self {
+            Store::Redis(r) => r.runtime_page(keys, cursor, count).await?,
+            Store::Memory(_) => runtime.of(&keys.policy).page(cursor, count),
+        };
+        page.retain(|(_, e)| e.live_at(now));
+        Ok((next, page))
     }
 
     /// Whether the store can take decisions now (readiness).

@@ -32,7 +32,7 @@ pub const ORPHAN_TTL_MS: i64 = 60_000;
 /// not quotad's, and the coordinator's, whose fencing counter must never expire.
 pub(crate) fn repair_ttl_ms(layouts: &Layouts, key: &str) -> Option<i64> {
     match layouts.layout().owner_of(key) {
-        KeyOwner::Foreign | KeyOwner::Coordinator => None,
+        KeyOwner::Foreign | KeyOwner::Coordinator | KeyOwner::RuntimeLimits => None,
         KeyOwner::Policy(name) => Some(
             layouts
                 .by_name(name)
@@ -303,6 +303,22 @@ mod tests {
         assert_eq!(
             repair_ttl_ms(&l, "rl:plan:fw:{acme}"),
             Some(longest_ms + 1000)
+        );
+    }
+
+    /// A policy's runtime limits are the operator's data: never given a TTL.
+    #[test]
+    fn runtime_limits_are_never_expired() {
+        let l = layouts();
+        for k in ["h", "v", "x", "d"] {
+            let key = format!("rl:sw:limits:{{sw}}:{k}");
+            assert_eq!(repair_ttl_ms(&l, &key), None, "{key}");
+        }
+        let keys = l.layout().runtime_limit_keys("sw", 0);
+        assert_eq!(keys.entries, "rl:sw:limits:{sw}:h");
+        assert_eq!(
+            repair_ttl_ms(&l, "rl:sw:sw:{limits:x}"),
+            Some(120_000 + 1000)
         );
     }
 

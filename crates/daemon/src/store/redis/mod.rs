@@ -34,6 +34,8 @@ pub(crate) mod deny_cache;
 pub(crate) mod global;
 pub(crate) mod hot;
 pub(crate) mod janitor;
+mod runtime;
+mod runtime_sync;
 pub(crate) mod scripts;
 pub(crate) mod wire;
 
@@ -46,6 +48,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::layout::Layout;
 use crate::metrics::Metrics;
+use crate::runtime_limits::{MESSAGE_PREFIX, RuntimeLimits};
 use crate::store::call::{LeaseCall, SettleCall, SettleReply, StoreCall, StoreError};
 use admission::{Admission, AdmissionSettings, Admitted, Shed};
 use breaker::Breaker;
@@ -115,8 +118,14 @@ pub(crate) struct RedisStore {
     /// Takes and returns of a token bucket's or GCRA key's slices (`lua/bucket_slice.lua`).
     bucket_slice: redis::Script,
     /// The channel on which every instance announces the keys it gave capacity back to
-    /// (refunds, resets), so that none answers an outdated denial from memory.
+    /// (refunds, resets), so that none answers an outdated denial from memory; and the
+    /// changes of runtime limits.
     channel: String,
+    /// Changes of runtime limits (`lua/runtime_limit.lua`).
+    runtime_limit: redis::Script,
+    /// This instance's copy of the runtime limits, which the channel's change messages
+    /// keep true (`crate::runtime_limits`).
+    runtime: Arc<RuntimeLimits>,
     metrics: Arc<Metrics>,
 }
 
@@ -140,6 +149,7 @@ impl RedisStore {
         settings: RedisSettings,
         layout: &Layout,
         metrics: Arc<Metrics>,
+        runtime: Arc<RuntimeLimits>,
     ) -> Result<Self, RedisError> {
         settings.target.check()?;
         let breaker = Breaker::new(settings.breaker_threshold);
@@ -167,6 +177,8 @@ impl RedisStore {
             slice: redis::Script::new(scripts::SLICE),
             bucket_slice: redis::Script::new(scripts::BUCKET_SLICE),
             channel: layout.invalidate_channel(),
+            runtime_limit: redis::Script::new(scripts::RUNTIME_LIMIT),
+            runtime,
             metrics,
             settings,
         })
@@ -267,6 +279,14 @@ impl RedisStore {
                     match msg {
                         Ok(Some(m)) => match m.get_payload::<String>() {
                             Ok(key) if key == HEARTBEAT_PAYLOAD => {}
+                            Ok(change) if change.starts_with(MESSAGE_PREFIX) => {
+                                if let Some(since_ms) = self.runtime.on_message(&change) {
+                                    let delay = crate::runtime_limits::now_ms() - since_ms;
+                                    self.metrics
+                                        .runtime_limit_propagation
+                                        .observe(delay.max(0) as f64 / 1000.0);
+                                }
+                            }
                             Ok(key) => {
                                 self.deny.invalidate(&key);
                                 self.end_slice(&key);

@@ -125,6 +125,9 @@ pub const SETTLE: &str = concat!(
 /// `lua/reset.lua`).
 pub(crate) const RESET: &str = lua!("reset.lua");
 
+/// Changes of a policy's runtime limits (see `lua/runtime_limit.lua`).
+pub(crate) const RUNTIME_LIMIT: &str = lua!("runtime_limit.lua");
+
 /// Hot-key slices of a fixed window: takes and returns (see `lua/slice.lua`).
 pub const SLICE: &str = concat!(
     lua!("helpers.lua"),

@@ -1,0 +1,128 @@
+//! Runtime limits through the limiter: where a policy's runtime limits and a key's state
+//! live (the layouts), admission, and the store's write, which every instance then applies
+//! (`crate::runtime_limits`). This instance applies its own write at once, so the next
+//! check here sees it without waiting for the channel.
+
+use super::{Limiter, ResetError};
+use crate::layout::RuntimeLimitKeys;
+use crate::policy::Policy;
+use crate::runtime_limits::{Entry, RuntimeLimits, RuntimeWrite, RuntimeWritten, Slot};
+
+/// A key's own numbers to set.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NewLimit {
+    pub(crate) limit: u64,
+    /// 0: the limit's.
+    pub(crate) burst: u64,
+    /// 0: never.
+    pub(crate) expires_ms: i64,
+}
+
+impl Limiter {
+    fn runtime_keys(&self, policy: &Policy) -> RuntimeLimitKeys {
+        let keep_ms = self.layouts.of(policy).repair_ttl_ms;
+        self.layouts
+            .layout()
+            .runtime_limit_keys(&policy.name, keep_ms)
+    }
+
+    /// Sets `key`'s own limit in `policy` (which takes runtime limits: the caller checked).
+    pub(crate) async fn set_runtime_limit(
+        &self,
+        runtime: &RuntimeLimits,
+        policy: &Policy,
+        key: &str,
+        new: NewLimit,
+    ) -> Result<RuntimeWritten, ResetError> {
+        let storage_key = self.layouts.of(policy).storage_key(key);
+        let write = RuntimeWrite::Set {
+            key,
+            limit: new.limit,
+            burst: new.burst,
+            expires_ms: new.expires_ms,
+            max_keys: policy.runtime.map_or(0, |r| r.max_keys),
+            storage_key: &storage_key,
+        };
+        let entry = Entry {
+            limit: new.limit,
+            burst: new.burst,
+            expires_ms: new.expires_ms,
+            since_ms: crate::runtime_limits::now_ms(),
+        };
+        self.change_runtime_limit(runtime, policy, key, &write, Slot::Set(entry))
+            .await
+    }
+
+    /// Deletes `key`'s own limit in `policy`: its config numbers apply again.
+    pub(crate) async fn delete_runtime_limit(
+        &self,
+        runtime: &RuntimeLimits,
+        policy: &Policy,
+        key: &str,
+    ) -> Result<RuntimeWritten, ResetError> {
+        let storage_key = self.layouts.of(policy).storage_key(key);
+        let write = RuntimeWrite::Delete {
+            key,
+            storage_key: &storage_key,
+        };
+        let gone = Slot::Gone {
+            since_ms: crate::runtime_limits::now_ms(),
+        };
+        self.change_runtime_limit(runtime, policy, key, &write, gone)
+            .await
+    }
+
+    /// `write` in the store; done, `key` is `slot` in this instance's copy at once (the
+    /// channel brings it to the others, and here too, where it is then a version already
+    /// applied).
+    async fn change_runtime_limit(
+        &self,
+        runtime: &RuntimeLimits,
+        policy: &Policy,
+        key: &str,
+        write: &RuntimeWrite<'_>,
+        slot: Slot,
+    ) -> Result<RuntimeWritten, ResetError> {
+        let keys = self.runtime_keys(policy);
+        let permit = self.store.admit(1).await?;
+        let written = self
+            .store
+            .runtime_write(&permit, runtime, &keys, write)
+            .await?;
+        if let RuntimeWritten::Done {
+            before, version, ..
+        } = written
+        {
+            runtime.of(&policy.name).apply(before, version, key, slot);
+        }
+        Ok(written)
+    }
+
+    /// `key`'s own limit in `policy`, as the store has it.
+    pub(crate) async fn runtime_limit(
+        &self,
+        runtime: &RuntimeLimits,
+        policy: &Policy,
+        key: &str,
+    ) -> Result<Option<Entry>, ResetError> {
+        let keys = self.runtime_keys(policy);
+        let permit = self.store.admit(1).await?;
+        Ok(self.store.runtime_get(&permit, runtime, &keys, key).await?)
+    }
+
+    /// A page of `policy`'s runtime limits from `cursor` (0: the first).
+    pub(crate) async fn runtime_limits_page(
+        &self,
+        runtime: &RuntimeLimits,
+        policy: &Policy,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<(String, Entry)>), ResetError> {
+        let keys = self.runtime_keys(policy);
+        let permit = self.store.admit(1).await?;
+        Ok(self
+            .store
+            .runtime_page(&permit, runtime, &keys, cursor, count)
+            .await?)
+    }
+}

@@ -1,0 +1,350 @@
+//! Runtime limits: a key's own limit in a policy, set by an admin (a billing system) at
+//! runtime instead of in a config file. The region's Redis holds them (`lua/runtime_limit.lua`:
+//! one hash per policy, a version counter, the expiries, and the marks of entries that
+//! went); every instance keeps a copy ([`RuntimeLimits`]) that every check reads, kept
+//! true by the change messages on the invalidation channel and by a resync whenever the
+//! version in Redis is not its own (`store::redis::runtime_sync`; on the embedded store
+//! the copy is the store: [`RuntimeLimits::write_local`]). This module is data only: the
+//! policies read it (`policy::Policies::for_key`), the store writes and keeps it.
+//!
+//! Precedence: a key's runtime limit replaces the limit and burst of what the config gives
+//! it (an override's numbers, else the policy's); the window and everything else stay the
+//! config's. Every decision says which (`limit_source`: `runtime`).
+//!
+//! The transition rule: a runtime entry's numbers came into force at its write (Redis's
+//! clock), and when it goes (deleted or expired) the config's numbers come back into force
+//! at that instant for that key, so a key's stored state is read as for any change of its
+//! numbers (`quotad_core::algorithm::frame`): usage carries over, a newer number wins.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// The prefix of a change message on the invalidation channel (no storage key starts
+/// with `#`: prefixes are `[A-Za-z0-9_.-]`).
+pub(crate) const MESSAGE_PREFIX: &str = "#L\t";
+
+/// A key's own numbers, as Redis keeps them (`limit:burst:expires_ms:since_ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) limit: u64,
+    /// 0: the limit (the window algorithms have no burst).
+    pub(crate) burst: u64,
+    /// When it ends, ms since the epoch by Redis's clock; 0: never.
+    pub(crate) expires_ms: i64,
+    /// When it came into force, ms since the epoch by Redis's clock.
+    pub(crate) since_ms: i64,
+}
+
+impl Entry {
+    /// The value as stored (`lua/runtime_limit.lua`).
+    pub(crate) fn parse(value: &str) -> Option<Entry> {
+        let mut f = value.split(':');
+        let entry = Entry {
+            limit: f.next()?.parse().ok()?,
+            burst: f.next()?.parse().ok()?,
+            expires_ms: f.next()?.parse().ok()?,
+            since_ms: f.next()?.parse().ok()?,
+        };
+        f.next().is_none().then_some(entry)
+    }
+
+    pub(crate) fn live_at(&self, now_ms: i64) -> bool {
+        self.expires_ms == 0 || now_ms < self.expires_ms
+    }
+}
+
+/// What a key of a policy has: its own numbers, or the mark of their end (since when the
+/// config's numbers are back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    Set(Entry),
+    Gone { since_ms: i64 },
+}
+
+/// What became of a change applied to a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Applied {
+    /// It was the next version: applied.
+    Now,
+    /// The copy has it already (its own write, or a resync read it).
+    Already,
+    /// A version between the copy's and this one is missing: the resync reads the set.
+    Gap,
+}
+
+/// A change of a policy's runtime limits (`lua/runtime_limit.lua`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RuntimeWrite<'a> {
+    /// `key`'s own limit (and burst: 0 for the limit's), until `expires_ms` (0: never),
+    /// refused when the policy holds `max_keys` and `key` has none.
+    Set {
+        key: &'a str,
+        limit: u64,
+        burst: u64,
+        expires_ms: i64,
+        max_keys: u64,
+        /// The key's storage key: its remembered denials and slices end.
+        storage_key: &'a str,
+    },
+    /// `key`'s own limit goes.
+    Delete { key: &'a str, storage_key: &'a str },
+    /// The entries whose expiry has passed go.
+    Purge,
+}
+
+/// What a [`RuntimeWrite`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RuntimeWritten {
+    /// Done at `version`, on the set at version `before`; `old`: the key's entry before;
+    /// `purged`: entries a purge ended.
+    Done {
+        before: u64,
+        version: u64,
+        old: Option<Entry>,
+        purged: u64,
+    },
+    /// The policy holds its maximum of keys with their own limit.
+    Full,
+    /// The expiry is not after Redis's now.
+    ExpiryPassed,
+    /// A delete of a key that has no entry.
+    NotFound,
+}
+
+/// One policy's runtime limits on this instance.
+#[derive(Debug, Default)]
+pub(crate) struct PolicyLimits {
+    /// The version of Redis's set this copy is at (0: never read).
+    version: AtomicU64,
+    slots: RwLock<HashMap<String, Slot>>,
+}
+
+impl PolicyLimits {
+    pub(crate) fn version(&self) -> u64 {
+        self.version.load(Ordering::Acquire)
+    }
+
+    /// How many keys have their own numbers here (expired ones until they are purged).
+    pub(crate) fn len(&self) -> usize {
+        self.read()
+            .values()
+            .filter(|s| matches!(s, Slot::Set(_)))
+            .count()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Slot>> {
+        self.slots.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Slot>> {
+        self.slots.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The whole set as read from Redis at `version`.
+    pub(crate) fn replace(&self, version: u64, slots: HashMap<String, Slot>) {
+        let mut held = self.write();
+        *held = slots;
+        self.version.store(version, Ordering::Release);
+    }
+
+    /// Change `version`, made on the set at version `before`: applied if this copy is at
+    /// `before`.
+    pub(crate) fn apply(&self, before: u64, version: u64, key: &str, slot: Slot) -> Applied {
+        let mut held = self.write();
+        let at = self.version.load(Ordering::Acquire);
+        if version <= at {
+            return Applied::Already;
+        }
+        if at != before {
+            return Applied::Gap;
+        }
+        held.insert(key.to_owned(), slot);
+        self.version.store(version, Ordering::Release);
+        Applied::Now
+    }
+
+    pub(crate) fn get(&self, key: &str) -> Option<Slot> {
+        self.read().get(key).copied()
+    }
+
+    /// The embedded store's page of entries: in key order from offset `cursor`; the next
+    /// offset, 0 after the last.
+    pub(crate) fn page(&self, cursor: u64, count: usize) -> (u64, Vec<(String, Entry)>) {
+        let held = self.read();
+        let mut all: Vec<(&String, &Entry)> = held
+            .iter()
+            .filter_map(|(k, s)| match s {
+                Slot::Set(e) => Some((k, e)),
+                Slot::Gone { .. } => None,
+            })
+            .collect();
+        all.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let from = (cursor as usize).min(all.len());
+        let to = from.saturating_add(count).min(all.len());
+        let page = all[from..to]
+            .iter()
+            .map(|(k, e)| ((*k).clone(), **e))
+            .collect();
+        let next = if to >= all.len() { 0 } else { to as u64 };
+        (next, page)
+    }
+}
+
+/// Every policy's runtime limits on this instance, by policy name. Shared by the request
+/// path (reads), the invalidation follower (messages) and the resync.
+#[derive(Debug, Default)]
+pub(crate) struct RuntimeLimits {
+    policies: RwLock<HashMap<String, Arc<PolicyLimits>>>,
+    /// Set when a message showed a gap: the resync reads the set again without waiting
+    /// for its next round.
+    pub(crate) behind: tokio::sync::Notify,
+    /// The first round of the resync is done (or there is nothing to read: the embedded
+    /// store): until then an instance that just started may not know every key's limit.
+    synced: std::sync::atomic::AtomicBool,
+}
+
+impl RuntimeLimits {
+    /// The copy of an instance on the embedded store: nothing to read, in sync from the
+    /// start.
+    pub(crate) fn in_sync() -> RuntimeLimits {
+        let r = RuntimeLimits::default();
+        r.mark_synced();
+        r
+    }
+
+    pub(crate) fn mark_synced(&self) {
+        self.synced.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn is_synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    /// A change on the embedded store, where this copy is the store: what
+    /// `lua/runtime_limit.lua` does in Redis (`max_keys` counted among the entries that
+    /// have not expired; no marks are dropped: the process holds them until it ends).
+    pub(crate) fn write_local(&self, policy: &str, write: &RuntimeWrite<'_>) -> RuntimeWritten {
+        let limits = self.of(policy);
+        let now = now_ms();
+        let mut held = limits.write();
+        let version = limits.version.load(Ordering::Acquire) + 1;
+        let old = |held: &HashMap<String, Slot>, key: &str| match held.get(key) {
+            Some(Slot::Set(e)) if e.live_at(now) => Some(*e),
+            _ => None,
+        };
+        let done = |old| RuntimeWritten::Done {
+            before: version - 1,
+            version,
+            old,
+            purged: 0,
+        };
+        let out = match *write {
+            RuntimeWrite::Set {
+                key,
+                limit,
+                burst,
+                expires_ms,
+                max_keys,
+                ..
+            } => {
+                let before = old(&held, key);
+                let live = held
+                    .values()
+                    .filter(|s| matches!(s, Slot::Set(e) if e.live_at(now)))
+                    .count() as u64;
+                if expires_ms != 0 && expires_ms <= now {
+                    return RuntimeWritten::ExpiryPassed;
+                }
+                if before.is_none() && live >= max_keys {
+                    return RuntimeWritten::Full;
+                }
+                let entry = Entry {
+                    limit,
+                    burst,
+                    expires_ms,
+                    since_ms: now,
+                };
+                held.insert(key.to_owned(), Slot::Set(entry));
+                done(before)
+            }
+            RuntimeWrite::Delete { key, .. } => {
+                let Some(before) = old(&held, key) else {
+                    return RuntimeWritten::NotFound;
+                };
+                held.insert(key.to_owned(), Slot::Gone { since_ms: now });
+                done(Some(before))
+            }
+            RuntimeWrite::Purge => return done(None),
+        };
+        limits.version.store(version, Ordering::Release);
+        out
+    }
+
+    /// The copy of `policy`'s limits (created empty, at version 0, on first use).
+    pub(crate) fn of(&self, policy: &str) -> Arc<PolicyLimits> {
+        if let Some(p) = self
+            .policies
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(policy)
+        {
+            return p.clone();
+        }
+        self.policies
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(policy.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    fn existing(&self, policy: &str) -> Option<Arc<PolicyLimits>> {
+        self.policies
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(policy)
+            .cloned()
+    }
+
+    /// A change message from the channel (`lua/runtime_limit.lua`): applied, or the
+    /// resync woken when it shows this copy behind. Returns when the change was made (ms,
+    /// Redis's clock) when it was applied now, for the propagation delay.
+    pub(crate) fn on_message(&self, payload: &str) -> Option<i64> {
+        let rest = payload.strip_prefix(MESSAGE_PREFIX)?;
+        let mut f = rest.splitn(5, '\t');
+        let (policy, before, version) = (f.next()?, f.next()?, f.next()?);
+        let (value, key) = (f.next()?, f.next()?);
+        let before: u64 = before.parse().ok()?;
+        let version: u64 = version.parse().ok()?;
+        let slot = match value.strip_prefix('-') {
+            Some(at) => Slot::Gone {
+                since_ms: at.parse().ok()?,
+            },
+            None => Slot::Set(Entry::parse(value)?),
+        };
+        match self.of(policy).apply(before, version, key, slot) {
+            Applied::Now => Some(match slot {
+                Slot::Set(e) => e.since_ms,
+                Slot::Gone { since_ms } => since_ms,
+            }),
+            Applied::Already => None,
+            Applied::Gap => {
+                self.behind.notify_one();
+                None
+            }
+        }
+    }
+
+    /// What `key` of `policy` has here: its own numbers, or the mark of their end.
+    pub(crate) fn slot(&self, policy: &str, key: &str) -> Option<Slot> {
+        self.existing(policy)?.get(key)
+    }
+}
+
+/// This instance's clock, ms since the epoch.
+pub(crate) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}

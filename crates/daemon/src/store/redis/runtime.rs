@@ -1,0 +1,175 @@
+//! Runtime limits in Redis (`lua/runtime_limit.lua`): the writes, and the reads of the
+//! whole set (a resync) and of one key or one page (the admin API).
+
+use std::collections::HashMap;
+
+use super::RedisStore;
+use crate::layout::RuntimeLimitKeys;
+use crate::runtime_limits::{Entry, RuntimeWrite, RuntimeWritten, Slot};
+use crate::store::call::StoreError;
+
+/// Entries per HSCAN step of a resync or a page.
+const SCAN_COUNT: usize = 1000;
+
+impl RedisStore {
+    /// A set, delete or purge of `keys`' policy (see `lua/runtime_limit.lua`).
+    pub(crate) async fn runtime_write(
+        &self,
+        keys: &RuntimeLimitKeys,
+        write: &RuntimeWrite<'_>,
+    ) -> Result<RuntimeWritten, StoreError> {
+        let mut inv = self.runtime_limit.prepare_invoke();
+        inv.key(&keys.entries)
+            .key(&keys.version)
+            .key(&keys.expiries)
+            .key(&keys.gone);
+        let (op, key, limit, burst, expires, most, storage) = match write {
+            RuntimeWrite::Set {
+                key,
+                limit,
+                burst,
+                expires_ms,
+                max_keys,
+                storage_key,
+            } => (
+                "set",
+                *key,
+                *limit,
+                *burst,
+                *expires_ms,
+                *max_keys,
+                *storage_key,
+            ),
+            RuntimeWrite::Delete { key, storage_key } => ("delete", *key, 0, 0, 0, 0, *storage_key),
+            RuntimeWrite::Purge => ("purge", "", 0, 0, 0, 0, ""),
+        };
+        inv.arg(op)
+            .arg(key)
+            .arg(limit)
+            .arg(burst)
+            .arg(expires)
+            .arg(most)
+            .arg(&self.channel)
+            .arg(&keys.policy)
+            .arg(storage)
+            .arg(keys.keep_ms);
+        let inv = &inv;
+        let (version, old, before): (i64, redis::Value, Option<u64>) = self
+            .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
+            .await?;
+        let old = match old {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+            redis::Value::Int(n) => n.to_string(),
+            _ => String::new(),
+        };
+        Ok(match version {
+            -1 => RuntimeWritten::ExpiryPassed,
+            -2 => RuntimeWritten::Full,
+            0 if op == "delete" => RuntimeWritten::NotFound,
+            v => RuntimeWritten::Done {
+                before: before.unwrap_or(0),
+                version: v as u64,
+                old: Entry::parse(&old),
+                purged: if op == "purge" {
+                    old.parse().unwrap_or(0)
+                } else {
+                    0
+                },
+            },
+        })
+    }
+
+    /// The version of `keys`' policy's set in Redis (0: never written).
+    pub(crate) async fn runtime_version(&self, keys: &RuntimeLimitKeys) -> Result<u64, StoreError> {
+        let key = keys.version.as_str();
+        let v: Option<u64> = self
+            .guarded(
+                |mut conn| async move { redis::cmd("GET").arg(key).query_async(&mut conn).await },
+            )
+            .await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// The whole set of `keys`' policy, and the version it is at: the version is read
+    /// first, so a change during the read makes the copy's version lag Redis's, and the
+    /// next round reads it again.
+    pub(crate) async fn runtime_read_all(
+        &self,
+        keys: &RuntimeLimitKeys,
+    ) -> Result<(u64, HashMap<String, Slot>), StoreError> {
+        let version = self.runtime_version(keys).await?;
+        let mut slots = HashMap::new();
+        let gone = keys.gone.as_str();
+        let marks: Vec<(String, i64)> = self
+            .guarded(|mut conn| async move {
+                redis::cmd("ZRANGE")
+                    .arg(gone)
+                    .arg(0)
+                    .arg(-1)
+                    .arg("WITHSCORES")
+                    .query_async(&mut conn)
+                    .await
+            })
+            .await?;
+        for (k, since_ms) in marks {
+            slots.insert(k, Slot::Gone { since_ms });
+        }
+        let mut cursor = 0;
+        loop {
+            let (next, page) = self.runtime_page(keys, cursor, SCAN_COUNT).await?;
+            for (k, e) in page {
+                slots.insert(k, Slot::Set(e));
+            }
+            if next == 0 {
+                return Ok((version, slots));
+            }
+            cursor = next;
+        }
+    }
+
+    /// One HSCAN step of `keys`' policy's entries from `cursor` (0: the first): the next
+    /// cursor (0: the last) and the entries (unparsable values skipped).
+    pub(crate) async fn runtime_page(
+        &self,
+        keys: &RuntimeLimitKeys,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<(String, Entry)>), StoreError> {
+        let entries = keys.entries.as_str();
+        let (next, flat): (u64, Vec<(String, String)>) = self
+            .guarded(|mut conn| async move {
+                redis::cmd("HSCAN")
+                    .arg(entries)
+                    .arg(cursor)
+                    .arg("COUNT")
+                    .arg(count)
+                    .query_async(&mut conn)
+                    .await
+            })
+            .await?;
+        let page = flat
+            .into_iter()
+            .filter_map(|(k, v)| Entry::parse(&v).map(|e| (k, e)))
+            .collect();
+        Ok((next, page))
+    }
+
+    /// `key`'s entry in `keys`' policy, as Redis has it now.
+    pub(crate) async fn runtime_get(
+        &self,
+        keys: &RuntimeLimitKeys,
+        key: &str,
+    ) -> Result<Option<Entry>, StoreError> {
+        let entries = keys.entries.as_str();
+        let value: Option<String> = self
+            .guarded(|mut conn| async move {
+                redis::cmd("HGET")
+                    .arg(entries)
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(value.as_deref().and_then(Entry::parse))
+    }
+}
