@@ -1,4 +1,4 @@
--- wrk script: POST /v1/check for policy "bench" on keys k1..kN (N = WRK_KEYS, default
+-- wrk script: POST /v1/check for policy "bench" (or WRK_POLICY) on keys k1..kN (N = WRK_KEYS, default
 -- 100,000), or on one key when WRK_HOT=1 (the hot-deny path); with WRK_BATCH=n, each
 -- request is a batch of n checks on n keys drawn the same way. Prints one WRK_RESULT line
 -- (its rates are requests: a batch's decisions are n times them).
@@ -9,12 +9,13 @@ wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 local nkeys = tonumber(os.getenv("WRK_KEYS") or "100000")
 local hot = os.getenv("WRK_HOT") == "1"
+local policy = os.getenv("WRK_POLICY") or "bench"
 
 local batch = tonumber(os.getenv("WRK_BATCH") or "0")
 
 local function check()
   local key = hot and "hot" or ("k" .. math.random(1, nkeys))
-  return '{"policy":"bench","key":"' .. key .. '","cost":1}'
+  return '{"policy":"' .. policy .. '","key":"' .. key .. '","cost":1}'
 end
 
 request = function()

@@ -38,7 +38,11 @@ fn config(region: &str, peer: &str, peer_url: &str, redis: &RedisServer) -> Stri
         .store("timeout", "200ms")
         .coordinator("secret", SECRET)
         .peer(Peer::new(peer, peer_url))
-        .policy(Policy::new("api", "token_bucket", 20, "1m").on_store_error("open"))
+        .policy(
+            Policy::new("api", "token_bucket", 20, "1m")
+                .on_store_error("open")
+                .runtime_limits(1000),
+        )
         .policy(Policy::new("strict", "fixed_window", 5, "1m").on_store_error("closed"))
         .policy(Policy::new("near", "fixed_window", 100, "1m").on_store_error("local"))
         .policy(

@@ -68,6 +68,24 @@ fn a_runtime_limit_set_through_one_instance_applies_on_every_instance() {
         (&json!(10), &Value::Null),
         "{body}"
     );
+    // Counted, and in the audit log: who, on which policy, the key's hash, old and new.
+    assert_eq!(
+        qs[0].metric(r#"quotad_admin_requests_total{action="limit_set",result="done"}"#),
+        1.0
+    );
+    let log = qs[0].log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("admin request") && l.contains("limit_set"))
+        .unwrap_or_else(|| panic!("no audit line:\n{log}"));
+    assert!(
+        line.contains("token=tests")
+            && line.contains("key_sha256=")
+            && !line.contains("customer-42")
+            && line.contains("none")
+            && line.contains("limit=10"),
+        "{line}"
+    );
     // The writer at once; the others from the channel.
     let d = peek(&qs[0], "customer-42");
     assert_eq!(

@@ -71,6 +71,8 @@ pub(crate) enum Applied {
     Already,
     /// A version between the copy's and this one is missing: the resync reads the set.
     Gap,
+    /// A read of the whole set is in progress: applied on top of it when it ends.
+    Later,
 }
 
 /// A change of a policy's runtime limits (`lua/runtime_limit.lua`).
@@ -118,6 +120,19 @@ pub(crate) struct PolicyLimits {
     /// The version of Redis's set this copy is at (0: never read).
     version: AtomicU64,
     slots: RwLock<HashMap<String, Slot>>,
+    /// While the set is read again: the changes that arrive meanwhile, applied on top of
+    /// what was read ([`PolicyLimits::begin_read`], [`PolicyLimits::replace`]), so a read
+    /// during a stream of changes does not lose the ones it began before.
+    arriving: std::sync::Mutex<Option<Vec<Change>>>,
+}
+
+/// A change as a message brings it: made on the set at version `before`, giving `version`.
+#[derive(Debug, Clone)]
+struct Change {
+    before: u64,
+    version: u64,
+    key: String,
+    slot: Slot,
 }
 
 impl PolicyLimits {
@@ -142,15 +157,74 @@ impl PolicyLimits {
     }
 
     /// The whole set as read from Redis at `version`.
-    pub(crate) fn replace(&self, version: u64, slots: HashMap<String, Slot>) {
+    pub(crate) fn replace(&self, version: u64, slots: HashMap<String, Slot>) -> Vec<i64> {
+        let arrived = self.end_read();
         let mut held = self.write();
         *held = slots;
-        self.version.store(version, Ordering::Release);
+        // What arrived during the read, in order from the version read: the read may hold
+        // some of it already (a change is the key's whole value: applying it again is the
+        // same), and a gap leaves the copy at the version before it for the next read.
+        let mut at = version;
+        let mut applied = Vec::new();
+        let mut changes = arrived;
+        changes.sort_by_key(|c| c.version);
+        for c in changes {
+            if c.version <= at {
+                continue;
+            }
+            if c.before != at {
+                break;
+            }
+            if let Slot::Set(e) = c.slot {
+                applied.push(e.since_ms);
+            }
+            held.insert(c.key, c.slot);
+            at = c.version;
+        }
+        self.version.store(at, Ordering::Release);
+        applied
+    }
+
+    /// The changes that arrived during a read of the whole set, which ends.
+    fn end_read(&self) -> Vec<Change> {
+        self.arriving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .unwrap_or_default()
+    }
+
+    /// A read of the whole set begins: the changes that arrive until [`Self::replace`] are
+    /// kept to apply on top of it.
+    pub(crate) fn begin_read(&self) {
+        *self.arriving.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+    }
+
+    /// A read of the whole set that failed: what arrived meanwhile applies to the copy as
+    /// it is, as far as it follows from its version.
+    pub(crate) fn abandon_read(&self) {
+        for c in self.end_read() {
+            self.apply(c.before, c.version, &c.key, c.slot);
+        }
     }
 
     /// Change `version`, made on the set at version `before`: applied if this copy is at
-    /// `before`.
+    /// `before`; kept for the end of a read of the whole set in progress.
     pub(crate) fn apply(&self, before: u64, version: u64, key: &str, slot: Slot) -> Applied {
+        if let Some(arriving) = self
+            .arriving
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            arriving.push(Change {
+                before,
+                version,
+                key: key.to_owned(),
+                slot,
+            });
+            return Applied::Later;
+        }
         let mut held = self.write();
         let at = self.version.load(Ordering::Acquire);
         if version <= at {
@@ -328,7 +402,7 @@ impl RuntimeLimits {
                 Slot::Set(e) => e.since_ms,
                 Slot::Gone { since_ms } => since_ms,
             }),
-            Applied::Already => None,
+            Applied::Already | Applied::Later => None,
             Applied::Gap => {
                 self.behind.notify_one();
                 None
@@ -347,4 +421,77 @@ pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(limit: u64) -> Slot {
+        Slot::Set(Entry {
+            limit,
+            burst: 0,
+            expires_ms: 0,
+            since_ms: 1,
+        })
+    }
+
+    /// Changes that arrive while the whole set is read apply on top of what was read, in
+    /// order from its version; one after a gap waits for the next read.
+    #[test]
+    fn changes_during_a_read_are_not_lost_to_it() {
+        let p = PolicyLimits::default();
+        assert_eq!(p.apply(0, 1, "a", set(1)), Applied::Now);
+        assert_eq!(p.apply(5, 6, "z", set(9)), Applied::Gap, "2..5 missed");
+        p.begin_read();
+        // Arriving while the read is in flight (it began at version 5).
+        assert_eq!(p.apply(5, 6, "b", set(6)), Applied::Later);
+        assert_eq!(p.apply(6, 7, "a", set(7)), Applied::Later);
+        assert_eq!(p.apply(8, 9, "c", set(9)), Applied::Later);
+        let read = HashMap::from([("a".to_owned(), set(5)), ("old".to_owned(), set(4))]);
+        let timed = p.replace(5, read);
+        assert_eq!(timed.len(), 2, "6 and 7 applied; 9 waits (8 missing)");
+        assert_eq!(p.version(), 7);
+        assert_eq!(p.get("a"), Some(set(7)));
+        assert_eq!(p.get("b"), Some(set(6)));
+        assert_eq!(p.get("old"), Some(set(4)));
+        assert_eq!(p.get("c"), None);
+        // After the read, changes apply at once again.
+        assert_eq!(p.apply(7, 8, "d", set(8)), Applied::Now);
+    }
+
+    #[test]
+    fn a_message_is_parsed_or_ignored_whole() {
+        let r = RuntimeLimits::default();
+        assert_eq!(
+            r.on_message("#L\tapi\t0\t1\t5:0:0:1700\tk\twith\ttabs"),
+            Some(1700)
+        );
+        assert_eq!(
+            r.slot("api", "k\twith\ttabs"),
+            Some(set(5)).map(|_| Slot::Set(Entry {
+                limit: 5,
+                burst: 0,
+                expires_ms: 0,
+                since_ms: 1700
+            }))
+        );
+        assert_eq!(
+            r.on_message("#L\tapi\t1\t2\t-1800\tk\twith\ttabs"),
+            Some(1800)
+        );
+        assert_eq!(
+            r.slot("api", "k\twith\ttabs"),
+            Some(Slot::Gone { since_ms: 1800 })
+        );
+        for bad in [
+            "#L\tapi",
+            "#L\tapi\tx\t3\t5:0:0:1\tk",
+            "#L\tapi\t2\t3\t5:0\tk",
+            "rl:api:fw:{k}",
+        ] {
+            assert_eq!(r.on_message(bad), None, "{bad}");
+        }
+        assert_eq!(r.of("api").version(), 2);
+    }
 }

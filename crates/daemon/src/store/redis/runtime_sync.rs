@@ -60,17 +60,26 @@ impl RedisStore {
         }
         let at = match self.runtime_version(keys).await {
             Ok(v) if v == copy.version() => true,
-            Ok(_) => match self.runtime_read_all(keys).await {
-                Ok((version, slots)) => {
-                    copy.replace(version, slots);
-                    self.metrics.runtime_limit_resyncs.inc();
-                    true
+            Ok(_) => {
+                copy.begin_read();
+                match self.runtime_read_all(keys).await {
+                    Ok((version, slots)) => {
+                        let now = crate::runtime_limits::now_ms();
+                        for since_ms in copy.replace(version, slots) {
+                            let delay = (now - since_ms).max(0) as f64 / 1000.0;
+                            self.metrics.runtime_limit_propagation.observe(delay);
+                        }
+                        self.metrics.runtime_limit_resyncs.inc();
+                        true
+                    }
+                    Err(e) => {
+                        // (What arrived meanwhile waits for the next read.)
+                        copy.abandon_read();
+                        tracing::warn!(policy = %keys.policy, error = %e, "runtime limits not read");
+                        false
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(policy = %keys.policy, error = %e, "runtime limits not read");
-                    false
-                }
-            },
+            }
             Err(e) => {
                 tracing::debug!(policy = %keys.policy, error = %e, "runtime limits' version not read");
                 false
