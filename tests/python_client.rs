@@ -40,7 +40,9 @@ const CALLS: &str = r#"
 import sys
 from quotad_client import AuthenticatedClient, Client
 from quotad_client.api.default import check, reset_key, list_policies, get_status, readyz
+from quotad_client.api.default import set_runtime_limit, get_runtime_limit, list_runtime_limits, delete_runtime_limit
 from quotad_client.models import Batch, Check, Decision, BatchDecision, Error, Policies, Reset, Status
+from quotad_client.models import RuntimeLimit, RuntimeLimitWrite
 
 url, token = sys.argv[1], sys.argv[2]
 c = Client(base_url=url)
@@ -60,6 +62,21 @@ assert isinstance(p, Policies) and [x.name for x in p.policies] == ["api"], p
 s = get_status.sync(client=c)
 assert isinstance(s, Status) and s.region == "local" and s.peers == [], s
 assert readyz.sync_detailed(client=c).status_code == 200
+# A customer's own limit, set, read, listed and deleted through the admin operations.
+r = set_runtime_limit.sync_detailed("api", "alice", client=c, body=RuntimeLimitWrite(limit=50))
+assert r.status_code == 401, r
+r = set_runtime_limit.sync_detailed("api", "alice", client=admin, body=RuntimeLimitWrite(limit=50))
+assert r.status_code == 200 and r.parsed is not None and r.parsed.limit == 50, r
+d = check.sync(client=c, body=Check(policy="api", key="alice", cost=0))
+assert d.limit == 50 and d.limit_source == "runtime", d
+got = get_runtime_limit.sync("api", "alice", client=admin)
+assert isinstance(got, RuntimeLimit) and got.limit == 50 and got.expires_at is None, got
+page = list_runtime_limits.sync("api", client=admin, count=10)
+assert [x.key for x in page.limits] == ["alice"] and page.next_cursor is None, page
+r = delete_runtime_limit.sync_detailed("api", "alice", client=admin)
+assert r.status_code == 200, r
+r = get_runtime_limit.sync_detailed("api", "alice", client=admin)
+assert r.status_code == 404 and r.parsed.error.code == "no_runtime_limit", r
 print("ok")
 "#;
 
@@ -92,7 +109,7 @@ fn a_generated_python_client_calls_a_live_daemon() {
     let redis = RedisServer::start();
     let q = Quotad::start(
         &Config::redis(&redis.url())
-            .policy(Policy::new("api", "fixed_window", 10, "1h"))
+            .policy(Policy::new("api", "fixed_window", 10, "1h").runtime_limits(10))
             .to_toml(),
     );
     let run = Command::new(venv.join("bin/python"))

@@ -672,3 +672,76 @@ fn a_change_after_a_loss_is_never_taken_for_one_before_it() {
         until_applied(q, "old", 3, "config");
     }
 }
+
+/// On a Redis Cluster (three masters): a policy's runtime limits share one slot, the
+/// change message reaches every instance whichever node it subscribed to, and a new
+/// instance reads the set from the slot's master.
+#[test]
+fn runtime_limits_work_on_a_redis_cluster() {
+    let cluster = common::cluster::RedisCluster::start();
+    let text = Config::cluster(&cluster.seeds())
+        .policy(Policy::new("api", "fixed_window", 3, "1h").runtime_limits(100))
+        .to_toml();
+    let (a, b) = (Quotad::start(&text), Quotad::start(&text));
+    synced(&a);
+    synced(&b);
+    for (i, key) in ["alpha", "beta", "gamma"].into_iter().enumerate() {
+        let (status, body) = a.admin(
+            "PUT",
+            &format!("/v1/limits/api/{key}"),
+            Some(&json!({"limit": 10 + i})),
+        );
+        assert_eq!(status, 200, "{body}");
+        until_applied(&b, key, 10 + i as u64, "runtime");
+    }
+    let c = Quotad::start(&text);
+    synced(&c);
+    assert_eq!(peek(&c, "gamma")["limit"], 12);
+    let (status, body) = c.admin("GET", "/v1/limits/api?count=10", None);
+    assert_eq!(
+        (status, body["limits"].as_array().map(Vec::len)),
+        (200, Some(3)),
+        "{body}"
+    );
+}
+
+/// Behind Sentinel: the runtime limits are on the master and its replica, so a failover
+/// keeps them; a change after it reaches every instance.
+#[test]
+fn runtime_limits_survive_a_sentinel_failover() {
+    use common::sentinel::{MASTER_NAME, SentinelSetup};
+    let setup = SentinelSetup::start();
+    let text = Config::sentinel(&setup.sentinel_urls(), MASTER_NAME)
+        .store("probe_interval", "100ms")
+        .policy(Policy::new("api", "fixed_window", 3, "1h").runtime_limits(100))
+        .to_toml();
+    let (a, b) = (Quotad::start(&text), Quotad::start(&text));
+    synced(&a);
+    let (status, _) = a.admin("PUT", "/v1/limits/api/vip", Some(&json!({"limit": 9})));
+    assert_eq!(status, 200);
+    until_applied(&b, "vip", 9, "runtime");
+    // Replicated before the switch.
+    let mut master = setup.master.conn();
+    let _: () = redis::cmd("WAIT")
+        .arg(1)
+        .arg(5000)
+        .query(&mut master)
+        .unwrap();
+    setup.sentinels[0].failover();
+    wait_for("the replica promoted", Duration::from_secs(20), || {
+        setup
+            .sentinels
+            .iter()
+            .all(|s| s.master_port() == Some(setup.replica.port))
+            .then_some(())
+    });
+    let (status, _) = wait_for("a write on the new master", Duration::from_secs(20), || {
+        let r = b.admin("PUT", "/v1/limits/api/gold", Some(&json!({"limit": 7})));
+        (r.0 == 200).then_some(r)
+    });
+    assert_eq!(status, 200);
+    for q in [&a, &b] {
+        until_applied(q, "gold", 7, "runtime");
+        until_applied(q, "vip", 9, "runtime");
+    }
+}
