@@ -509,7 +509,9 @@ async fn readyz(State(state): State<AppState>) -> Response {
     let store_ready = state.store.is_ready();
     // A new instance answers with keys' runtime limits only once it has read them: while
     // the store is up, not before (while it is down, the fail modes answer anyway).
-    let synced = state.live.runtime().is_synced();
+    let live = state.live.get();
+    let synced =
+        state.live.runtime().is_synced() || !live.policies.iter().any(|p| p.runtime.is_some());
     let ready =
         !draining && (store_ready || !state.ready_requires_store) && (synced || !store_ready);
     let status = if ready {
