@@ -279,6 +279,10 @@ const BAD: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "reserved_policy_name.toml",
+        &["2: policy[0].name: \"coordinator\" is reserved"],
+    ),
+    (
         "calendar_problems.toml",
         &[
             "5: policy[0].window: window = \"month\" needs time_zone, where its periods start at midnight",

@@ -435,6 +435,14 @@ fn bad_runtime_limit_writes_change_nothing() {
         assert_eq!(status, 401, "{headers:?}");
     }
     assert_eq!(dump(&mut conn), before, "nothing changed in Redis");
+    // A refused change that named its policy and key is in the audit log as failed.
+    let log = q.log();
+    assert!(
+        log.lines().any(|l| l.contains("admin request")
+            && l.contains("limit_set")
+            && l.contains("failed")),
+        "no audit line of a refused change:\n{log}"
+    );
     assert_eq!(peek(&q, "a")["limit"], 5);
 }
 

@@ -87,6 +87,15 @@ const FENCE: &str = "fence";
 /// the safe side. (They cannot collide: a policy's keys always end in a `{…}` tag.)
 const COORDINATOR: &str = "coordinator";
 
+/// Whether `name` may not name a policy: the coordinator's keys are
+/// `<prefix>:coordinator:...`, where a policy's would be `<prefix>:<policy>:...`, and the
+/// janitor would take a policy's keys for the coordinator's (never expired).
+pub(crate) fn reserved_name(name: &str) -> Option<&'static str> {
+    (name == COORDINATOR).then_some(
+        "\"coordinator\" is reserved: the region's coordinator keeps its keys under <prefix>:coordinator:, where this policy's would be",
+    )
+}
+
 /// Whose a key is, by its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum KeyOwner<'k> {

@@ -217,6 +217,19 @@ pub(super) async fn put(
         e
     };
     let base = target(&state, &policy, Some(&key)).map_err(failed)?;
+    // From here the request names a policy and a key: a failure is audited too.
+    let failed = |e| {
+        admin::audit(
+            &state.metrics,
+            &caller,
+            ACTION,
+            &base.name,
+            &key,
+            false,
+            None,
+        );
+        e
+    };
     let body = json_body(&state, req).await.map_err(failed)?;
     let configured = live.policies.configured_for_key(&base, &key);
     let new = new_limit(&body, &configured).map_err(failed)?;
@@ -273,6 +286,18 @@ pub(super) async fn delete(
         e
     };
     let base = target(&state, &policy, Some(&key)).map_err(failed)?;
+    let failed = |e| {
+        admin::audit(
+            &state.metrics,
+            &caller,
+            ACTION,
+            &base.name,
+            &key,
+            false,
+            None,
+        );
+        e
+    };
     let written = state
         .limiter
         .delete_runtime_limit(state.live.runtime(), &base, &key)

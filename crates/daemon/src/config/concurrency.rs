@@ -24,6 +24,8 @@ impl Validator<'_> {
         let name = p.name.get_ref();
         if !policy::valid_name(name) {
             self.error(&p.name, &field(i, "name"), NAME_RULE);
+        } else if let Some(why) = crate::layout::reserved_name(name) {
+            self.error(&p.name, &field(i, "name"), why);
         }
         let limit = self.integer(
             Some(&p.limit),

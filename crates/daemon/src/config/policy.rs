@@ -295,6 +295,8 @@ impl Validator<'_> {
         let name = p.name.get_ref();
         if !policy::valid_name(name) {
             self.error(&p.name, &policy_field(i, "name"), NAME_RULE);
+        } else if let Some(why) = crate::layout::reserved_name(name) {
+            self.error(&p.name, &policy_field(i, "name"), why);
         }
         let algorithm = self.algorithm(i, &p.algorithm);
         let limit = self.limit(i, &p.limit, algorithm);
