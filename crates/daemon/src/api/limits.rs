@@ -203,6 +203,44 @@ fn store_error(state: &AppState, e: ResetError) -> ApiError {
     }
 }
 
+/// Who makes a change of `key`'s runtime limit in `policy`, and the policy: a token of
+/// `[admin]` first (401, counted), then a policy that takes runtime limits and a key within
+/// bounds (4xx, counted as failed: it names nothing to audit).
+fn admin_target<'a>(
+    state: &AppState,
+    live: &'a crate::reload::Live,
+    headers: &axum::http::HeaderMap,
+    action: &str,
+    policy: &str,
+    key: &str,
+) -> Result<(crate::config::Caller<'a>, std::sync::Arc<Policy>), ApiError> {
+    let caller = admin::authorize(&live.admin, headers, &state.metrics, action)?;
+    let base = target(state, policy, Some(key))
+        .inspect_err(|_| admin::count(&state.metrics, action, "failed"))?;
+    Ok((caller, base))
+}
+
+/// `e`, the end of a change of `key` in `policy` that was refused or failed, audited.
+fn audit_failed(
+    state: &AppState,
+    caller: &crate::config::Caller<'_>,
+    action: &str,
+    policy: &Policy,
+    key: &str,
+    e: ApiError,
+) -> ApiError {
+    admin::audit(
+        &state.metrics,
+        caller,
+        action,
+        &policy.name,
+        key,
+        false,
+        None,
+    );
+    e
+}
+
 /// `PUT /v1/limits/{policy}/{key}`: sets the key's own limit.
 pub(super) async fn put(
     State(state): State<AppState>,
@@ -211,25 +249,9 @@ pub(super) async fn put(
 ) -> Result<Response, ApiError> {
     const ACTION: &str = "limit_set";
     let live = state.live.get();
-    let caller = admin::authorize(&live.admin, req.headers(), &state.metrics, ACTION)?;
-    let failed = |e| {
-        admin::count(&state.metrics, ACTION, "failed");
-        e
-    };
-    let base = target(&state, &policy, Some(&key)).map_err(failed)?;
-    // From here the request names a policy and a key: a failure is audited too.
-    let failed = |e| {
-        admin::audit(
-            &state.metrics,
-            &caller,
-            ACTION,
-            &base.name,
-            &key,
-            false,
-            None,
-        );
-        e
-    };
+    let (caller, base) = admin_target(&state, &live, req.headers(), ACTION, &policy, &key)?;
+    // The request names a policy and a key: a failure is audited too.
+    let failed = |e| audit_failed(&state, &caller, ACTION, &base, &key, e);
     let body = json_body(&state, req).await.map_err(failed)?;
     let configured = live.policies.configured_for_key(&base, &key);
     let new = new_limit(&body, &configured).map_err(failed)?;
@@ -280,24 +302,8 @@ pub(super) async fn delete(
 ) -> Result<Response, ApiError> {
     const ACTION: &str = "limit_delete";
     let live = state.live.get();
-    let caller = admin::authorize(&live.admin, req.headers(), &state.metrics, ACTION)?;
-    let failed = |e| {
-        admin::count(&state.metrics, ACTION, "failed");
-        e
-    };
-    let base = target(&state, &policy, Some(&key)).map_err(failed)?;
-    let failed = |e| {
-        admin::audit(
-            &state.metrics,
-            &caller,
-            ACTION,
-            &base.name,
-            &key,
-            false,
-            None,
-        );
-        e
-    };
+    let (caller, base) = admin_target(&state, &live, req.headers(), ACTION, &policy, &key)?;
+    let failed = |e| audit_failed(&state, &caller, ACTION, &base, &key, e);
     let written = state
         .limiter
         .delete_runtime_limit(state.live.runtime(), &base, &key)
