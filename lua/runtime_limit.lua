@@ -15,13 +15,14 @@
 -- operator's data, not a limiter's state (the janitor leaves them alone).
 -- ARGV[1]  'set' | 'delete' | 'purge'
 -- set      ARGV: user key, limit, burst, expires_ms, max_keys, channel, policy, storage
---          key, keep_ms. Returns {version, old value or '', version before}; {-1, ''}: expires_ms is not
+--          key, keep_ms. Returns {version, old value or '', version before, now_ms}; {-1, ...}: expires_ms is not
 --          after now; {-2, ''}: the policy holds max_keys entries and this key has none.
 -- delete   ARGV: user key, -, -, -, -, channel, policy, storage key, keep_ms.
---          Returns {version, old value, version before}; {0, ''}: the key had none.
+--          Returns {version, old value, version before, now_ms}; {0, ...}: the key had none.
 -- purge    ARGV: -, -, -, -, -, channel, policy, -, keep_ms: the entries whose expiry has
 --          passed go (at most 100 a call), and the marks of D older than keep_ms.
---          Returns {version, how many went, 0}. Every reply has three elements.
+--          Returns {version, how many went, 0, now_ms}. Every reply has these four
+--          elements; now_ms is Redis's clock at the change, when its numbers came into force.
 -- A change PUBLISHes "#L\t<policy>\t<version before>\t<version>\t<value, or -<now_ms> when
 -- it went>\t<user key>" (a copy at the version before applies it) and then the
 -- key's storage key (what the deny cache and hot slices of the key drop) first, as a reset
@@ -76,17 +77,17 @@ end
 
 if op == 'purge' then
   local n = purge(100)
-  return {current_version(), n, 0}
+  return {current_version(), n, 0, now}
 end
 if op == 'set' then
   local limit, burst, expires = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
   local most = tonumber(ARGV[6])
-  if expires > 0 and expires <= now then return {-1, '', 0} end
+  if expires > 0 and expires <= now then return {-1, '', 0, now} end
   local old = redis.call('HGET', H, key)
   if not old then
     -- What has expired makes room first.
     purge(10)
-    if redis.call('HLEN', H) >= most then return {-2, '', 0} end
+    if redis.call('HLEN', H) >= most then return {-2, '', 0, now} end
   end
   local value = string.format('%d:%d:%d:%d', limit, burst, expires, now)
   local before = current_version()
@@ -99,12 +100,12 @@ if op == 'set' then
     redis.call('ZREM', X, key)
   end
   redis.call('ZREM', D, key)
-  return {put_version(v), old or '', before}
+  return {put_version(v), old or '', before, now}
 end
 if op == 'delete' then
   local old = redis.call('HGET', H, key)
-  if not old then return {0, '', 0} end
+  if not old then return {0, '', 0, now} end
   local before = current_version()
-  return {gone(key, storage), old, before}
+  return {gone(key, storage), old, before, now}
 end
 return redis.error_reply('ERR quotad runtime_limit: expected set, delete or purge')

@@ -261,14 +261,15 @@ pub(super) async fn put(
         .set_runtime_limit(runtime, &base, &key, new)
         .await
         .map_err(|e| failed(store_error(&state, e)))?;
-    let entry = Entry {
-        limit: new.limit,
-        burst: new.burst,
-        expires_ms: new.expires_ms,
-        since_ms: crate::runtime_limits::now_ms(),
-    };
     let answer = match written {
-        RuntimeWritten::Done { old, .. } => {
+        RuntimeWritten::Done { old, at_ms, .. } => {
+            // As the store has it: in force since its clock's instant of the write.
+            let entry = Entry {
+                limit: new.limit,
+                burst: new.burst,
+                expires_ms: new.expires_ms,
+                since_ms: at_ms,
+            };
             let change = (numbers(old.as_ref()), numbers(Some(&entry)));
             let change = Some((change.0.as_str(), change.1.as_str()));
             admin::audit(

@@ -6,7 +6,7 @@
 use super::{Limiter, ResetError};
 use crate::layout::RuntimeLimitKeys;
 use crate::policy::Policy;
-use crate::runtime_limits::{Entry, RuntimeLimits, RuntimeWrite, RuntimeWritten, Slot};
+use crate::runtime_limits::{Entry, RuntimeLimits, RuntimeWrite, RuntimeWritten};
 
 /// A key's own numbers to set.
 #[derive(Debug, Clone, Copy)]
@@ -43,13 +43,7 @@ impl Limiter {
             max_keys: policy.runtime.map_or(0, |r| r.max_keys),
             storage_key: &storage_key,
         };
-        let entry = Entry {
-            limit: new.limit,
-            burst: new.burst,
-            expires_ms: new.expires_ms,
-            since_ms: crate::runtime_limits::now_ms(),
-        };
-        self.change_runtime_limit(runtime, policy, key, &write, Slot::Set(entry))
+        self.change_runtime_limit(runtime, policy, key, &write)
             .await
     }
 
@@ -65,23 +59,19 @@ impl Limiter {
             key,
             storage_key: &storage_key,
         };
-        let gone = Slot::Gone {
-            since_ms: crate::runtime_limits::now_ms(),
-        };
-        self.change_runtime_limit(runtime, policy, key, &write, gone)
+        self.change_runtime_limit(runtime, policy, key, &write)
             .await
     }
 
-    /// `write` in the store; done, `key` is `slot` in this instance's copy at once (the
-    /// channel brings it to the others, and here too, where it is then a version already
-    /// applied).
+    /// `write` in the store; done, this instance's copy has it at once, with the store's
+    /// instant of it as every other copy will (the channel brings it to the others, and
+    /// here too, where it is then a version already applied).
     async fn change_runtime_limit(
         &self,
         runtime: &RuntimeLimits,
         policy: &Policy,
         key: &str,
         write: &RuntimeWrite<'_>,
-        slot: Slot,
     ) -> Result<RuntimeWritten, ResetError> {
         let keys = self.runtime_keys(policy);
         let permit = self.store.admit(1).await?;
@@ -90,8 +80,12 @@ impl Limiter {
             .runtime_write(&permit, runtime, &keys, write)
             .await?;
         if let RuntimeWritten::Done {
-            before, version, ..
+            before,
+            version,
+            at_ms,
+            ..
         } = written
+            && let Some(slot) = write.slot(at_ms)
         {
             runtime.of(&policy.name).apply(before, version, key, slot);
         }

@@ -95,14 +95,37 @@ pub(crate) enum RuntimeWrite<'a> {
     Purge,
 }
 
+impl RuntimeWrite<'_> {
+    /// What the key is after this write, done at `at_ms` (a purge: nothing of one key).
+    pub(crate) fn slot(&self, at_ms: i64) -> Option<Slot> {
+        match *self {
+            RuntimeWrite::Set {
+                limit,
+                burst,
+                expires_ms,
+                ..
+            } => Some(Slot::Set(Entry {
+                limit,
+                burst,
+                expires_ms,
+                since_ms: at_ms,
+            })),
+            RuntimeWrite::Delete { .. } => Some(Slot::Gone { since_ms: at_ms }),
+            RuntimeWrite::Purge => None,
+        }
+    }
+}
+
 /// What a [`RuntimeWrite`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RuntimeWritten {
-    /// Done at `version`, on the set at version `before`; `old`: the key's entry before;
-    /// `purged`: entries a purge ended.
+    /// Done at `version`, on the set at version `before`, at `at_ms` by the store's clock
+    /// (when the change came into force); `old`: the key's entry before; `purged`: entries
+    /// a purge ended.
     Done {
         before: u64,
         version: u64,
+        at_ms: i64,
         old: Option<Entry>,
         purged: u64,
     },
@@ -310,6 +333,7 @@ impl RuntimeLimits {
         let done = |old| RuntimeWritten::Done {
             before: version - 1,
             version,
+            at_ms: now,
             old,
             purged: 0,
         };

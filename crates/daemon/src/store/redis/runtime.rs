@@ -54,7 +54,7 @@ impl RedisStore {
             .arg(storage)
             .arg(keys.keep_ms);
         let inv = &inv;
-        let (version, old, before): (i64, redis::Value, Option<u64>) = self
+        let (version, old, before, at_ms): (i64, redis::Value, Option<u64>, i64) = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
             .await?;
         let old = match old {
@@ -69,6 +69,7 @@ impl RedisStore {
             v => RuntimeWritten::Done {
                 before: before.unwrap_or(0),
                 version: v as u64,
+                at_ms,
                 old: Entry::parse(&old),
                 purged: if op == "purge" {
                     old.parse().unwrap_or(0)
