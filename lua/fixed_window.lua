@@ -36,6 +36,7 @@ end
 local slot, count, owed = fixed_roll(stored, count0, owed0, math.floor(now / nw), nl)
 if not stored then count, owed = 0, 0 end
 local cap = r.cap
+usage_is(count, owed)
 local function clear_after(o) return fixed_clear_after((slot + 1) * nw - now, o, nl, nw) end
 local function or_rest(x)
   if rest then return math.min(x, rest) end

@@ -40,6 +40,8 @@ local tau = interval * r.cap
 local own = own_tokens(r, hold, limit, window, burst, now)
 local base = now
 if tat and tat > now then base = tat end
+-- A TAT beyond now + tau owes: whole units, as the model counts them.
+if base - now > tau then usage_is(nil, math.ceil((base - now - tau) / interval - 1e-9)) end
 
 -- Units that would still conform now with the TAT at t, after `spent` more.
 local function remaining_of(t, spent)

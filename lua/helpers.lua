@@ -106,13 +106,32 @@ local function floor_u(x)
   if x <= 0 then return 0 end
   return math.floor(x)
 end
+-- The usage op (prelude.lua): a peek that also answers what the key used and owes, and
+-- the store's clock. USAGE is set by the prelude for that op only; an algorithm states
+-- what its state holds on its way to the verdict (usage_is: used nil means the capacity
+-- less what remains), and verdict appends {used, debt, now_us} to its reply. The model is
+-- quotad_core::algorithm::usage.
+local USAGE = nil
+local function usage_is(used, debt)
+  if USAGE then USAGE.used, USAGE.debt = used, debt end
+end
 local function verdict(allowed, remaining, reset_after, retry_after)
   reset_after = real_after(reset_after)
-  if allowed then return {1, remaining, reset_after, 0} end
-  if retry_after < 1 then retry_after = 1 end
-  retry_after = real_after(retry_after)
-  if retry_after < 1 then retry_after = 1 end
-  return {0, remaining, reset_after, retry_after}
+  local v
+  if allowed then
+    v = {1, remaining, reset_after, 0}
+  else
+    if retry_after < 1 then retry_after = 1 end
+    retry_after = real_after(retry_after)
+    if retry_after < 1 then retry_after = 1 end
+    v = {0, remaining, reset_after, retry_after}
+  end
+  if USAGE then
+    v[5] = USAGE.used or math.max(0, USAGE.burst - remaining)
+    v[6] = USAGE.debt or 0
+    v[7] = USAGE.now
+  end
+  return v
 end
 
 -- What a hot-key slice's take grants of `left` units (`cap`: the limit or burst): the

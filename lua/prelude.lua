@@ -4,8 +4,11 @@
 -- parameters instead.
 --
 -- KEYS[1]  the key's storage key (built by quotad in one function; hash tag around the user key)
--- ARGV[1]  'check' | 'refund' | 'charge' (token_bucket and gcra only: spend cost whether
---          or not the key has it, the rest becoming debt; never denied)
+-- ARGV[1]  'check' | 'refund' | 'charge' (token_bucket, gcra and fixed_window: spend
+--          cost whether or not the key has it, the rest becoming debt; never denied) |
+--          'usage' (a peek with cost 0 that also replies what the key used and owes and
+--          the store's clock, helpers.lua: {allowed, remaining, reset_after_us,
+--          retry_after_us, used, debt, now_us}; writes nothing)
 -- ARGV[2]  limit        admissions per window (token_bucket / gcra: refill of limit per window)
 -- ARGV[3]  window_us    window length in microseconds, or a fixed window's calendar
 --                       periods (helpers.lua, window_enter): then `now` is period time
@@ -31,9 +34,14 @@ local key = KEYS[1]
 local refund = ARGV[1] == 'refund'
 local charge = ARGV[1] == 'charge'
 local limit = tonumber(ARGV[2])
-local window, now = window_enter(ARGV[3], clock_us(ARGV[9]))
+local real_now = clock_us(ARGV[9])
+local window, now = window_enter(ARGV[3], real_now)
 local burst = tonumber(ARGV[4])
 local cost = tonumber(ARGV[5])
+if ARGV[1] == 'usage' then
+  if cost ~= 0 then return redis.error_reply('ERR quotad script: usage takes cost 0') end
+  USAGE = {now = real_now, burst = burst}
+end
 local member = ARGV[6]
 local F, V = ARGV[7], ARGV[8]
 -- A peek (check with cost 0) evaluates a cost-1 request and writes nothing.

@@ -12,12 +12,21 @@
 if charge then
   return redis.error_reply('ERR quotad sliding_log: a window cannot hold a debt (charge)')
 end
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
-local count = redis.call('ZCARD', key)
+-- Entries that left the window are trimmed, except by the usage op, which writes nothing
+-- and counts past them (`skip` of them come first by rank).
+local count, skip = 0, 0
+if USAGE then
+  count = redis.call('ZCOUNT', key, string.format('(%d', now - window), '+inf')
+  skip = redis.call('ZCARD', key) - count
+else
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
+  count = redis.call('ZCARD', key)
+end
 
 local function reset_after()
   local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if newest[2] then return tonumber(newest[2]) + window - now end
+  -- (Past the window only for the usage op, which trims nothing: then it has left.)
+  if newest[2] then return math.max(0, tonumber(newest[2]) + window - now) end
   return 0
 end
 
@@ -54,5 +63,5 @@ if count + eval_cost <= limit then
 end
 -- The request fits once the oldest (count + cost - limit) entries have left the window.
 local k = count + eval_cost - limit
-local kth = redis.call('ZRANGE', key, k - 1, k - 1, 'WITHSCORES')
+local kth = redis.call('ZRANGE', key, skip + k - 1, skip + k - 1, 'WITHSCORES')
 return verdict(false, math.max(0, limit - count), reset_after(), tonumber(kth[2]) + window - now)

@@ -42,6 +42,8 @@ else
   tokens = bucket_refill(tokens, ts, now, nl, nw, nb, slices)
 end
 local own = own_tokens(r, hold, limit, window, burst, now)
+-- Below zero the bucket owes: whole units, as the model counts them.
+if tokens < 0 then usage_is(nil, math.ceil(-tokens - 1e-9)) end
 
 local function full_in(t)
   return math.ceil((nb - t) * nw / nl)

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use common::RedisServer;
-use quotad_core::algorithm::{self, Algorithm, Limits, Op, Since, State, Verdict, Write};
+use quotad_core::algorithm::{self, Algorithm, Limits, Op, Since, State, Usage, Verdict, Write};
 use quotad_core::calendar::{Calendar, Period, Periods};
 use quotad_daemon::testing::redis as scripts;
 use quotad_daemon::testing::ttl_ms;
@@ -144,6 +144,66 @@ fn lua_mode(
         retry_after_us: r[3],
     };
     (v, pttl)
+}
+
+/// The script's `usage` operation on `key` at `now`, which must leave the key exactly as
+/// it was (its DUMP and its PTTL), against the model's [`algorithm::usage`].
+#[allow(clippy::too_many_arguments)]
+fn usage_matches(
+    conn: &mut redis::Connection,
+    sha: &str,
+    key: &str,
+    alg: Algorithm,
+    l: &Limits,
+    state: Option<&State>,
+    now: i64,
+    periods: Option<&Periods>,
+    context: &dyn Fn() -> String,
+) {
+    let (frame, since) = scripts::frame_args(l);
+    let window = scripts::window_arg(l, periods).to_string();
+    type Read = (Option<Vec<u8>>, i64, Vec<i64>, Option<Vec<u8>>, i64);
+    let (before, pttl0, r, after, pttl1): Read = redis::pipe()
+        .atomic()
+        .cmd("DUMP")
+        .arg(key)
+        .cmd("PTTL")
+        .arg(key)
+        .cmd("EVALSHA")
+        .arg(sha)
+        .arg(1)
+        .arg(key)
+        .arg("usage")
+        .arg(l.limit)
+        .arg(&window)
+        .arg(l.burst)
+        .arg(0)
+        .arg("")
+        .arg(frame)
+        .arg(since)
+        .arg(now)
+        .cmd("DUMP")
+        .arg(key)
+        .cmd("PTTL")
+        .arg(key)
+        .query(conn)
+        .unwrap_or_else(|e| panic!("usage failed: {e}"));
+    assert_eq!(before, after, "usage wrote the key: {}", context());
+    assert_eq!(pttl0, pttl1, "usage changed the key's TTL: {}", context());
+    let got = Usage {
+        verdict: Verdict {
+            allowed: r[0] == 1,
+            remaining: r[1] as u64,
+            reset_after_us: r[2],
+            retry_after_us: r[3],
+        },
+        used: r[4] as u64,
+        debt: r[5] as u64,
+    };
+    assert_eq!(r.len(), 7, "{}", context());
+    assert_eq!(r[6], now, "usage answers the store's clock: {}", context());
+    let want = algorithm::usage(periods, alg, l, state, now);
+    assert_eq!(got, want, "usage: Lua and Rust disagree: {}", context());
 }
 
 fn drive(redis: &RedisServer, run: &Run, steps: usize) {
@@ -278,6 +338,23 @@ fn drive(redis: &RedisServer, run: &Run, steps: usize) {
             Write::Delete => {
                 model.remove(key);
             }
+        }
+        if rng.random_range(0..100) < 20 {
+            let k = keys[rng.random_range(0..keys.len())];
+            let storage_key = format!("diff:{}:{}:{k}", run.alg.key_tag(), run.seed);
+            let context = || format!("{:?} seed {} step {step} key {k}", run.alg, run.seed);
+            let state = model.get(k);
+            usage_matches(
+                &mut conn,
+                &sha,
+                &storage_key,
+                run.alg,
+                &l,
+                state,
+                now,
+                None,
+                &context,
+            );
         }
         if let (Op::Check { cost }, None) = (op, charged) {
             if got.allowed && cost > 0 {
@@ -494,6 +571,29 @@ fn drive_calendar(redis: &RedisServer, run: &CalendarRun, episodes: usize, steps
                 Write::Delete => {
                     model.remove(&key);
                 }
+            }
+            if rng.random_range(0..100) < 20 {
+                let k = ["a", "b", "c"][rng.random_range(0..3)];
+                let storage_key = format!("cal:{}:{episode}:{k}", run.seed);
+                let context = || {
+                    format!(
+                        "{} seed {} episode {episode} step {step}",
+                        run.zone, run.seed
+                    )
+                };
+                let state = model.get(k);
+                let alg = Algorithm::FixedWindow;
+                usage_matches(
+                    &mut conn,
+                    &sha,
+                    &storage_key,
+                    alg,
+                    &l,
+                    state,
+                    now,
+                    periods,
+                    &context,
+                );
             }
             if let (Op::Check { cost }, None) = (op, charged) {
                 if got.allowed && cost > 0 {

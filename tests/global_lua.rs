@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use common::RedisServer;
 use quotad_core::algorithm::{Op, Verdict};
 use quotad_core::coordinator::RegionId;
-use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
+use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, RegionUsage, Shape};
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
 use quotad_daemon::testing::federation::{self as books, SLOT_FIELDS};
 use quotad_daemon::testing::redis as global;
@@ -147,6 +147,23 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                     got,
                     want,
                     "seed {seed} step {step}: {op:?} on {user}\n{}",
+                    trace.join("\n")
+                );
+                // What the key holds here, read by the usage mode: as the model reads
+                // it, and nothing written (the stored state is compared below).
+                let inv = global::usage_invocation(&s.check, &key, user, &keys, &args, Some(now));
+                let reply: Vec<i64> = inv.invoke(conn).unwrap();
+                let (got_usage, at) =
+                    quotad_daemon::testing::redis::parse_region_usage(&reply).unwrap();
+                let want_usage = slot.usage(&d, &shape, now);
+                let milli = |u: &RegionUsage| {
+                    [u.rate, u.escrow, u.lent, u.borrowed, u.capacity]
+                        .map(|x| (x * 1000.0 + 0.5).floor() / 1000.0)
+                };
+                assert_eq!(
+                    (got_usage.verdict, milli(&got_usage), at),
+                    (want_usage.verdict, milli(&want_usage), now),
+                    "seed {seed} step {step}: usage of {user}\n{}",
                     trace.join("\n")
                 );
                 format!("{op:?} -> {got:?}")

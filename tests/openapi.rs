@@ -158,6 +158,24 @@ const ELSEWHERE: &[(&str, &str, &str, &str)] = &[
     ),
     ("/readyz", "get", "503", "tests/shutdown.rs (draining)"),
     (
+        "/v1/usage/{policy}/{key}",
+        "get",
+        "503",
+        "tests/usage.rs (a read of a Redis that is gone)",
+    ),
+    (
+        "/v1/usage",
+        "post",
+        "408",
+        "tests/bad_input.rs (a body that stops arriving: the same reader as /v1/check)",
+    ),
+    (
+        "/v1/usage",
+        "post",
+        "503",
+        "tests/usage.rs (a read of a Redis that is gone)",
+    ),
+    (
         "/v1/acquire",
         "post",
         "503",
@@ -393,6 +411,36 @@ fn the_spec_is_the_contract() {
         admin("DELETE", "/v1/limits/plan/a", LIMIT, Value::Null),
         admin("DELETE", "/v1/limits/api/a", LIMIT, Value::Null),
         no_token("DELETE", "/v1/limits/plan/a", LIMIT, Value::Null),
+    ]);
+    // Usage: one key (a local and a global policy's), refused, and several at once.
+    const USAGE_KEY: &str = "/v1/usage/{policy}/{key}";
+    let mut usage_text = case("POST", "/v1/usage", "/v1/usage", json!("x"));
+    usage_text.headers = vec![("content-type", "text/plain")];
+    cases.extend([
+        case("GET", "/v1/usage/plan/a", USAGE_KEY, Value::Null),
+        case("GET", "/v1/usage/g/a", USAGE_KEY, Value::Null),
+        case("GET", "/v1/usage/nope/a", USAGE_KEY, Value::Null),
+        case("GET", "/v1/usage/streams/a", USAGE_KEY, Value::Null),
+        case(
+            "POST",
+            "/v1/usage",
+            "/v1/usage",
+            json!({"keys": [{"policy": "plan", "key": "a"}, {"policy": "metered", "key": "m"}]}),
+        ),
+        case("POST", "/v1/usage", "/v1/usage", json!({"keys": []})),
+        case(
+            "POST",
+            "/v1/usage",
+            "/v1/usage",
+            json!({"keys": [{"policy": "nope", "key": "a"}]}),
+        ),
+        case(
+            "POST",
+            "/v1/usage",
+            "/v1/usage",
+            json!({"keys": [{"policy": "plan", "key": big}]}),
+        ),
+        usage_text,
     ]);
     for m in ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"] {
         let route = "/v1/authz/{policy}";

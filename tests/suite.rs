@@ -69,3 +69,4 @@ mod tls;
 mod topologies;
 mod transitions;
 mod unix_socket;
+mod usage;

@@ -1,7 +1,9 @@
 -- check: one decision for a key of a global policy (bucket.rs KeySlot::decide).
 --
 -- KEYS[1]  the key's hash   KEYS[2]  the policy's meta hash   KEYS[3]  the policy's active zset
--- ARGV     mode ('check' | 'refund'), cost, rho, burst, step tolerance us,
+-- ARGV     mode ('check' | 'refund' | 'usage': a peek that writes nothing and also
+--          replies {.., now_us, rate, escrow, lent, borrowed, capacity}, the last five in
+--          thousandths, bucket.rs KeySlot::usage), cost, rho, burst, step tolerance us,
 --          fallback escrow (when the coordinator never set a default), keep_ms,
 --          user key (the active zset's member), [now_us: TESTS ONLY]
 -- Returns  {allowed, remaining, reset_after_us, retry_after_us} like every limiter script.
@@ -33,6 +35,24 @@ if elapsed < 0 then elapsed = 0 end
 tokens = math.min(cap, tokens + elapsed * rate / 1000000)
 local function full_in(t)
   return ceil_i((cap - t) * 1000000 / rate)
+end
+
+if ARGV[1] == 'usage' then
+  local lent, borrowed, escrow = 0, 0, d.escrow
+  if s.book then
+    escrow = s.book.escrow
+    lent = reserved_total(s.book, now)
+    borrowed = borrowed_total(s.book, now, tol)
+  end
+  local function milli(x) return math.floor(x * 1000 + 0.5) end
+  local allowed, retry = 1, 0
+  if tokens < 1 then
+    allowed = 0
+    retry = ceil_i((1 - tokens) * 1000000 / rate)
+    if retry < 1 then retry = 1 end
+  end
+  return {allowed, floor_u(tokens), full_in(tokens), retry, now, milli(rate), milli(escrow),
+    milli(lent), milli(borrowed), milli(cap)}
 end
 
 local reply

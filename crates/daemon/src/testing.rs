@@ -52,12 +52,12 @@ pub mod federation {
 /// The Redis backend's scripts, connections and janitor.
 pub mod redis {
     pub use crate::store::redis::connect::{SyncConn, Target, Topology};
-    pub use crate::store::redis::global::check_invocation;
+    pub use crate::store::redis::global::{check_invocation, usage_invocation};
     pub use crate::store::redis::janitor::{
         CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep,
     };
     pub use crate::store::redis::scripts::{
         BUCKET_SLICE, COMPOSITE, CONCURRENCY, Global, SETTLE, SLICE, frame_args, source, window_arg,
     };
-    pub use crate::store::redis::wire::parse_verdict;
+    pub use crate::store::redis::wire::{parse_region_usage, parse_usage, parse_verdict};
 }

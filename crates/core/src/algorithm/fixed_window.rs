@@ -123,6 +123,13 @@ impl FixedAt {
     }
 }
 
+/// The window's count at `now` in the reader's numbers (above the limit after it was
+/// lowered) and the debt beyond it ([`super::usage`]).
+pub(super) fn usage(l: &Limits, state: Option<&State>, now: i64) -> (u64, u64) {
+    let at = FixedAt::new(l, state, now);
+    (at.count, at.owed)
+}
+
 pub(super) fn apply(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
     let at = FixedAt::new(l, state, now);
     let (count, owed, cap) = (at.count, at.owed, at.r.cap);

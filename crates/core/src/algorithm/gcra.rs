@@ -132,6 +132,18 @@ impl GcraAt {
     }
 }
 
+/// What the key owes at `now` ([`super::usage`]): how far its TAT runs beyond now + τ,
+/// in whole units.
+pub(super) fn debt(l: &Limits, state: Option<&State>, now: i64) -> u64 {
+    let at = GcraAt::new(l, state, now);
+    let over = at.base() - at.nowf - at.tau;
+    if over > 0.0 {
+        ceil(over / at.interval - EPSILON) as u64
+    } else {
+        0
+    }
+}
+
 pub(super) fn apply(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outcome {
     let g = GcraAt::new(l, state, now);
     let (nowf, base) = (g.nowf, g.base());

@@ -418,6 +418,53 @@ pub fn charge_on(
     }))
 }
 
+/// What a key used and owes, read without changing it: `GET /v1/usage`, and the
+/// scripts' `usage` operation (`lua/helpers.lua`), which writes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// A peek's verdict (a check of cost 0): whether one unit would pass now, what
+    /// remains, until when.
+    pub verdict: Verdict,
+    /// Units counted against the capacity now: a fixed window's count (which may exceed a
+    /// lowered limit); for the others, the capacity (`burst`, the limit for window
+    /// algorithms) less what remains.
+    pub used: u64,
+    /// Units charged beyond what the key had and not yet paid back ([`charge`]).
+    pub debt: u64,
+}
+
+/// A key's [`Usage`] at `now_us`; on a fixed window of calendar periods ([`on_periods`])
+/// when `periods` is given.
+pub fn usage(
+    periods: Option<&Periods>,
+    algorithm: Algorithm,
+    limits: &Limits,
+    state: Option<&State>,
+    now_us: i64,
+) -> Usage {
+    let mut held = (None, 0);
+    let out = on_periods(periods, now_us, |t| {
+        held = match algorithm {
+            Algorithm::FixedWindow => {
+                let (count, owed) = fixed_window::usage(limits, state, t);
+                (Some(count), owed)
+            }
+            Algorithm::TokenBucket => (None, token_bucket::debt(limits, state, t)),
+            Algorithm::Gcra => (None, gcra::debt(limits, state, t)),
+            Algorithm::SlidingLog | Algorithm::SlidingWindow => (None, 0),
+        };
+        apply(algorithm, limits, state, t, Op::Check { cost: 0 }, "")
+    });
+    let verdict = out.verdict;
+    Usage {
+        verdict,
+        used: held
+            .0
+            .unwrap_or_else(|| limits.burst.saturating_sub(verdict.remaining)),
+        debt: held.1,
+    }
+}
+
 /// One check of an all-or-nothing batch ([`apply_all`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Part<'a> {

@@ -165,6 +165,16 @@ pub(super) fn apply(l: &Limits, state: Option<&State>, now: i64, op: Op) -> Outc
     }
 }
 
+/// What the bucket owes at `now` ([`super::usage`]): the units below zero, whole.
+pub(super) fn debt(l: &Limits, state: Option<&State>, now: i64) -> u64 {
+    let tokens = BucketAt::new(l, state, now).tokens;
+    if tokens < 0.0 {
+        ceil(-tokens - 1e-9) as u64
+    } else {
+        0
+    }
+}
+
 /// A [`super::charge`]: spent whether or not the bucket has it; below zero is debt,
 /// refilled before any check passes again.
 pub(super) fn charge(l: &Limits, state: Option<&State>, now: i64, cost: u64) -> Outcome {

@@ -105,7 +105,54 @@ pub struct KeySlot {
     pub counters: Counters,
 }
 
+/// What a key of a global policy holds in this region, read without changing it: the
+/// check script's `usage` mode (`GET /v1/usage`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RegionUsage {
+    /// A peek's verdict on the regional bucket.
+    pub verdict: Verdict,
+    /// The rate this region enforces now, R_i = escrow − lent + borrowed (at least 0),
+    /// units per second.
+    pub rate: f64,
+    /// The region's escrow for the key (its book's, or the policy's default).
+    pub escrow: f64,
+    /// Lent to other regions and not yet ended.
+    pub lent: f64,
+    /// Borrowed from other regions and not yet ended.
+    pub borrowed: f64,
+    /// The regional bucket's capacity, B·R_i/ρ.
+    pub capacity: f64,
+}
+
 impl KeySlot {
+    /// What the key holds at store time `now` ([`RegionUsage`]): touched and settled on a
+    /// copy, so nothing of the slot changes.
+    pub fn usage(&self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) -> RegionUsage {
+        let mut s = self.clone();
+        s.touch(default, shape, now);
+        s.settle(default, shape, now);
+        let rate = s.rate(default, shape, now);
+        let bucket = shape.bucket_rate(rate);
+        let peek = Op::Check { cost: 0 };
+        let verdict = algorithm::token_bucket_at(&bucket, s.bucket.as_ref(), now, peek).verdict;
+        let (escrow, lent, borrowed) = match &s.book {
+            Some(b) => (
+                b.escrow,
+                b.reserved_total(now),
+                b.borrowed_total(now, shape.step_tolerance),
+            ),
+            None => (default.escrow, 0.0, 0.0),
+        };
+        RegionUsage {
+            verdict,
+            rate,
+            escrow,
+            lent: lent + 0.0,
+            borrowed: borrowed + 0.0,
+            capacity: bucket.capacity,
+        }
+    }
+
     /// The rate in force at store time `now`.
     pub fn rate(&self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) -> f64 {
         match &self.book {

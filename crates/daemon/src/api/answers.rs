@@ -28,6 +28,8 @@ pub(super) const EXTEND: &str = "/v1/extend";
 pub(super) const AUTHZ: &str = "/v1/authz/{policy}";
 pub(super) const LIMITS: &str = "/v1/limits/{policy}";
 pub(super) const LIMIT: &str = "/v1/limits/{policy}/{key}";
+pub(super) const USAGE: &str = "/v1/usage";
+pub(super) const USAGE_KEY: &str = "/v1/usage/{policy}/{key}";
 pub(super) const POLICIES: &str = "/v1/policies";
 pub(super) const STATUS: &str = "/v1/status";
 pub(super) const HEALTHZ: &str = "/healthz";
@@ -35,8 +37,9 @@ pub(super) const READYZ: &str = "/readyz";
 pub(super) const METRICS: &str = "/metrics";
 
 /// Every route without a path parameter.
-const FIXED: [&str; 13] = [
+const FIXED: [&str; 14] = [
     CHECK,
+    USAGE,
     RESET,
     SETTLE,
     CHARGE,
@@ -60,13 +63,23 @@ pub(super) const NO_ROUTE: &str = "other";
 pub(super) fn route_of(path: &str) -> &'static str {
     let authz = AUTHZ.trim_end_matches("{policy}");
     let limits = LIMITS.trim_end_matches("{policy}");
+    let usage = USAGE_KEY.trim_end_matches("{policy}/{key}");
+    let policy_and_key = |rest: &str| match rest.split_once('/') {
+        Some((policy, key)) => !policy.is_empty() && !key.is_empty() && !key.contains('/'),
+        None => false,
+    };
     if let Some(rest) = path.strip_prefix(limits) {
         return match rest.split_once('/') {
             None if !rest.is_empty() => LIMITS,
-            Some((policy, key)) if !policy.is_empty() && !key.is_empty() && !key.contains('/') => {
-                LIMIT
-            }
+            Some(_) if policy_and_key(rest) => LIMIT,
             _ => NO_ROUTE,
+        };
+    }
+    if let Some(rest) = path.strip_prefix(usage) {
+        return if policy_and_key(rest) {
+            USAGE_KEY
+        } else {
+            NO_ROUTE
         };
     }
     match path.strip_prefix(authz) {
@@ -128,6 +141,10 @@ mod tests {
         assert_eq!(route_of("/v1/limits/plan/customer%2F42"), LIMIT);
         assert_eq!(route_of("/v1/limits/plan/a/b"), NO_ROUTE);
         assert_eq!(route_of("/v1/limits/"), NO_ROUTE);
+        assert_eq!(route_of("/v1/usage"), USAGE);
+        assert_eq!(route_of("/v1/usage/plan/customer%2F42"), USAGE_KEY);
+        assert_eq!(route_of("/v1/usage/plan"), NO_ROUTE);
+        assert_eq!(route_of("/v1/usage/plan/a/b"), NO_ROUTE);
         assert_eq!(route_of("/v1/peer/exchange"), EXCHANGE_PATH);
         assert_eq!(route_of("/v1/check/"), NO_ROUTE);
         assert_eq!(route_of("/wp-admin.php"), NO_ROUTE);

@@ -15,6 +15,7 @@ mod leases;
 mod limits;
 pub(crate) mod request;
 pub(crate) mod request_log;
+mod usage;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,7 +66,7 @@ pub(crate) fn router(state: AppState) -> Router {
     };
     use answers::{
         ACQUIRE, AUTHZ, CHARGE, CHECK, EXTEND, HEALTHZ, LIMIT, LIMITS, METRICS, POLICIES, READYZ,
-        RELEASE, RESET, SETTLE, STATUS,
+        RELEASE, RESET, SETTLE, STATUS, USAGE, USAGE_KEY,
     };
     Router::new()
         .route(CHECK, post(check))
@@ -81,6 +82,8 @@ pub(crate) fn router(state: AppState) -> Router {
             LIMIT,
             get(limits::get).put(limits::put).delete(limits::delete),
         )
+        .route(USAGE, post(usage::batch))
+        .route(USAGE_KEY, get(usage::one))
         .route(POLICIES, get(policies))
         .route(STATUS, get(status))
         .route(crate::federation::peers::EXCHANGE_PATH, post(peer_exchange))

@@ -448,6 +448,65 @@ fn settle_flag(
     Err(ApiError::invalid(field, refusal))
 }
 
+/// A key whose usage is read (`api::usage`): `{"policy", "key", "group"?}` at `prefix`,
+/// resolved to the numbers the key is checked under (an override's, a runtime limit's).
+/// A concurrency limit is refused: what it holds is in its leases' answers.
+pub(crate) fn parse_usage(
+    v: &Value,
+    prefix: &str,
+    policies: &Policies,
+    caps: &Caps,
+) -> Result<Check, ApiError> {
+    let what = if prefix.is_empty() {
+        "body"
+    } else {
+        prefix.trim_end_matches('.')
+    };
+    let obj = object(v, what)?;
+    no_unknown_fields(obj, &["policy", "key", "group"], prefix)?;
+    let base = policy(policies, obj, prefix)?;
+    let key = key(obj, prefix, caps)?;
+    let policy = policies.for_key(base, &key);
+    let group = group(obj, prefix, &policy, caps)?;
+    Ok(Check {
+        policy,
+        key,
+        cost: 0,
+        group,
+        reserve: false,
+    })
+}
+
+/// `POST /v1/usage`: `{"keys": [{"policy", "key", "group"?}, ...]}`, at least one and at
+/// most `max_batch`.
+pub(crate) fn parse_usage_batch(
+    v: &Value,
+    policies: &Policies,
+    caps: &Caps,
+) -> Result<Vec<Check>, ApiError> {
+    let obj = object(v, "body")?;
+    no_unknown_fields(obj, &["keys"], "")?;
+    let Some(Value::Array(list)) = obj.get("keys") else {
+        return Err(ApiError::invalid(
+            "keys",
+            "must be an array of {\"policy\", \"key\"} objects",
+        ));
+    };
+    if list.is_empty() {
+        return Err(ApiError::invalid("keys", "must not be empty"));
+    }
+    if list.len() > caps.max_batch {
+        return Err(ApiError::BatchTooLarge {
+            max: caps.max_batch,
+            got: list.len(),
+        });
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, k)| parse_usage(k, &format!("keys[{i}]."), policies, caps))
+        .collect()
+}
+
 /// A parsed `POST /v1/charge` body: a cost counted after the work, without a
 /// reservation; policies that take settlements, up to what they refill in a year.
 pub(crate) fn parse_charge(v: &Value, policies: &Policies, caps: &Caps) -> Result<Check, ApiError> {

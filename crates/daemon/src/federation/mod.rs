@@ -552,6 +552,26 @@ impl Federation {
         Ok(decoded)
     }
 
+    /// A global policy's key as the region's coordinator last heard of it in every
+    /// region, when this instance coordinates and tracks the key (asked of the
+    /// coordinator thread; at most 100 ms: a status read never waits on a busy round).
+    pub(crate) async fn key_view(&self, policy: &str, key: &str) -> Option<runtime::KeyView> {
+        if !self.shared.is_leader() {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        let ask = Event::KeyView {
+            policy: policy.to_owned(),
+            key: key.to_owned(),
+            reply: tx,
+        };
+        self.events.send(ask).ok()?;
+        tokio::time::timeout(Duration::from_millis(100), rx)
+            .await
+            .ok()?
+            .ok()?
+    }
+
     /// Hands an exchange to the coordinator thread and waits at most one round for its
     /// reply; an instance that does not (or no longer) coordinate answers nothing.
     async fn ask_coordinator(&self, msg: Arc<Exchange>) -> Result<ExchangeReply, Rejection> {

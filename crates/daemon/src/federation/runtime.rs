@@ -83,11 +83,22 @@ pub(crate) enum Event {
     },
     /// A peer's reply to one of our exchanges, authenticated.
     Reply(ExchangeReply),
+    /// `GET /v1/usage` of a global policy's key: its demand in every region as the
+    /// coordinator last heard it (`Node::key_view`; None: not coordinating, or not tracked).
+    KeyView {
+        policy: String,
+        key: String,
+        reply: oneshot::Sender<Option<KeyView>>,
+    },
     /// A reload changed the shared policies: the holder installs any new version now
     /// (and every round, should this event find the store failing; a non-leader ignores
     /// it: a takeover starts from the shared policies).
     Reloaded,
 }
+
+/// A key's demand per region (by region number): units per second, and how long ago it
+/// was heard, µs.
+pub(crate) type KeyView = Vec<Option<(f64, i64)>>;
 
 pub(crate) struct Runtime<B: Backend> {
     pub(crate) shared: Arc<Shared>,
@@ -177,6 +188,9 @@ impl<B: Backend> Runtime<B> {
         while let Some(left) = deadline.checked_duration_since(Instant::now()) {
             match self.events.recv_timeout(left) {
                 Ok(Event::Exchange { reply, .. }) => {
+                    let _ = reply.send(None);
+                }
+                Ok(Event::KeyView { reply, .. }) => {
                     let _ = reply.send(None);
                 }
                 Ok(Event::Reply(_) | Event::Reloaded) => {}
@@ -362,6 +376,10 @@ impl<B: Backend> Runtime<B> {
                 } else {
                     let _ = reply.send(None);
                 }
+            }
+            Event::KeyView { reply, .. } if reply.is_closed() => {}
+            Event::KeyView { policy, key, reply } => {
+                let _ = reply.send(l.node.key_view(&policy, &key));
             }
             Event::Reply(r) => {
                 // The replies already queued behind this one are taken with it (the

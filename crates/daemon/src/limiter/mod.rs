@@ -16,7 +16,7 @@ use crate::policy::{FailMode, LimitSource, Policy};
 use crate::store::memory::MemoryStore;
 use crate::store::{
     Checked, Forget, GlobalCall, Permit, Shed, SliceMark, Source, Store, StoreCall, StoreError,
-    takes_slices,
+    UsageReply, takes_slices,
 };
 use quotad_core::algorithm::{Algorithm, Op, Verdict};
 
@@ -149,6 +149,16 @@ impl Decision {
 /// Why a reset changed nothing.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ResetError {
+    #[error(transparent)]
+    Shed(#[from] Shed),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Why a usage read has no answer (nothing is made up in its place: it is a read, not a
+/// decision with a fail mode).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum UsageError {
     #[error(transparent)]
     Shed(#[from] Shed),
     #[error(transparent)]
@@ -375,6 +385,19 @@ impl Limiter {
                     .unwrap_or_else(|| unenforced(c, true)),
             })
             .collect()
+    }
+
+    /// What `check`'s key used and holds in this region's store, read without a write
+    /// (`check.cost` is not spent: the read is the store's `usage` operation).
+    pub(crate) async fn usage(&self, check: &Check) -> Result<UsageReply, UsageError> {
+        let key = self.target(check);
+        let call = store_call(check, &key, Op::Check { cost: 0 }, "");
+        let permit = self.store.admit(1).await?;
+        let reply = self.store.usage(&permit, &call).await;
+        if let Err(e) = &reply {
+            self.metrics.store_error(e.kind());
+        }
+        Ok(reply?)
     }
 
     /// Forgets what a key's user spent, in this region's store and in the local fallback:

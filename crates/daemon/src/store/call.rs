@@ -1,9 +1,10 @@
 //! The storage boundary's shapes: the call a backend takes for each kind of operation,
 //! what a settlement answers, and the error enum every backend returns.
 
-use quotad_core::algorithm::{Algorithm, Limits, Op};
+use quotad_core::algorithm::{Algorithm, Limits, Op, Usage};
 use quotad_core::calendar::Periods;
 use quotad_core::concurrency::LeaseOp;
+use quotad_core::coordinator::bucket::RegionUsage;
 use quotad_core::settlement::Settled;
 
 use crate::layout;
@@ -43,6 +44,22 @@ pub(crate) struct SettleCall<'a> {
     pub(crate) member: &'a str,
     /// As [`StoreCall::periods`].
     pub(crate) periods: Option<Periods>,
+}
+
+/// What a key used and holds, read without a write, as of the store's clock.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct UsageReply {
+    pub(crate) usage: KeyUsage,
+    /// The store's clock when it was read, us.
+    pub(crate) now_us: i64,
+}
+
+/// A local policy's key ([`Usage`]), or what a global policy's key holds in this region
+/// ([`RegionUsage`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum KeyUsage {
+    Local(Usage),
+    Region(RegionUsage),
 }
 
 /// What a settlement did, and the key after it.

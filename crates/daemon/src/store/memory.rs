@@ -22,7 +22,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::layout::{GLOBAL_KEEP_MS, PolicyKeys, PolicyLayout, ScriptShape, ttl_ms};
-use crate::store::call::{Ends, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall};
+use crate::store::call::{
+    Ends, GlobalCall, KeyUsage, LeaseCall, SettleCall, SettleReply, StoreCall, UsageReply,
+};
 use quotad_core::algorithm::{self, Algorithm, Limits, Op, Part, State, Verdict, Write};
 use quotad_core::clock::Clock;
 use quotad_core::concurrency::{self, LeaseAnswer, LeaseWrite, Leases};
@@ -203,6 +205,27 @@ impl MemoryStore {
         }
         self.write(&mut map, call.key, out.write, now);
         Ok(out.verdict)
+    }
+
+    /// What `call`'s key used and holds, read without a write ([`algorithm::usage`]; a
+    /// global policy's key: `KeySlot::usage`).
+    pub(crate) fn usage(&self, call: &StoreCall<'_>) -> UsageReply {
+        let now = self.clock.now_us();
+        let usage = match &call.global {
+            Some(g) => {
+                let st = self.global();
+                let d = st.default_for(g.keys, &g.shape);
+                let slot = st.slots.get(call.key).cloned().unwrap_or_default();
+                KeyUsage::Region(slot.usage(&d, &shape_of(&g.shape), now))
+            }
+            None => {
+                let map = self.shard(call.key);
+                let state = live(&map, call.key, now);
+                let (periods, alg) = (call.periods.as_ref(), call.algorithm);
+                KeyUsage::Local(algorithm::usage(periods, alg, &call.limits, state, now))
+            }
+        };
+        UsageReply { usage, now_us: now }
     }
 
     /// Spends `cost` units whether or not the key has them ([`algorithm::charge`]): the

@@ -15,7 +15,8 @@ mod redis;
 pub(crate) mod redis;
 
 pub(crate) use call::{
-    Ends, Forget, GlobalCall, LeaseCall, SettleCall, SettleReply, StoreCall, StoreError,
+    Ends, Forget, GlobalCall, KeyUsage, LeaseCall, SettleCall, SettleReply, StoreCall, StoreError,
+    UsageReply,
 };
 pub(crate) use redis::admission::Shed;
 pub(crate) use redis::hot::Mark as SliceMark;
@@ -237,6 +238,19 @@ impl Store {
                 None => m.apply(call),
             }
             .map_err(|e| StoreError::Full(e.0)),
+        }
+    }
+
+    /// What `call`'s key used and holds, read in the store without a write (never from
+    /// a slice or a remembered denial: the store's own count).
+    pub(crate) async fn usage(
+        &self,
+        _permit: &Permit<'_>,
+        call: &StoreCall<'_>,
+    ) -> Result<UsageReply, StoreError> {
+        match self {
+            Store::Redis(r) => r.usage(call).await,
+            Store::Memory(m) => Ok(m.usage(call)),
         }
     }
 

@@ -434,6 +434,29 @@ impl<C: Clock> Node<C> {
         }
     }
 
+    /// One key's demand in every region (by region number) as this node last heard it,
+    /// with how long ago, in µs of rounds (`GET /v1/usage`): this region's own estimate
+    /// (age 0), each peer's last report; `None` for a region not heard of about the key,
+    /// and for a key the node does not track (cold everywhere: each region runs on its
+    /// escrow).
+    pub fn key_view(&self, policy: &str, key: &str) -> Option<Vec<Option<(f64, i64)>>> {
+        let ks = self.policies.get(policy)?.keys.get(key)?;
+        let me = self.me.index();
+        Some(
+            ks.peers
+                .iter()
+                .enumerate()
+                .map(|(j, peer)| match j == me {
+                    true => Some((ks.demand.value(), 0)),
+                    false => peer.demand.map(|r| {
+                        let rounds = self.round.saturating_sub(r.round) as i64;
+                        (r.demand, rounds * self.params.round_us)
+                    }),
+                })
+                .collect(),
+        )
+    }
+
     /// The version of `policy` installed here, if it is one of the node's.
     pub fn version(&self, policy: &str) -> Option<u64> {
         self.policies.get(policy).map(|ps| ps.policy.version)

@@ -48,6 +48,47 @@ pub fn check_invocation<'a>(
         Op::Check { cost } => ("check", cost),
         Op::Refund { cost } => ("refund", cost),
     };
+    invocation(
+        script,
+        storage_key,
+        user_key,
+        keys,
+        shape,
+        (mode, cost),
+        now_us,
+    )
+}
+
+/// The decision script's `usage` mode for one key: what it holds here, read without a
+/// write (`quotad_core::coordinator::bucket::KeySlot::usage`); `now_us` only in tests.
+pub fn usage_invocation<'a>(
+    script: &'a Script,
+    storage_key: &str,
+    user_key: &str,
+    keys: &PolicyKeys,
+    shape: &ScriptShape,
+    now_us: Option<i64>,
+) -> ScriptInvocation<'a> {
+    invocation(
+        script,
+        storage_key,
+        user_key,
+        keys,
+        shape,
+        ("usage", 0),
+        now_us,
+    )
+}
+
+fn invocation<'a>(
+    script: &'a Script,
+    storage_key: &str,
+    user_key: &str,
+    keys: &PolicyKeys,
+    shape: &ScriptShape,
+    (mode, cost): (&str, u64),
+    now_us: Option<i64>,
+) -> ScriptInvocation<'a> {
     let mut inv = script.prepare_invoke();
     inv.key(storage_key)
         .key(&keys.meta)

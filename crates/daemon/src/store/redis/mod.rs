@@ -49,7 +49,9 @@ use tokio_util::sync::CancellationToken;
 use crate::layout::Layout;
 use crate::metrics::Metrics;
 use crate::runtime_limits::{MESSAGE_PREFIX, RuntimeLimits};
-use crate::store::call::{LeaseCall, SettleCall, SettleReply, StoreCall, StoreError};
+use crate::store::call::{
+    KeyUsage, LeaseCall, SettleCall, SettleReply, StoreCall, StoreError, UsageReply,
+};
 use admission::{Admission, AdmissionSettings, Admitted, Shed};
 use breaker::Breaker;
 use connect::{AsyncConn, SharedTarget, Target};
@@ -369,7 +371,36 @@ impl RedisStore {
         Ok(v)
     }
 
-    /// One call of `call`'s algorithm script in `mode` (`check`, `refund`, `charge`).
+    /// What `call`'s key used and holds: the script's `usage` operation, which writes
+    /// nothing (a global policy's key: the check script's `usage` mode).
+    pub(crate) async fn usage(&self, call: &StoreCall<'_>) -> Result<UsageReply, StoreError> {
+        if let Some(g) = &call.global {
+            let inv = global::usage_invocation(
+                &self.global_check,
+                call.key,
+                g.user_key,
+                g.keys,
+                &g.shape,
+                None,
+            );
+            let reply: Vec<i64> = self
+                .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
+                .await?;
+            let (usage, now_us) = wire::parse_region_usage(&reply)?;
+            return Ok(UsageReply {
+                usage: KeyUsage::Region(usage),
+                now_us,
+            });
+        }
+        let (usage, now_us) = wire::parse_usage(&self.run_algorithm(call, "usage", 0).await?)?;
+        Ok(UsageReply {
+            usage: KeyUsage::Local(usage),
+            now_us,
+        })
+    }
+
+    /// One call of `call`'s algorithm script in `mode` (`check`, `refund`, `charge`,
+    /// `usage`).
     async fn run_algorithm(
         &self,
         call: &StoreCall<'_>,

@@ -1,8 +1,9 @@
 //! Redis's side of the call shapes: the arguments a call becomes and the replies the
 //! scripts give, read back as domain values (a malformed reply is a [`StoreError::Reply`]).
 
-use quotad_core::algorithm::Verdict;
+use quotad_core::algorithm::{Usage, Verdict};
 use quotad_core::concurrency::{LeaseAnswer, LeaseOp};
+use quotad_core::coordinator::bucket::RegionUsage;
 use quotad_core::settlement::Settled;
 
 use crate::store::call::{LeaseCall, SettleReply, StoreError};
@@ -87,6 +88,42 @@ pub fn parse_verdict(reply: &[i64]) -> Result<Verdict, StoreError> {
             })
         }
         other => Err(StoreError::Reply(format!("{other:?}"))),
+    }
+}
+
+/// The `usage` operation's reply (`lua/helpers.lua`): the verdict's four, then `used`,
+/// `debt` and the store's clock.
+pub fn parse_usage(reply: &[i64]) -> Result<(Usage, i64), StoreError> {
+    match reply {
+        [head @ .., used, debt, now] if head.len() == 4 && *used >= 0 && *debt >= 0 => Ok((
+            Usage {
+                verdict: parse_verdict(head)?,
+                used: *used as u64,
+                debt: *debt as u64,
+            },
+            *now,
+        )),
+        other => Err(StoreError::Reply(format!("usage: {other:?}"))),
+    }
+}
+
+/// `lua/global/check.lua`'s `usage` reply: the verdict's four, the store's clock, then
+/// the rate, escrow, lent, borrowed and capacity in thousandths.
+pub fn parse_region_usage(reply: &[i64]) -> Result<(RegionUsage, i64), StoreError> {
+    let milli = |v: i64| v as f64 / 1000.0;
+    match reply {
+        [head @ .., now, rate, escrow, lent, borrowed, capacity] if head.len() == 4 => Ok((
+            RegionUsage {
+                verdict: parse_verdict(head)?,
+                rate: milli(*rate),
+                escrow: milli(*escrow),
+                lent: milli(*lent),
+                borrowed: milli(*borrowed),
+                capacity: milli(*capacity),
+            },
+            *now,
+        )),
+        other => Err(StoreError::Reply(format!("usage: {other:?}"))),
     }
 }
 
