@@ -292,15 +292,15 @@ fn every_script_runs_in_one_slot_on_a_cluster() {
     let mut conn = target.connect_sync(Duration::from_secs(2)).unwrap();
     let layout = layouts.by_name("g").unwrap();
     let check = scripts::Global::Check.script();
-    let inv = global::check_invocation(
-        &check,
-        &layout.storage_key("k1"),
-        "k1",
-        &g.keys,
-        &g.shape,
-        Op::Check { cost: 1 },
-        None,
-    );
+    let storage_key = layout.storage_key("k1");
+    let key = global::GlobalKey {
+        storage_key: &storage_key,
+        user_key: "k1",
+        keys: &g.keys,
+        shape: &g.shape,
+        limit: None,
+    };
+    let inv = global::check_invocation(&check, &key, Op::Check { cost: 1 }, None);
     let reply: Vec<i64> = inv.invoke(&mut conn).expect("the global check");
     assert_eq!(reply[0], 1);
     assert_eq!(store.take_active("g"), vec!["k1".to_owned()]);

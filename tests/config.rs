@@ -29,6 +29,12 @@ const BAD: &[(&str, &[&str])] = &[
         &["4: coordinator.exchange_encoding: must be \"binary\" or \"json\""],
     ),
     (
+        "global_runtime_limits_embedded.toml",
+        &[
+            "14: policy[0].runtime_limits.max_keys: runtime limits of a global policy need the Redis store",
+        ],
+    ),
+    (
         "global_sense_too_long.toml",
         &["4: coordinator.sense: must be between 0s and 500ms"],
     ),

@@ -1,7 +1,8 @@
 //! The global policies' Lua scripts (`lua/global/`) against their reference model
 //! ([`quotad_core::coordinator::bucket::KeySlot`]): random sequences of checks, peeks, refunds,
 //! book writes (reservations, loans, stale epochs), failover drops, default changes and
-//! clock steps (forward and backward, beyond the step tolerance) go through both on a real
+//! clock steps (forward and backward, beyond the step tolerance), and keys' own numbers (a
+//! runtime limit) set, changed and gone between decisions, go through both on a real
 //! redis-server with injected time, and after every step the verdict and the whole stored
 //! state (tokens to the last bit, book, epoch, high water, counters) must be identical.
 
@@ -12,7 +13,7 @@ use std::collections::HashMap;
 use common::RedisServer;
 use quotad_core::algorithm::{Op, Verdict};
 use quotad_core::coordinator::RegionId;
-use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, RegionUsage, Shape};
+use quotad_core::coordinator::bucket::{DefaultEscrow, KeyLimit, KeySlot, RegionUsage, Shape};
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
 use quotad_daemon::testing::federation::{self as books, SLOT_FIELDS};
 use quotad_daemon::testing::redis as global;
@@ -97,6 +98,7 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
     let storage = |u: &str| format!("t:p{seed}:g:{{{u}}}");
     let mut model: HashMap<&str, KeySlot> = HashMap::new();
     let mut default: Option<DefaultEscrow> = None;
+    let mut own_numbers: HashMap<&str, Option<KeyLimit>> = HashMap::new();
     let mut now: i64 = 1_764_000_000_000_000 + rng.random_range(0..1_000_000_000);
     let mut trace: Vec<String> = Vec::new();
     for step in 0..STEPS {
@@ -138,11 +140,28 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                         cost: rng.random_range(1..4),
                     },
                 };
-                let inv =
-                    global::check_invocation(&s.check, &key, user, &keys, &args, op, Some(now));
+                // The key's own numbers as the calling instance has them: mostly what
+                // the last call had, sometimes others (a runtime limit set, changed or
+                // gone), above and below the policy's.
+                let own = own_numbers.entry(user).or_insert(None);
+                if rng.random_bool(0.1) {
+                    *own = rng.random_bool(0.7).then(|| KeyLimit {
+                        rate: rho * rng.random_range(0.01..3.0),
+                        burst: shape.burst * rng.random_range(0.01..3.0),
+                    });
+                }
+                let limit = *own;
+                let target = global::GlobalKey {
+                    storage_key: &key,
+                    user_key: user,
+                    keys: &keys,
+                    shape: &args,
+                    limit,
+                };
+                let inv = global::check_invocation(&s.check, &target, op, Some(now));
                 let reply: Vec<i64> = inv.invoke(conn).unwrap();
                 let got = quotad_daemon::testing::redis::parse_verdict(&reply).unwrap();
-                let want: Verdict = slot.decide(&d, &shape, now, op);
+                let want: Verdict = slot.decide(&d, &shape, now, op, limit);
                 assert_eq!(
                     got,
                     want,
@@ -151,11 +170,11 @@ fn run(seed: u64, conn: &mut redis::Connection, s: &Scripts) {
                 );
                 // What the key holds here, read by the usage mode: as the model reads
                 // it, and nothing written (the stored state is compared below).
-                let inv = global::usage_invocation(&s.check, &key, user, &keys, &args, Some(now));
+                let inv = global::usage_invocation(&s.check, &target, Some(now));
                 let reply: Vec<i64> = inv.invoke(conn).unwrap();
                 let (got_usage, at) =
                     quotad_daemon::testing::redis::parse_region_usage(&reply).unwrap();
-                let want_usage = slot.usage(&d, &shape, now);
+                let want_usage = slot.usage(&d, &shape, now, limit);
                 let milli = |u: &RegionUsage| {
                     [u.rate, u.escrow, u.lent, u.borrowed, u.capacity]
                         .map(|x| (x * 1000.0 + 0.5).floor() / 1000.0)

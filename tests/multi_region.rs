@@ -131,6 +131,7 @@ fn config(me: usize, store: Config, peer_urls: &[Vec<String>], setup: &Setup) ->
         Policy::new("g", "token_bucket", RHO as u64, "1s")
             .burst(setup.burst as u64)
             .on_store_error("closed")
+            .runtime_limits(1000)
             .global(
                 Global::escrow(&escrow)
                     .set("lease", ms(setup.lease))
@@ -846,4 +847,146 @@ fn a_resplit_rolls_out_by_reload_decrease_first() {
             bad.first()
         );
     }
+}
+
+/// The numbers region `r` decides `key` under now (a peek): its limit and where it came
+/// from.
+fn numbers(d: &Deployment, r: usize, key: &str) -> (u64, String) {
+    let (status, body) = d.regions[r].daemons[0].check(&serde_json::json!({
+        "policy": "g", "key": key, "cost": 0
+    }));
+    assert_eq!(status, 200, "{body}");
+    (
+        body["limit"].as_u64().unwrap_or(0),
+        body["limit_source"].as_str().unwrap_or("").to_owned(),
+    )
+}
+
+/// Waits until every region in `which` decides `key` under `limit` from `source`; the
+/// seconds it took.
+fn until_everywhere(d: &Deployment, which: &[usize], key: &str, limit: u64, source: &str) -> f64 {
+    let start = Instant::now();
+    for &r in which {
+        wait_for(
+            &format!("{} on {limit} from {source}", REGIONS[r]),
+            Duration::from_secs(10),
+            || (numbers(d, r, key) == (limit, source.to_owned())).then_some(()),
+        );
+    }
+    start.elapsed().as_secs_f64()
+}
+
+fn between(answers: &[Answer], from: f64, to: f64) -> Vec<Answer> {
+    answers
+        .iter()
+        .filter(|a| a.sent >= from && a.received < to)
+        .copied()
+        .collect()
+}
+
+/// A key's own limit set in one region reaches the others (pulled every round), and the
+/// rule for a change in flight holds: set to 300/s in us, it reaches eu and ap; with ap cut
+/// off, lowered to 100/s in us, it reaches eu but not ap, which keeps 300/s on its escrow
+/// until it hears; then set to 150/s in ap, still cut off: the newest write, it is what
+/// every region has after the heal (the last write wins, whichever region made it). The
+/// three together never admit more than the largest numbers any of them has (300/s plus
+/// its burst in any 1 s window) while the changes spread, and once every region has 150/s,
+/// never more than 150/s plus its burst. A delete in ap brings the policy's numbers back
+/// everywhere. Offered: 1,200 units/s over the three regions throughout.
+#[test]
+fn a_keys_own_limit_reaches_every_region_and_holds_through_a_cut() {
+    let d = Deployment::start([1, 1, 1]);
+    let (ap, eu, us) = (0, 1, 2);
+    let load = Load::start(d.urls(), "g", "k", COST);
+    load.set_rate(ap, 300.0);
+    load.set_rate(eu, 300.0);
+    load.set_rate(us, 600.0);
+    let put = |r: usize, limit: u64| {
+        let (status, body) = d.regions[r].daemons[0].admin(
+            "PUT",
+            "/v1/limits/g/k",
+            Some(&serde_json::json!({"limit": limit, "burst": limit})),
+        );
+        assert_eq!(status, 200, "{body}");
+    };
+
+    put(us, 300);
+    let spread = until_everywhere(&d, &[us, eu, ap], "k", 300, "runtime");
+    println!("300/s set in us: in every region after {spread:.2} s");
+
+    d.isolate(ap, true);
+    let cut_at = load.elapsed();
+    put(us, 100);
+    let spread = until_everywhere(&d, &[us, eu], "k", 100, "runtime");
+    println!("100/s set in us with ap cut off: in eu after {spread:.2} s");
+    // ap cannot hear it: it keeps the old numbers, on its escrow once its loans end.
+    let fallback = params().fallback_bound_us() as f64 / 1e6;
+    while load.elapsed() < cut_at + fallback + 2.0 {
+        assert_eq!(
+            numbers(&d, ap, "k"),
+            (300, "runtime".to_owned()),
+            "ap heard through a cut"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // A write in ap, still cut off: the newest, so it wins everywhere after the heal.
+    put(ap, 150);
+    assert_eq!(numbers(&d, ap, "k"), (150, "runtime".to_owned()));
+    let heal_at = load.elapsed();
+    d.isolate(ap, false);
+    let spread = until_everywhere(&d, &[us, eu, ap], "k", 150, "runtime");
+    let everywhere = load.elapsed();
+    println!("after the heal, ap's newer 150/s in every region after {spread:.2} s");
+    // A round for the last decisions under the old numbers to pass, then 5 s on the new.
+    std::thread::sleep(Duration::from_secs(1));
+    let settled = load.elapsed();
+    std::thread::sleep(Duration::from_secs(5));
+    let answers = load.answers();
+
+    println!("while the changes spread (ap cut off on 300/s then 150/s, the others on 100/s):");
+    assert_bound_with(&between(&answers, cut_at, everywhere), 300.0, 300.0);
+    println!("once every region had 150/s:");
+    assert_bound_with(&between(&answers, settled, load.elapsed()), 150.0, 150.0);
+    let cut = between(&answers, cut_at + fallback, heal_at);
+    let admitted: u64 = cut.iter().filter(|a| a.allowed).map(|a| a.cost).sum();
+    println!(
+        "admitted while cut, after the fallback: {:.0}/s",
+        admitted as f64 / (heal_at - cut_at - fallback)
+    );
+
+    // Gone, from another region: the policy's numbers everywhere again.
+    let (status, body) = d.regions[ap].daemons[0].admin("DELETE", "/v1/limits/g/k", None);
+    assert_eq!(status, 200, "{body}");
+    let spread = until_everywhere(&d, &[ap, eu, us], "k", RHO as u64, "config");
+    println!("deleted in ap: the policy's numbers everywhere after {spread:.2} s");
+    // Counted: every region pulled from each peer, and ap took what it missed.
+    for r in [ap, eu, us] {
+        for p in (0..3).filter(|&p| p != r) {
+            let series = format!(
+                "quotad_runtime_limit_pulls_total{{outcome=\"ok\",peer=\"{}\"}}",
+                REGIONS[p]
+            );
+            let pulled = d.regions[r].daemons[0].metric(&series);
+            assert!(pulled > 0.0, "{}: {series} {pulled}", REGIONS[r]);
+        }
+    }
+    // ap took the 300/s, and found us's 100/s older than its own 150/s.
+    let merged = |result: &str| -> f64 {
+        [eu, us]
+            .map(|p| {
+                d.regions[ap].daemons[0].metric(&format!(
+                    "quotad_runtime_limit_merges_total{{peer=\"{}\",result=\"{result}\"}}",
+                    REGIONS[p]
+                ))
+            })
+            .iter()
+            .sum()
+    };
+    assert!(
+        merged("taken") >= 1.0,
+        "ap took {} changes",
+        merged("taken")
+    );
+    assert!(merged("older") >= 1.0, "ap found {} older", merged("older"));
+    load.finish();
 }

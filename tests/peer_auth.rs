@@ -73,10 +73,36 @@ struct Peer {
 impl Peer {
     /// POSTs `body` with the given auth headers; returns (status, reply signature, body).
     fn post(&self, signed: Option<&Signed>, body: &[u8]) -> (u16, Option<String>, Vec<u8>) {
+        self.post_to("/v1/peer/exchange", signed, body)
+    }
+
+    /// Each request of `refused` (reason, signature, body, status) is refused with its
+    /// status and reason, and not signed.
+    fn assert_refused(&self, path: &str, refused: &[(&str, Option<Signed>, Vec<u8>, u16)]) {
+        for (reason, signed, b, want) in refused {
+            let (status, sig, reply) = self.post_to(path, signed.as_ref(), b);
+            assert_eq!(
+                status,
+                *want,
+                "{reason}: {}",
+                String::from_utf8_lossy(&reply)
+            );
+            assert!(sig.is_none(), "{reason}: refusals are not signed replies");
+            let err: Value = serde_json::from_slice(&reply).unwrap();
+            assert_eq!(err["error"]["code"], *reason);
+        }
+    }
+
+    fn post_to(
+        &self,
+        path: &str,
+        signed: Option<&Signed>,
+        body: &[u8],
+    ) -> (u16, Option<String>, Vec<u8>) {
         self.rt.block_on(async {
             let mut req = self
                 .client
-                .post(format!("{}/v1/peer/exchange", self.url))
+                .post(format!("{}{path}", self.url))
                 .header("content-type", "application/json")
                 .body(body.to_vec());
             if let Some(s) = signed {
@@ -166,18 +192,7 @@ fn peer_requests_must_be_signed_fresh_and_unique() {
             400,
         ),
     ];
-    for (reason, signed, b, want) in &refused {
-        let (status, sig, reply) = peer.post(signed.as_ref(), b);
-        assert_eq!(
-            status,
-            *want,
-            "{reason}: {}",
-            String::from_utf8_lossy(&reply)
-        );
-        assert!(sig.is_none(), "{reason}: refusals are not signed replies");
-        let err: Value = serde_json::from_slice(&reply).unwrap();
-        assert_eq!(err["error"]["code"], *reason);
-    }
+    peer.assert_refused("/v1/peer/exchange", &refused);
     for reason in ["unauthenticated", "stale", "unknown_peer", "malformed"] {
         assert_eq!(
             q.metric(&format!(
@@ -562,4 +577,100 @@ fn absurd_values_are_refused_and_the_peer_keeps_exchanging() {
     // And the peer still gets through.
     let (status, _, reply) = signed_post(&valid);
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+}
+
+/// `POST /v1/peer/limits` hands out a region's runtime limits of global policies, so it is
+/// held to what the exchange is: unsigned, badly signed, from an unknown region, speaking
+/// for another region, or replayed, it is refused (counted by reason, unsigned); a valid
+/// request gets the changes after the version it names, signed over its nonce.
+#[test]
+fn runtime_limit_pulls_must_be_signed_and_speak_for_their_sender() {
+    let redis = RedisServer::start();
+    let text = eu_with_silent_us(&redis.url(), &String::from_utf8_lossy(SECRET))
+        .policy(
+            Policy::new("g", "token_bucket", 1000, "1s")
+                .runtime_limits(10)
+                .global(even_escrow().set("lease", "1s").set("round", "250ms")),
+        )
+        .to_toml();
+    let q = Quotad::start(&text);
+    wait_for("eu to coordinate", Duration::from_secs(10), || {
+        let v: Value = q.json("/v1/status");
+        (v["coordinator"]["leader"] == true).then_some(())
+    });
+    let (status, body) = q.admin(
+        "PUT",
+        "/v1/limits/g/customer-42",
+        Some(&serde_json::json!({"limit": 300})),
+    );
+    assert_eq!(status, 200, "{body}");
+    let peer = Peer::new(&q);
+    let path = "/v1/peer/limits";
+    let ask = |from: &str| {
+        serde_json::to_vec(&serde_json::json!({"from": from, "after": {"g": 0}})).unwrap()
+    };
+    let body = ask("us");
+    let sign = |from: &str, secret: &[u8], body: &[u8]| {
+        auth::sign_request(secret, from, "eu", now_ms(), body)
+    };
+    let refused: Vec<(&str, Option<Signed>, Vec<u8>, u16)> = vec![
+        ("unauthenticated", None, body.clone(), 401),
+        (
+            "bad_signature",
+            Some(sign("us", b"wrong-secret-wrong-secret", &body)),
+            body.clone(),
+            401,
+        ),
+        (
+            "unknown_peer",
+            Some(sign("ap", SECRET, &body)),
+            body.clone(),
+            401,
+        ),
+        (
+            "malformed",
+            Some(sign("us", SECRET, &ask("ap"))),
+            ask("ap"),
+            400,
+        ),
+    ];
+    peer.assert_refused(path, &refused);
+
+    let signed = sign("us", SECRET, &body);
+    let (status, sig, reply) = peer.post_to(path, Some(&signed), &body);
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+    assert!(auth::verify_reply(
+        SECRET,
+        &signed.nonce,
+        &reply,
+        &sig.expect("signed reply")
+    ));
+    let r: Value = serde_json::from_slice(&reply).unwrap();
+    assert_eq!(r["from"], "eu");
+    let changes = r["policies"]["g"]["changes"]
+        .as_array()
+        .expect("g's changes");
+    assert_eq!(changes.len(), 1, "{r}");
+    assert_eq!(changes[0]["key"], "customer-42");
+    let value = changes[0]["value"].as_str().unwrap();
+    assert!(
+        value.starts_with("300:0:0:") && value.ends_with(":eu"),
+        "{value}"
+    );
+    // Nothing after the version it had.
+    let after = changes[0]["version"].as_u64().unwrap();
+    let later =
+        serde_json::to_vec(&serde_json::json!({"from": "us", "after": {"g": after}})).unwrap();
+    let (status, _, reply) = peer.post_to(path, Some(&sign("us", SECRET, &later)), &later);
+    assert_eq!(status, 200);
+    let r: Value = serde_json::from_slice(&reply).unwrap();
+    assert_eq!(r["policies"]["g"]["changes"], serde_json::json!([]), "{r}");
+
+    // The same request again: a replay.
+    let (status, _, _) = peer.post_to(path, Some(&signed), &body);
+    assert_eq!(status, 401);
+    assert_eq!(
+        q.metric("quotad_exchange_rejected_total{reason=\"replay\"}"),
+        1.0
+    );
 }

@@ -5,25 +5,38 @@
 --          replies {.., now_us, rate, escrow, lent, borrowed, capacity}, the last five in
 --          thousandths, bucket.rs KeySlot::usage), cost, rho, burst, step tolerance us,
 --          fallback escrow (when the coordinator never set a default), keep_ms,
---          user key (the active zset's member), [now_us: TESTS ONLY]
+--          user key (the active zset's member), the key's own rate and burst as the
+--          caller has them (0 0: the policy's; bucket.rs KeySlot::set_limit),
+--          [now_us: TESTS ONLY]
 -- Returns  {allowed, remaining, reset_after_us, retry_after_us} like every limiter script.
-if #KEYS ~= 3 or (#ARGV ~= 8 and #ARGV ~= 9) then
-  return redis.error_reply('ERR quotad global check: expected 3 keys and 8 or 9 arguments')
+if #KEYS ~= 3 or (#ARGV ~= 10 and #ARGV ~= 11) then
+  return redis.error_reply('ERR quotad global check: expected 3 keys and 10 or 11 arguments')
 end
 local key = KEYS[1]
 local refund = ARGV[1] == 'refund'
 local cost = tonumber(ARGV[2])
 local rho, burst, tol, fallback, keep_ms = shape_args(3)
-local now = redis_now(ARGV[9])
+local kr, kb = tonumber(ARGV[9]), tonumber(ARGV[10])
+if kr <= 0 then
+  kr = nil
+  kb = nil
+end
+local now = redis_now(ARGV[11])
 local d = load_default(KEYS[2], fallback)
 local s = load_slot(key)
 
 touch(s, d, rho, burst, tol, now)
 settle(s, d, rho, burst, now)
+-- The bucket is at `now` under the numbers it ran under; from here on, the caller's, and
+-- what it holds is clamped to their capacity at once (KeySlot::set_limit).
+local limit_changed = s.kr ~= kr or s.kb ~= kb
+if limit_changed then
+  s.kr, s.kb = kr, kb
+  clamp(s, d, rho, burst, tol, now)
+end
 
--- algorithm::token_bucket_at at the rate in force, capacity B·R/ρ.
-local rate = rate_now(s, d, tol, now)
-local cap = capacity(rate, rho, burst)
+-- algorithm::token_bucket_at at the rate in force, capacity B·R/ρ (B_K·R/ρ).
+local rate, cap = bucket_of(s, rate_now(s, d, tol, now), rho, burst)
 local existed = s.tokens ~= nil
 local tokens, ts = s.tokens, s.ts
 if not existed then
@@ -51,8 +64,8 @@ if ARGV[1] == 'usage' then
     retry = ceil_i((1 - tokens) * 1000000 / rate)
     if retry < 1 then retry = 1 end
   end
-  return {allowed, floor_u(tokens), full_in(tokens), retry, now, milli(rate), milli(escrow),
-    milli(lent), milli(borrowed), milli(cap)}
+  return {allowed, floor_u(tokens), full_in(tokens), retry, now,
+    milli(rate_now(s, d, tol, now)), milli(escrow), milli(lent), milli(borrowed), milli(cap)}
 end
 
 local reply
@@ -88,7 +101,14 @@ end
 
 save_bucket(key, s)
 if s.book then save_book(key, s.book) end
-if s.tokens ~= nil or s.book or cost > 0 then
+if limit_changed then
+  if kr then
+    redis.call('HSET', key, 'kr', fmt(kr), 'kb', fmt(kb))
+  else
+    redis.call('HDEL', key, 'kr', 'kb')
+  end
+end
+if s.tokens ~= nil or s.book or cost > 0 or limit_changed then
   expire(key, s, d, rho, burst, tol, now, keep_ms)
 end
 return reply

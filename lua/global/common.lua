@@ -10,7 +10,9 @@
 --   r       reservations, "borrower seq amount until" repeated (space separated)
 --   l       loans, "lender incarnation seq amount until" repeated
 --   hw, ep  the book's high-water time and step epoch
---   a, x    cumulative admitted and locally rejected units (offered load)
+--   a, x    cumulative admitted and locally rejected units (offered load), the key's units
+--   kr, kb  the key's own rate and burst (a runtime limit) the bucket runs under; absent:
+--           the policy's (bucket.rs KeyLimit: the book stays in policy units)
 -- The policy's meta hash: d (default escrow), dp (the smallest default in force before
 -- dt), dt (when d last changed). Times are Redis TIME in microseconds: the coordinator
 -- reads the same clock, never its host's.
@@ -65,8 +67,13 @@ local function load_default(meta, fallback)
 end
 
 local function load_slot(key)
-  local h = redis.call('HMGET', key, 't', 'ts', 'e', 'r', 'l', 'hw', 'ep')
-  local s = {tokens = tonumber(h[1]), ts = tonumber(h[2])}
+  local h = redis.call('HMGET', key, 't', 'ts', 'e', 'r', 'l', 'hw', 'ep', 'kr', 'kb')
+  local s = {tokens = tonumber(h[1]), ts = tonumber(h[2]), kr = tonumber(h[8]),
+    kb = tonumber(h[9])}
+  if s.kr == nil or s.kb == nil then
+    s.kr = nil
+    s.kb = nil
+  end
   if s.tokens == nil or s.ts == nil then
     s.tokens = nil
     s.ts = nil
@@ -171,14 +178,23 @@ local function capacity(rate, rho, burst)
   return 0
 end
 
+-- The regional bucket at enforced rate `rate` (policy units): its refill rate and capacity,
+-- the policy's, or under the key's own numbers rate·ρ_K/ρ and B_K·rate/ρ
+-- (bucket.rs KeySlot::bucket_rate).
+local function bucket_of(s, rate, rho, burst)
+  if s.kr == nil then return rate, capacity(rate, rho, burst) end
+  if rho <= 0 then return 0, 0 end
+  return rate * s.kr / rho, s.kb * rate / rho
+end
+
 -- algorithm::token_bucket_at with Refund { cost = 0 }: refill to `at` at `rate`, clamp to
 -- the capacity that goes with it. A missing bucket stays missing.
 local function settle_to(s, rate, rho, burst, at)
   if s.tokens == nil then return end
-  local cap = capacity(rate, rho, burst)
+  local brate, cap = bucket_of(s, rate, rho, burst)
   local elapsed = at - s.ts
   if elapsed < 0 then elapsed = 0 end
-  s.tokens = math.min(cap, s.tokens + elapsed * rate / 1000000)
+  s.tokens = math.min(cap, s.tokens + elapsed * brate / 1000000)
   s.ts = at
 end
 
@@ -231,9 +247,9 @@ end
 local function expire(key, s, d, rho, burst, tol, now, keep_ms)
   local ttl = keep_ms
   if s.tokens ~= nil then
-    local rate = rate_now(s, d, tol, now)
+    local rate, cap = bucket_of(s, rate_now(s, d, tol, now), rho, burst)
     if rate > 0 then
-      local full = (capacity(rate, rho, burst) - s.tokens) * 1000000 / rate
+      local full = (cap - s.tokens) * 1000000 / rate
       local ms = math.ceil(full / 1000) + 1000
       if ms > ttl then ttl = ms end
     end

@@ -86,8 +86,12 @@ pub(crate) fn layouts_in_force(settings: &Settings, policies: &Policies) -> Layo
             let overrides = policies.overrides(&p.name).iter();
             std::iter::once(&**p).chain(overrides.map(|o| &*o.policy))
         });
+    let name = settings
+        .global
+        .as_ref()
+        .map_or("", |g| g.regions[g.me.index()].as_str());
     Layouts::new(
-        Layout::new(&settings.key_prefix),
+        Layout::new(&settings.key_prefix).in_region(name),
         globals.chain(local),
         region.as_ref(),
     )
@@ -184,6 +188,15 @@ pub(crate) async fn serve_both(
     background
         .tasks
         .spawn(limiter.clone().reap_until(background.stop.clone()));
+    if let Some(f) = &federation {
+        // Runtime limits of global policies reach the other regions.
+        background.tasks.spawn(crate::federation::limits::pull(
+            f.clone(),
+            limiter.clone(),
+            live.clone(),
+            background.stop.clone(),
+        ));
+    }
     let state = AppState {
         live,
         limiter,

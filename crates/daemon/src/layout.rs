@@ -114,6 +114,9 @@ pub(crate) enum KeyOwner<'k> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
     prefix: String,
+    /// This region's name ('' without regions): the origin of the runtime limits written
+    /// here, by which regions order their writes.
+    region: String,
 }
 
 impl Layout {
@@ -121,7 +124,14 @@ impl Layout {
     pub fn new(prefix: &str) -> Self {
         Layout {
             prefix: prefix.to_owned(),
+            region: String::new(),
         }
+    }
+
+    /// The same, in the region named `region`.
+    pub(crate) fn in_region(mut self, region: &str) -> Self {
+        self.region = region.to_owned();
+        self
     }
 
     /// The prefix every key of this layout starts with (then `:`).
@@ -260,7 +270,8 @@ impl Layout {
 
     /// Where `policy`'s runtime limits live: `<prefix>:<policy>:limits:{<policy>}:` and
     /// `h` (the entries), `v` (the version), `x` (the expiries), `d` (the marks of the
-    /// entries that went, kept `keep_ms`). One hash tag: one slot in a cluster.
+    /// entries that went, kept `keep_ms`), `c` (the keys by the version of their last
+    /// change, which peer regions pull). One hash tag: one slot in a cluster.
     pub(crate) fn runtime_limit_keys(&self, policy: &str, keep_ms: i64) -> RuntimeLimitKeys {
         let stem = format!("{}:{policy}:{RUNTIME_LIMITS}{{{policy}}}:", self.prefix);
         RuntimeLimitKeys {
@@ -269,6 +280,8 @@ impl Layout {
             version: format!("{stem}v"),
             expiries: format!("{stem}x"),
             gone: format!("{stem}d"),
+            changes: format!("{stem}c"),
+            origin: self.region.clone(),
             keep_ms,
         }
     }
@@ -285,6 +298,9 @@ pub(crate) struct RuntimeLimitKeys {
     pub(crate) version: String,
     pub(crate) expiries: String,
     pub(crate) gone: String,
+    pub(crate) changes: String,
+    /// This region's name: the origin of what is written here.
+    pub(crate) origin: String,
     /// How long the mark of an entry that went is kept: the longest a state of the policy
     /// lives, after which no key can still hold a state written under the entry.
     pub(crate) keep_ms: i64,
@@ -332,7 +348,8 @@ impl GlobalLayout {
     /// coordinator does.
     pub(crate) fn shape_for(&self, policy: &Policy) -> ScriptShape {
         let now = match (&policy.global, self.region) {
-            (Some(g), Some(i)) => escrow_share(policy.rate_per_second(), &g.weights, i),
+            // The policy's ρ, never a key's own rate (`Policy::key_limit`).
+            (Some(g), Some(i)) => escrow_share(self.shape.rho, &g.weights, i),
             _ => self.shape.fallback_escrow,
         };
         ScriptShape {

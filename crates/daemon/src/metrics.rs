@@ -186,6 +186,14 @@ pub(crate) struct Metrics {
     /// `quotad_runtime_limit_resyncs_total`: whole reads of a policy's runtime limits, for
     /// a copy behind Redis's version (a message missed, a restart, a failover).
     pub(crate) runtime_limit_resyncs: IntCounter,
+    /// `quotad_runtime_limit_pulls_total{peer,outcome}`: this region's pulls of a peer
+    /// region's runtime-limit changes (global policies), by the coordinating instance:
+    /// `ok`, `refused` (the peer answered with an error), `failed` (no answer, or a
+    /// change not written here), `invalid` (a reply unsigned, badly signed or unreadable).
+    pub(crate) runtime_limit_pulls: IntCounterVec,
+    /// `quotad_runtime_limit_merges_total{peer,result}`: a peer region's changes merged
+    /// here: `taken` (newer than this region's), `older` (this region had a newer one).
+    pub(crate) runtime_limit_merged: IntCounterVec,
     /// `quotad_memory_store_keys{store}`: keys the embedded store holds (`primary` in
     /// memory mode, `local` for the fallback), at the last sweep; at `store.memory_max_keys`
     /// new keys are refused (`quotad_store_errors_total{kind="full"}`).
@@ -596,6 +604,14 @@ impl Metrics {
             runtime_limit_resyncs: c.counter(Opts::new(
                 "quotad_runtime_limit_resyncs_total",
                 "Whole reads of a policy's runtime limits for a copy behind Redis.",
+            )),
+            runtime_limit_pulls: c.labels(&["peer", "outcome"]).counter(Opts::new(
+                "quotad_runtime_limit_pulls_total",
+                "Pulls of a peer region's runtime-limit changes, by outcome.",
+            )),
+            runtime_limit_merged: c.labels(&["peer", "result"]).counter(Opts::new(
+                "quotad_runtime_limit_merges_total",
+                "A peer region's runtime-limit changes merged here, by result (taken, older).",
             )),
             config_reloads: c.labels(&["result"]).counter(Opts::new(
                 "quotad_config_reloads_total",

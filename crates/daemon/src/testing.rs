@@ -52,7 +52,7 @@ pub mod federation {
 /// The Redis backend's scripts, connections and janitor.
 pub mod redis {
     pub use crate::store::redis::connect::{SyncConn, Target, Topology};
-    pub use crate::store::redis::global::{check_invocation, usage_invocation};
+    pub use crate::store::redis::global::{GlobalKey, check_invocation, usage_invocation};
     pub use crate::store::redis::janitor::{
         CLIENT_NAME, ORPHAN_TTL_MS, SCAN_COUNT, SweepReport, sweep,
     };

@@ -16,6 +16,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Poisson, Zipf};
 
+use quotad_core::coordinator::bucket::KeyLimit;
 use quotad_core::coordinator::message::Message;
 use quotad_core::coordinator::wire;
 use quotad_core::coordinator::{GlobalPolicy, LocalUs};
@@ -25,7 +26,7 @@ use super::metrics::Record;
 use super::net::{Cut, Network};
 use super::regime::{ModeKind, Regime, RegionEvent, Send};
 use super::scenario::{Fault, Load, Scenario};
-use super::store::ALL_KEYS;
+use super::store::{ALL_KEYS, RegionStore};
 
 /// Real time at the start of the warm-up: a realistic epoch, so local clocks look like
 /// Redis TIME readings.
@@ -123,7 +124,33 @@ enum Event {
         to: usize,
         t_req: i64,
     },
+    /// Keys' own numbers are set in `origin` ([`Fault::Limit`]).
+    LimitSet {
+        origin: usize,
+        scale: Option<f64>,
+    },
+    /// A region asks each peer for its keys' numbers (every round).
+    LimitPull(usize),
+    /// A peer's numbers arrive.
+    LimitArrive {
+        from: usize,
+        to: usize,
+        view: LimitView,
+    },
 }
+
+/// Keys' own numbers as one region has them: the write's (time, origin), last writer wins.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LimitView {
+    stamp: (i64, usize),
+    /// ρ_K/ρ (and B_K/B); none: the policy's numbers.
+    scale: Option<f64>,
+}
+
+const POLICY_NUMBERS: LimitView = LimitView {
+    stamp: (i64::MIN, 0),
+    scale: None,
+};
 
 struct Queued {
     at: i64,
@@ -189,6 +216,8 @@ struct Run<'a> {
     out: Vec<Send>,
     /// The policy as the scenario starts it (partition scenarios do not re-split).
     policy: GlobalPolicy,
+    /// Per region, keys' own numbers as it has them ([`Fault::Limit`]).
+    limits: Vec<LimitView>,
 }
 
 impl<'a> Run<'a> {
@@ -241,10 +270,20 @@ impl<'a> Run<'a> {
             trace: trace.then(VecDeque::new),
             out: Vec::new(),
             policy: policy.clone(),
+            limits: vec![POLICY_NUMBERS; sc.regions],
         };
         run.push(start, Event::Tick);
         run.schedule_timers(start, &mut clock_rng);
         run.schedule_faults(&mut clock_rng);
+        if sc.has_limit_changes() {
+            let (round, n) = (sc.params.round_us, sc.regions as i64);
+            for r in 0..sc.regions {
+                run.push(
+                    start + round * (r as i64 + 1) / (n + 1),
+                    Event::LimitPull(r),
+                );
+            }
+        }
         run
     }
 
@@ -306,6 +345,17 @@ impl<'a> Run<'a> {
                     );
                     self.push(at(*at_s), Event::Region(*region, RegionEvent::Failover));
                 }
+                Fault::Limit {
+                    at_s,
+                    origin,
+                    scale,
+                } => self.push(
+                    at(*at_s),
+                    Event::LimitSet {
+                        origin: *origin,
+                        scale: *scale,
+                    },
+                ),
                 Fault::Resplit {
                     at_s,
                     weights,
@@ -323,6 +373,32 @@ impl<'a> Run<'a> {
                 }
             }
         }
+    }
+
+    /// Region `r` takes `view` if it is newer than what it has (last writer wins by time,
+    /// then origin), and every decision of its store carries it from then on. A regime
+    /// with one store (central) has one copy of the numbers: the newest anywhere.
+    fn adopt(&mut self, r: usize, view: LimitView) -> bool {
+        if view.stamp <= self.limits[r].stamp {
+            return false;
+        }
+        self.limits[r] = view;
+        let (store, view) = if self.regime.stores.len() == self.sc.regions {
+            (r, view)
+        } else {
+            let newest = self.limits.iter().max_by_key(|l| l.stamp).copied();
+            (0, newest.unwrap_or(view))
+        };
+        let limit = view.scale.map(|s| KeyLimit {
+            rate: s * self.sc.rho,
+            burst: s * self.sc.burst,
+        });
+        if let Some(s) = self.regime.stores.get_mut(store) {
+            s.set_limit(limit);
+        }
+        // What every region enforces is R·ρ_K/ρ: every key's sum changed.
+        self.check_all = true;
+        true
     }
 
     fn push(&mut self, at: i64, event: Event) {
@@ -356,6 +432,14 @@ impl<'a> Run<'a> {
             }
             self.check(q.at)?;
             self.observe_fallback(q.at);
+        }
+        // Keys' own numbers set anywhere reach every region: after the last change and the
+        // heal, every region has the newest.
+        if self.limits.iter().any(|l| l.stamp != self.limits[0].stamp) {
+            return Err(self.violation(
+                self.end,
+                format!("keys' own numbers did not converge: {:?}", self.limits),
+            ));
         }
         self.rec.book_writes = self.regime.stores.iter().map(|s| s.book_writes).sum();
         self.rec.finish();
@@ -422,6 +506,45 @@ impl<'a> Run<'a> {
                 let sent = self.send(now);
                 (self.trace.is_some() && !sent.is_empty())
                     .then(|| format!("retry r{from}->r{to}: {sent}"))
+            }
+            Event::LimitSet { origin, scale } => {
+                let view = LimitView {
+                    stamp: (now, origin),
+                    scale,
+                };
+                self.adopt(origin, view);
+                self.trace
+                    .is_some()
+                    .then(|| format!("r{origin}: keys' own numbers set to {scale:?}"))
+            }
+            Event::LimitPull(r) => {
+                // A request to each peer and its reply, each through the network (lost
+                // when cut or dropped); the reply carries what the peer has now.
+                for p in (0..self.sc.regions).filter(|&p| p != r) {
+                    for asked in self.net.send(r, p, now, &mut self.net_rng) {
+                        for back in self.net.send(p, r, asked, &mut self.net_rng) {
+                            let view = self.limits[p];
+                            self.push(
+                                back,
+                                Event::LimitArrive {
+                                    from: p,
+                                    to: r,
+                                    view,
+                                },
+                            );
+                        }
+                    }
+                }
+                self.push(now + self.sc.params.round_us, Event::LimitPull(r));
+                None
+            }
+            Event::LimitArrive { from, to, view } => {
+                if self.net.is_cut(from, to, now) || !self.adopt(to, view) {
+                    return None;
+                }
+                self.trace
+                    .is_some()
+                    .then(|| format!("r{to}: keys' own numbers {:?} from r{from}", view.scale))
             }
             Event::ClockStep(r, by) => {
                 self.clocks[r].step(by);
@@ -680,8 +803,22 @@ impl<'a> Run<'a> {
                 ));
             }
         }
-        let sum: f64 = rates.iter().sum();
-        let ratio = sum / self.sc.rho;
+        // Each region's bucket refills at R·ρ_K/ρ under the numbers stored with it (read
+        // from the bucket itself); together at most ρ times the largest numbers any region
+        // has (ρ_K, or ρ without a limit of its own): while a change spreads, the larger
+        // of old and new; once all have it, the new.
+        let stores = &self.regime.stores;
+        let enforced: Vec<f64> = rates
+            .iter()
+            .enumerate()
+            .map(|(r, &rate)| stores[r].enforced(key, rate))
+            .collect();
+        let largest = stores
+            .iter()
+            .map(RegionStore::scale)
+            .fold(f64::MIN, f64::max);
+        let sum: f64 = enforced.iter().sum();
+        let ratio = sum / (self.sc.rho * largest);
         self.rec.max_rate_ratio = self.rec.max_rate_ratio.max(ratio);
         if !self.mode.promises_bound() {
             return Ok(());
@@ -697,8 +834,9 @@ impl<'a> Run<'a> {
             let mut v = self.violation(
                 at,
                 format!(
-                    "k{key}: Σ R = {sum:.9} > ρ = {} (rates {rates:?})\n  {}",
-                    self.sc.rho,
+                    "k{key}: Σ R = {sum:.9} > ρ = {} (rates {rates:?}; each enforced at \
+                     R·ρ_K/ρ: {enforced:?})\n  {}",
+                    self.sc.rho * largest,
                     books.join("\n  ")
                 ),
             );

@@ -116,6 +116,15 @@ pub enum Fault {
         lag_from_s: f64,
         at_s: f64,
     },
+    /// Every key's own numbers (a runtime limit) are set in region `origin`: ρ_K = scale·ρ
+    /// and B_K = scale·B (`None`: back to the policy's). The region applies them at once;
+    /// the others pull them from their peers every round over the network (a cut or lost
+    /// message: the next round), the last write winning by (time, origin).
+    Limit {
+        at_s: f64,
+        origin: usize,
+        scale: Option<f64>,
+    },
     /// The escrow weights change (a new policy version); each region applies it at
     /// `at_s` plus its own rollout delay, drawn from `[0, rollout_s)`.
     Resplit {
@@ -212,8 +221,15 @@ impl Scenario {
     /// Every scenario of docs/simulator.md, in order, but the heavy S17 and S18.
     pub fn all() -> Vec<Scenario> {
         (1..=16)
+            .chain([19])
             .map(|i| Scenario::by_id(&format!("S{i}")).expect("defined"))
             .collect()
+    }
+
+    /// Whether keys' own numbers change in this scenario (the regions then pull them from
+    /// each other every round).
+    pub fn has_limit_changes(&self) -> bool {
+        self.faults.iter().any(|f| matches!(f, Fault::Limit { .. }))
     }
 
     pub fn by_id(id: &str) -> Option<Scenario> {
@@ -522,6 +538,52 @@ impl Scenario {
                             vec![0.05, 0.1, 0.12, 0.1, 0.1, 0.09, 0.08, 0.07, 0.05, 0.19],
                         )),
                     },
+                )
+            },
+            // A key's own limit changes four times, twice while ap is cut off: lowered to
+            // 0.3 ρ from us (it reaches everyone), raised to 2 ρ from us while ap is cut
+            // (ap keeps 0.3 ρ, on its escrow), lowered to 0.5 ρ from ap while cut (the
+            // newest write: it wins everywhere after the heal), back to the policy's from
+            // eu. Σ of what the regions enforce, each at R·ρ_K/ρ under the numbers it has,
+            // stays within ρ times the largest numbers any region has, and so within the
+            // new ones once every region has them.
+            "S19" => Scenario {
+                faults: [
+                    vec![
+                        Fault::Limit {
+                            at_s: 40.0,
+                            origin: US,
+                            scale: Some(0.3),
+                        },
+                        Fault::Limit {
+                            at_s: 60.0,
+                            origin: US,
+                            scale: Some(2.0),
+                        },
+                        Fault::Limit {
+                            at_s: 75.0,
+                            origin: AP,
+                            scale: Some(0.5),
+                        },
+                        Fault::Limit {
+                            at_s: 120.0,
+                            origin: 1,
+                            scale: None,
+                        },
+                    ],
+                    isolate(AP, 50.0, 100.0),
+                ]
+                .concat(),
+                partition: Some(Partition {
+                    start_s: 50.0,
+                    end_s: 100.0,
+                    isolated: vec![AP],
+                }),
+                ..Scenario::base(
+                    "S19",
+                    "a key's limit changes, twice while ap is cut off",
+                    150.0,
+                    Load::Schedule(vec![(0.0, vec![450.0, 300.0, 750.0])]),
                 )
             },
             _ => return None,
@@ -839,7 +901,7 @@ mod tests {
         let s4 = Scenario::by_id("S4").unwrap();
         assert_eq!(s4.load.rates(89.0, 3), s4.load.rates(45.0, 3));
         assert!((s4.load.rates(95.0, 3).iter().sum::<f64>() - 700.0).abs() < 1e-9);
-        assert_eq!(Scenario::all().len(), 16);
+        assert_eq!(Scenario::all().len(), 17);
         let s15 = Scenario::by_id("S15").unwrap();
         let r = s15.load.rates(33.0, 10);
         assert!((r.iter().sum::<f64>() - 1200.0).abs() < 1e-9);

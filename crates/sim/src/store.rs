@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 
 use quotad_core::algorithm::{Op, State};
 use quotad_core::clock::Clock;
-use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot, Shape};
+use quotad_core::coordinator::bucket::{DefaultEscrow, KeyLimit, KeySlot, Shape};
 use quotad_core::coordinator::demand::Counters;
 use quotad_core::coordinator::lease::LeaseBook;
 use quotad_core::coordinator::node::{LeaseStore, Written};
@@ -63,6 +63,9 @@ pub struct RegionStore {
     pub incarnation: u64,
     /// Book writes the coordinator made (in Redis, one script call each).
     pub book_writes: u64,
+    /// Every key's own numbers as this region has them (a runtime limit; none: the
+    /// policy's): every decision carries them, as the daemon's checks do.
+    pub limit: Option<KeyLimit>,
 }
 
 /// Keys are `k<index>`; anything else is a key this simulation never has traffic for.
@@ -99,6 +102,40 @@ impl RegionStore {
             lagging: false,
             incarnation: 0,
             book_writes: 0,
+            limit: None,
+        }
+    }
+
+    /// The factor ρ_K/ρ this region should enforce every key's share at, by the numbers it
+    /// has (1: the policy's).
+    pub fn scale(&self) -> f64 {
+        self.limit.map_or(1.0, |k| k.rate / self.shape.rho)
+    }
+
+    /// The rate `key`'s bucket refills at when the region's share is `rate`: what the
+    /// stored bucket runs under (its own numbers, as the last decision set them).
+    pub fn enforced(&self, key: u32, rate: f64) -> f64 {
+        match self.slots.get(key as usize) {
+            Some(s) => s.key.bucket_rate(&self.shape, rate).amount,
+            None => rate,
+        }
+    }
+
+    /// Every key's own numbers change in this region: from now on every decision carries
+    /// them. Each key is brought to them at once, as by a decision of cost 0 (the daemon
+    /// does so at the key's next decision; until then its bucket refills under the old
+    /// numbers and is clamped to the new capacity at that decision).
+    pub fn set_limit(&mut self, limit: Option<KeyLimit>) {
+        self.limit = limit;
+        let (d, shape, now, lagging) = (self.default(), self.shape, self.now(), self.lagging);
+        for (k, slot) in self.slots.iter_mut().enumerate() {
+            if slot.key.touch(&d, &shape, now) {
+                if !lagging {
+                    slot.keep_durable();
+                }
+                self.changed.insert(k as u32);
+            }
+            slot.key.set_limit(&d, &shape, now, limit);
         }
     }
 
@@ -125,7 +162,7 @@ impl RegionStore {
             return 0;
         }
         let now = self.now();
-        let (d, shape, lagging) = (self.default(), self.shape, self.lagging);
+        let (d, shape, lagging, limit) = (self.default(), self.shape, self.lagging, self.limit);
         let slot = &mut self.slots[key as usize];
         if slot.key.touch(&d, &shape, now) {
             // The drop is a write like any other: replicated unless the replica lags.
@@ -134,10 +171,14 @@ impl RegionStore {
             }
             self.changed.insert(key);
         }
-        let peek = slot.key.decide(&d, &shape, now, Op::Check { cost: 0 });
+        let peek = slot
+            .key
+            .decide(&d, &shape, now, Op::Check { cost: 0 }, limit);
         let take = n.min(peek.remaining);
         if take > 0 {
-            let v = slot.key.decide(&d, &shape, now, Op::Check { cost: take });
+            let v = slot
+                .key
+                .decide(&d, &shape, now, Op::Check { cost: take }, limit);
             debug_assert!(v.allowed);
         }
         slot.key.counters.rejected += n - take;
@@ -203,7 +244,8 @@ impl RegionStore {
                 .find(|(since, _)| *since <= ts)
                 .map_or(0.0, |(_, e)| *e),
         };
-        let cap = self.shape.bucket_rate(rate).capacity;
+        // Under the numbers the bucket was written under.
+        let cap = slot.bucket_rate(&self.shape, rate).capacity;
         if tokens > cap + 1e-6 * cap.max(1.0) {
             return Err(format!(
                 "bucket holds {tokens:.6} tokens, capacity share {cap:.6}"
@@ -339,10 +381,22 @@ impl LeaseStore for RegionStore {
             .collect()
     }
 
+    /// In policy units, as the daemon reads them (`federation::lease_store`): a key under
+    /// its own rate ρ_K offers n·ρ/ρ_K of the policy's units.
     fn counters(&mut self, _policy: &str, key: &str) -> Counters {
-        self.slot_index(key)
-            .map(|k| self.slots[k as usize].key.counters)
-            .unwrap_or_default()
+        let Some(k) = self.slot_index(key) else {
+            return Counters::default();
+        };
+        let slot = &self.slots[k as usize].key;
+        let rho = self.shape.rho;
+        let scale = |n: u64| match slot.limit {
+            Some(l) if l.rate > 0.0 => (n as f64 * rho / l.rate).round() as u64,
+            _ => n,
+        };
+        Counters {
+            admitted: scale(slot.counters.admitted),
+            rejected: scale(slot.counters.rejected),
+        }
     }
 
     fn default_escrow(&mut self, _policy: &str) -> Option<f64> {

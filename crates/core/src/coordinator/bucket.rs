@@ -40,6 +40,20 @@ impl Shape {
     }
 }
 
+/// A key's own numbers in a global policy (a runtime limit): the rate ρ_K and burst B_K it
+/// has instead of the policy's ρ and B. The coordinator's books stay in policy units (its
+/// share R of ρ); the key's bucket runs at R·ρ_K/ρ with capacity B_K·R/ρ, so the regions
+/// together admit at most ρ_K·ΣR/ρ ≤ ρ_K. While a change spreads, each region runs under
+/// the numbers it has, and together they admit at most the larger of them
+/// (docs/global-budgets.md, runtime limits).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct KeyLimit {
+    /// ρ_K, units per second.
+    pub rate: f64,
+    /// B_K.
+    pub burst: f64,
+}
+
 /// The escrow a region applies to keys without a book, and what it was before the last
 /// change. Stores change it without touching every key (Redis cannot enumerate them
 /// cheaply), so a key settles lazily: a stretch before `since` is credited at `before`,
@@ -101,8 +115,11 @@ pub struct KeySlot {
     pub book: Option<LeaseBook>,
     /// The regional bucket's state.
     pub bucket: Option<State>,
-    /// Admissions and rejections counted in the region.
+    /// Admissions and rejections counted in the region, in the key's units.
     pub counters: Counters,
+    /// The key's own numbers its bucket runs under (none: the policy's): set by a decision
+    /// that carries other numbers ([`Self::set_limit`]), read by every other touch.
+    pub limit: Option<KeyLimit>,
 }
 
 /// What a key of a global policy holds in this region, read without changing it: the
@@ -120,19 +137,25 @@ pub struct RegionUsage {
     pub lent: f64,
     /// Borrowed from other regions and not yet ended.
     pub borrowed: f64,
-    /// The regional bucket's capacity, B·R_i/ρ.
+    /// The regional bucket's capacity, B·R_i/ρ (B_K·R_i/ρ under the key's own numbers).
     pub capacity: f64,
 }
 
 impl KeySlot {
     /// What the key holds at store time `now` ([`RegionUsage`]): touched and settled on a
     /// copy, so nothing of the slot changes.
-    pub fn usage(&self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) -> RegionUsage {
+    /// The numbers the caller has for the key (`limit`) are applied as a decision would.
+    pub fn usage(
+        &self,
+        default: &DefaultEscrow,
+        shape: &Shape,
+        now: LocalUs,
+        limit: Option<KeyLimit>,
+    ) -> RegionUsage {
         let mut s = self.clone();
-        s.touch(default, shape, now);
-        s.settle(default, shape, now);
+        s.set_limit(default, shape, now, limit);
         let rate = s.rate(default, shape, now);
-        let bucket = shape.bucket_rate(rate);
+        let bucket = s.bucket_rate(shape, rate);
         let peek = Op::Check { cost: 0 };
         let verdict = algorithm::token_bucket_at(&bucket, s.bucket.as_ref(), now, peek).verdict;
         let (escrow, lent, borrowed) = match &s.book {
@@ -151,6 +174,42 @@ impl KeySlot {
             borrowed: borrowed + 0.0,
             capacity: bucket.capacity,
         }
+    }
+
+    /// The regional bucket at enforced rate `rate` (policy units): the policy's
+    /// ([`Shape::bucket_rate`]), or under the key's own numbers rate·ρ_K/ρ with capacity
+    /// B_K·rate/ρ.
+    pub fn bucket_rate(&self, shape: &Shape, rate: f64) -> BucketRate {
+        match self.limit {
+            None => shape.bucket_rate(rate),
+            Some(_) if shape.rho <= 0.0 => BucketRate::per_second(0.0, 0.0),
+            Some(k) => {
+                BucketRate::per_second(rate * k.rate / shape.rho, k.burst * rate / shape.rho)
+            }
+        }
+    }
+
+    /// A decision carries the key's numbers as its caller has them (`limit`): when they
+    /// differ from the bucket's, the bucket is brought to `now` under the numbers it ran
+    /// under and runs under the new ones from then (the refill until `now` is the old
+    /// numbers'; what the key used carries over, clamped to the new capacity at once).
+    /// Touches and settles first, as every decision does; returns whether the numbers
+    /// changed.
+    pub fn set_limit(
+        &mut self,
+        default: &DefaultEscrow,
+        shape: &Shape,
+        now: LocalUs,
+        limit: Option<KeyLimit>,
+    ) -> bool {
+        self.touch(default, shape, now);
+        self.settle(default, shape, now);
+        let changed = self.limit != limit;
+        if changed {
+            self.limit = limit;
+            self.clamp(default, shape, now);
+        }
+        changed
     }
 
     /// The rate in force at store time `now`.
@@ -200,7 +259,7 @@ impl KeySlot {
             };
             let at = next.unwrap_or(now);
             if at > from {
-                let rate = shape.bucket_rate(self.rate_during(default, from));
+                let rate = self.bucket_rate(shape, self.rate_during(default, from));
                 self.put(algorithm::token_bucket_at(
                     &rate,
                     self.bucket.as_ref(),
@@ -218,7 +277,7 @@ impl KeySlot {
     /// After a rate change: the bucket holds at most the new capacity share.
     pub fn clamp(&mut self, default: &DefaultEscrow, shape: &Shape, now: LocalUs) {
         if self.bucket.is_some() {
-            let rate = shape.bucket_rate(self.rate(default, shape, now));
+            let rate = self.bucket_rate(shape, self.rate(default, shape, now));
             self.put(algorithm::token_bucket_at(
                 &rate,
                 self.bucket.as_ref(),
@@ -234,7 +293,8 @@ impl KeySlot {
         }
     }
 
-    /// One decision at store time `now`: touch, settle, then the token bucket at the rate
+    /// One decision at store time `now` with the key's numbers as the caller has them
+    /// (`limit`, [`Self::set_limit`]): touch, settle, then the token bucket at the rate
     /// and capacity share in force. A check counts its cost as admitted or rejected
     /// (offered load); a peek (cost 0) and a refund count nothing.
     pub fn decide(
@@ -243,10 +303,10 @@ impl KeySlot {
         shape: &Shape,
         now: LocalUs,
         op: Op,
+        limit: Option<KeyLimit>,
     ) -> Verdict {
-        self.touch(default, shape, now);
-        self.settle(default, shape, now);
-        let rate = shape.bucket_rate(self.rate(default, shape, now));
+        self.set_limit(default, shape, now, limit);
+        let rate = self.bucket_rate(shape, self.rate(default, shape, now));
         let out = algorithm::token_bucket_at(&rate, self.bucket.as_ref(), now, op);
         if let Op::Check { cost } = op {
             if out.verdict.allowed {
@@ -337,11 +397,11 @@ mod tests {
     }
 
     fn admit(slot: &mut KeySlot, d: &DefaultEscrow, now: LocalUs, n: u64) -> u64 {
-        let peek = slot.decide(d, &SHAPE, now, Op::Check { cost: 0 });
+        let peek = slot.decide(d, &SHAPE, now, Op::Check { cost: 0 }, None);
         let take = n.min(peek.remaining);
         if take > 0 {
             assert!(
-                slot.decide(d, &SHAPE, now, Op::Check { cost: take })
+                slot.decide(d, &SHAPE, now, Op::Check { cost: take }, None)
                     .allowed
             );
         }
@@ -461,7 +521,11 @@ mod tests {
         assert_eq!(admit(&mut slot, &d, 0, 1000), 10);
         assert_eq!(slot.counters.admitted, 20);
         assert_eq!(slot.counters.rejected, 0);
-        assert!(!slot.decide(&d, &SHAPE, 0, Op::Check { cost: 1 }).allowed);
+        assert!(
+            !slot
+                .decide(&d, &SHAPE, 0, Op::Check { cost: 1 }, None)
+                .allowed
+        );
         assert_eq!(slot.counters.rejected, 1);
     }
 
@@ -478,6 +542,62 @@ mod tests {
         d.change(10.0, 1_000_000);
         // 0.25 s at min(50, 80, 10) = 2.5, then 1 s at 10 = 10, capacity 10.
         assert_eq!(admit(&mut slot, &d, 2_000_000, 1000), 10);
+    }
+
+    /// A key's own numbers scale its bucket: at R = ρ/2 a key with ρ_K = 10 and
+    /// B_K = 20 holds 10 and refills at 5/s; the books stay in policy units.
+    #[test]
+    fn a_keys_own_numbers_scale_its_share_of_the_bucket() {
+        let d = DefaultEscrow::new(50.0);
+        let own = Some(KeyLimit {
+            rate: 10.0,
+            burst: 20.0,
+        });
+        let mut slot = KeySlot::default();
+        let take = |slot: &mut KeySlot, now, cost| {
+            slot.decide(&d, &SHAPE, now, Op::Check { cost }, own)
+                .allowed
+        };
+        assert!(take(&mut slot, 0, 10), "capacity B_K·R/ρ = 10");
+        assert!(!take(&mut slot, 0, 1));
+        assert!(take(&mut slot, 1_000_000, 5), "5/s: R·ρ_K/ρ");
+        assert!(!take(&mut slot, 1_000_000, 1));
+        assert_eq!(slot.rate(&d, &SHAPE, 1_000_000), 50.0, "policy units");
+        assert_eq!(slot.counters.admitted, 15, "the key's units");
+    }
+
+    /// A lowered limit: the stretch before the first decision that carries it refills at
+    /// the old numbers, and what is left is clamped to the new capacity at once.
+    #[test]
+    fn new_numbers_apply_from_the_decision_that_carries_them() {
+        let d = DefaultEscrow::new(50.0);
+        let (high, low) = (
+            Some(KeyLimit {
+                rate: 100.0,
+                burst: 100.0,
+            }),
+            Some(KeyLimit {
+                rate: 10.0,
+                burst: 10.0,
+            }),
+        );
+        let mut slot = KeySlot::default();
+        let peek = |slot: &mut KeySlot, now, limit| {
+            slot.decide(&d, &SHAPE, now, Op::Check { cost: 0 }, limit)
+                .remaining
+        };
+        assert!(
+            slot.decide(&d, &SHAPE, 0, Op::Check { cost: 50 }, high)
+                .allowed
+        );
+        // 0.2 s at 50/s under the old numbers: 10 back, then at most the new capacity 5.
+        assert_eq!(peek(&mut slot, 200_000, low), 5);
+        assert_eq!(slot.limit, low);
+        // From then on at 5/s: 1 s later full again at 5, never the old 50.
+        assert_eq!(peek(&mut slot, 1_200_000, low), 5);
+        // Back to the policy's numbers: the bucket refills at 50/s to 50.
+        assert_eq!(peek(&mut slot, 2_200_000, None), 5);
+        assert_eq!(peek(&mut slot, 3_200_000, None), 50);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 
 use super::request_log::{self, Line, Sampled, Summary};
+use crate::federation::limits::LIMITS_PATH;
 use crate::federation::peers::EXCHANGE_PATH;
 use crate::metrics::Metrics;
 use crate::reload::LiveConfig;
@@ -37,7 +38,7 @@ pub(super) const READYZ: &str = "/readyz";
 pub(super) const METRICS: &str = "/metrics";
 
 /// Every route without a path parameter.
-const FIXED: [&str; 14] = [
+const FIXED: [&str; 15] = [
     CHECK,
     USAGE,
     RESET,
@@ -49,6 +50,7 @@ const FIXED: [&str; 14] = [
     POLICIES,
     STATUS,
     EXCHANGE_PATH,
+    LIMITS_PATH,
     HEALTHZ,
     READYZ,
     METRICS,

@@ -87,6 +87,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route(POLICIES, get(policies))
         .route(STATUS, get(status))
         .route(crate::federation::peers::EXCHANGE_PATH, post(peer_exchange))
+        .route(crate::federation::limits::LIMITS_PATH, post(peer_limits))
         .route(HEALTHZ, get(healthz))
         .route(READYZ, get(readyz))
         .route(METRICS, get(metrics))
@@ -367,17 +368,9 @@ async fn peer_exchange(State(state): State<AppState>, req: Request) -> Response 
     let Some(f) = &state.federation else {
         return ApiError::NotFound.into_response();
     };
-    let (parts, body) = req.into_parts();
-    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
-    let declared = header("content-length").and_then(|v| v.parse::<u64>().ok());
-    let admitted = match Signed::from_headers(header).and_then(|s| f.admit(s, declared)) {
+    let (admitted, body) = match admitted_body(f, &state, req).await {
         Ok(a) => a,
-        Err(r) => return rejection(f, r),
-    };
-    let max = admitted.max_bytes;
-    let body = match body::read(&parts.headers, body, max, state.caps.body_timeout, None).await {
-        Ok((b, _)) => b,
-        Err(e) => return e.into_response(),
+        Err(resp) => return resp,
     };
     match f.exchange(admitted, &body).await {
         Ok(reply) => {
@@ -394,6 +387,47 @@ async fn peer_exchange(State(state): State<AppState>, req: Request) -> Response 
             )
         }
         Err(r) => rejection(f, r),
+    }
+}
+
+/// A peer region's pull of this region's runtime-limit changes (global policies): admitted
+/// as an exchange is (signed, fresh, a known peer, this instance coordinates, a body
+/// within bounds), answered from the store, the reply signed for the request.
+async fn peer_limits(State(state): State<AppState>, req: Request) -> Response {
+    let Some(f) = &state.federation else {
+        return ApiError::NotFound.into_response();
+    };
+    let (admitted, body) = match admitted_body(f, &state, req).await {
+        Ok(a) => a,
+        Err(resp) => return resp,
+    };
+    let asked = match f.limits_request(&admitted, &body) {
+        Ok(r) => r,
+        Err(r) => return rejection(f, r),
+    };
+    let reply = crate::federation::limits::answer(f, &state.limiter, &state.live, &asked).await;
+    let (body, signature) = f.sign_limits_reply(&admitted, &reply);
+    peer_body(StatusCode::OK, "application/json", body, Some(&signature))
+}
+
+/// A peer's request admitted on its headers (signed form, known peer, fresh, this
+/// instance coordinates, a length within bounds), then its body read within the body
+/// timeout; a refusal is the answer to send.
+async fn admitted_body(
+    f: &Federation,
+    state: &AppState,
+    req: Request,
+) -> Result<(crate::federation::Admitted, axum::body::Bytes), Response> {
+    let (parts, body) = req.into_parts();
+    let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
+    let declared = header("content-length").and_then(|v| v.parse::<u64>().ok());
+    let admitted = Signed::from_headers(header)
+        .and_then(|s| f.admit(s, declared))
+        .map_err(|r| rejection(f, r))?;
+    let max = admitted.max_bytes;
+    match body::read(&parts.headers, body, max, state.caps.body_timeout, None).await {
+        Ok((b, _)) => Ok((admitted, b)),
+        Err(e) => Err(e.into_response()),
     }
 }
 

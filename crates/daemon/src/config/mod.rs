@@ -372,6 +372,18 @@ impl Validator<'_> {
             timing,
             overrides,
         } = self.policies(&raw.policy, &regions, !raw.peer.is_empty());
+        if matches!(store, StoreBackend::Memory) {
+            // The regions spread a global policy's runtime limits through Redis.
+            for (i, p) in raw.policy.iter().enumerate() {
+                if let (Some(_), Some(r)) = (&p.global, &p.runtime_limits) {
+                    self.error(
+                        &r.max_keys,
+                        &format!("policy[{i}].runtime_limits.max_keys"),
+                        "runtime limits of a global policy need the Redis store: the regions spread them through it (docs/global-budgets.md)",
+                    );
+                }
+            }
+        }
         let forward_auth = self.forward_auths(&raw.policy, &policies, &overrides);
         let versions = raw
             .policy

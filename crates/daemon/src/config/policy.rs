@@ -348,18 +348,10 @@ impl Validator<'_> {
     }
 
     /// `[policy.runtime_limits]`: how many keys may have their own limit, and the largest
-    /// one may be given. Local policies only, for now.
+    /// one may be given.
     fn runtime_limits(&mut self, i: usize, p: &raw::Policy) -> Option<RuntimeSpec> {
         let r = p.runtime_limits.as_ref()?;
         let field = |k: &str| policy_field(i, &format!("runtime_limits.{k}"));
-        if p.global.is_some() {
-            self.error(
-                &r.max_keys,
-                &field("max_keys"),
-                "runtime limits of a global policy are not supported yet: a key's limit set in one region would not reach the others",
-            );
-            return None;
-        }
         let max_keys = self.integer(
             Some(&r.max_keys),
             &field("max_keys"),

@@ -12,7 +12,7 @@ use crate::layout::{PolicyKeys, ScriptShape};
 use crate::store::push_now;
 
 use quotad_core::algorithm::State;
-use quotad_core::coordinator::bucket::{DefaultEscrow, KeySlot};
+use quotad_core::coordinator::bucket::{DefaultEscrow, KeyLimit, KeySlot};
 use quotad_core::coordinator::demand::Counters;
 use quotad_core::coordinator::lease::{LeaseBook, Loan, Reservation};
 use quotad_core::coordinator::{LocalUs, RegionId};
@@ -146,7 +146,7 @@ pub enum DecodeError {
 }
 
 /// The hash fields [`decode_slot`] reads, in its order.
-pub const SLOT_FIELDS: [&str; 9] = ["t", "ts", "e", "r", "l", "hw", "ep", "a", "x"];
+pub const SLOT_FIELDS: [&str; 11] = ["t", "ts", "e", "r", "l", "hw", "ep", "a", "x", "kr", "kb"];
 
 /// A key's hash (the values of [`SLOT_FIELDS`]) as the model's [`KeySlot`].
 pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, DecodeError> {
@@ -203,10 +203,18 @@ pub fn decode_slot(v: &[Option<String>]) -> Result<KeySlot, DecodeError> {
         admitted: field(7).map_or(Ok(0), |a| parse_int(a, "a"))?,
         rejected: field(8).map_or(Ok(0), |x| parse_int(x, "x"))?,
     };
+    let limit = match (field(9), field(10)) {
+        (Some(kr), Some(kb)) => Some(KeyLimit {
+            rate: parse(kr, "kr")?,
+            burst: parse(kb, "kb")?,
+        }),
+        _ => None,
+    };
     Ok(KeySlot {
         book,
         bucket,
         counters,
+        limit,
     })
 }
 
@@ -310,10 +318,20 @@ mod tests {
             Some("4".to_owned()),
             Some("10".to_owned()),
             None,
+            Some("2.5".to_owned()),
+            Some("7".to_owned()),
         ];
         let slot = decode_slot(&v).unwrap();
         assert_eq!(slot.book, Some(book));
         assert_eq!(slot.counters.admitted, 10);
+        assert_eq!(
+            slot.limit,
+            Some(KeyLimit {
+                rate: 2.5,
+                burst: 7.0
+            }),
+            "the key's own numbers"
+        );
         assert!(decode_slot(&[const { None }; 8]).is_err());
         let mut bad = v.clone();
         bad[3] = Some("1 2 3".to_owned());

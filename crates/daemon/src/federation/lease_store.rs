@@ -763,10 +763,12 @@ impl LeaseStore for RedisLeaseStore {
                 pipe.cmd("HMGET")
                     .arg(p.layout.storage_key(k))
                     .arg("a")
-                    .arg("x");
+                    .arg("x")
+                    .arg("kr");
             }
-            match pipe.query::<Vec<(Option<u64>, Option<u64>)>>(&mut self.conn) {
-                Ok(rows) => out.extend(rows.into_iter().map(counters_of)),
+            let rho = p.global.shape.rho;
+            match pipe.query::<Vec<(Option<u64>, Option<u64>, Option<f64>)>>(&mut self.conn) {
+                Ok(rows) => out.extend(rows.into_iter().map(|row| counters_of(row, rho))),
                 Err(e) => {
                     self.fail(e);
                     break;
@@ -830,9 +832,24 @@ impl LeaseStore for RedisLeaseStore {
 }
 
 /// A key's `a` and `x` fields (absent: 0).
-fn counters_of((admitted, rejected): (Option<u64>, Option<u64>)) -> Counters {
+/// A key's counters in policy units: the script counts the key's units, and a key with its
+/// own rate ρ_K (`kr`) offers n·ρ/ρ_K of the policy's, the units the coordinator's shares
+/// are in. A change of ρ_K rescales the whole count, so the round across it reads a jump
+/// (clamped by the estimator) or a fall (a new baseline): one round's estimate, never the
+/// bound, which the books keep in policy units whatever the numbers.
+fn counters_of(
+    (admitted, rejected, rate): (Option<u64>, Option<u64>, Option<f64>),
+    rho: f64,
+) -> Counters {
+    let scale = |n: Option<u64>| {
+        let n = n.unwrap_or(0);
+        match rate {
+            Some(r) if r > 0.0 && r.is_finite() => (n as f64 * rho / r).round() as u64,
+            _ => n,
+        }
+    };
     Counters {
-        admitted: admitted.unwrap_or(0),
-        rejected: rejected.unwrap_or(0),
+        admitted: scale(admitted),
+        rejected: scale(rejected),
     }
 }

@@ -18,6 +18,7 @@ pub(crate) mod auth;
 pub(crate) mod books;
 pub(crate) mod incarnation;
 pub(crate) mod lease_store;
+pub(crate) mod limits;
 pub(crate) mod lock;
 pub(crate) mod memory;
 pub(crate) mod peers;

@@ -222,12 +222,7 @@ impl PeerClient {
                 return Outcome::Failed;
             }
         };
-        let Some(sig) = resp
-            .headers()
-            .get(HEADER_SIGNATURE)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-        else {
+        let Some(sig) = reply_signature(&resp) else {
             return Outcome::Failed;
         };
         let Some(bytes) = self.read_reply(resp, &peer.region).await else {
@@ -328,8 +323,16 @@ impl PeerClient {
     }
 }
 
+/// A peer's reply's signature header.
+pub(super) fn reply_signature(resp: &reqwest::Response) -> Option<String> {
+    resp.headers()
+        .get(HEADER_SIGNATURE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
 /// A response's body, if it is at most `max` bytes and arrives whole.
-async fn read_at_most(mut resp: reqwest::Response, max: usize) -> Option<Vec<u8>> {
+pub(super) async fn read_at_most(mut resp: reqwest::Response, max: usize) -> Option<Vec<u8>> {
     let mut body = Vec::new();
     while let Some(chunk) = resp.chunk().await.ok()? {
         if body.len() + chunk.len() > max {

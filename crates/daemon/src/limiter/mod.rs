@@ -600,6 +600,7 @@ fn store_call<'a>(check: &'a Check, key: &'a Target, op: Op, member: &'a str) ->
             user_key: &check.key,
             keys: &g.keys,
             shape: *shape,
+            limit: check.policy.key_limit(),
         }),
         periods: check.policy.periods(),
     }

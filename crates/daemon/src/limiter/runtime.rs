@@ -6,6 +6,7 @@
 use super::{Limiter, ResetError};
 use crate::layout::RuntimeLimitKeys;
 use crate::policy::Policy;
+use crate::runtime_limits::PeerChange;
 use crate::runtime_limits::{Entry, RuntimeLimits, RuntimeWrite, RuntimeWritten};
 
 /// A key's own numbers to set.
@@ -90,6 +91,41 @@ impl Limiter {
             runtime.of(&policy.name).apply(before, version, key, slot);
         }
         Ok(written)
+    }
+
+    /// A peer region's change of `key`'s own limit in `policy`, taken if it is newer than
+    /// this region's (the last write wins): as a write here, every instance applies it.
+    pub(crate) async fn merge_runtime_limit(
+        &self,
+        runtime: &RuntimeLimits,
+        policy: &Policy,
+        change: &PeerChange,
+    ) -> Result<RuntimeWritten, ResetError> {
+        let storage_key = self.layouts.of(policy).storage_key(&change.key);
+        let write = RuntimeWrite::Merge {
+            key: &change.key,
+            value: change.value.as_deref(),
+            gone_ms: change.gone_ms,
+            storage_key: &storage_key,
+        };
+        self.change_runtime_limit(runtime, policy, &change.key, &write)
+            .await
+    }
+
+    /// The changes of `policy`'s runtime limits after version `after` (at most `count`),
+    /// and the set's version now: what a peer region pulls.
+    pub(crate) async fn runtime_changes(
+        &self,
+        policy: &Policy,
+        after: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<PeerChange>), ResetError> {
+        let keys = self.runtime_keys(policy);
+        let permit = self.store.admit(1).await?;
+        Ok(self
+            .store
+            .runtime_changes(&permit, &keys, after, count)
+            .await?)
     }
 
     /// `key`'s own limit in `policy`, as the store has it.

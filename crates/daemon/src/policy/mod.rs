@@ -309,6 +309,17 @@ impl Policy {
         self.limit.get() as f64 / self.window.as_secs_f64()
     }
 
+    /// A global policy's key under its own numbers (a runtime limit): its rate and burst,
+    /// which its regional bucket scales the region's share by; `None` under the config's.
+    pub(crate) fn key_limit(&self) -> Option<quotad_core::coordinator::bucket::KeyLimit> {
+        (self.global.is_some() && self.limit_from == LimitSource::Runtime).then(|| {
+            quotad_core::coordinator::bucket::KeyLimit {
+                rate: self.rate_per_second(),
+                burst: self.burst.get() as f64,
+            }
+        })
+    }
+
     /// The coordinator's view of a global policy.
     pub(crate) fn global_policy(&self) -> Option<GlobalPolicy> {
         let g = self.global.as_ref()?;

@@ -37,7 +37,8 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    /// The value as stored (`lua/runtime_limit.lua`).
+    /// The value as stored (`lua/runtime_limit.lua`): four numbers, and the region it was
+    /// written in (absent without regions, and in values written before regions had it).
     pub(crate) fn parse(value: &str) -> Option<Entry> {
         let mut f = value.split(':');
         let entry = Entry {
@@ -46,12 +47,39 @@ impl Entry {
             expires_ms: f.next()?.parse().ok()?,
             since_ms: f.next()?.parse().ok()?,
         };
-        f.next().is_none().then_some(entry)
+        match (f.next(), f.next()) {
+            (None, _) => Some(entry),
+            (Some(origin), None) if valid_origin(origin) => Some(entry),
+            _ => None,
+        }
     }
 
     pub(crate) fn live_at(&self, now_ms: i64) -> bool {
         self.expires_ms == 0 || now_ms < self.expires_ms
     }
+}
+
+/// One change of a key's runtime limit, as a peer region pulls it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct PeerChange {
+    pub(crate) key: String,
+    /// The version of the set it was made at, in the region that sent it.
+    pub(crate) version: u64,
+    /// The stored value (`limit:burst:expires_ms:since_ms[:origin]`); absent: it went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) value: Option<String>,
+    /// When it went (ms), for a change that ended the key's limit.
+    #[serde(default)]
+    pub(crate) gone_ms: i64,
+}
+
+/// A region's name as a value carries it: what the config allows in one.
+pub(crate) fn valid_origin(origin: &str) -> bool {
+    !origin.is_empty()
+        && origin.len() <= 64
+        && origin
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
 /// What a key of a policy has: its own numbers, or the mark of their end (since when the
@@ -91,6 +119,14 @@ pub(crate) enum RuntimeWrite<'a> {
     },
     /// `key`'s own limit goes.
     Delete { key: &'a str, storage_key: &'a str },
+    /// A peer region's change of `key` (its stored value, or `None`: it went at
+    /// `gone_ms`), taken if newer than this region's (`lua/runtime_limit.lua`, merge).
+    Merge {
+        key: &'a str,
+        value: Option<&'a str>,
+        gone_ms: i64,
+        storage_key: &'a str,
+    },
     /// The entries whose expiry has passed go.
     Purge,
 }
@@ -111,6 +147,12 @@ impl RuntimeWrite<'_> {
                 since_ms: at_ms,
             })),
             RuntimeWrite::Delete { .. } => Some(Slot::Gone { since_ms: at_ms }),
+            RuntimeWrite::Merge { value: Some(v), .. } => Entry::parse(v).map(Slot::Set),
+            RuntimeWrite::Merge {
+                value: None,
+                gone_ms,
+                ..
+            } => Some(Slot::Gone { since_ms: gone_ms }),
             RuntimeWrite::Purge => None,
         }
     }
@@ -373,7 +415,9 @@ impl RuntimeLimits {
                 held.insert(key.to_owned(), Slot::Gone { since_ms: now });
                 done(Some(before))
             }
-            RuntimeWrite::Purge => return done(None),
+            // Peers' changes reach Redis only (the config refuses runtime limits of a
+            // global policy on the embedded store).
+            RuntimeWrite::Purge | RuntimeWrite::Merge { .. } => return done(None),
         };
         limits.version.store(version, Ordering::Release);
         out

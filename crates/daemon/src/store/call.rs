@@ -87,6 +87,24 @@ pub(crate) struct GlobalCall<'a> {
     pub(crate) user_key: &'a str,
     pub(crate) keys: &'a layout::PolicyKeys,
     pub(crate) shape: layout::ScriptShape,
+    /// The key's own numbers (a runtime limit), as this instance has them.
+    pub(crate) limit: Option<quotad_core::coordinator::bucket::KeyLimit>,
+}
+
+impl GlobalCall<'_> {
+    /// What the decision script is called with for `call`'s key.
+    pub(crate) fn script_key<'a>(
+        &'a self,
+        call: &'a StoreCall<'_>,
+    ) -> super::redis::global::GlobalKey<'a> {
+        super::redis::global::GlobalKey {
+            storage_key: call.key,
+            user_key: self.user_key,
+            keys: self.keys,
+            shape: &self.shape,
+            limit: self.limit,
+        }
+    }
 }
 
 /// Why a store could not answer. Every variant means "no decision was made"; none is a

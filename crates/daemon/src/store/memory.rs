@@ -169,7 +169,7 @@ impl MemoryStore {
             self.reserve()?;
         }
         let slot = st.slots.entry(call.key.to_owned()).or_default();
-        let v = slot.decide(&d, &shape_of(&g.shape), now, call.op);
+        let v = slot.decide(&d, &shape_of(&g.shape), now, call.op, g.limit);
         if let Op::Check { cost: 1.. } = call.op {
             st.active
                 .entry(g.keys.active.clone())
@@ -216,7 +216,7 @@ impl MemoryStore {
                 let st = self.global();
                 let d = st.default_for(g.keys, &g.shape);
                 let slot = st.slots.get(call.key).cloned().unwrap_or_default();
-                KeyUsage::Region(slot.usage(&d, &shape_of(&g.shape), now))
+                KeyUsage::Region(slot.usage(&d, &shape_of(&g.shape), now, g.limit))
             }
             None => {
                 let map = self.shard(call.key);
@@ -694,6 +694,7 @@ mod tests {
                 fallback_escrow: 5.0,
                 keep_ms: GLOBAL_KEEP_MS,
             },
+            limit: None,
         };
         StoreCall {
             algorithm: Algorithm::TokenBucket,

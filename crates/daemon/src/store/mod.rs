@@ -401,6 +401,22 @@ impl Store {
         Ok((next, page))
     }
 
+    /// The changes of `keys`' policy's runtime limits after version `after` (at most
+    /// `count`) and the set's version: what a peer region pulls. The embedded store
+    /// spreads nothing (the config refuses runtime limits of global policies on it).
+    pub(crate) async fn runtime_changes(
+        &self,
+        _permit: &Permit<'_>,
+        keys: &RuntimeLimitKeys,
+        after: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<crate::runtime_limits::PeerChange>), StoreError> {
+        match self {
+            Store::Redis(r) => r.runtime_changes(keys, after, count).await,
+            Store::Memory(_) => Ok((0, Vec::new())),
+        }
+    }
+
     /// Whether the store can take decisions now (readiness).
     pub(crate) fn is_ready(&self) -> bool {
         match self {

@@ -15,6 +15,7 @@ use redis::{Script, ScriptInvocation};
 use crate::layout::{PolicyKeys, ScriptShape};
 
 use quotad_core::algorithm::Op;
+use quotad_core::coordinator::bucket::KeyLimit;
 
 impl ScriptShape {
     /// The five numbers, in the order `shape_args` in `lua/global/common.lua` reads them.
@@ -34,69 +35,62 @@ pub(crate) fn push_now(inv: &mut ScriptInvocation<'_>, now_us: Option<i64>) {
     }
 }
 
+/// One key of a global policy as the decision script is called for it.
+#[derive(Debug, Clone, Copy)]
+pub struct GlobalKey<'a> {
+    /// The key's hash.
+    pub storage_key: &'a str,
+    /// The key as the client sent it (the active set's member).
+    pub user_key: &'a str,
+    /// The policy's keys (meta hash, active set).
+    pub keys: &'a PolicyKeys,
+    /// The policy's numbers.
+    pub shape: &'a ScriptShape,
+    /// The key's own numbers as this instance has them (none: the policy's).
+    pub limit: Option<KeyLimit>,
+}
+
 /// The decision script's call for one operation; `now_us` only in tests.
 pub fn check_invocation<'a>(
     script: &'a Script,
-    storage_key: &str,
-    user_key: &str,
-    keys: &PolicyKeys,
-    shape: &ScriptShape,
+    key: &GlobalKey<'_>,
     op: Op,
     now_us: Option<i64>,
 ) -> ScriptInvocation<'a> {
-    let (mode, cost) = match op {
+    let mode = match op {
         Op::Check { cost } => ("check", cost),
         Op::Refund { cost } => ("refund", cost),
     };
-    invocation(
-        script,
-        storage_key,
-        user_key,
-        keys,
-        shape,
-        (mode, cost),
-        now_us,
-    )
+    invocation(script, key, mode, now_us)
 }
 
 /// The decision script's `usage` mode for one key: what it holds here, read without a
 /// write (`quotad_core::coordinator::bucket::KeySlot::usage`); `now_us` only in tests.
 pub fn usage_invocation<'a>(
     script: &'a Script,
-    storage_key: &str,
-    user_key: &str,
-    keys: &PolicyKeys,
-    shape: &ScriptShape,
+    key: &GlobalKey<'_>,
     now_us: Option<i64>,
 ) -> ScriptInvocation<'a> {
-    invocation(
-        script,
-        storage_key,
-        user_key,
-        keys,
-        shape,
-        ("usage", 0),
-        now_us,
-    )
+    invocation(script, key, ("usage", 0), now_us)
 }
 
 fn invocation<'a>(
     script: &'a Script,
-    storage_key: &str,
-    user_key: &str,
-    keys: &PolicyKeys,
-    shape: &ScriptShape,
+    key: &GlobalKey<'_>,
     (mode, cost): (&str, u64),
     now_us: Option<i64>,
 ) -> ScriptInvocation<'a> {
     let mut inv = script.prepare_invoke();
-    inv.key(storage_key)
-        .key(&keys.meta)
-        .key(&keys.active)
+    inv.key(key.storage_key)
+        .key(&key.keys.meta)
+        .key(&key.keys.active)
         .arg(mode)
         .arg(cost);
-    shape.push(&mut inv);
-    inv.arg(user_key);
+    key.shape.push(&mut inv);
+    inv.arg(key.user_key);
+    // 0 0: the policy's numbers.
+    let own = key.limit.map_or((0.0, 0.0), |k| (k.rate, k.burst));
+    inv.arg(own.0).arg(own.1);
     push_now(&mut inv, now_us);
     inv
 }

@@ -340,15 +340,8 @@ impl RedisStore {
 
     pub(crate) async fn apply(&self, call: &StoreCall<'_>) -> Result<Verdict, StoreError> {
         if let Some(g) = &call.global {
-            let inv = global::check_invocation(
-                &self.global_check,
-                call.key,
-                g.user_key,
-                g.keys,
-                &g.shape,
-                call.op,
-                None,
-            );
+            let inv =
+                global::check_invocation(&self.global_check, &g.script_key(call), call.op, None);
             let reply: Vec<i64> = self
                 .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
                 .await?;
@@ -375,14 +368,7 @@ impl RedisStore {
     /// nothing (a global policy's key: the check script's `usage` mode).
     pub(crate) async fn usage(&self, call: &StoreCall<'_>) -> Result<UsageReply, StoreError> {
         if let Some(g) = &call.global {
-            let inv = global::usage_invocation(
-                &self.global_check,
-                call.key,
-                g.user_key,
-                g.keys,
-                &g.shape,
-                None,
-            );
+            let inv = global::usage_invocation(&self.global_check, &g.script_key(call), None);
             let reply: Vec<i64> = self
                 .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
                 .await?;

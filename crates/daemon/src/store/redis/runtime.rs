@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::RedisStore;
 use crate::layout::RuntimeLimitKeys;
-use crate::runtime_limits::{Entry, RuntimeWrite, RuntimeWritten, Slot};
+use crate::runtime_limits::{Entry, PeerChange, RuntimeWrite, RuntimeWritten, Slot};
 use crate::store::call::StoreError;
 
 /// Entries per HSCAN step of a resync or a page.
@@ -22,7 +22,23 @@ impl RedisStore {
         inv.key(&keys.entries)
             .key(&keys.version)
             .key(&keys.expiries)
-            .key(&keys.gone);
+            .key(&keys.gone)
+            .key(&keys.changes);
+        if let RuntimeWrite::Merge {
+            key,
+            value,
+            gone_ms,
+            storage_key,
+        } = write
+        {
+            inv.arg("merge")
+                .arg(*key)
+                .arg(value.unwrap_or(""))
+                .arg(*gone_ms)
+                .arg(0)
+                .arg(0);
+            return self.runtime_call(keys, inv, storage_key, "merge").await;
+        }
         let (op, key, limit, burst, expires, most, storage) = match write {
             RuntimeWrite::Set {
                 key,
@@ -42,17 +58,31 @@ impl RedisStore {
             ),
             RuntimeWrite::Delete { key, storage_key } => ("delete", *key, 0, 0, 0, 0, *storage_key),
             RuntimeWrite::Purge => ("purge", "", 0, 0, 0, 0, ""),
+            RuntimeWrite::Merge { .. } => unreachable!("handled above"),
         };
         inv.arg(op)
             .arg(key)
             .arg(limit)
             .arg(burst)
             .arg(expires)
-            .arg(most)
-            .arg(&self.channel)
+            .arg(most);
+        self.runtime_call(keys, inv, storage, op).await
+    }
+
+    /// The rest of a change's call: the arguments every operation ends with, the call,
+    /// and its reply.
+    async fn runtime_call(
+        &self,
+        keys: &RuntimeLimitKeys,
+        mut inv: redis::ScriptInvocation<'_>,
+        storage: &str,
+        op: &str,
+    ) -> Result<RuntimeWritten, StoreError> {
+        inv.arg(&self.channel)
             .arg(&keys.policy)
             .arg(storage)
-            .arg(keys.keep_ms);
+            .arg(keys.keep_ms)
+            .arg(&keys.origin);
         let inv = &inv;
         let (version, old, before, at_ms): (i64, redis::Value, Option<u64>, i64) = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
@@ -65,7 +95,7 @@ impl RedisStore {
         Ok(match version {
             -1 => RuntimeWritten::ExpiryPassed,
             -2 => RuntimeWritten::Full,
-            0 if op == "delete" => RuntimeWritten::NotFound,
+            0 if op == "delete" || op == "merge" => RuntimeWritten::NotFound,
             v => RuntimeWritten::Done {
                 before: before.unwrap_or(0),
                 version: v as u64,
@@ -78,6 +108,39 @@ impl RedisStore {
                 },
             },
         })
+    }
+
+    /// The changes of `keys`' policy after version `after`, oldest first, at most
+    /// `count`, and the set's version now (`lua/runtime_limit.lua`, changes): what a peer
+    /// region pulls.
+    pub(crate) async fn runtime_changes(
+        &self,
+        keys: &RuntimeLimitKeys,
+        after: u64,
+        count: usize,
+    ) -> Result<(u64, Vec<PeerChange>), StoreError> {
+        let mut inv = self.runtime_limit.prepare_invoke();
+        inv.key(&keys.entries)
+            .key(&keys.version)
+            .key(&keys.expiries)
+            .key(&keys.gone)
+            .key(&keys.changes)
+            .arg("changes")
+            .arg("")
+            .arg(after)
+            .arg(count)
+            .arg(0)
+            .arg(0)
+            .arg(&self.channel)
+            .arg(&keys.policy)
+            .arg("")
+            .arg(keys.keep_ms)
+            .arg(&keys.origin);
+        let inv = &inv;
+        let reply: Vec<redis::Value> = self
+            .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
+            .await?;
+        parse_changes(&reply).ok_or_else(|| StoreError::Reply("runtime limit changes".into()))
     }
 
     /// The version of `keys`' policy's set in Redis (0: never written).
@@ -173,4 +236,34 @@ impl RedisStore {
             .await?;
         Ok(value.as_deref().and_then(Entry::parse))
     }
+}
+
+/// The `changes` reply: the version, then per key its name, version, value ('' : gone)
+/// and when it went.
+fn parse_changes(reply: &[redis::Value]) -> Option<(u64, Vec<PeerChange>)> {
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        redis::Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    };
+    let (first, rest) = reply.split_first()?;
+    let version: u64 = text(first)?.parse().ok()?;
+    if rest.len() % 4 != 0 {
+        return None;
+    }
+    let changes = rest
+        .chunks(4)
+        .map(|c| {
+            let value = text(&c[2])?;
+            Some(PeerChange {
+                key: text(&c[0])?,
+                // A score as Redis prints it (an integer, in full).
+                version: text(&c[1])?.parse::<f64>().ok()? as u64,
+                value: (!value.is_empty()).then_some(value),
+                gone_ms: text(&c[3])?.parse().ok()?,
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((version, changes))
 }
