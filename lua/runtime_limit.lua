@@ -14,11 +14,12 @@
 -- KEYS[4]  D: sorted set of the keys whose entry went (deleted or expired), score = when
 --          (ms): their config numbers came back into force then (the transition rule)
 -- KEYS[5]  C: sorted set of the keys by the version of their last change: what a peer
---          region that has seen version v has not (`changes`)
+--          region that has seen version v has not (`changes`); kept only with a region
+--          (ARGV[11]: a global policy, whose changes spread)
 -- All five share a hash tag (one slot in a cluster), and none has a TTL: they are the
 -- operator's data, not a limiter's state (the janitor leaves them alone).
 -- ARGV[1]  'set' | 'delete' | 'purge' | 'merge' | 'changes'; ARGV[11] this region's name
---          ('' without regions)
+--          ('' for a policy whose changes do not spread: a local one)
 -- set      ARGV: user key, limit, burst, expires_ms, max_keys, channel, policy, storage
 --          key, keep_ms. Returns {version, old value or '', version before, now_ms}; {-1, ...}: expires_ms is not
 --          after now; {-2, ''}: the policy holds max_keys entries and this key has none.
@@ -65,7 +66,7 @@ local function next_version()
 end
 local function put_version(v, k)
   redis.call('SET', V, string.format('%d', v))
-  redis.call('ZADD', C, v, k)
+  if region ~= '' then redis.call('ZADD', C, v, k) end
   return v
 end
 local function announce(version, value, k, stored)

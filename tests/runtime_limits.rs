@@ -143,8 +143,9 @@ fn a_runtime_limit_set_through_one_instance_applies_on_every_instance() {
     );
 }
 
-/// A denied key remembered by an instance's deny cache sees a raised runtime limit at its
-/// next check there: the change ends the remembered denial.
+/// A denied key remembered by an instance's deny cache sees a changed runtime limit at its
+/// next check there: the change ends the remembered denial. Lowered, the key stays denied,
+/// now under the new numbers (not the remembered answer's); raised, it is admitted.
 #[test]
 fn a_raised_runtime_limit_ends_a_remembered_denial_on_every_instance() {
     let redis = RedisServer::start();
@@ -160,6 +161,15 @@ fn a_raised_runtime_limit_ends_a_remembered_denial_on_every_instance() {
             "denied, and remembered"
         );
     }
+    let (status, _) = a.admin("PUT", "/v1/limits/api/busy", Some(&json!({"limit": 2})));
+    assert_eq!(status, 200);
+    until_applied(&b, "busy", 2, "runtime");
+    let d = spend(&b, "busy");
+    assert_eq!(
+        (&d["allowed"], &d["limit"], &d["limit_source"]),
+        (&json!(false), &json!(2), &json!("runtime")),
+        "lowered: denied under the new numbers, not from memory: {d}"
+    );
     let (status, _) = a.admin("PUT", "/v1/limits/api/busy", Some(&json!({"limit": 5})));
     assert_eq!(status, 200);
     until_applied(&b, "busy", 5, "runtime");

@@ -107,7 +107,9 @@ fn runtime_limit_keys(settings: &Settings, policies: &Policies) -> Vec<RuntimeLi
         .filter(|p| p.runtime.is_some())
         .map(|p| {
             let keep_ms = layouts.by_name(&p.name).map_or(0, |l| l.repair_ttl_ms);
-            layouts.layout().runtime_limit_keys(&p.name, keep_ms)
+            layouts
+                .layout()
+                .runtime_limit_keys(&p.name, keep_ms, p.global.is_some())
         })
         .collect()
 }

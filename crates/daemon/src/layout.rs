@@ -271,8 +271,15 @@ impl Layout {
     /// Where `policy`'s runtime limits live: `<prefix>:<policy>:limits:{<policy>}:` and
     /// `h` (the entries), `v` (the version), `x` (the expiries), `d` (the marks of the
     /// entries that went, kept `keep_ms`), `c` (the keys by the version of their last
-    /// change, which peer regions pull). One hash tag: one slot in a cluster.
-    pub(crate) fn runtime_limit_keys(&self, policy: &str, keep_ms: i64) -> RuntimeLimitKeys {
+    /// change, which peer regions pull: kept for a global policy only, whose changes
+    /// spread, as is the region every value of one carries). One hash tag: one slot in a
+    /// cluster.
+    pub(crate) fn runtime_limit_keys(
+        &self,
+        policy: &str,
+        keep_ms: i64,
+        spread: bool,
+    ) -> RuntimeLimitKeys {
         let stem = format!("{}:{policy}:{RUNTIME_LIMITS}{{{policy}}}:", self.prefix);
         RuntimeLimitKeys {
             policy: policy.to_owned(),
@@ -281,7 +288,11 @@ impl Layout {
             expiries: format!("{stem}x"),
             gone: format!("{stem}d"),
             changes: format!("{stem}c"),
-            origin: self.region.clone(),
+            origin: if spread {
+                self.region.clone()
+            } else {
+                String::new()
+            },
             keep_ms,
         }
     }
@@ -299,7 +310,9 @@ pub(crate) struct RuntimeLimitKeys {
     pub(crate) expiries: String,
     pub(crate) gone: String,
     pub(crate) changes: String,
-    /// This region's name: the origin of what is written here.
+    /// This region's name, the origin of what is written here, for a policy whose changes
+    /// spread to other regions (a global one); '' otherwise: no region in the values and
+    /// no index of changes.
     pub(crate) origin: String,
     /// How long the mark of an entry that went is kept: the longest a state of the policy
     /// lives, after which no key can still hold a state written under the entry.

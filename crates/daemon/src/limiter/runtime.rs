@@ -24,7 +24,7 @@ impl Limiter {
         let keep_ms = self.layouts.of(policy).repair_ttl_ms;
         self.layouts
             .layout()
-            .runtime_limit_keys(&policy.name, keep_ms)
+            .runtime_limit_keys(&policy.name, keep_ms, policy.global.is_some())
     }
 
     /// Sets `key`'s own limit in `policy` (which takes runtime limits: the caller checked).

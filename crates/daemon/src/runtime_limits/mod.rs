@@ -17,8 +17,14 @@
 //! numbers (`quotad_core::algorithm::frame`): usage carries over, a newer number wins.
 
 use std::collections::HashMap;
+
+use compact_str::CompactString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+
+/// A policy's keys with their own limit (or the mark of its end): keys inline up to 24
+/// bytes and a seeded fast hash, since every check of such a key looks it up among all.
+pub(crate) type Slots = HashMap<CompactString, Slot, foldhash::fast::RandomState>;
 
 /// The prefix of a change message on the invalidation channel (no storage key starts
 /// with `#`: prefixes are `[A-Za-z0-9_.-]`).
@@ -184,7 +190,7 @@ pub(crate) enum RuntimeWritten {
 pub(crate) struct PolicyLimits {
     /// The version of Redis's set this copy is at (0: never read).
     version: AtomicU64,
-    slots: RwLock<HashMap<String, Slot>>,
+    slots: RwLock<Slots>,
     /// While the set is read again: the changes that arrive meanwhile, applied on top of
     /// what was read ([`PolicyLimits::begin_read`], [`PolicyLimits::replace`]), so a read
     /// during a stream of changes does not lose the ones it began before.
@@ -213,16 +219,16 @@ impl PolicyLimits {
             .count()
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Slot>> {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Slots> {
         self.slots.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Slot>> {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Slots> {
         self.slots.write().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The whole set as read from Redis at `version`.
-    pub(crate) fn replace(&self, version: u64, slots: HashMap<String, Slot>) -> Vec<i64> {
+    pub(crate) fn replace(&self, version: u64, slots: Slots) -> Vec<i64> {
         let arrived = self.end_read();
         let mut held = self.write();
         *held = slots;
@@ -243,7 +249,7 @@ impl PolicyLimits {
             if let Slot::Set(e) = c.slot {
                 applied.push(e.since_ms);
             }
-            held.insert(c.key, c.slot);
+            held.insert(c.key.into(), c.slot);
             at = c.version;
         }
         self.version.store(at, Ordering::Release);
@@ -298,7 +304,7 @@ impl PolicyLimits {
         if at != before {
             return Applied::Gap;
         }
-        held.insert(key.to_owned(), slot);
+        held.insert(key.into(), slot);
         self.version.store(version, Ordering::Release);
         Applied::Now
     }
@@ -311,7 +317,7 @@ impl PolicyLimits {
     /// offset, 0 after the last.
     pub(crate) fn page(&self, cursor: u64, count: usize) -> (u64, Vec<(String, Entry)>) {
         let held = self.read();
-        let mut all: Vec<(&String, &Entry)> = held
+        let mut all: Vec<(&CompactString, &Entry)> = held
             .iter()
             .filter_map(|(k, s)| match s {
                 Slot::Set(e) => Some((k, e)),
@@ -323,7 +329,7 @@ impl PolicyLimits {
         let to = from.saturating_add(count).min(all.len());
         let page = all[from..to]
             .iter()
-            .map(|(k, e)| ((*k).clone(), **e))
+            .map(|(k, e)| (k.to_string(), **e))
             .collect();
         let next = if to >= all.len() { 0 } else { to as u64 };
         (next, page)
@@ -368,7 +374,7 @@ impl RuntimeLimits {
         let now = now_ms();
         let mut held = limits.write();
         let version = limits.version.load(Ordering::Acquire) + 1;
-        let old = |held: &HashMap<String, Slot>, key: &str| match held.get(key) {
+        let old = |held: &Slots, key: &str| match held.get(key) {
             Some(Slot::Set(e)) if e.live_at(now) => Some(*e),
             _ => None,
         };
@@ -405,14 +411,14 @@ impl RuntimeLimits {
                     expires_ms,
                     since_ms: now,
                 };
-                held.insert(key.to_owned(), Slot::Set(entry));
+                held.insert(key.into(), Slot::Set(entry));
                 done(before)
             }
             RuntimeWrite::Delete { key, .. } => {
                 let Some(before) = old(&held, key) else {
                     return RuntimeWritten::NotFound;
                 };
-                held.insert(key.to_owned(), Slot::Gone { since_ms: now });
+                held.insert(key.into(), Slot::Gone { since_ms: now });
                 done(Some(before))
             }
             // Peers' changes reach Redis only (the config refuses runtime limits of a
@@ -516,7 +522,9 @@ mod tests {
         assert_eq!(p.apply(5, 6, "b", set(6)), Applied::Later);
         assert_eq!(p.apply(6, 7, "a", set(7)), Applied::Later);
         assert_eq!(p.apply(8, 9, "c", set(9)), Applied::Later);
-        let read = HashMap::from([("a".to_owned(), set(5)), ("old".to_owned(), set(4))]);
+        let read: Slots = [("a".into(), set(5)), ("old".into(), set(4))]
+            .into_iter()
+            .collect();
         let timed = p.replace(5, read);
         assert_eq!(timed.len(), 2, "6 and 7 applied; 9 waits (8 missing)");
         assert_eq!(p.version(), 7);

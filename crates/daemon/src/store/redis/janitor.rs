@@ -314,7 +314,7 @@ mod tests {
             let key = format!("rl:sw:limits:{{sw}}:{k}");
             assert_eq!(repair_ttl_ms(&l, &key), None, "{key}");
         }
-        let keys = l.layout().runtime_limit_keys("sw", 0);
+        let keys = l.layout().runtime_limit_keys("sw", 0, false);
         assert_eq!(keys.entries, "rl:sw:limits:{sw}:h");
         assert_eq!(
             repair_ttl_ms(&l, "rl:sw:sw:{limits:x}"),

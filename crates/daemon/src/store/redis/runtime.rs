@@ -1,11 +1,9 @@
 //! Runtime limits in Redis (`lua/runtime_limit.lua`): the writes, and the reads of the
 //! whole set (a resync) and of one key or one page (the admin API).
 
-use std::collections::HashMap;
-
 use super::RedisStore;
 use crate::layout::RuntimeLimitKeys;
-use crate::runtime_limits::{Entry, PeerChange, RuntimeWrite, RuntimeWritten, Slot};
+use crate::runtime_limits::{Entry, PeerChange, RuntimeWrite, RuntimeWritten, Slot, Slots};
 use crate::store::call::StoreError;
 
 /// Entries per HSCAN step of a resync or a page.
@@ -160,9 +158,9 @@ impl RedisStore {
     pub(crate) async fn runtime_read_all(
         &self,
         keys: &RuntimeLimitKeys,
-    ) -> Result<(u64, HashMap<String, Slot>), StoreError> {
+    ) -> Result<(u64, Slots), StoreError> {
         let version = self.runtime_version(keys).await?;
-        let mut slots = HashMap::new();
+        let mut slots = Slots::default();
         let gone = keys.gone.as_str();
         let marks: Vec<(String, i64)> = self
             .guarded(|mut conn| async move {
@@ -176,13 +174,13 @@ impl RedisStore {
             })
             .await?;
         for (k, since_ms) in marks {
-            slots.insert(k, Slot::Gone { since_ms });
+            slots.insert(k.into(), Slot::Gone { since_ms });
         }
         let mut cursor = 0;
         loop {
             let (next, page) = self.runtime_page(keys, cursor, SCAN_COUNT).await?;
             for (k, e) in page {
-                slots.insert(k, Slot::Set(e));
+                slots.insert(k.into(), Slot::Set(e));
             }
             if next == 0 {
                 return Ok((version, slots));
