@@ -326,6 +326,28 @@ impl Trace {
         }
     }
 
+    /// The first time after `from` from which every region in `which` stayed within 5% of
+    /// ρ of `target` for [`HOLD`] (seconds after `from`).
+    fn held(&self, from: f64, target: &[f64; 3], which: &[usize]) -> Option<f64> {
+        let ok = |r: &[f64; 3]| {
+            which
+                .iter()
+                .all(|&i| (r[i] - target[i]).abs() <= 0.05 * RHO)
+        };
+        let mut start: Option<f64> = None;
+        for (t, r) in self.0.iter().filter(|(t, _)| *t >= from) {
+            if !ok(r) {
+                start = None;
+                continue;
+            }
+            let s = *start.get_or_insert(*t);
+            if t - s >= HOLD {
+                return Some(s - from);
+            }
+        }
+        None
+    }
+
     fn dump(&self, from: f64, to: f64) -> String {
         self.0
             .iter()
@@ -436,10 +458,19 @@ fn cut_heal_restart(backing: Backing) {
         "{served}"
     );
     // us and eu keep rebalancing among themselves, ap pinned at its escrow.
-    // (Recorded on, ap still cut off, if they have not yet held their targets for HOLD.)
+    // They have rebalanced once they held their targets for HOLD (recorded on, ap still
+    // cut off, until they have). Not "and stayed to the end of the cut": on a starved
+    // 2-core box (debug daemons beside the other tests) a stall past the test's 2 s lease
+    // lapses a loan for a round now and then, which is the lease doing its job.
     let t3 = targets([1500.0, 800.0, 0.0], [true, false, false]);
-    let (rebalanced, end3) =
-        trace.record_until_settled(&d, &load, (cut_at, SETTLE), &t3, &[eu, us]);
+    let rebalanced = loop {
+        let held = trace.held(cut_at, &t3, &[eu, us]);
+        if held.is_some() || load.elapsed() >= cut_at + SETTLE {
+            break held;
+        }
+        trace.sample(&d, &load);
+    };
+    let end3 = load.elapsed();
     println!("phase 3 targets {t3:?}: us/eu settled after {rebalanced:?} s");
     assert!(
         rebalanced.is_some(),
