@@ -376,9 +376,10 @@ fn three_regions_rebalance_fall_back_heal_and_keep_the_bound() {
     cut_heal_restart(Backing::Redis);
 }
 
-/// The same with each region on its own 3-master Redis Cluster: every global script runs
-/// in the policy's slot, and the coordinator's per-round commands to each master are
-/// counted and printed.
+/// The same with each region on its own 3-master Redis Cluster, through the heal (the
+/// one-way cut and the restart are the single-Redis run's): every global script runs in
+/// the policy's slot, and the coordinator's per-round commands to each master are counted
+/// and printed.
 #[test]
 fn three_regions_on_redis_clusters_keep_the_bound() {
     cut_heal_restart(Backing::Cluster);
@@ -491,23 +492,28 @@ fn cut_heal_restart(backing: Backing) {
         trace.dump(heal_at, end4)
     );
 
-    // Phase 5: a one-way cut: nothing from us reaches ap (ap's requests to us arrive, the
-    // answers do not; us's requests to ap are lost), for 4 s (two leases).
-    let one_way_at = load.elapsed();
-    d.cut(us, ap, true);
-    trace.record(&d, &load, one_way_at + 4.0);
-    d.cut(us, ap, false);
-    trace.record(&d, &load, one_way_at + 6.0);
+    // The one-way cut and the lender's restart are the single-Redis run's: on clusters
+    // the phases above already run every script in the policy's slot, and the run is the
+    // suite's longest (66 s of a clean clone's 221 s of tests with them).
+    if backing == Backing::Redis {
+        // Phase 5: a one-way cut: nothing from us reaches ap (ap's requests to us arrive,
+        // the answers do not; us's requests to ap are lost), for 4 s (two leases).
+        let one_way_at = load.elapsed();
+        d.cut(us, ap, true);
+        trace.record(&d, &load, one_way_at + 4.0);
+        d.cut(us, ap, false);
+        trace.record(&d, &load, one_way_at + 6.0);
 
-    // Phase 6: us (the lender) is killed and restarted.
-    let kill_at = load.elapsed();
-    d.regions[us].daemons[0].kill();
-    while load.elapsed() < kill_at + 3.0 {
-        std::thread::sleep(Duration::from_millis(100));
+        // Phase 6: us (the lender) is killed and restarted.
+        let kill_at = load.elapsed();
+        d.regions[us].daemons[0].kill();
+        while load.elapsed() < kill_at + 3.0 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        d.regions[us].daemons[0].restart();
+        // The restarted lender takes over its books from Redis and lends again at once.
+        trace.record(&d, &load, kill_at + 9.0);
     }
-    d.regions[us].daemons[0].restart();
-    // The restarted lender takes over its books from Redis and lends again at once.
-    trace.record(&d, &load, kill_at + 9.0);
     let answers = load.finish();
     println!("{} answers", answers.len());
     assert_bound(&answers);
