@@ -16,71 +16,47 @@ impl RedisStore {
         keys: &RuntimeLimitKeys,
         write: &RuntimeWrite<'_>,
     ) -> Result<RuntimeWritten, StoreError> {
-        let mut inv = self.runtime_limit.prepare_invoke();
-        inv.key(&keys.entries)
-            .key(&keys.version)
-            .key(&keys.expiries)
-            .key(&keys.gone)
-            .key(&keys.changes);
-        if let RuntimeWrite::Merge {
-            key,
-            value,
-            gone_ms,
-            storage_key,
-        } = write
-        {
-            inv.arg("merge")
-                .arg(*key)
-                .arg(value.unwrap_or(""))
-                .arg(*gone_ms)
-                .arg(0)
-                .arg(0);
-            return self.runtime_call(keys, inv, storage_key, "merge").await;
-        }
-        let (op, key, limit, burst, expires, most, storage) = match write {
-            RuntimeWrite::Set {
-                key,
-                limit,
-                burst,
-                expires_ms,
-                max_keys,
-                storage_key,
-            } => (
-                "set",
-                *key,
-                *limit,
-                *burst,
-                *expires_ms,
-                *max_keys,
-                *storage_key,
-            ),
-            RuntimeWrite::Delete { key, storage_key } => ("delete", *key, 0, 0, 0, 0, *storage_key),
-            RuntimeWrite::Purge => ("purge", "", 0, 0, 0, 0, ""),
-            RuntimeWrite::Merge { .. } => unreachable!("handled above"),
-        };
-        inv.arg(op)
-            .arg(key)
-            .arg(limit)
-            .arg(burst)
-            .arg(expires)
-            .arg(most);
-        self.runtime_call(keys, inv, storage, op).await
-    }
-
-    /// The rest of a change's call: the arguments every operation ends with, the call,
-    /// and its reply.
-    async fn runtime_call(
-        &self,
-        keys: &RuntimeLimitKeys,
-        mut inv: redis::ScriptInvocation<'_>,
-        storage: &str,
-        op: &str,
-    ) -> Result<RuntimeWritten, StoreError> {
-        inv.arg(&self.channel)
-            .arg(&keys.policy)
-            .arg(storage)
-            .arg(keys.keep_ms)
-            .arg(&keys.origin);
+        // ARGV[2..6] and the storage key, per operation (`lua/runtime_limit.lua`).
+        let (op, key, a3, a4, a5, a6, storage): (&str, &str, String, i64, i64, u64, &str) =
+            match *write {
+                RuntimeWrite::Set {
+                    key,
+                    limit,
+                    burst,
+                    expires_ms,
+                    max_keys,
+                    storage_key,
+                } => (
+                    "set",
+                    key,
+                    limit.to_string(),
+                    burst as i64,
+                    expires_ms,
+                    max_keys,
+                    storage_key,
+                ),
+                RuntimeWrite::Delete { key, storage_key } => {
+                    ("delete", key, "0".into(), 0, 0, 0, storage_key)
+                }
+                RuntimeWrite::Purge => ("purge", "", "0".into(), 0, 0, 0, ""),
+                RuntimeWrite::Merge {
+                    key,
+                    value,
+                    gone_ms,
+                    storage_key,
+                } => (
+                    "merge",
+                    key,
+                    value.unwrap_or("").to_owned(),
+                    gone_ms,
+                    0,
+                    0,
+                    storage_key,
+                ),
+            };
+        let mut inv = self.runtime_invocation(keys, op);
+        inv.arg(key).arg(a3).arg(a4).arg(a5).arg(a6);
+        self.push_runtime_tail(&mut inv, keys, storage);
         let inv = &inv;
         let (version, old, before, at_ms): (i64, redis::Value, Option<u64>, i64) = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
@@ -108,6 +84,33 @@ impl RedisStore {
         })
     }
 
+    /// The script's call for `op` on `keys`' policy: its five keys and ARGV[1].
+    fn runtime_invocation(&self, keys: &RuntimeLimitKeys, op: &str) -> redis::ScriptInvocation<'_> {
+        let mut inv = self.runtime_limit.prepare_invoke();
+        inv.key(&keys.entries)
+            .key(&keys.version)
+            .key(&keys.expiries)
+            .key(&keys.gone)
+            .key(&keys.changes)
+            .arg(op);
+        inv
+    }
+
+    /// ARGV[7..11], which every operation takes: the channel, the policy, the storage key
+    /// (or ''), how long marks are kept, and this region's name for a policy that spreads.
+    fn push_runtime_tail(
+        &self,
+        inv: &mut redis::ScriptInvocation<'_>,
+        keys: &RuntimeLimitKeys,
+        storage: &str,
+    ) {
+        inv.arg(&self.channel)
+            .arg(&keys.policy)
+            .arg(storage)
+            .arg(keys.keep_ms)
+            .arg(&keys.origin);
+    }
+
     /// The changes of `keys`' policy after version `after`, oldest first, at most
     /// `count`, and the set's version now (`lua/runtime_limit.lua`, changes): what a peer
     /// region pulls.
@@ -117,23 +120,9 @@ impl RedisStore {
         after: u64,
         count: usize,
     ) -> Result<(u64, Vec<PeerChange>), StoreError> {
-        let mut inv = self.runtime_limit.prepare_invoke();
-        inv.key(&keys.entries)
-            .key(&keys.version)
-            .key(&keys.expiries)
-            .key(&keys.gone)
-            .key(&keys.changes)
-            .arg("changes")
-            .arg("")
-            .arg(after)
-            .arg(count)
-            .arg(0)
-            .arg(0)
-            .arg(&self.channel)
-            .arg(&keys.policy)
-            .arg("")
-            .arg(keys.keep_ms)
-            .arg(&keys.origin);
+        let mut inv = self.runtime_invocation(keys, "changes");
+        inv.arg("").arg(after).arg(count).arg(0).arg(0);
+        self.push_runtime_tail(&mut inv, keys, "");
         let inv = &inv;
         let reply: Vec<redis::Value> = self
             .guarded(|mut conn| async move { inv.invoke_async(&mut conn).await })
